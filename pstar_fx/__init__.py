@@ -1,0 +1,9 @@
+"""pstar-fx: train models larger than the GPU by compiling the training step and planning every chunk move."""
+from .errors import BudgetError, PstarError, UntraceableError
+from .optim import Adam, AdamW
+from .api import compile, CompiledStep
+from .ir import TrainGraph
+
+__all__ = ["compile", "CompiledStep", "Adam", "AdamW", "BudgetError", "UntraceableError", "PstarError",
+           "TrainGraph"]
+__version__ = "0.1.0"

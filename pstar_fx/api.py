@@ -1,0 +1,267 @@
+"""`px.compile`: the one decorator users apply, and the CompiledStep it returns."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+from .ir import ChunkGroup, Precision, Settings, TrainGraph
+from .optim import AdamConfig
+from .passes import pipeline, run_passes
+from .runtime.chunk_store import ChunkStore
+from .runtime.executor import Executor, LossScaler, Runtime, StepStats
+from .trace import model_tables, trace_step
+from .units import format_bytes, parse_bytes
+
+STAGE_NAMES = ("traced", "canonical", "chunked", "liveness", "optimizer_placed", "scheduled")
+
+
+def _resolve_device(device) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    d = torch.device(device)
+    if d.type not in ("cuda", "cpu"):
+        raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
+    if d.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but torch sees no CUDA device; use device='cpu' or None")
+    if d.type == "cuda" and d.index is None:
+        d = torch.device("cuda", torch.cuda.current_device())
+    return d
+
+
+def _resolve_precision(precision, device: torch.device) -> Precision:
+    if precision is None:
+        return Precision.BF16 if device.type == "cuda" else Precision.FP32
+    try:
+        return Precision(precision)
+    except ValueError:
+        raise ValueError(f"precision must be one of 'fp32', 'bf16', 'fp16', got {precision!r}") from None
+
+
+def _resolve_budget(device_memory, device: torch.device) -> int:
+    if device_memory is not None:
+        return parse_bytes(device_memory)
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+@dataclass(frozen=True)
+class Summary:
+    """The plan of the latest compiled signature and what the last step measured."""
+    chunks: int
+    chunk_size: int
+    chunk_bytes: int
+    model_data_bytes: int            # parameters + gradients + optimizer states, all chunks
+    budget: int | None
+    states_on_device: int            # trainable chunks whose optimizer states live on the device
+    trainable_chunks: int
+    predicted_peak: int
+    measured_peak: int | None
+    h2d_bytes: int
+    d2h_bytes: int
+    nodes: int
+
+    def __str__(self) -> str:
+        rows = [
+            ("chunks", f"{self.chunks} x {self.chunk_size} elements ({format_bytes(self.chunk_bytes)} each)"),
+            ("model data", format_bytes(self.model_data_bytes) + " (params + grads + optimizer states)"),
+            ("budget", "unlimited" if self.budget is None else format_bytes(self.budget)),
+            ("optimizer states", f"{self.states_on_device} of {self.trainable_chunks} chunks on the device"),
+            ("predicted peak", format_bytes(self.predicted_peak)),
+            ("measured peak", "-" if self.measured_peak is None else format_bytes(self.measured_peak)),
+            ("moved per step", f"{format_bytes(self.h2d_bytes)} host->device, "
+                               f"{format_bytes(self.d2h_bytes)} device->host"),
+            ("graph", f"{self.nodes} nodes"),
+        ]
+        return "\n".join(f"{k:>17s}: {v}" for k, v in rows)
+
+
+@dataclass
+class _Compiled:
+    stages: dict[str, TrainGraph]
+    executor: Executor
+
+
+class CompiledStep:
+    """A training step compiled for a model: call it with a batch to run forward, backward and the update."""
+
+    def __init__(self, fn: Callable, model: nn.Module, optimizer: AdamConfig, *, device_memory=None,
+                 precision: str | None = None, chunk_size: int | None = None, device=None, debug: bool = False,
+                 prefetch: int = 4):
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"px.compile: model must be a torch.nn.Module, got {type(model).__name__}")
+        if not isinstance(optimizer, AdamConfig):
+            raise TypeError("px.compile: optimizer must be px.Adam(...) or px.AdamW(...), got "
+                            f"{type(optimizer).__name__}")
+        if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size <= 0):
+            raise ValueError(f"chunk_size must be a positive number of elements, got {chunk_size!r}")
+        self._fn = fn
+        self._model = model
+        dev = _resolve_device(device)
+        prec = _resolve_precision(precision, dev)
+        self.settings = Settings(precision=prec, device=dev, budget=_resolve_budget(device_memory, dev),
+                                 chunk_size=chunk_size, optimizer=optimizer)
+        self.debug = debug
+        self.prefetch = prefetch
+        self._cache: dict[tuple, _Compiled] = {}
+        self._latest: _Compiled | None = None
+        self._store: ChunkStore | None = None
+        self._layout = None
+        self._scaler = LossScaler() if prec is Precision.FP16 else None
+        self._last_stats: StepStats | None = None
+        self._tables = model_tables(model)
+        self.__wrapped__ = fn
+
+    # -- compiling --------------------------------------------------------------------------------------------
+    @staticmethod
+    def _signature(batch) -> tuple:
+        return tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else (type(x),) for x in batch)
+
+    def _compile(self, batch) -> _Compiled:
+        traced = trace_step(self._fn, self._model, batch, self.settings)
+        passes = pipeline(chunk_size=self.settings.chunk_size, layout=self._layout, prefetch=self.prefetch)
+        stages = run_passes(traced, passes)
+        final = stages[-1]
+        if self._store is None:
+            self._layout = (final.params, final.chunks)
+            self._store = ChunkStore(final.chunks, final.params, self.settings.precision, self.settings.device,
+                                     self.settings.budget)
+            model_state = dict(self._model.named_parameters())
+            self._store.load_params({p.name: model_state[p.name] for p in final.params})
+            self._store.load_buffers({n: b for n, b in self._model.named_buffers()})
+        return _Compiled(stages=dict(zip(STAGE_NAMES, stages)), executor=Executor(final, self._store))
+
+    @property
+    def graphs(self) -> dict[str, TrainGraph]:
+        """Every stage of the latest compiled signature, in pipeline order ("traced" first, "scheduled" last)."""
+        if self._latest is None:
+            raise RuntimeError("nothing is compiled yet: call the step once (or step.lower(*batch))")
+        return dict(self._latest.stages)
+
+    def lower(self, *batch) -> dict[str, TrainGraph]:
+        """Compile for this batch's shapes without running a step; returns the stages."""
+        self._latest = self._get(batch)
+        return self.graphs
+
+    def _get(self, batch) -> _Compiled:
+        sig = self._signature(batch)
+        compiled = self._cache.get(sig)
+        if compiled is None:
+            compiled = self._cache[sig] = self._compile(batch)
+        return compiled
+
+    # -- running ----------------------------------------------------------------------------------------------
+    def __call__(self, *batch) -> torch.Tensor:
+        compiled = self._get(batch)
+        self._latest = compiled
+        g = compiled.executor.g
+        store = self._store
+        store.set_homes(g.chunks)
+        rt = Runtime(g, store, self._scaler)
+        inputs = [self._prepare_input(x, info.dtype) for x, info in zip(batch, g.inputs)]
+        scale = None
+        if self._scaler is not None:
+            scale = torch.tensor(self._scaler.scale, dtype=torch.float32, device=self.settings.device)
+            rt.found_inf = torch.zeros((), dtype=torch.bool, device=self.settings.device)
+        loss, peak = compiled.executor.run(inputs, scale, rt)
+        if self._scaler is not None:
+            self._scaler.update(rt.skip)
+        self._last_stats = StepStats(measured_peak=peak, h2d_bytes=rt.h2d, d2h_bytes=rt.d2h, skipped=rt.skip)
+        return loss.detach().float()
+
+    def _prepare_input(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        t = x.detach().to(self.settings.device, dtype)
+        # the executor accounts storages: a batch that is a view of a larger tensor gets its own storage
+        if t.untyped_storage().nbytes() != t.numel() * t.element_size() or not t.is_contiguous():
+            t = t.clone(memory_format=torch.contiguous_format)
+        return t
+
+    @property
+    def last_step(self) -> StepStats | None:
+        """Measurements of the most recent step: peak device bytes, bytes moved, whether it was skipped."""
+        return self._last_stats
+
+    @property
+    def loss_scale(self) -> float | None:
+        return None if self._scaler is None else self._scaler.scale
+
+    def summary(self) -> Summary:
+        g = self.graphs["scheduled"]
+        prec = self.settings.precision
+        trainable = [c for c in g.chunks if c.group is ChunkGroup.TRAINABLE]
+        from .passes.memory import state_bytes
+        model_data = (sum(c.nbytes for c in g.chunks) + sum(c.nbytes for c in trainable if not c.grad_inplace)
+                      + sum(state_bytes(c, prec) for c in trainable))
+        sizes = sorted({c.capacity for c in g.chunks})
+        return Summary(
+            chunks=len(g.chunks), chunk_size=sizes[0] if len(sizes) == 1 else max(sizes, key=lambda s: sum(
+                c.capacity == s for c in g.chunks)),
+            chunk_bytes=g.chunks[0].nbytes if g.chunks else 0, model_data_bytes=model_data, budget=g.settings.budget,
+            states_on_device=sum(c.state_home.value == "device" for c in trainable), trainable_chunks=len(trainable),
+            predicted_peak=g.plan.predicted_peak,
+            measured_peak=None if self._last_stats is None else self._last_stats.measured_peak,
+            h2d_bytes=g.plan.h2d_bytes, d2h_bytes=g.plan.d2h_bytes, nodes=len(g.nodes))
+
+    # -- state ------------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Keys and shapes of model.state_dict(), full-precision values (fp32 masters in mixed precision)."""
+        ref = self._model.state_dict()
+        out = {}
+        if self._store is None:
+            return {k: v.detach().clone() for k, v in ref.items()}
+        names = {}
+        for p in self._tables.params:
+            for n in (p.name,) + p.aliases:
+                names[n] = ("param", p.name)
+        for b in self._tables.buffers:
+            for n in (b.name,) + b.aliases:
+                names[n] = ("buffer", b.name)
+        for key, like in ref.items():
+            kind, name = names[key]
+            src = self._store.param_value(name) if kind == "param" else self._store.buffers[name]
+            out[key] = src.detach().to(device=like.device, dtype=like.dtype, copy=True)
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True) -> None:
+        """Restore parameter and buffer values (optimizer states are left as they are)."""
+        ref = self._model.state_dict()
+        missing = [k for k in ref if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in ref]
+        if strict and (missing or unexpected):
+            raise KeyError(f"load_state_dict: missing keys {missing}, unexpected keys {unexpected}")
+        for k, v in state_dict.items():
+            if k in ref and tuple(v.shape) != tuple(ref[k].shape):
+                raise ValueError(f"load_state_dict: {k} has shape {tuple(v.shape)}, the model has "
+                                 f"{tuple(ref[k].shape)}")
+        if self._store is None:
+            self._model.load_state_dict(state_dict, strict=strict)
+            return
+        params = {p.name: p for p in self._tables.params}
+        alias = {a: p.name for p in self._tables.params for a in p.aliases}
+        balias = {a: b.name for b in self._tables.buffers for a in b.aliases}
+        pv, bv = {}, {}
+        for k, v in state_dict.items():
+            if k in params or k in alias:
+                pv[alias.get(k, k)] = v
+            elif k in self._store.buffers or k in balias:
+                bv[balias.get(k, k)] = v
+        self._store.load_params(pv)
+        self._store.load_buffers(bv)
+
+
+def compile(model: nn.Module, *, optimizer: AdamConfig, device_memory: int | str | None = None,
+            precision: str | None = None, chunk_size: int | None = None, device=None, debug: bool = False,
+            prefetch: int = 4) -> Callable[[Callable], CompiledStep]:
+    """Compile `step(model, *batch) -> loss` into one training step that fits `device_memory`.
+
+    Use as a decorator: `@px.compile(model, optimizer=px.AdamW(lr=3e-4))` over `def step(model, x, y): ...`;
+    then `loss = step(x, y)` runs forward, backward and the optimizer update. See DESIGN.md for the contract.
+    """
+    def wrap(fn: Callable) -> CompiledStep:
+        return CompiledStep(fn, model, optimizer, device_memory=device_memory, precision=precision,
+                            chunk_size=chunk_size, device=device, debug=debug, prefetch=prefetch)
+    return wrap

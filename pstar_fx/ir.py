@@ -1,0 +1,224 @@
+"""The IR: an aten-level fx graph wrapped in a `TrainGraph` with typed tables.
+
+Every table is a tuple of frozen dataclasses and every per-node fact is a `NodeAnn` keyed by the node's name (fx keeps
+names unique within a graph). Roles, phases and chunk states are enums; nothing is parsed back out of strings.
+A `TrainGraph` is immutable: passes build a new one with `TrainGraph.evolve`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Mapping
+
+import torch
+import torch.fx as fx
+
+from .optim import AdamConfig
+
+
+class Precision(enum.Enum):
+    FP32 = "fp32"
+    BF16 = "bf16"
+    FP16 = "fp16"
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return {Precision.FP32: torch.float32, Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}[self]
+
+    @property
+    def mixed(self) -> bool:
+        """Half-precision compute with fp32 master weights."""
+        return self is not Precision.FP32
+
+
+class Phase(enum.Enum):
+    INPUT = "input"          # placeholders
+    FORWARD = "forward"
+    BACKWARD = "backward"    # data-dependent on the loss seed (ones_like(loss))
+    OPTIMIZER = "optimizer"
+    OUTPUT = "output"
+
+
+class Role(enum.Enum):
+    PARAM = "param"                  # placeholder of a parameter (before assign_chunks)
+    BUFFER = "buffer"                # placeholder of a module buffer (always resident, mutated in place)
+    INPUT = "input"                  # placeholder of a batch tensor
+    SCALE = "scale"                  # placeholder of the fp16 loss scale
+    COMPUTE = "compute"              # an aten op of the user's program
+    OUTPUT = "output"
+    PARAM_VIEW = "param_view"        # a parameter read out of its (resident) chunk
+    WRITE_GRAD = "write_grad"        # a final gradient copied into its chunk
+    FETCH = "fetch"                  # host -> device copy of a chunk buffer
+    RELEASE = "release"              # a chunk buffer leaves the device (written back if dirty)
+    OPTIMIZER_STEP = "optimizer_step"
+    UNSCALE = "unscale"              # fp16: all gradients checked for overflow before any step
+
+
+class ChunkGroup(enum.Enum):
+    TRAINABLE = "trainable"          # parameters with gradients: grad buffer and optimizer states
+    FROZEN = "frozen"                # parameters without gradients: no grad, no optimizer state
+
+
+class BufKind(enum.Enum):
+    PARAM = "param"                  # the parameter values (compute dtype)
+    GRAD = "grad"                    # the gradient (compute dtype); absent when the chunk's grads are in place
+
+
+class StateHome(enum.Enum):
+    DEVICE = "device"
+    HOST = "host"
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    name: str                        # as in model.state_dict()
+    shape: tuple[int, ...]
+    dtype: torch.dtype               # the model's own dtype (state_dict() returns this)
+    trainable: bool                  # requires_grad and reached by the loss
+    aliases: tuple[str, ...] = ()    # other state_dict names of the same (tied) tensor
+    chunk: int | None = None
+    offset: int | None = None        # element offset inside the chunk
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+@dataclass(frozen=True)
+class BufferInfo:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    aliases: tuple[str, ...] = ()
+    persistent: bool = True          # part of state_dict()
+
+    @property
+    def nbytes(self) -> int:
+        n = self.dtype.itemsize
+        for s in self.shape:
+            n *= s
+        return n
+
+
+@dataclass(frozen=True)
+class InputInfo:
+    index: int                       # position in step(*batch)
+    shape: tuple[int, ...]
+    dtype: torch.dtype               # dtype as traced (floating inputs are cast to the compute dtype)
+
+
+@dataclass(frozen=True)
+class ChunkInfo:
+    id: int
+    group: ChunkGroup
+    capacity: int                    # elements
+    dtype: torch.dtype               # dtype of the device-side buffers (the compute dtype)
+    params: tuple[str, ...]          # in offset order
+    used: int                        # elements holding parameters (capacity - used is padding)
+    grad_inplace: bool = False       # the gradient overwrites the parameter in the PARAM buffer
+    state_home: StateHome | None = None   # where the optimizer states live (TRAINABLE only)
+
+    @property
+    def nbytes(self) -> int:
+        return self.capacity * self.dtype.itemsize
+
+    def buffers(self) -> tuple[BufKind, ...]:
+        if self.group is ChunkGroup.TRAINABLE and not self.grad_inplace:
+            return (BufKind.PARAM, BufKind.GRAD)
+        return (BufKind.PARAM,)
+
+    def grad_buf(self) -> BufKind:
+        assert self.group is ChunkGroup.TRAINABLE
+        return BufKind.PARAM if self.grad_inplace else BufKind.GRAD
+
+
+@dataclass(frozen=True)
+class NodeAnn:
+    role: Role
+    phase: Phase
+    bytes: int = 0                   # bytes of new storage the node's output occupies (0 for views)
+    live_bytes: int | None = None    # activation bytes live while the node runs (liveness)
+    resident_bytes: int | None = None  # chunk buffer bytes on the device while the node runs (schedule)
+    workspace_bytes: int = 0         # temporary device bytes the node itself needs (optimizer step)
+    param: str | None = None         # PARAM / PARAM_VIEW / WRITE_GRAD: the parameter
+    chunk: int | None = None         # FETCH / RELEASE / OPTIMIZER_STEP: the chunk
+    buf: BufKind | None = None       # FETCH / RELEASE: which buffer of the chunk
+
+
+@dataclass(frozen=True)
+class Settings:
+    precision: Precision
+    device: torch.device
+    budget: int | None               # device bytes for everything pstar-fx places there; None: unlimited
+    chunk_size: int | None           # elements; None: chosen by assign_chunks
+    optimizer: AdamConfig
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the schedule predicts for one step."""
+    budget: int | None
+    static_bytes: int                # always on the device: model buffers + device optimizer states
+    predicted_peak: int              # max over nodes of static + resident + live + workspace bytes
+    h2d_bytes: int                   # host -> device chunk traffic per step
+    d2h_bytes: int                   # device -> host chunk traffic per step (write-backs, host-side steps)
+    fetches: int
+    releases: int
+
+
+@dataclass(frozen=True)
+class TrainGraph:
+    gm: fx.GraphModule
+    stage: str                       # "traced", "canonical", ..., "scheduled"
+    made_by: str                     # the function that produced this stage
+    settings: Settings
+    params: tuple[ParamInfo, ...]
+    buffers: tuple[BufferInfo, ...]
+    inputs: tuple[InputInfo, ...]
+    ann: Mapping[str, NodeAnn]
+    grad_outputs: tuple[str, ...] = ()   # canonical+: the parameter of each gradient output (after the loss)
+    chunks: tuple[ChunkInfo, ...] = ()
+    plan: Plan | None = None
+    seconds: float = 0.0             # how long the pass took (kept out of the printed text)
+
+    def evolve(self, **changes) -> "TrainGraph":
+        if "ann" in changes:
+            changes["ann"] = MappingProxyType(dict(changes["ann"]))
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def nodes(self) -> list[fx.Node]:
+        return list(self.gm.graph.nodes)
+
+    def param(self, name: str) -> ParamInfo:
+        for p in self.params:
+            if p.name == name:
+                return p
+        raise KeyError(name)
+
+    def chunk_of(self, param: str) -> ChunkInfo:
+        return self.chunks[self.param(param).chunk]
+
+    def __str__(self) -> str:
+        from .printing import format_graph
+        return format_graph(self)
+
+    __repr__ = __str__
+
+
+def copy_graph(g: TrainGraph) -> tuple[fx.Graph, dict[fx.Node, fx.Node]]:
+    """A fresh fx.Graph with the same nodes (names and meta kept); the map old node -> new node."""
+    new = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    out = new.graph_copy(g.gm.graph, env)
+    new.output(out)
+    return new, env
+
+
+def to_module(graph: fx.Graph) -> fx.GraphModule:
+    return fx.GraphModule(torch.nn.Module(), graph)

@@ -1,0 +1,48 @@
+"""The operations pstar-fx inserts into a graph. Each is a real, named callable of the runtime, so the scheduled graph
+prints (and runs) as the program it is: `fetch(chunk=3, buf=param)`, `optimizer_step(chunk=3)`.
+
+Every one takes the runtime (`runtime.executor.Runtime`) as its first argument; the executor passes it.
+"""
+from __future__ import annotations
+
+import torch
+
+from .ir import BufKind
+
+
+def param_view(rt, *, param: str) -> torch.Tensor:
+    """The parameter as a view into its chunk's device buffer (the chunk must be resident)."""
+    return rt.param_view(param)
+
+
+def write_grad(rt, grad: torch.Tensor, *, param: str) -> None:
+    """Copy a final gradient into its chunk (the grad buffer, or the parameter's own slot when in place)."""
+    rt.write_grad(param, grad)
+
+
+def fetch(rt, *, chunk: int, buf: BufKind) -> None:
+    """Bring a chunk buffer onto the device: host -> device copy into a free slot."""
+    rt.fetch(chunk, buf)
+
+
+def alloc(rt, *, chunk: int, buf: BufKind) -> None:
+    """Give a chunk buffer a zeroed device slot without copying (a gradient buffer before its first write)."""
+    rt.alloc(chunk, buf)
+
+
+def release(rt, *, chunk: int, buf: BufKind, writeback: bool) -> None:
+    """Free a chunk buffer's device slot, first copying it to its host home when it was written on the device."""
+    rt.release(chunk, buf, writeback)
+
+
+def unscale(rt) -> None:
+    """fp16: decide, from the overflow flag gathered while gradients were written, whether this step is skipped."""
+    rt.unscale()
+
+
+def optimizer_step(rt, *, chunk: int) -> None:
+    """Adam/AdamW on one whole flat chunk, where its optimizer states live."""
+    rt.optimizer_step(chunk)
+
+
+RUNTIME_OPS = (param_view, write_grad, fetch, alloc, release, unscale, optimizer_step)

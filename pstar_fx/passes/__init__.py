@@ -1,0 +1,42 @@
+"""The pass pipeline: an explicit list of pure `TrainGraph -> TrainGraph` functions, each checked by the verifier.
+
+    canonicalize -> assign_chunks -> liveness -> place_optimizer -> schedule
+"""
+from __future__ import annotations
+
+import functools
+import time
+
+from ..ir import TrainGraph
+from .assign_chunks import assign_chunks
+from .canonicalize import canonicalize
+from .liveness import liveness
+from .place_optimizer import place_optimizer
+from .schedule import schedule
+from .verify import VerificationError, verify
+
+
+def pipeline(*, chunk_size=None, layout=None, prefetch: int = 4):
+    """The passes in order, with their settings bound as keyword arguments."""
+    return [
+        canonicalize,
+        functools.partial(assign_chunks, chunk_size=chunk_size, layout=layout),
+        liveness,
+        place_optimizer,
+        functools.partial(schedule, prefetch=prefetch),
+    ]
+
+
+def run_passes(g: TrainGraph, passes) -> list[TrainGraph]:
+    """Run each pass, stamp its output with the time it took, verify it; return every stage, the input first."""
+    stages = [verify(g)]
+    for p in passes:
+        t0 = time.perf_counter()
+        out = p(stages[-1])
+        out = out.evolve(seconds=time.perf_counter() - t0)
+        stages.append(verify(out))
+    return stages
+
+
+__all__ = ["assign_chunks", "canonicalize", "liveness", "place_optimizer", "schedule", "verify", "pipeline",
+           "run_passes", "VerificationError"]

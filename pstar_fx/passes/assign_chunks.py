@@ -1,0 +1,185 @@
+"""assign_chunks: parameters into fixed-size chunks in first-use order; reads and gradients go through the chunks.
+
+Invariant after: every parameter has a chunk and an offset, chunks of one group never overlap; no placeholder of a
+parameter remains: each use of a parameter (or of a view of one) is fed by its own `param_view(param=...)` node,
+placed, with the chain of views it needs, right before that use, so no value aliasing a chunk lives across two uses
+(the chunk may move in between); every gradient output became `write_grad(grad, param=...)` right after the node
+that made it, and the graph returns only the loss. In mixed precision a chunk's gradients overwrite its parameters
+(`grad_inplace`) iff no parameter of the chunk is read after its own gradient is written.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch.fx as fx
+
+from .. import ops
+from ..ir import ChunkGroup, ChunkInfo, NodeAnn, ParamInfo, Phase, Role, TrainGraph, copy_graph, to_module
+from .graph_utils import output_node, storage_key, tensors_of
+
+ALIGN = 32                  # element alignment of every parameter inside a chunk (vectorised kernels like it)
+MAX_AUTO_CHUNK = 1 << 26    # largest chunk chosen automatically (elements)
+MIN_CHUNKS_IN_BUDGET = 8    # an automatic chunk is at most 1/8 of the budget, so several fit at once
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def pack(numels: list[int], chunk_size: int) -> list[tuple[int, list[tuple[int, int]]]]:
+    """Greedy first-fit in the given order. Returns chunks as (capacity, [(index, offset)]). A tensor larger than
+    chunk_size gets a chunk of its own, exactly its size."""
+    chunks: list[tuple[int, list[tuple[int, int]]]] = []
+    current: list[tuple[int, int]] | None = None
+    fill = 0
+    for i, n in enumerate(numels):
+        if n > chunk_size:
+            chunks.append((n, [(i, 0)]))
+            continue
+        if current is None or fill + n > chunk_size:
+            current, fill = [], 0
+            chunks.append((chunk_size, current))
+        current.append((i, fill))
+        fill = _align(fill + n)
+    return chunks
+
+
+def waste(numels: list[int], chunk_size: int) -> int:
+    used = sum(numels)
+    return sum(cap for cap, _ in pack(numels, chunk_size)) - used
+
+
+def choose_chunk_size(numels: list[int], itemsize: int, budget: int | None) -> int:
+    """The chunk size (elements) that wastes least, among sizes small enough that MIN_CHUNKS_IN_BUDGET chunks fit in
+    the budget and large enough that there are at most a few hundred chunks; ties go to the larger size."""
+    total = sum(numels)
+    if total == 0:
+        return ALIGN
+    hi = min(MAX_AUTO_CHUNK, _align(total))
+    if budget is not None:
+        hi = min(hi, max(ALIGN, budget // (MIN_CHUNKS_IN_BUDGET * itemsize)))
+    lo = min(hi, max(ALIGN, _align(total // 256)))
+    candidates = {hi, lo}
+    steps = 96
+    for k in range(steps + 1):
+        candidates.add(_align(int(lo * (hi / lo) ** (k / steps))))
+    candidates |= {_align(n) for n in numels if lo <= _align(n) <= hi}
+    return min(sorted(candidates), key=lambda s: (waste(numels, s), -s))
+
+
+def _alias_roots(graph: fx.Graph, param_of: dict[fx.Node, str]) -> dict[fx.Node, fx.Node]:
+    """node -> the parameter placeholder whose storage its value shares (views of parameters)."""
+    root: dict[fx.Node, fx.Node] = {p: p for p in param_of}
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        keys = {storage_key(t) for t in tensors_of(node)}
+        for a in node.all_input_nodes:
+            if a in root and keys & {storage_key(t) for t in tensors_of(a)}:
+                root[node] = root[a]
+                break
+    return root
+
+
+def assign_chunks(g: TrainGraph, *, chunk_size: int | None = None,
+                  layout: tuple[tuple[ParamInfo, ...], tuple[ChunkInfo, ...]] | None = None) -> TrainGraph:
+    graph, _ = copy_graph(g)
+    ann = dict(g.ann)
+    nodes = list(graph.nodes)
+    index = {n: i for i, n in enumerate(nodes)}
+    param_of = {n: ann[n.name].param for n in nodes if ann[n.name].role is Role.PARAM}
+    placeholder = {name: n for n, name in param_of.items()}
+
+    # 1. Layout: first-use order, trainable and frozen parameters in separate chunks.
+    if layout is None:
+        first_use = {name: min((index[u] for u in n.users), default=len(nodes)) for name, n in placeholder.items()}
+        order = sorted(g.params, key=lambda p: (first_use[p.name], p.name))
+        dtype = g.settings.precision.dtype
+        size = chunk_size or choose_chunk_size([p.numel for p in order], dtype.itemsize, g.settings.budget)
+        params: dict[str, ParamInfo] = {}
+        chunks: list[ChunkInfo] = []
+        for group, trainable in ((ChunkGroup.TRAINABLE, True), (ChunkGroup.FROZEN, False)):
+            members = [p for p in order if p.trainable == trainable]
+            for cap, slots in pack([p.numel for p in members], size):
+                cid = len(chunks)
+                names = tuple(members[i].name for i, _ in slots)
+                for i, off in slots:
+                    params[members[i].name] = dataclasses.replace(members[i], chunk=cid, offset=off)
+                chunks.append(ChunkInfo(id=cid, group=group, capacity=cap, dtype=dtype, params=names,
+                                        used=sum(members[i].numel for i, _ in slots)))
+        param_table = tuple(params[p.name] for p in g.params)
+    else:
+        param_table, chunk_table = layout
+        old = {p.name: p for p in param_table}
+        for p in g.params:
+            q = old.get(p.name)
+            if q is None or q.trainable != p.trainable:
+                raise ValueError(
+                    f"parameter '{p.name}' is {'trainable' if p.trainable else 'not trainable'} in this trace but "
+                    "not in the first one: pstar-fx fixes the chunk layout at the first compile. Keep the set of "
+                    "parameters that receive gradients the same for every input shape.")
+        param_table = tuple(old[p.name] for p in g.params)
+        chunks = [dataclasses.replace(c, grad_inplace=False) for c in chunk_table]
+
+    # 2. Gradients: write_grad right after the node that makes each one; the graph returns only the loss.
+    out = output_node(graph)
+    loss, grads = out.args[0][0], out.args[0][1:]
+    for name, gnode in zip(g.grad_outputs, grads):
+        with graph.inserting_after(gnode):
+            w = graph.call_function(ops.write_grad, (gnode,), {"param": name})
+        ann[w.name] = NodeAnn(role=Role.WRITE_GRAD, phase=Phase.BACKWARD, param=name)
+    out.args = ([loss],)
+
+    # 3. Parameter reads: a fresh param_view (plus the view chain) right before every use.
+    root = _alias_roots(graph, param_of)
+    for user in list(graph.nodes):
+        if user in root or user.op == "placeholder":
+            continue
+        if not any(a in root for a in user.all_input_nodes):
+            continue
+        assert user.op != "output", "a parameter (or a view of one) is returned by the graph"
+        phase = ann[user.name].phase
+        clones: dict[fx.Node, fx.Node] = {}
+
+        def clone(n: fx.Node) -> fx.Node:
+            if n in clones:
+                return clones[n]
+            if n.op == "placeholder":
+                c = graph.call_function(ops.param_view, (), {"param": param_of[n]})
+                c.meta["val"] = n.meta["val"]
+                ann[c.name] = NodeAnn(role=Role.PARAM_VIEW, phase=phase, param=param_of[n])
+            else:
+                c = graph.node_copy(n, lambda a: clone(a) if a in root else a)
+                ann[c.name] = dataclasses.replace(ann[n.name], phase=phase)
+            clones[n] = c
+            return c
+
+        with graph.inserting_before(user):
+            user.args = fx.node.map_arg(user.args, lambda a: clone(a) if a in root else a)
+            user.kwargs = fx.node.map_arg(user.kwargs, lambda a: clone(a) if a in root else a)
+    for n in reversed(list(graph.nodes)):
+        if n in root:
+            assert not n.users, n
+            graph.erase_node(n)
+            ann.pop(n.name, None)
+
+    # 4. In place gradients (mixed precision): no parameter of the chunk is read after its gradient is written.
+    if g.settings.precision.mixed:
+        position = {n: i for i, n in enumerate(graph.nodes)}
+        last_read: dict[str, int] = {}
+        written: dict[str, int] = {}
+        for n in graph.nodes:
+            a = ann[n.name]
+            if a.role is Role.PARAM_VIEW:
+                last_read[a.param] = position[n]
+            elif a.role is Role.WRITE_GRAD:
+                written[a.param] = position[n]
+        chunks = [dataclasses.replace(c, grad_inplace=all(
+            last_read.get(p, -1) < written.get(p, math.inf) for p in c.params))
+            if c.group is ChunkGroup.TRAINABLE else c for c in chunks]
+
+    graph.lint()
+    kept = {n.name for n in graph.nodes}
+    return g.evolve(gm=to_module(graph), stage="chunked", made_by="assign_chunks",
+                    ann={k: v for k, v in ann.items() if k in kept}, params=param_table, chunks=tuple(chunks))

@@ -1,0 +1,51 @@
+"""Small graph helpers shared by the passes: op schema facts and storage identity of fake values."""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_leaves
+
+
+def mutated_args(node: fx.Node) -> list[fx.Node]:
+    """The node's arguments that its op writes to, from the op schema's alias annotations."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return []
+    out = []
+    for i, a in enumerate(schema.arguments):
+        if a.alias_info is not None and a.alias_info.is_write:
+            v = node.args[i] if i < len(node.args) else node.kwargs.get(a.name)
+            if isinstance(v, fx.Node):
+                out.append(v)
+    return out
+
+
+def loss_seed(graph: fx.Graph, loss: fx.Node) -> fx.Node | None:
+    """The `ones_like` that starts backward: applied to the loss, or to loss * scale (fp16 loss scaling)."""
+    candidates = [loss] + [u for u in loss.users if u.target is torch.ops.aten.mul.Tensor]
+    for c in candidates:
+        for u in c.users:
+            if u.target is torch.ops.aten.ones_like.default:
+                return u
+    return None
+
+
+def tensors_of(node: fx.Node) -> list[torch.Tensor]:
+    """The (fake) tensors a node produces, from node.meta["val"]."""
+    return [t for t in tree_leaves(node.meta.get("val")) if isinstance(t, torch.Tensor)]
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """Identity of a tensor's storage: views and in-place results share it."""
+    return t.untyped_storage()._cdata
+
+
+def storage_bytes(t: torch.Tensor) -> int:
+    return t.untyped_storage().nbytes()
+
+
+def output_node(graph: fx.Graph) -> fx.Node:
+    for n in reversed(graph.nodes):
+        if n.op == "output":
+            return n
+    raise AssertionError("graph has no output node")

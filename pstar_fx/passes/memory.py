@@ -1,0 +1,113 @@
+"""What each node needs on the device: the chunk buffers it reads and writes and its workspace, as a table keyed by
+role. The place_optimizer and schedule passes plan with it and the verifier checks with it, so all three agree."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, NamedTuple
+
+import torch.fx as fx
+
+from ..ir import BufKind, ChunkInfo, NodeAnn, Precision, Role, StateHome, TrainGraph
+from .graph_utils import storage_key, tensors_of
+
+
+class BufKey(NamedTuple):
+    chunk: int
+    buf: BufKind
+
+    def order(self) -> tuple[int, str]:
+        """A total order for deterministic iteration (enums do not compare)."""
+        return (self.chunk, self.buf.value)
+
+
+@dataclass(frozen=True)
+class Needs:
+    reads: frozenset[BufKey] = frozenset()
+    writes: frozenset[BufKey] = frozenset()
+    workspace: int = 0
+
+    @property
+    def resident(self) -> frozenset[BufKey]:
+        return self.reads | self.writes
+
+
+NO_NEEDS = Needs()
+
+
+def state_floats(chunk: ChunkInfo, precision: Precision) -> int:
+    """Optimizer-state fp32 elements of a chunk, in one buffer: m, v, the master copy in mixed precision, and the
+    step count (one element, as the fused kernels take it)."""
+    return chunk.capacity * (3 if precision.mixed else 2) + 1
+
+
+def state_bytes(chunk: ChunkInfo, precision: Precision) -> int:
+    return state_floats(chunk, precision) * 4
+
+
+def step_workspace(chunk: ChunkInfo, precision: Precision) -> int:
+    """A device-side step in mixed precision converts the gradient to fp32 first."""
+    return chunk.capacity * 4 if precision.mixed else 0
+
+
+def _param_view(g: TrainGraph, a: NodeAnn) -> Needs:
+    return Needs(reads=frozenset({BufKey(g.param(a.param).chunk, BufKind.PARAM)}))
+
+
+def _write_grad(g: TrainGraph, a: NodeAnn) -> Needs:
+    c = g.chunk_of(a.param)
+    return Needs(writes=frozenset({BufKey(c.id, c.grad_buf())}))
+
+
+def _optimizer_step(g: TrainGraph, a: NodeAnn) -> Needs:
+    c = g.chunks[a.chunk]
+    if c.state_home is StateHome.HOST:
+        return NO_NEEDS   # runs on the host; the schedule releases the chunk's buffers first
+    keys = frozenset(BufKey(c.id, b) for b in c.buffers())
+    return Needs(reads=keys, writes=frozenset({BufKey(c.id, BufKind.PARAM)}),
+                 workspace=step_workspace(c, g.settings.precision))
+
+
+NEEDS_BY_ROLE: dict[Role, Callable[[TrainGraph, NodeAnn], Needs]] = {
+    Role.PARAM_VIEW: _param_view,
+    Role.WRITE_GRAD: _write_grad,
+    Role.OPTIMIZER_STEP: _optimizer_step,
+}
+
+
+def needs(g: TrainGraph, a: NodeAnn) -> Needs:
+    """A node's own needs, from its role alone."""
+    rule = NEEDS_BY_ROLE.get(a.role)
+    return rule(g, a) if rule else NO_NEEDS
+
+
+def all_needs(g: TrainGraph) -> list[Needs]:
+    """Every node's needs, in graph order: its role's own, plus the chunk buffer behind every input that is a
+    parameter view (or a view of one), since a view is only valid while its chunk stays where it was."""
+    alias: dict[fx.Node, BufKey] = {}
+    out = []
+    for n in g.gm.graph.nodes:
+        a = g.ann[n.name]
+        x = needs(g, a)
+        held = {alias[i] for i in n.all_input_nodes if i in alias}
+        if a.role is Role.PARAM_VIEW:
+            alias[n] = BufKey(g.param(a.param).chunk, BufKind.PARAM)
+        elif held and n.op == "call_function":
+            keys = {storage_key(t) for t in tensors_of(n)}
+            for i in n.all_input_nodes:
+                if i in alias and keys & {storage_key(t) for t in tensors_of(i)}:
+                    alias[n] = alias[i]
+                    break
+        if held:
+            x = Needs(reads=x.reads | held, writes=x.writes, workspace=x.workspace)
+        out.append(x)
+    return out
+
+
+def buf_bytes(g: TrainGraph, key: BufKey) -> int:
+    return g.chunks[key.chunk].nbytes
+
+
+def static_bytes(g: TrainGraph) -> int:
+    """Bytes always on the device: module buffers and the optimizer states placed there."""
+    states = sum(state_bytes(c, g.settings.precision) for c in g.chunks if c.state_home is StateHome.DEVICE)
+    return sum(b.nbytes for b in g.buffers) + states

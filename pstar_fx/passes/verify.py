@@ -1,0 +1,169 @@
+"""verify: check a TrainGraph's invariants; on failure, show the nodes around the fault.
+
+Checked at every stage (each check applies once the stage has what it is about):
+- the fx graph is well formed (def before use) and every node has an annotation;
+- chunks: every parameter sits inside its chunk, parameters of a chunk do not overlap;
+- reads and gradients: no parameter placeholder is left once param_views exist; each parameter with a gradient has
+  exactly one write_grad;
+- optimizer: one optimizer_step per trainable chunk, after every read and gradient write of its parameters;
+- schedule: every chunk buffer a node reads or writes is resident on the device; a fetch copies only data the host
+  holds; nothing written on the device is dropped while still needed; nothing is resident at the end; a host-side step
+  finds its chunk off the device with its gradient on the host; static + resident + live + workspace <= budget at
+  every node, and the plan's predicted peak is that maximum.
+- collectives (one rank here): none are present, so their order is trivially identical on every rank.
+"""
+from __future__ import annotations
+
+from .. import ops
+from ..ir import BufKind, ChunkGroup, Role, StateHome, TrainGraph
+from .liveness import analyze
+from .memory import BufKey, all_needs, buf_bytes, static_bytes
+
+
+class VerificationError(AssertionError):
+    pass
+
+
+def _fail(g: TrainGraph, i: int | None, msg: str):
+    from ..printing import format_lines
+    context = ""
+    if i is not None:
+        lines = format_lines(g)
+        lo, hi = max(0, i - 4), min(len(lines), i + 5)
+        context = "\n".join((">> " if k == i else "   ") + lines[k] for k in range(lo, hi))
+    raise VerificationError(f"stage '{g.stage}' (made by {g.made_by}): {msg}\n{context}")
+
+
+def verify(g: TrainGraph) -> TrainGraph:
+    try:
+        g.gm.graph.lint()
+    except Exception as e:  # noqa: BLE001 - fx raises plain RuntimeError
+        _fail(g, None, f"malformed fx graph: {e}")
+    nodes = g.nodes
+    for i, n in enumerate(nodes):
+        if n.name not in g.ann:
+            _fail(g, None, f"node {n.name} has no annotation")
+    roles = [g.ann[n.name].role for n in nodes]
+    _check_chunks(g)
+    has_views = Role.PARAM_VIEW in roles
+    if has_views:
+        for i, r in enumerate(roles):
+            if r is Role.PARAM:
+                _fail(g, i, "a parameter placeholder remains after assign_chunks")
+        writes = [g.ann[n.name].param for n in nodes if g.ann[n.name].role is Role.WRITE_GRAD]
+        want = sorted(p.name for p in g.params if p.trainable)
+        if sorted(writes) != want:
+            _fail(g, None, f"write_grad per parameter: got {sorted(writes)}, want {want}")
+    if Role.OPTIMIZER_STEP in roles:
+        _check_steps(g)
+    if g.plan is not None:
+        _check_schedule(g)
+    return g
+
+
+def _check_chunks(g: TrainGraph) -> None:
+    if not g.chunks:
+        return
+    for c in g.chunks:
+        spans = sorted((g.param(p).offset, g.param(p).offset + g.param(p).numel, p) for p in c.params)
+        for (a0, a1, pa), (b0, _, pb) in zip(spans, spans[1:]):
+            if b0 < a1:
+                _fail(g, None, f"chunk {c.id}: parameters {pa} and {pb} overlap")
+        if spans and (spans[0][0] < 0 or spans[-1][1] > c.capacity):
+            _fail(g, None, f"chunk {c.id}: a parameter lies outside its capacity {c.capacity}")
+        for p in c.params:
+            if g.param(p).chunk != c.id:
+                _fail(g, None, f"parameter {p} listed in chunk {c.id} but assigned to {g.param(p).chunk}")
+            if (c.group is ChunkGroup.TRAINABLE) != g.param(p).trainable:
+                _fail(g, None, f"parameter {p} is in a chunk of the wrong group")
+
+
+def _check_steps(g: TrainGraph) -> None:
+    nodes = g.nodes
+    pos = {n: i for i, n in enumerate(nodes)}
+    last_use: dict[int, int] = {}
+    step_at: dict[int, int] = {}
+    for i, n in enumerate(nodes):
+        a = g.ann[n.name]
+        if a.role in (Role.PARAM_VIEW, Role.WRITE_GRAD):
+            c = g.param(a.param).chunk
+            if c in step_at:
+                _fail(g, i, f"chunk {c} is used after its optimizer_step")
+            last_use[c] = max([i] + [pos[u] for u in n.users]) if a.role is Role.PARAM_VIEW else i
+        elif a.role is Role.OPTIMIZER_STEP:
+            if a.chunk in step_at:
+                _fail(g, i, f"chunk {a.chunk} is stepped twice")
+            if g.chunks[a.chunk].group is not ChunkGroup.TRAINABLE:
+                _fail(g, i, f"chunk {a.chunk} has no optimizer state but is stepped")
+            if last_use.get(a.chunk, -1) > i:
+                _fail(g, i, f"optimizer_step of chunk {a.chunk} comes before a use of the chunk")
+            step_at[a.chunk] = i
+    for c in g.chunks:
+        if c.group is ChunkGroup.TRAINABLE and c.id not in step_at:
+            _fail(g, None, f"trainable chunk {c.id} is never stepped")
+        if c.group is ChunkGroup.TRAINABLE and c.state_home is None:
+            _fail(g, None, f"trainable chunk {c.id} has no state home")
+
+
+def _check_schedule(g: TrainGraph) -> None:
+    nodes = g.nodes
+    lv = analyze(nodes, g.ann)
+    static = static_bytes(g)
+    budget = g.settings.budget
+    resident: dict[BufKey, bool] = {}    # key -> written on the device since it arrived
+    host_has = {BufKey(c.id, BufKind.PARAM) for c in g.chunks}
+    later_uses: dict[BufKey, int] = {}
+    nd = all_needs(g)
+    for x in nd:
+        for k in x.resident:
+            later_uses[k] = later_uses.get(k, 0) + 1
+    used = 0
+    peak = 0
+    for i, n in enumerate(nodes):
+        a = g.ann[n.name]
+        x = nd[i]
+        shown = used
+        if a.role is Role.FETCH:
+            key = BufKey(a.chunk, a.buf)
+            if key in resident:
+                _fail(g, i, f"{key} fetched while resident")
+            if n.target is ops.fetch and key not in host_has:
+                _fail(g, i, f"{key} fetched from a host copy that holds no data (use alloc)")
+            resident[key] = False
+            used += buf_bytes(g, key)
+            shown = used
+        elif a.role is Role.RELEASE:
+            key = BufKey(a.chunk, a.buf)
+            if key not in resident:
+                _fail(g, i, f"{key} released while not resident")
+            dirty = resident.pop(key)
+            if dirty and n.kwargs["writeback"]:
+                host_has.add(key)
+            elif dirty:
+                needed_later = (key.buf is BufKind.PARAM or later_uses.get(key, 0) > 0
+                                or g.chunks[key.chunk].state_home is StateHome.HOST)
+                if needed_later:
+                    _fail(g, i, f"{key} was written on the device and is dropped without write-back")
+            used -= buf_bytes(g, key)
+        elif a.role is Role.OPTIMIZER_STEP and g.chunks[a.chunk].state_home is StateHome.HOST:
+            c = g.chunks[a.chunk]
+            if any(BufKey(c.id, b) in resident for b in c.buffers()):
+                _fail(g, i, f"host-side step of chunk {c.id} while one of its buffers is on the device")
+            if BufKey(c.id, c.grad_buf()) not in host_has:
+                _fail(g, i, f"host-side step of chunk {c.id} but its gradient never reached the host")
+        for k in x.resident:
+            if k not in resident:
+                _fail(g, i, f"{k} is used but not resident on the device")
+            later_uses[k] -= 1
+        for k in x.writes:
+            resident[k] = True
+        total = static + shown + lv.live[i] + x.workspace
+        peak = max(peak, total)
+        if budget is not None and total > budget:
+            _fail(g, i, f"device bytes {total} exceed the budget {budget}")
+        if a.resident_bytes is not None and a.resident_bytes != shown:
+            _fail(g, i, f"annotated resident bytes {a.resident_bytes} != replayed {shown}")
+    if resident:
+        _fail(g, len(nodes) - 1, f"buffers left on the device at the end: {sorted(k.order() for k in resident)}")
+    if g.plan.predicted_peak != peak:
+        _fail(g, None, f"plan's predicted peak {g.plan.predicted_peak} != replayed peak {peak}")

@@ -1,0 +1,48 @@
+"""Adam / AdamW on whole flat chunks.
+
+`fused=None` uses torch's fused kernel (`torch._fused_adam_` / `torch._fused_adamw_`, on CPU and CUDA) where the
+dtype allows; `fused=False` applies torch.optim's single-tensor formula op by op, which reproduces
+`torch.optim.AdamW(foreach=False)` bit for bit. Both work in place on (param, grad, m, v, step) views of the chunk.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..optim import AdamConfig
+
+
+def _fused_ok(cfg: AdamConfig, param: torch.Tensor) -> bool:
+    if cfg.fused is False:
+        return False
+    return param.dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def adam_step(cfg: AdamConfig, param: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
+              step: torch.Tensor) -> None:
+    """One update of a flat chunk. `step` is a 0-d fp32 tensor, incremented here (as torch.optim does)."""
+    step += 1
+    if _fused_ok(cfg, param):
+        kernel = torch._fused_adamw_ if cfg.decoupled else torch._fused_adam_
+        kernel([param], [grad], [m], [v], [], [step], lr=cfg.lr, beta1=cfg.beta1, beta2=cfg.beta2,
+               weight_decay=cfg.weight_decay, eps=cfg.eps, amsgrad=False, maximize=cfg.maximize)
+        return
+    _reference_step(cfg, param, grad, m, v, float(step.item()))
+
+
+def _reference_step(cfg: AdamConfig, param, grad, m, v, step: float) -> None:
+    """torch.optim.adam._single_tensor_adam for one tensor (amsgrad off, real tensors, float lr)."""
+    if cfg.maximize:
+        grad = -grad
+    if cfg.weight_decay != 0:
+        if cfg.decoupled:
+            param.mul_(1 - cfg.lr * cfg.weight_decay)
+        else:
+            grad = grad.add(param, alpha=cfg.weight_decay)
+    m.lerp_(grad, 1 - cfg.beta1)
+    v.mul_(cfg.beta2).addcmul_(grad, grad.conj(), value=1 - cfg.beta2)
+    bias_correction1 = 1 - cfg.beta1 ** step
+    bias_correction2 = 1 - cfg.beta2 ** step
+    step_size = cfg.lr / bias_correction1
+    bias_correction2_sqrt = bias_correction2 ** 0.5
+    denom = (v.sqrt() / bias_correction2_sqrt).add_(cfg.eps)
+    param.addcdiv_(m, denom, value=-step_size)

@@ -1,0 +1,170 @@
+"""ChunkStore: where every chunk buffer and optimizer state lives, with every device byte accounted.
+
+The device pool hands out fixed-size slots (one size class per distinct chunk capacity: no fragmentation) and
+permanent allocations (module buffers, device optimizer states), and counts each byte against the budget: an
+allocation past the budget raises. Freed slots are kept for reuse and count as in use by no one. The host side holds
+each chunk's home copy of its parameters (pinned on CUDA machines: pageable copies are much slower), gradient homes
+made on first write-back, and the optimizer states placed on the host.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..ir import BufKind, ChunkGroup, ChunkInfo, ParamInfo, Precision, StateHome
+from ..passes.memory import BufKey, state_floats
+from ..units import format_bytes
+
+
+class PoolExhausted(RuntimeError):
+    """An allocation would exceed the device budget: the plan and the run disagree (a bug in pstar-fx)."""
+
+
+class DevicePool:
+    def __init__(self, device: torch.device, budget: int | None):
+        self.device = device
+        self.budget = budget
+        self.in_use = 0
+        self.window_peak = 0           # highest in_use since the executor last sampled it
+        self._free: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
+        self.storages: set[int] = set()   # data_ptrs of every buffer the pool owns
+
+    def _charge(self, nbytes: int, what: str) -> None:
+        if self.budget is not None and self.in_use + nbytes > self.budget:
+            raise PoolExhausted(f"device pool: {what} of {format_bytes(nbytes)} would bring chunk memory to "
+                                f"{format_bytes(self.in_use + nbytes)}, past the budget {format_bytes(self.budget)}")
+        self.in_use += nbytes
+        self.window_peak = max(self.window_peak, self.in_use)
+
+    def take(self, numel: int, dtype: torch.dtype, what: str = "slot") -> torch.Tensor:
+        self._charge(numel * dtype.itemsize, what)
+        free = self._free.get((numel, dtype))
+        if free:
+            return free.pop()
+        t = torch.empty(numel, dtype=dtype, device=self.device)
+        self.storages.add(t.untyped_storage().data_ptr())
+        return t
+
+    def give(self, t: torch.Tensor) -> None:
+        self.in_use -= t.numel() * t.dtype.itemsize
+        self._free.setdefault((t.numel(), t.dtype), []).append(t)
+
+    def sample(self) -> int:
+        """The highest in_use since the last sample (then starts a new window)."""
+        peak, self.window_peak = self.window_peak, self.in_use
+        return peak
+
+    def owns(self, t: torch.Tensor) -> bool:
+        return t.untyped_storage().data_ptr() in self.storages
+
+
+def _host_empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    return torch.zeros(numel, dtype=dtype, pin_memory=pin)
+
+
+class ChunkStore:
+    """Chunk buffers on host and device, optimizer states, and module buffers, for one compiled model."""
+
+    def __init__(self, chunks: tuple[ChunkInfo, ...], params: tuple[ParamInfo, ...], precision: Precision,
+                 device: torch.device, budget: int | None):
+        self.chunks = chunks
+        self.params = {p.name: p for p in params}
+        self.precision = precision
+        self.device = device
+        self.pool = DevicePool(device, budget)
+        pin = device.type == "cuda"
+        self.pin = pin
+        self.host_param = [_host_empty(c.capacity, c.dtype, pin) for c in chunks]
+        self.host_grad: list[torch.Tensor | None] = [None] * len(chunks)
+        self.slots: dict[BufKey, torch.Tensor] = {}
+        self.state_home: list[StateHome | None] = [None] * len(chunks)
+        self.states: list[torch.Tensor | None] = [None] * len(chunks)
+        for c in chunks:
+            if c.group is ChunkGroup.TRAINABLE:
+                self.states[c.id] = _host_empty(state_floats(c, precision), torch.float32, pin)
+                self.state_home[c.id] = StateHome.HOST
+        self.buffers: dict[str, torch.Tensor] = {}
+
+    # -- parameters and buffers -------------------------------------------------------------------------------
+    def load_params(self, values: dict[str, torch.Tensor]) -> None:
+        """Fill the chunks (and the fp32 masters in mixed precision) from full-precision values."""
+        for name, v in values.items():
+            p = self.params[name]
+            c = self.chunks[p.chunk]
+            flat = v.detach().reshape(-1)
+            self.host_param[c.id][p.offset:p.offset + p.numel].copy_(flat)
+            if self.precision.mixed and c.group is ChunkGroup.TRAINABLE:
+                self.master(c.id)[p.offset:p.offset + p.numel].copy_(flat)
+
+    def load_buffers(self, values: dict[str, torch.Tensor]) -> None:
+        for name, v in values.items():
+            if name not in self.buffers:
+                t = self.pool.take(v.numel(), v.dtype, what=f"module buffer {name}")
+                self.buffers[name] = t.view(v.shape)
+            self.buffers[name].copy_(v.detach())
+
+    def param_value(self, name: str) -> torch.Tensor:
+        """The full-precision value of a parameter (the fp32 master in mixed precision)."""
+        p = self.params[name]
+        c = self.chunks[p.chunk]
+        src = (self.master(c.id) if self.precision.mixed and c.group is ChunkGroup.TRAINABLE
+               else self.host_param[c.id])
+        return src[p.offset:p.offset + p.numel].view(p.shape)
+
+    # -- optimizer states --------------------------------------------------------------------------------------
+    def state_parts(self, cid: int) -> dict[str, torch.Tensor]:
+        """Views into a chunk's state buffer: m, v, (master), step (0-d)."""
+        cap = self.chunks[cid].capacity
+        s = self.states[cid]
+        parts = {"m": s[0:cap], "v": s[cap:2 * cap], "step": s[-1]}
+        if self.precision.mixed:
+            parts["master"] = s[2 * cap:3 * cap]
+        return parts
+
+    def master(self, cid: int) -> torch.Tensor:
+        return self.state_parts(cid)["master"]
+
+    def set_homes(self, chunks: tuple[ChunkInfo, ...]) -> None:
+        """Move optimizer states to where this graph's plan put them."""
+        for c in chunks:
+            if c.group is not ChunkGroup.TRAINABLE or c.state_home is self.state_home[c.id]:
+                continue
+            old = self.states[c.id]
+            if c.state_home is StateHome.DEVICE:
+                new = self.pool.take(old.numel(), torch.float32, what=f"optimizer states of chunk {c.id}")
+                new.copy_(old)
+            else:
+                new = _host_empty(old.numel(), torch.float32, self.pin)
+                new.copy_(old)
+                self.pool.give(old)
+            self.states[c.id] = new
+            self.state_home[c.id] = c.state_home
+        self.chunks = chunks
+
+    # -- chunk buffers ----------------------------------------------------------------------------------------
+    def host(self, key: BufKey) -> torch.Tensor:
+        if key.buf is BufKind.PARAM:
+            return self.host_param[key.chunk]
+        if self.host_grad[key.chunk] is None:
+            c = self.chunks[key.chunk]
+            self.host_grad[key.chunk] = _host_empty(c.capacity, c.dtype, self.pin)
+        return self.host_grad[key.chunk]
+
+    def fetch(self, key: BufKey) -> None:
+        assert key not in self.slots, key
+        c = self.chunks[key.chunk]
+        slot = self.pool.take(c.capacity, c.dtype, what=f"chunk {c.id} {key.buf.value} buffer")
+        slot.copy_(self.host(key), non_blocking=self.pin)
+        self.slots[key] = slot
+
+    def alloc(self, key: BufKey) -> None:
+        assert key not in self.slots, key
+        c = self.chunks[key.chunk]
+        slot = self.pool.take(c.capacity, c.dtype, what=f"chunk {c.id} {key.buf.value} buffer")
+        slot.zero_()
+        self.slots[key] = slot
+
+    def release(self, key: BufKey, writeback: bool) -> None:
+        slot = self.slots.pop(key)
+        if writeback:
+            self.host(key).copy_(slot)
+        self.pool.give(slot)

@@ -1,0 +1,40 @@
+"""Byte quantities: parsing "8GiB" and printing 8589934592 as "8.00 GiB"."""
+from __future__ import annotations
+
+import re
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(value: int | str) -> int:
+    """Bytes from an int or a string such as "512MiB", "1.5GB", "4096"."""
+    if isinstance(value, bool):
+        raise TypeError(f"device_memory must be an int or a string like '8GiB', not {value!r}")
+    if isinstance(value, int):
+        if value <= 0:
+            raise ValueError(f"device_memory must be positive, got {value}")
+        return value
+    if not isinstance(value, str):
+        raise TypeError(f"device_memory must be an int or a string like '8GiB', not {type(value).__name__}")
+    m = _PATTERN.match(value)
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in _UNITS:
+        raise ValueError(f"cannot read {value!r} as a size: use bytes or a number with one of "
+                         "B, KB, MB, GB, TB, KiB, MiB, GiB, TiB (for example '8GiB')")
+    n = int(float(m.group(1)) * _UNITS[unit])
+    if n <= 0:
+        raise ValueError(f"device_memory must be positive, got {value!r}")
+    return n
+
+
+def format_bytes(n: int) -> str:
+    """Human-readable, deterministic: 1536 -> '1.50 KiB'."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
