@@ -138,9 +138,9 @@ def gpt_loss(model, idx, targets):
 # activations of the small per-step batch, so a budget below the model data is a real squeeze.
 PRESETS = {
     #          n_layer n_head n_embd block_size batch_size
-    "tiny":   dict(n_layer=2, n_head=2, n_embd=64, block_size=32, batch_size=8),
-    "small":  dict(n_layer=4, n_head=4, n_embd=256, block_size=64, batch_size=4),
-    "medium": dict(n_layer=6, n_head=6, n_embd=384, block_size=64, batch_size=4),
+    "tiny":   dict(n_layer=2, n_head=2, n_embd=128, block_size=16, batch_size=4),
+    "small":  dict(n_layer=2, n_head=4, n_embd=256, block_size=32, batch_size=8),
+    "medium": dict(n_layer=4, n_head=6, n_embd=384, block_size=32, batch_size=8),
 }
 
 # -----------------------------------------------------------------------------
@@ -182,7 +182,7 @@ def main():
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=sorted(PRESETS), default="small", help="size preset")
     parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--device-memory", default="auto",
                         help="budget: bytes, a size like '8MiB', 'none' for unlimited, or 'auto' "
                              "(half of the model data, so chunks must move)")

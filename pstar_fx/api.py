@@ -1,6 +1,7 @@
 """`px.compile`: the one decorator users apply, and the CompiledStep it returns."""
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Callable
@@ -11,6 +12,7 @@ import torch.nn as nn
 from .ir import ChunkGroup, Precision, Settings, TrainGraph
 from .optim import AdamConfig
 from .passes import pipeline, run_passes
+from .passes.place_optimizer import min_need, place_optimizer
 from .runtime.chunk_store import ChunkStore
 from .runtime.executor import Executor, LossScaler, Runtime, StepStats
 from .trace import model_tables, trace_step
@@ -147,6 +149,15 @@ class CompiledStep:
         self._latest = self._get(batch)
         return self.graphs
 
+    def min_device_memory(self, *batch) -> int:
+        """The smallest device_memory (bytes) under which this step compiles for this batch's shapes, with this
+        chunk layout: every optimizer state on the host and only what each node itself needs on the device."""
+        traced = trace_step(self._fn, self._model, batch, self.settings)
+        passes = pipeline(chunk_size=self.settings.chunk_size, layout=self._layout, prefetch=0)[:-2]
+        before = run_passes(traced, passes)[-1]
+        host_only = before.evolve(settings=dataclasses.replace(before.settings, budget=0))
+        return min_need(place_optimizer(host_only))
+
     def _get(self, batch) -> _Compiled:
         sig = self._signature(batch)
         compiled = self._cache.get(sig)
@@ -167,7 +178,10 @@ class CompiledStep:
         if self._scaler is not None:
             scale = torch.tensor(self._scaler.scale, dtype=torch.float32, device=self.settings.device)
             rt.found_inf = torch.zeros((), dtype=torch.bool, device=self.settings.device)
-        loss, peak = compiled.executor.run(inputs, scale, rt)
+        per_node: list[int] | None = [] if self.debug else None
+        loss, peak = compiled.executor.run(inputs, scale, rt, trace_peaks=per_node)
+        if per_node is not None:
+            _check_measured(g, per_node)
         if self._scaler is not None:
             self._scaler.update(rt.skip)
         self._last_stats = StepStats(measured_peak=peak, h2d_bytes=rt.h2d, d2h_bytes=rt.d2h, skipped=rt.skip)
@@ -251,6 +265,16 @@ class CompiledStep:
                 bv[balias.get(k, k)] = v
         self._store.load_params(pv)
         self._store.load_buffers(bv)
+
+
+def _check_measured(g: TrainGraph, per_node: list[int]) -> None:
+    """debug=True: the device bytes measured after every node equal the plan's prediction for it."""
+    for n, measured in zip(g.nodes, per_node):
+        a = g.ann[n.name]
+        predicted = g.plan.static_bytes + a.resident_bytes + a.live_bytes + a.workspace_bytes
+        if measured != predicted:
+            raise AssertionError(f"pstar-fx plan mismatch at node {n.name}: measured {measured} device bytes, "
+                                 f"the plan predicted {predicted}")
 
 
 def compile(model: nn.Module, *, optimizer: AdamConfig, device_memory: int | str | None = None,

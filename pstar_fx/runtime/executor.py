@@ -207,7 +207,7 @@ class Executor:
                 args = fx.node.map_arg(n.args, load)
                 kwargs = fx.node.map_arg(n.kwargs, load)
                 val = n.target(*args, **kwargs)
-                val = self._compact(val, self.planned[i])
+                val = self._compact(val, self.planned[i], pool)
             env[i] = val
             act += hold(val)
             total = pool.sample() + act
@@ -223,13 +223,17 @@ class Executor:
         return result[0], peak
 
     @staticmethod
-    def _compact(val, planned: list[int]):
+    def _compact(val, planned: list[int], pool):
         """A kernel may return a tensor whose storage is larger than the plan assumed (a CPU reduction can hand back
-        a 0-d view of its unreduced buffer): copy such a value into a storage of the planned size."""
+        a 0-d view of its unreduced buffer): copy such a value into a storage of the planned size. Views of chunk
+        memory are left alone: their storage is the chunk."""
         leaves = [t for t in tree_leaves(val) if isinstance(t, torch.Tensor)]
-        if len(leaves) != len(planned) or all(t.untyped_storage().nbytes() <= p for t, p in zip(leaves, planned)):
+        if len(leaves) != len(planned):
             return val
-        fix = {id(t): t.clone() for t, p in zip(leaves, planned) if t.untyped_storage().nbytes() > p}
+        fix = {id(t): t.clone() for t, p in zip(leaves, planned)
+               if t.untyped_storage().nbytes() > p and not pool.owns(t)}
+        if not fix:
+            return val
         return tree_map(lambda t: fix.get(id(t), t) if isinstance(t, torch.Tensor) else t, val)
 
 

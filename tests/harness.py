@@ -1,0 +1,98 @@
+"""Shared test helpers: run a case compiled and eagerly on the same batches, and pick budgets that force eviction."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+
+import pstar_fx as px
+from pstar_fx.ir import Role
+
+from models import Case
+
+HYPER = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+
+def small_batches(case: Case) -> Case:
+    """The same case with a smaller batch, so that model data, not activations, dominates device memory."""
+    kw = {"hf_gpt2": dict(B=1, T=8), "hf_llama": dict(B=1, T=8), "gpt_tied": dict(B=1, T=8),
+          "cnn_bn": dict(B=2, H=4, W=4)}.get(case.name, dict(B=2))
+    return dataclasses.replace(case, make_batch=functools.partial(case.make_batch, **kw))
+
+
+class _Step(torch.nn.Module):
+    """Runs loss_fn(model, *batch) so that functional_call can swap the model's tensors."""
+
+    def __init__(self, model, loss_fn):
+        super().__init__()
+        self.m = model
+        self.loss_fn = loss_fn
+
+    def forward(self, *batch):
+        return self.loss_fn(self.m, *batch)
+
+
+def _func_grads(case: Case, model, batch):
+    """The loss and gradients as torch.func computes them (what pstar-fx traces), written into p.grad."""
+    wrapper = _Step(model, case.loss_fn)
+    params = {"m." + k: p.detach() for k, p in model.named_parameters()}
+    buffers = {"m." + k: b for k, b in model.named_buffers()}
+    grads, loss = torch.func.grad_and_value(
+        lambda p: torch.func.functional_call(wrapper, (p, buffers), batch))(params)
+    for k, p in model.named_parameters():
+        p.grad = grads["m." + k]
+    return loss
+
+
+def eager_run(case: Case, steps: int, *, fused: bool | None = None, hyper=HYPER, grads: str = "autograd"):
+    """torch.optim.AdamW on the eager model. fused=None (pstar-fx's default, torch's fused kernel) compares with
+    torch's fused AdamW; fused=False with the single-tensor implementation. grads="func" takes gradients from
+    torch.func.grad_and_value instead of loss.backward() (see test_equivalence for why)."""
+    model = case.build_model()
+    kw = dict(fused=True) if fused is None else dict(foreach=False)
+    opt = torch.optim.AdamW(model.parameters(), **hyper, **kw)
+    losses = []
+    for i in range(steps):
+        if grads == "func":
+            loss = _func_grads(case, model, case.batch(i))
+        else:
+            loss = case.loss_fn(model, *case.batch(i))
+            loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def compiled_step(case: Case, *, budget=None, chunk_size=None, precision="fp32", fused=None, hyper=HYPER,
+                  debug=True, prefetch=4):
+    model = case.build_model()
+    return px.compile(model, optimizer=px.AdamW(**hyper, fused=fused), device_memory=budget, chunk_size=chunk_size,
+                      precision=precision, device="cpu", debug=debug, prefetch=prefetch)(case.loss_fn)
+
+
+def compiled_run(case: Case, steps: int, **kw):
+    step = compiled_step(case, **kw)
+    losses = [step(*case.batch(i)).item() for i in range(steps)]
+    return losses, step.state_dict(), step
+
+
+def tight_budget(case: Case, chunk_size: int, slack: float = 1.05) -> int:
+    """A budget just above the least this case can run in: most chunks cannot stay on the device."""
+    step = compiled_step(case, chunk_size=chunk_size)
+    return int(step.min_device_memory(*case.batch(0)) * slack)
+
+
+def fetch_counts(g) -> dict[int, int]:
+    """How often each chunk's parameters are fetched in one step."""
+    counts: dict[int, int] = {}
+    for n in g.nodes:
+        a = g.ann[n.name]
+        if a.role is Role.FETCH and n.target is px.ops.fetch and a.buf.value == "param":
+            counts[a.chunk] = counts.get(a.chunk, 0) + 1
+    return counts
+
+
+def rel_err(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
