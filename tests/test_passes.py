@@ -1,0 +1,229 @@
+"""Each pass: its output's structure, its invariant, and that it leaves its input untouched."""
+import dataclasses
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
+
+import pstar_fx as px
+from pstar_fx import ops
+from pstar_fx.ir import ChunkGroup, Phase, Role, StateHome
+from pstar_fx.passes import VerificationError, verify
+from pstar_fx.passes.assign_chunks import choose_chunk_size, pack, waste
+from pstar_fx.passes.graph_utils import mutated_args
+
+from harness import compiled_step, small_batches, tight_budget
+from models import CASES_BY_NAME
+
+
+def _stages(case_name="gpt_tied", **kw):
+    case = CASES_BY_NAME[case_name]
+    step = compiled_step(case, **kw)
+    return step.lower(*case.batch(0)), step, case
+
+
+def test_stages_in_order_each_stamped():
+    stages, _, _ = _stages()
+    assert list(stages) == ["traced", "canonical", "chunked", "liveness", "optimizer_placed", "scheduled"]
+    made_by = [g.made_by for g in stages.values()]
+    assert made_by == ["trace_step", "canonicalize", "assign_chunks", "liveness", "place_optimizer", "schedule"]
+    for name, g in stages.items():
+        assert str(g).startswith(f'# stage "{g.stage}" made by {g.made_by}')
+        assert g.seconds >= 0
+
+
+def test_passes_are_pure():
+    stages, _, _ = _stages()
+    texts = {k: str(g) for k, g in stages.items()}
+    from pstar_fx.passes import pipeline
+    for fn, src in zip(pipeline(chunk_size=None), list(stages.values())[:-1]):
+        fn(src)
+    assert {k: str(g) for k, g in stages.items()} == texts
+
+
+def test_canonicalize_phases_follow_the_seed_and_no_dead_code():
+    stages, _, _ = _stages()
+    g = stages["canonical"]
+    nodes = g.nodes
+    seed = next(n for n in nodes if n.target is torch.ops.aten.ones_like.default)
+    reach = {seed}
+    for n in nodes:
+        if any(a in reach for a in n.all_input_nodes):
+            reach.add(n)
+    for n in nodes:
+        if n.op == "call_function":
+            assert (g.ann[n.name].phase is Phase.BACKWARD) == (n in reach), n.name
+            assert n.users or mutated_args(n), f"dead node {n.name} survived"
+    assert len(g.grad_outputs) == sum(p.trainable for p in g.params)
+
+
+def test_assign_chunks_first_use_order_and_views_per_use():
+    stages, _, _ = _stages(chunk_size=2048)
+    g = stages["chunked"]
+    assert not any(g.ann[n.name].role is Role.PARAM for n in g.nodes)
+    first_view = {}   # parameter -> position of the first node that consumes a view of it
+    pos = {n: i for i, n in enumerate(g.nodes)}
+    for n in g.nodes:
+        a = g.ann[n.name]
+        if a.role is Role.PARAM_VIEW:
+            assert len(n.users) == 1, "each param_view feeds exactly one use"
+            user = next(iter(n.users))
+            while user.op == "call_function" and g.ann[user.name].role is Role.COMPUTE and len(user.users) == 1 \
+                    and user.meta["val"].untyped_storage()._cdata == n.meta["val"].untyped_storage()._cdata:
+                user = next(iter(user.users))   # follow the view chain to the real consumer
+            first_view.setdefault(a.param, pos[user])
+    # regular chunks fill in first-use order (a tensor larger than a chunk gets its own, made when it comes up)
+    regular = [c for c in g.chunks if c.group is ChunkGroup.TRAINABLE and c.capacity == 2048]
+    firsts = [min(first_view[p] for p in c.params) for c in regular]
+    assert firsts == sorted(firsts), "chunks are numbered in first-use order"
+    for c in regular:
+        by_offset = sorted(c.params, key=lambda p: g.param(p).offset)
+        assert [first_view[p] for p in by_offset] == sorted(first_view[p] for p in by_offset)
+    writes = [g.ann[n.name].param for n in g.nodes if g.ann[n.name].role is Role.WRITE_GRAD]
+    assert sorted(writes) == sorted(p.name for p in g.params if p.trainable)
+    out = [n for n in g.nodes if n.op == "output"][0]
+    assert len(out.args[0]) == 1, "only the loss is returned"
+
+
+def test_oversized_tensor_gets_its_own_chunk():
+    stages, _, _ = _stages(chunk_size=256)
+    g = stages["chunked"]
+    big = [p for p in g.params if p.numel > 256]
+    assert big
+    for p in big:
+        c = g.chunks[p.chunk]
+        assert c.params == (p.name,) and c.capacity == p.numel
+
+
+def test_pack_and_choose_chunk_size():
+    numels = [100, 300, 50, 1000, 20]
+    chunks = pack(numels, 512)
+    assert [c for c, _ in chunks] == [512, 1000, 512] or [c for c, _ in chunks] == [512, 512, 1000]
+    placed = sorted(i for _, slots in chunks for i, _ in slots)
+    assert placed == list(range(5))
+    size = choose_chunk_size(numels, 4, budget=None)
+    assert waste(numels, size) == min(waste(numels, s) for s in range(32, 4096, 32))
+
+
+def test_auto_chunk_size_leaves_room_for_several_chunks():
+    numels = [4096] * 64
+    size = choose_chunk_size(numels, 4, budget=64 * 4096)
+    assert size * 4 * 8 <= 64 * 4096
+
+
+def test_liveness_counts_storages_once():
+    """x (2x8 fp32 = 64 B), y = x * 2 (64 B), v = y.view(16) (a view: 0 B), s = v.sum() (4 B)."""
+    from pstar_fx.passes.liveness import analyze
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from pstar_fx.ir import NodeAnn
+    gm = make_fx(lambda x: (x * 2).view(16).sum(), tracing_mode="fake")(torch.randn(2, 8))
+    nodes = list(gm.graph.nodes)
+    ann = {n.name: NodeAnn(role=Role.INPUT if n.op == "placeholder" else Role.COMPUTE, phase=Phase.FORWARD)
+           for n in nodes}
+    lv = analyze(nodes, ann)
+    # x is live until mul; y until view's user (sum); the sum lives to the output
+    assert list(lv.live) == [64, 128, 64, 68, 4]
+    assert list(lv.created) == [64, 64, 0, 4, 0]
+
+
+def test_place_optimizer_one_step_per_chunk_after_last_use():
+    stages, _, _ = _stages(chunk_size=1024)
+    g = stages["optimizer_placed"]
+    steps = [g.ann[n.name].chunk for n in g.nodes if g.ann[n.name].role is Role.OPTIMIZER_STEP]
+    trainable = [c.id for c in g.chunks if c.group is ChunkGroup.TRAINABLE]
+    assert sorted(steps) == trainable
+    assert all(c.state_home is not None for c in g.chunks if c.group is ChunkGroup.TRAINABLE)
+    # steps interleave with backward: the first step comes before the last backward compute node
+    idx = {n.name: i for i, n in enumerate(g.nodes)}
+    first_step = min(idx[n.name] for n in g.nodes if g.ann[n.name].role is Role.OPTIMIZER_STEP)
+    last_bwd = max(idx[n.name] for n in g.nodes if g.ann[n.name].phase is Phase.BACKWARD
+                   and g.ann[n.name].role is Role.COMPUTE)
+    assert first_step < last_bwd
+
+
+def test_state_homes_follow_budget():
+    stages, _, _ = _stages(chunk_size=1024)
+    assert all(c.state_home is StateHome.DEVICE for c in stages["scheduled"].chunks
+               if c.group is ChunkGroup.TRAINABLE)
+    case = small_batches(CASES_BY_NAME["gpt_tied"])
+    budget = tight_budget(case, 1024)
+    step = compiled_step(case, budget=budget, chunk_size=1024)
+    g = step.lower(*case.batch(0))["scheduled"]
+    assert any(c.state_home is StateHome.HOST for c in g.chunks if c.group is ChunkGroup.TRAINABLE)
+
+
+def test_infeasible_budget_raises_before_anything_runs():
+    case = CASES_BY_NAME["gpt_tied"]
+    model = case.build_model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    step = px.compile(model, optimizer=px.AdamW(lr=1e-3), device_memory=10_000, chunk_size=1024,
+                      device="cpu")(case.loss_fn)
+    with pytest.raises(px.BudgetError) as e:
+        step(*case.batch(0))
+    err = e.value
+    assert err.available == 10_000 and err.needed > 10_000
+    assert err.node in str(err) and str(err.needed) in str(err) and "10000" in str(err)
+    assert "Raise device_memory" in str(err)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert step.last_step is None
+
+
+def _scheduled(**kw):
+    case = small_batches(CASES_BY_NAME["gpt_tied"])
+    budget = tight_budget(case, 1024)
+    step = compiled_step(case, budget=budget, chunk_size=1024, **kw)
+    return step.lower(*case.batch(0))["scheduled"]
+
+
+def _without(g, pred):
+    """A copy of g with the first node matching pred erased, re-annotated so that only the fault remains."""
+    from pstar_fx.ir import copy_graph, to_module
+    from pstar_fx.passes.schedule import annotate
+    graph, env = copy_graph(g)
+    victim = next(env[n] for n in g.nodes if pred(n))
+    graph.erase_node(victim)
+    return annotate(g.evolve(gm=to_module(graph)))
+
+
+def test_verifier_accepts_the_schedule_and_rejects_broken_ones():
+    g = _scheduled()
+    verify(g)
+    with pytest.raises(VerificationError, match="not resident"):
+        verify(_without(g, lambda n: n.target is ops.fetch))
+    with pytest.raises(VerificationError, match="never stepped"):
+        verify(_without(g, lambda n: n.target is ops.optimizer_step))
+    with pytest.raises(VerificationError):   # the budget or the end-state check catches it
+        verify(_without(g, lambda n: n.target is ops.release))
+    tighter = g.evolve(settings=dataclasses.replace(g.settings, budget=g.plan.predicted_peak - 1))
+    with pytest.raises(VerificationError, match="exceed the budget"):
+        verify(tighter)
+
+
+def test_verifier_failure_shows_nodes_around_the_fault():
+    g = _scheduled()
+    with pytest.raises(VerificationError) as e:
+        verify(_without(g, lambda n: n.target is ops.fetch))
+    assert ">> " in str(e.value)
+
+
+def test_schedule_keeps_budget_and_fetches_before_use():
+    g = _scheduled()
+    budget = g.settings.budget
+    for n in g.nodes:
+        a = g.ann[n.name]
+        assert g.plan.static_bytes + a.resident_bytes + a.live_bytes + a.workspace_bytes <= budget
+    assert g.plan.predicted_peak <= budget
+
+
+def test_printing_is_deterministic_and_complete():
+    a, _, _ = _stages()
+    b, _, _ = _stages()
+    assert str(a["scheduled"]) == str(b["scheduled"])
+    text = str(a["scheduled"]).splitlines()
+    assert "fetch(chunk=0, buf=param)" in "\n".join(text)
+    assert any("optimizer_step(chunk=" in t for t in text)
+    node_lines = [t for t in text if t[:5].strip().isdigit()]
+    assert len(node_lines) == len(a["scheduled"].nodes)
+    assert any("float32" in t and "(4, 16, 64)" in t for t in node_lines)   # shape and dtype columns
