@@ -4,7 +4,7 @@ Checked at every stage (each check applies once the stage has what it is about):
 - the fx graph is well formed (def before use) and every node has an annotation;
 - chunks: every parameter sits inside its chunk, parameters of a chunk do not overlap;
 - reads and gradients: no parameter placeholder is left once param_views exist; each parameter with a gradient has
-  exactly one write_grad;
+  exactly one write_grad; in a chunk whose gradients overwrite its parameters, no parameter is read after that;
 - optimizer: one optimizer_step per trainable chunk, after every read and gradient write of its parameters;
 - schedule: every chunk buffer a node reads or writes is resident on the device; a fetch copies only data the host
   holds; nothing written on the device is dropped while still needed; nothing is resident at the end; a host-side step
@@ -54,6 +54,13 @@ def verify(g: TrainGraph) -> TrainGraph:
         want = sorted(p.name for p in g.params if p.trainable)
         if sorted(writes) != want:
             _fail(g, None, f"write_grad per parameter: got {sorted(writes)}, want {want}")
+        written: set[str] = set()
+        for i, n in enumerate(nodes):
+            a = g.ann[n.name]
+            if a.role is Role.WRITE_GRAD:
+                written.add(a.param)
+            elif a.role is Role.PARAM_VIEW and a.param in written and g.chunk_of(a.param).grad_inplace:
+                _fail(g, i, f"parameter {a.param} is read after its gradient overwrote it (chunk in place)")
     if Role.OPTIMIZER_STEP in roles:
         _check_steps(g)
     if g.plan is not None:
