@@ -1,9 +1,10 @@
 """Tracing: a user's `step(model, *batch) -> loss` becomes one aten-level fx graph of forward + backward.
 
-`torch.func.grad_and_value` over `torch.func.functional_call` differentiates the loss with respect to the trainable
-parameters; `make_fx` records it over fake tensors, so nothing real is allocated. Placeholders come in this order:
-trainable parameters, frozen parameters, buffers, the fp16 loss scale (fp16 only), then the batch tensors. The output
-is `[loss, grad_0, ..., grad_k]`, one gradient per trainable parameter in table order.
+`torch.func.functional_call` runs the step with the model's tensors swapped for graph inputs, `torch.autograd.grad`
+differentiates the loss with respect to the trainable parameters, and `make_fx` records both over fake tensors, so
+nothing real is allocated. Placeholders come in this order: trainable parameters, frozen parameters, buffers, the fp16
+loss scale (fp16 only), then the batch tensors. The output is `[loss, grad_0, ..., grad_k]`, one gradient per
+trainable parameter in table order (None for a parameter the loss does not reach).
 
 Buffers are passed in as inputs (not closed over), so in-place buffer updates such as BatchNorm's running statistics
 stay in the graph as in-place aten ops on the buffer placeholders; the runtime applies them to the real buffers.
@@ -163,8 +164,12 @@ def trace_step(fn, model: nn.Module, batch: tuple, settings: Settings) -> TrainG
         return {"m." + k: v for k, v in d.items()}
 
     def traced(tp, fp, bufs, scale_args, *xs):
-        def loss_of(tp_, fp_, bufs_):
-            out = torch.func.functional_call(wrapper, (prefixed(tp_), prefixed(fp_), prefixed(bufs_)), xs,
+        # Differentiate with the autograd engine itself, recorded by make_fx (as AOTAutograd does). torch.func.grad
+        # would also work, but libraries that test `isinstance(t, FakeTensor)` to skip data-dependent checks
+        # (transformers' mask utilities) do not recognise functorch's wrapped tensors, and fail to trace.
+        leaves = {k: v.detach().requires_grad_(True) for k, v in tp.items()}
+        with torch.enable_grad():
+            out = torch.func.functional_call(wrapper, (prefixed(leaves), prefixed(fp), prefixed(bufs)), xs,
                                              strict=False, tie_weights=True)
             if not isinstance(out, torch.Tensor) or out.dim() != 0:
                 raise UntraceableError(
@@ -173,11 +178,12 @@ def trace_step(fn, model: nn.Module, batch: tuple, settings: Settings) -> TrainG
                        else type(out).__name__))
             if not out.is_floating_point():
                 raise UntraceableError(f"the step function returned a loss of dtype {out.dtype}; it must be floating")
-            seeded = out * scale_args[0] if scale_args else out
-            return seeded, out
-
-        grads, (_, loss) = torch.func.grad_and_value(loss_of, argnums=0, has_aux=True)(tp, fp, bufs)
-        return [loss] + [grads[k] for k in tp]
+            if leaves and out.requires_grad:
+                seeded = out * scale_args[0] if scale_args else out
+                grads = torch.autograd.grad(seeded, list(leaves.values()), allow_unused=True)
+            else:
+                grads = [None] * len(leaves)
+        return [out] + list(grads)
 
     recorder = _InplaceRecorder()
     try:

@@ -21,44 +21,16 @@ def small_batches(case: Case) -> Case:
     return dataclasses.replace(case, make_batch=functools.partial(case.make_batch, **kw))
 
 
-class _Step(torch.nn.Module):
-    """Runs loss_fn(model, *batch) so that functional_call can swap the model's tensors."""
-
-    def __init__(self, model, loss_fn):
-        super().__init__()
-        self.m = model
-        self.loss_fn = loss_fn
-
-    def forward(self, *batch):
-        return self.loss_fn(self.m, *batch)
-
-
-def _func_grads(case: Case, model, batch):
-    """The loss and gradients as torch.func computes them (what pstar-fx traces), written into p.grad."""
-    wrapper = _Step(model, case.loss_fn)
-    params = {"m." + k: p.detach() for k, p in model.named_parameters()}
-    buffers = {"m." + k: b for k, b in model.named_buffers()}
-    grads, loss = torch.func.grad_and_value(
-        lambda p: torch.func.functional_call(wrapper, (p, buffers), batch))(params)
-    for k, p in model.named_parameters():
-        p.grad = grads["m." + k]
-    return loss
-
-
-def eager_run(case: Case, steps: int, *, fused: bool | None = None, hyper=HYPER, grads: str = "autograd"):
+def eager_run(case: Case, steps: int, *, fused: bool | None = None, hyper=HYPER):
     """torch.optim.AdamW on the eager model. fused=None (pstar-fx's default, torch's fused kernel) compares with
-    torch's fused AdamW; fused=False with the single-tensor implementation. grads="func" takes gradients from
-    torch.func.grad_and_value instead of loss.backward() (see test_equivalence for why)."""
+    torch's fused AdamW; fused=False with the single-tensor implementation."""
     model = case.build_model()
     kw = dict(fused=True) if fused is None else dict(foreach=False)
     opt = torch.optim.AdamW(model.parameters(), **hyper, **kw)
     losses = []
     for i in range(steps):
-        if grads == "func":
-            loss = _func_grads(case, model, case.batch(i))
-        else:
-            loss = case.loss_fn(model, *case.batch(i))
-            loss.backward()
+        loss = case.loss_fn(model, *case.batch(i))
+        loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())

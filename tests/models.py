@@ -165,38 +165,38 @@ def cnn_loss(model, x, y):
 
 HF_VOCAB = 96
 
-# attn_implementation="eager" + an explicit all-ones attention_mask (see hf_loss) is the one
-# combination whose forward has no data-dependent Python branches in transformers' mask
-# code; "sdpa", or no attention_mask, fails under make_fx(fake) + torch.func.grad_and_value
-# with GuardOnDataDependentSymNode (transformers only skips those branches for FakeTensors,
-# and a functorch grad wrapper around a FakeTensor is not one).
+# transformers' defaults (sdpa attention, no attention_mask): its mask utilities skip their data-dependent checks
+# only for FakeTensors, which pstar-fx's tracer (autograd inside make_fx) hands them. Under torch.func.grad the
+# tensors would be functorch wrappers and these models would fail to trace.
 
 def tiny_gpt2():
     """GPT2LMHeadModel: Conv1D layers, tied lm_head/wte, learned positions."""
     from transformers import GPT2Config, GPT2LMHeadModel
     cfg = GPT2Config(vocab_size=HF_VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=2,
                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
-                     bos_token_id=0, eos_token_id=0, attn_implementation="eager")
+                     bos_token_id=0, eos_token_id=0)
     model = GPT2LMHeadModel(cfg)
     model.loss_type = "ForCausalLM"  # what HF picks anyway, minus a warning about the class name
     return model
 
 
-def tiny_llama():
-    """LlamaForCausalLM: RMSNorm, SwiGLU, GQA (4 q heads / 2 kv heads), rotary inv_freq buffer."""
+def tiny_llama(attn_implementation="eager"):
+    """LlamaForCausalLM: RMSNorm, SwiGLU, GQA (4 q heads / 2 kv heads), rotary inv_freq buffer.
+
+    Eager attention by default: with transformers' default (sdpa + GQA), the aten graph that make_fx records computes
+    gradients that already differ from eager autograd's in the last bits (torch itself, before pstar-fx touches the
+    graph; test_equivalence covers that configuration separately)."""
     from transformers import LlamaConfig, LlamaForCausalLM
     cfg = LlamaConfig(vocab_size=HF_VOCAB, hidden_size=32, intermediate_size=64,
                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                       max_position_embeddings=32, attention_dropout=0.0, use_cache=False,
-                      bos_token_id=0, eos_token_id=0, attn_implementation="eager")
+                      bos_token_id=0, eos_token_id=0, attn_implementation=attn_implementation)
     return LlamaForCausalLM(cfg)
 
 
 def hf_loss(model, input_ids, labels):
-    """HF's own shifted LM loss. The all-ones attention_mask changes nothing numerically but
-    keeps transformers off its data-dependent packed-sequence detection (see above)."""
-    attention_mask = torch.ones_like(input_ids)  # (B, T)
-    return model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
+    """HF's own shifted LM loss, called the way users call it."""
+    return model(input_ids=input_ids, labels=labels).loss
 
 # -----------------------------------------------------------------------------
 # registry
