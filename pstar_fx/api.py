@@ -15,7 +15,7 @@ from .passes import pipeline, run_passes
 from .passes.place_optimizer import min_need, place_optimizer
 from .runtime.chunk_store import ChunkStore
 from .runtime.executor import Executor, LossScaler, Runtime, StepStats
-from .trace import model_tables, trace_step
+from .trace import flatten_batch, model_tables, trace_step
 from .units import format_bytes, parse_bytes
 
 STAGE_NAMES = ("traced", "canonical", "chunked", "liveness", "optimizer_placed", "scheduled")
@@ -119,10 +119,6 @@ class CompiledStep:
         self.__wrapped__ = fn
 
     # -- compiling --------------------------------------------------------------------------------------------
-    @staticmethod
-    def _signature(batch) -> tuple:
-        return tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else (type(x),) for x in batch)
-
     def _compile(self, batch) -> _Compiled:
         traced = trace_step(self._fn, self._model, batch, self.settings)
         passes = pipeline(chunk_size=self.settings.chunk_size, layout=self._layout, prefetch=self.prefetch)
@@ -159,7 +155,7 @@ class CompiledStep:
         return min_need(place_optimizer(host_only))
 
     def _get(self, batch) -> _Compiled:
-        sig = self._signature(batch)
+        sig = flatten_batch(batch).signature
         compiled = self._cache.get(sig)
         if compiled is None:
             compiled = self._cache[sig] = self._compile(batch)
@@ -173,7 +169,7 @@ class CompiledStep:
         store = self._store
         store.set_homes(g.chunks)
         rt = Runtime(g, store, self._scaler)
-        inputs = [self._prepare_input(x, info.dtype) for x, info in zip(batch, g.inputs)]
+        inputs = [self._prepare_input(x, info.dtype) for x, info in zip(flatten_batch(batch).tensors, g.inputs)]
         scale = None
         if self._scaler is not None:
             scale = torch.tensor(self._scaler.scale, dtype=torch.float32, device=self.settings.device)

@@ -17,6 +17,7 @@ import time
 import traceback
 from dataclasses import dataclass
 
+import optree
 import torch
 import torch.fx as fx
 import torch.nn as nn
@@ -133,6 +134,47 @@ def _compute_dtype(t_dtype: torch.dtype, settings: Settings) -> torch.dtype:
     return settings.precision.dtype if t_dtype.is_floating_point else t_dtype
 
 
+@dataclass(frozen=True)
+class FlatBatch:
+    """A batch as its tensor leaves plus what rebuilds it: nested tuples, lists and dicts of tensors are allowed;
+    other leaves (ints, strings, None) are constants of the trace and part of its signature."""
+    tensors: tuple[torch.Tensor, ...]
+    spec: object                     # optree's PyTreeSpec
+    constants: tuple                 # the non-tensor leaves, None where a tensor goes
+    signature: tuple                 # what a cached trace is keyed by
+
+    def rebuild(self, tensors) -> tuple:
+        it = iter(tensors)
+        leaves = [next(it) if c is _TENSOR else c for c in self.constants]
+        return tuple(optree.tree_unflatten(self.spec, leaves))
+
+
+class _TensorSlot:
+    def __repr__(self) -> str:
+        return "<tensor>"
+
+
+_TENSOR = _TensorSlot()
+
+
+def flatten_batch(batch: tuple) -> FlatBatch:
+    leaves, spec = optree.tree_flatten(tuple(batch), none_is_leaf=True, namespace="torch")
+    tensors = tuple(x for x in leaves if isinstance(x, torch.Tensor))
+    constants = tuple(_TENSOR if isinstance(x, torch.Tensor) else x for x in leaves)
+    sig = []
+    for x in leaves:
+        if isinstance(x, torch.Tensor):
+            sig.append((tuple(x.shape), x.dtype))
+        else:
+            try:
+                hash(x)
+            except TypeError:
+                raise TypeError(f"step(*batch): a batch leaf of type {type(x).__name__} is neither a tensor nor "
+                                "hashable; pass tensors (in tuples, lists or dicts) and plain constants") from None
+            sig.append((type(x), x))
+    return FlatBatch(tensors, spec, constants, (str(spec), tuple(sig)))
+
+
 def trace_step(fn, model: nn.Module, batch: tuple, settings: Settings) -> TrainGraph:
     """Trace `fn(model, *batch)` into the "traced" TrainGraph (forward + backward, nothing real allocated)."""
     t0 = time.perf_counter()
@@ -149,11 +191,9 @@ def trace_step(fn, model: nn.Module, batch: tuple, settings: Settings) -> TrainG
     frozen = {p.name: _fake_like(mode, p.shape, _compute_dtype(p.dtype, settings), device)
               for p in tables.params if not p.trainable}
     buffers = {b.name: _fake_like(mode, b.shape, b.dtype, device) for b in tables.buffers}
+    flat = flatten_batch(batch)
     inputs, fake_batch = [], []
-    for i, x in enumerate(batch):
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"step(*batch): argument {i} is a {type(x).__name__}; pass tensors only "
-                            "(close over other values in the step function)")
+    for i, x in enumerate(flat.tensors):
         dt = _compute_dtype(x.dtype, settings)
         inputs.append(InputInfo(i, tuple(x.shape), dt))
         fake_batch.append(_fake_like(mode, x.shape, dt, device))
@@ -169,8 +209,8 @@ def trace_step(fn, model: nn.Module, batch: tuple, settings: Settings) -> TrainG
         # (transformers' mask utilities) do not recognise functorch's wrapped tensors, and fail to trace.
         leaves = {k: v.detach().requires_grad_(True) for k, v in tp.items()}
         with torch.enable_grad():
-            out = torch.func.functional_call(wrapper, (prefixed(leaves), prefixed(fp), prefixed(bufs)), xs,
-                                             strict=False, tie_weights=True)
+            out = torch.func.functional_call(wrapper, (prefixed(leaves), prefixed(fp), prefixed(bufs)),
+                                             flat.rebuild(xs), strict=False, tie_weights=True)
             if not isinstance(out, torch.Tensor) or out.dim() != 0:
                 raise UntraceableError(
                     "the step function must return the loss as a 0-d tensor, got "

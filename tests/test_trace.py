@@ -155,3 +155,29 @@ def test_frozen_parameters_get_no_update_and_unused_ones_are_skipped():
     assert torch.equal(sd["unused.weight"], before["unused.weight"])  # no gradient: AdamW skips it, so do we
     assert not torch.equal(sd["a.weight"], before["a.weight"])
     assert not re.search("unused", " ".join(step.graphs["scheduled"].grad_outputs))
+
+
+def test_batch_may_be_a_pytree_with_constants():
+    torch.manual_seed(0)
+    model = _mlp()
+    ref = _mlp()
+    ref.load_state_dict(model.state_dict())
+
+    def step_fn(m, batch, reduction):
+        return F.mse_loss(m(batch["x"]), batch["y"][0], reduction=reduction)
+
+    step = _compile(model, step_fn)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, fused=True)
+    for _ in range(3):
+        x, y = torch.randn(3, 4), torch.randn(3, 2)
+        loss = step({"y": [y], "x": x}, "sum")
+        eager = step_fn(ref, {"y": [y], "x": x}, "sum")
+        eager.backward()
+        opt.step()
+        opt.zero_grad()
+        assert loss.item() == eager.item()
+    first = step.graphs["traced"]
+    step({"y": [torch.randn(3, 2)], "x": torch.randn(3, 4)}, "mean")   # a new constant retraces
+    assert step.graphs["traced"] is not first
+    with pytest.raises(TypeError, match="neither a tensor nor hashable"):
+        step({"y": [torch.randn(3, 2)], "x": torch.randn(3, 4)}, bytearray(b"sum"))
