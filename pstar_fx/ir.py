@@ -44,6 +44,7 @@ class Phase(enum.Enum):
 class Role(enum.Enum):
     PARAM = "param"                  # placeholder of a parameter (before assign_chunks)
     BUFFER = "buffer"                # placeholder of a module buffer (always resident, mutated in place)
+    CONSTANT = "constant"            # get_attr: a tensor constant made while tracing (torch.tensor(...) in forward)
     INPUT = "input"                  # placeholder of a batch tensor
     SCALE = "scale"                  # placeholder of the fp16 loss scale
     COMPUTE = "compute"              # an aten op of the user's program
@@ -220,5 +221,6 @@ def copy_graph(g: TrainGraph) -> tuple[fx.Graph, dict[fx.Node, fx.Node]]:
     return new, env
 
 
-def to_module(graph: fx.Graph) -> fx.GraphModule:
-    return fx.GraphModule(torch.nn.Module(), graph)
+def to_module(graph: fx.Graph, root: torch.nn.Module) -> fx.GraphModule:
+    """A GraphModule for graph; tensor constants that get_attr nodes name are taken from root."""
+    return fx.GraphModule(root, graph)

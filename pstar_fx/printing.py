@@ -43,6 +43,8 @@ def _call(g: TrainGraph, n: fx.Node) -> str:
         return f"{a.role.value}({a.param or n.meta.get('buffer', '')})"
     if n.op == "output":
         return f"return {_arg(n.args[0])}"
+    if n.op == "get_attr":
+        return f"constant({n.target})"
     args = [_arg(x) for x in n.args] + [f"{k}={_arg(v)}" for k, v in n.kwargs.items()]
     return f"{_target(n)}({', '.join(args)})"
 

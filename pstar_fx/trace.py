@@ -120,6 +120,9 @@ def _explain(exc: BaseException) -> UntraceableError:
     elif isinstance(exc, DynamicOutputShapeException):
         what = (f"operation {exc.func} returns a shape that depends on tensor values (boolean masking, nonzero, "
                 "unique); pstar-fx compiles one static graph, so use fixed-shape ops such as torch.where")
+    elif "convert all Tensors to FakeTensors" in str(exc):
+        what = ("the step uses a real tensor that is neither a parameter, a buffer nor an input (a plain tensor "
+                "attribute or a global); register it with module.register_buffer(...) or pass it in the batch")
     else:
         what = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
     return UntraceableError(f"cannot trace the training step: {what}; {_where(frame)}")
@@ -251,12 +254,14 @@ def trace_step(fn, model: nn.Module, batch: tuple, settings: Settings) -> TrainG
     for node in gm.graph.nodes:
         if node.op == "call_function":
             ann[node.name] = NodeAnn(role=Role.COMPUTE, phase=Phase.FORWARD)
+        elif node.op == "get_attr":
+            ann[node.name] = NodeAnn(role=Role.CONSTANT, phase=Phase.INPUT)
         elif node.op == "output":
             ann[node.name] = NodeAnn(role=Role.OUTPUT, phase=Phase.OUTPUT)
     _reject_param_mutation(gm, ann, recorder)
     # Trainable first, then frozen, matching the placeholder order.
     ordered = tuple(p for p in tables.params if p.trainable) + tuple(p for p in tables.params if not p.trainable)
-    graph = to_module(gm.graph)
+    graph = to_module(gm.graph, gm)
     return TrainGraph(gm=graph, stage="traced", made_by="trace_step", settings=settings, params=ordered,
                       buffers=tables.buffers, inputs=tuple(inputs), ann=ann, seconds=time.perf_counter() - t0)
 

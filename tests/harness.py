@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 import torch
 
@@ -11,6 +12,8 @@ from pstar_fx.ir import Role
 
 from models import Case
 
+# PSTAR_TEST_DEVICE=cuda runs the compiled steps and their eager references on the GPU (see BENCHMARKS.md).
+DEVICE = os.environ.get("PSTAR_TEST_DEVICE", "cpu")
 HYPER = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
 
@@ -24,12 +27,12 @@ def small_batches(case: Case) -> Case:
 def eager_run(case: Case, steps: int, *, fused: bool | None = None, hyper=HYPER):
     """torch.optim.AdamW on the eager model. fused=None (pstar-fx's default, torch's fused kernel) compares with
     torch's fused AdamW; fused=False with the single-tensor implementation."""
-    model = case.build_model()
+    model = case.build_model().to(DEVICE)
     kw = dict(fused=True) if fused is None else dict(foreach=False)
     opt = torch.optim.AdamW(model.parameters(), **hyper, **kw)
     losses = []
     for i in range(steps):
-        loss = case.loss_fn(model, *case.batch(i))
+        loss = case.loss_fn(model, *[x.to(DEVICE) for x in case.batch(i)])
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -41,7 +44,7 @@ def compiled_step(case: Case, *, budget=None, chunk_size=None, precision="fp32",
                   debug=True, prefetch=4):
     model = case.build_model()
     return px.compile(model, optimizer=px.AdamW(**hyper, fused=fused), device_memory=budget, chunk_size=chunk_size,
-                      precision=precision, device="cpu", debug=debug, prefetch=prefetch)(case.loss_fn)
+                      precision=precision, device=DEVICE, debug=debug, prefetch=prefetch)(case.loss_fn)
 
 
 def compiled_run(case: Case, steps: int, **kw):

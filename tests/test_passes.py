@@ -184,7 +184,7 @@ def _without(g, pred):
     graph, env = copy_graph(g)
     victim = next(env[n] for n in g.nodes if pred(n))
     graph.erase_node(victim)
-    return annotate(g.evolve(gm=to_module(graph)))
+    return annotate(g.evolve(gm=to_module(graph, g.gm)))
 
 
 def test_verifier_accepts_the_schedule_and_rejects_broken_ones():

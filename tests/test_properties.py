@@ -8,7 +8,7 @@ from hypothesis import given, strategies as st
 
 import pstar_fx as px
 
-from harness import compiled_run, eager_run, rel_err
+from harness import DEVICE, compiled_run, eager_run, rel_err
 from models import GPT, MLP, Case, assert_state_close, gpt_loss, mlp_loss
 
 STEPS = 2
@@ -43,7 +43,7 @@ def _check(case, chunk_size, point):
     budget = None
     if point is not None:
         probe = px.compile(case.build_model(), optimizer=px.AdamW(), chunk_size=chunk_size or 256,
-                           device="cpu")(case.loss_fn)
+                           device=DEVICE, precision="fp32")(case.loss_fn)
         least = probe.min_device_memory(*case.batch(0))
         budget = int(least * (1 + point))
         chunk_size = chunk_size or 256   # keep the layout min_device_memory planned for

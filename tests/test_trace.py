@@ -181,3 +181,46 @@ def test_batch_may_be_a_pytree_with_constants():
     assert step.graphs["traced"] is not first
     with pytest.raises(TypeError, match="neither a tensor nor hashable"):
         step({"y": [torch.randn(3, 2)], "x": torch.randn(3, 4)}, bytearray(b"sum"))
+
+
+def test_tensor_constants_made_in_forward_are_graph_constants():
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.lin(x) * torch.tensor([1.5, 2.0, 0.5, 1.0])
+
+    torch.manual_seed(0)
+    model, ref = Scaled(), Scaled()
+    ref.load_state_dict(model.state_dict())
+    step = _compile(model, lambda m, x: m(x).pow(2).sum(), debug=True)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, fused=True)
+    for _ in range(3):
+        x = torch.randn(3, 4)
+        loss = step(x)
+        eager = ref(x).pow(2).sum()
+        eager.backward()
+        opt.step()
+        opt.zero_grad()
+        assert loss.item() == eager.item()
+    g = step.graphs["scheduled"]
+    assert any(g.ann[n.name].role is Role.CONSTANT for n in g.nodes)
+    assert "constant(_tensor_constant0)" in str(g)
+
+
+def test_closed_over_real_tensor_names_the_line():
+    class Holder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.k = torch.ones(4)    # a plain attribute, not a registered buffer
+
+        def forward(self, x):
+            return self.lin(x) * self.k  # MARK-closed
+
+    with pytest.raises(px.UntraceableError) as e:
+        _compile(Holder(), lambda m, x: m(x).sum())(torch.randn(3, 4))
+    assert f"test_trace.py:{_this_line('MARK-closed')}" in str(e.value)
+    assert "register_buffer" in str(e.value)

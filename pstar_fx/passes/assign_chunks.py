@@ -181,5 +181,5 @@ def assign_chunks(g: TrainGraph, *, chunk_size: int | None = None,
 
     graph.lint()
     kept = {n.name for n in graph.nodes}
-    return g.evolve(gm=to_module(graph), stage="chunked", made_by="assign_chunks",
+    return g.evolve(gm=to_module(graph, g.gm), stage="chunked", made_by="assign_chunks",
                     ann={k: v for k, v in ann.items() if k in kept}, params=param_table, chunks=tuple(chunks))

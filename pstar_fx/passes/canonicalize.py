@@ -57,5 +57,5 @@ def canonicalize(g: TrainGraph) -> TrainGraph:
             a = dataclasses.replace(a, phase=Phase.BACKWARD if node in backward else Phase.FORWARD)
         ann[node.name] = a
     params = tuple(dataclasses.replace(p, trainable=False) if p.name in no_grad else p for p in g.params)
-    return g.evolve(gm=to_module(graph), stage="canonical", made_by="canonicalize", ann=ann, params=params,
+    return g.evolve(gm=to_module(graph, g.gm), stage="canonical", made_by="canonicalize", ann=ann, params=params,
                     grad_outputs=tuple(grad_names))

@@ -107,7 +107,13 @@ def buf_bytes(g: TrainGraph, key: BufKey) -> int:
     return g.chunks[key.chunk].nbytes
 
 
+def constants(g: TrainGraph) -> dict[str, "torch.Tensor"]:
+    """The tensor constants the graph's get_attr nodes read (made while tracing, e.g. torch.tensor(...))."""
+    return {n.target: getattr(g.gm, n.target) for n in g.gm.graph.nodes if n.op == "get_attr"}
+
+
 def static_bytes(g: TrainGraph) -> int:
-    """Bytes always on the device: module buffers and the optimizer states placed there."""
+    """Bytes always on the device during a step: module buffers, tensor constants, the optimizer states there."""
     states = sum(state_bytes(c, g.settings.precision) for c in g.chunks if c.state_home is StateHome.DEVICE)
-    return sum(b.nbytes for b in g.buffers) + states
+    consts = sum(t.numel() * t.element_size() for t in constants(g).values())
+    return sum(b.nbytes for b in g.buffers) + states + consts

@@ -57,7 +57,7 @@ def place_optimizer(g: TrainGraph) -> TrainGraph:
             s = graph.call_function(ops.optimizer_step, (), {"chunk": c.id})
         ann[s.name] = NodeAnn(role=Role.OPTIMIZER_STEP, phase=Phase.OPTIMIZER, chunk=c.id)
 
-    placed = g.evolve(gm=to_module(graph), ann=ann,
+    placed = g.evolve(gm=to_module(graph, g.gm), ann=ann,
                       chunks=tuple(dataclasses.replace(c, state_home=StateHome.HOST)
                                    if c.group is ChunkGroup.TRAINABLE else c for c in g.chunks))
     placed = _choose_homes(placed)

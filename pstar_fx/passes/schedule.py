@@ -149,7 +149,7 @@ def schedule(g: TrainGraph, *, prefetch: int = 4) -> TrainGraph:
                     fn = ops.fetch if m.copy else ops.alloc
                     node = graph.call_function(fn, (), {"chunk": m.key.chunk, "buf": m.key.buf})
             ann[node.name] = NodeAnn(role=m.role, phase=phase, chunk=m.key.chunk, buf=m.key.buf)
-    sched = g.evolve(gm=to_module(graph), ann=ann)
+    sched = g.evolve(gm=to_module(graph, g.gm), ann=ann)
     return annotate(sched).evolve(stage="scheduled", made_by="schedule")
 
 

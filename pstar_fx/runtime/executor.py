@@ -16,7 +16,7 @@ from .. import ops
 from ..ir import BufKind, Role, StateHome, TrainGraph
 from ..passes.graph_utils import storage_bytes, tensors_of
 from ..passes.liveness import last_uses
-from ..passes.memory import BufKey
+from ..passes.memory import BufKey, constants
 from ..units import format_bytes
 from .adam import adam_step
 from .chunk_store import ChunkStore
@@ -142,6 +142,7 @@ class Executor:
         self.roles = [g.ann[n.name].role for n in self.nodes]
         self.pos = pos
         # the storage size the plan assumed for each tensor a node makes (from its fake value)
+        self.constants = constants(g)
         self.planned = [[storage_bytes(t) for t in tensors_of(n)] if n.op == "call_function" else None
                         for n in self.nodes]
 
@@ -187,10 +188,20 @@ class Executor:
         def load(a):
             return env[self.pos[a]]
 
+        # tensor constants: on the device, in the pool, for the length of the step
+        consts = {}
+        for name, t in self.constants.items():
+            if t.numel() == 0:
+                consts[name] = t.to(self.store.device)
+                continue
+            slot = pool.take(t.numel(), t.dtype, what=f"constant {name}")[:t.numel()]
+            consts[name] = slot.view(t.shape).copy_(t)
         result = None
         for i, n in enumerate(self.nodes):
             role = self.roles[i]
-            if n.op == "placeholder":
+            if n.op == "get_attr":
+                val = consts[n.target]
+            elif n.op == "placeholder":
                 if role is Role.BUFFER:
                     val = self.store.buffers[n.meta["buffer"]]
                 elif role is Role.SCALE:
@@ -220,6 +231,9 @@ class Executor:
             for j in self.free_after[i]:
                 act -= drop(env[j])
                 env[j] = None
+        for t in consts.values():
+            if t.numel():
+                pool.give(t._base if t._base is not None else t)
         return result[0], peak
 
     @staticmethod
