@@ -24,18 +24,34 @@ def small_batches(case: Case) -> Case:
     return dataclasses.replace(case, make_batch=functools.partial(case.make_batch, **kw))
 
 
-def eager_run(case: Case, steps: int, *, fused: bool | None = None, hyper=HYPER):
+def eager_run(case: Case, steps: int, *, fused: bool | None = None, hyper=HYPER, host_params=()):
     """torch.optim.AdamW on the eager model. fused=None (pstar-fx's default, torch's fused kernel) compares with
-    torch's fused AdamW; fused=False with the single-tensor implementation."""
+    torch's fused AdamW; fused=False with the single-tensor implementation.
+
+    host_params: parameters whose AdamW update runs on the CPU, on fp32 copies, as pstar-fx does for chunks whose
+    optimizer states it placed on the host (ZeRO-Offload style). On a GPU this matters: torch's CPU and CUDA AdamW
+    kernels round differently in the last bit, and Adam turns last-bit differences on near-zero gradients (a
+    transformer's key bias) into visible ones. On the CPU both are the same kernel."""
     model = case.build_model().to(DEVICE)
     kw = dict(fused=True) if fused is None else dict(foreach=False)
-    opt = torch.optim.AdamW(model.parameters(), **hyper, **kw)
+    on_device = [p for n, p in model.named_parameters() if n not in host_params]
+    offloaded = [(p, p.detach().cpu().clone()) for n, p in model.named_parameters() if n in host_params]
+    opts = [torch.optim.AdamW(on_device, **hyper, **kw)] if on_device else []
+    if offloaded:
+        opts.append(torch.optim.AdamW([c for _, c in offloaded], **hyper, **kw))
     losses = []
     for i in range(steps):
         loss = case.loss_fn(model, *[x.to(DEVICE) for x in case.batch(i)])
         loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        for p, c in offloaded:
+            c.grad = p.grad.cpu() if p.grad is not None else None
+        for opt in opts:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for p, c in offloaded:
+                p.copy_(c)
+                p.grad = None
         losses.append(loss.item())
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
@@ -57,6 +73,17 @@ def tight_budget(case: Case, chunk_size: int, slack: float = 1.05) -> int:
     """A budget just above the least this case can run in: most chunks cannot stay on the device."""
     step = compiled_step(case, chunk_size=chunk_size)
     return int(step.min_device_memory(*case.batch(0)) * slack)
+
+
+def host_params(step) -> set[str]:
+    """Parameters (all their state_dict names) whose chunk's optimizer states the plan put on the host."""
+    g = step.graphs["scheduled"]
+    names = set()
+    for p in g.params:
+        c = g.chunks[p.chunk]
+        if c.state_home is not None and c.state_home.value == "host":
+            names |= {p.name, *p.aliases}
+    return names if DEVICE != "cpu" else set()
 
 
 def fetch_counts(g) -> dict[int, int]:

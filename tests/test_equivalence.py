@@ -3,7 +3,7 @@ import dataclasses
 
 import pytest
 
-from harness import compiled_run, eager_run, fetch_counts, rel_err, small_batches, tight_budget
+from harness import compiled_run, eager_run, fetch_counts, host_params, rel_err, small_batches, tight_budget
 from models import CASES, CASES_BY_NAME, MLP, assert_state_close, tiny_llama
 
 STEPS = 5
@@ -28,8 +28,8 @@ TIGHT_CASES = [small_batches(c) for c in CASES if c.name != "mlp_mse"] + [small_
 def test_tight_budget_evicts_and_matches_eager(case):
     chunk_size = 1024
     budget = tight_budget(case, chunk_size)
-    ref_losses, ref_sd = eager_run(case, STEPS)
     losses, sd, step = compiled_run(case, STEPS, budget=budget, chunk_size=chunk_size)
+    ref_losses, ref_sd = eager_run(case, STEPS, host_params=host_params(step))
     g = step.graphs["scheduled"]
     model_data = step.summary().model_data_bytes
     assert budget < model_data / 2, f"budget {budget} is not well below the model data {model_data}"

@@ -8,7 +8,7 @@ from hypothesis import given, strategies as st
 
 import pstar_fx as px
 
-from harness import DEVICE, compiled_run, eager_run, rel_err
+from harness import DEVICE, compiled_run, eager_run, host_params, rel_err
 from models import GPT, MLP, Case, assert_state_close, gpt_loss, mlp_loss
 
 STEPS = 2
@@ -53,7 +53,7 @@ def _check(case, chunk_size, point):
     assert stats.measured_peak == g.plan.predicted_peak
     if budget is not None:
         assert stats.measured_peak <= budget
-    ref_losses, ref_sd = eager_run(case, STEPS)
+    ref_losses, ref_sd = eager_run(case, STEPS, host_params=host_params(step))
     assert rel_err(losses, ref_losses) <= 1e-6
     assert_state_close(sd, ref_sd, rtol=1e-6)
 
