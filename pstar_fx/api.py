@@ -9,7 +9,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from .ir import ChunkGroup, Precision, Settings, TrainGraph
+from .ir import ChunkGroup, Precision, Settings, StateHome, TrainGraph
 from .optim import AdamConfig
 from .passes import pipeline, run_passes
 from .passes.place_optimizer import min_need, place_optimizer
@@ -55,8 +55,9 @@ def _resolve_budget(device_memory, device: torch.device) -> int:
 class Summary:
     """The plan of the latest compiled signature and what the last step measured."""
     chunks: int
-    chunk_size: int
-    chunk_bytes: int
+    chunk_size: int                  # elements per regular chunk
+    chunk_bytes: int                 # bytes of a regular chunk's buffer
+    own_chunks: int                  # chunks of tensors larger than chunk_size, each exactly its tensor's size
     model_data_bytes: int            # parameters + gradients + optimizer states, all chunks
     budget: int | None
     states_on_device: int            # trainable chunks whose optimizer states live on the device
@@ -69,7 +70,8 @@ class Summary:
 
     def __str__(self) -> str:
         rows = [
-            ("chunks", f"{self.chunks} x {self.chunk_size} elements ({format_bytes(self.chunk_bytes)} each)"),
+            ("chunks", f"{self.chunks}: {self.chunks - self.own_chunks} of {self.chunk_size} elements "
+                       f"({format_bytes(self.chunk_bytes)} each), {self.own_chunks} sized to one larger tensor"),
             ("model data", format_bytes(self.model_data_bytes) + " (params + grads + optimizer states)"),
             ("budget", "unlimited" if self.budget is None else format_bytes(self.budget)),
             ("optimizer states", f"{self.states_on_device} of {self.trainable_chunks} chunks on the device"),
@@ -125,7 +127,7 @@ class CompiledStep:
         stages = run_passes(traced, passes)
         final = stages[-1]
         if self._store is None:
-            self._layout = (final.params, final.chunks)
+            self._layout = (final.params, final.chunks, final.chunk_size)
             self._store = ChunkStore(final.chunks, final.params, self.settings.precision, self.settings.device,
                                      self.settings.budget)
             model_state = dict(self._model.named_parameters())
@@ -206,12 +208,11 @@ class CompiledStep:
         from .passes.memory import state_bytes
         model_data = (sum(c.nbytes for c in g.chunks) + sum(c.nbytes for c in trainable if not c.grad_inplace)
                       + sum(state_bytes(c, prec) for c in trainable))
-        sizes = sorted({c.capacity for c in g.chunks})
+        own = sum(c.capacity > g.chunk_size for c in g.chunks)
         return Summary(
-            chunks=len(g.chunks), chunk_size=sizes[0] if len(sizes) == 1 else max(sizes, key=lambda s: sum(
-                c.capacity == s for c in g.chunks)),
-            chunk_bytes=g.chunks[0].nbytes if g.chunks else 0, model_data_bytes=model_data, budget=g.settings.budget,
-            states_on_device=sum(c.state_home.value == "device" for c in trainable), trainable_chunks=len(trainable),
+            chunks=len(g.chunks), chunk_size=g.chunk_size, chunk_bytes=g.chunk_size * prec.dtype.itemsize,
+            own_chunks=own, model_data_bytes=model_data, budget=g.settings.budget,
+            states_on_device=sum(c.state_home is StateHome.DEVICE for c in trainable), trainable_chunks=len(trainable),
             predicted_peak=g.plan.predicted_peak,
             measured_peak=None if self._last_stats is None else self._last_stats.measured_peak,
             h2d_bytes=g.plan.h2d_bytes, d2h_bytes=g.plan.d2h_bytes, nodes=len(g.nodes))

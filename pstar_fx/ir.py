@@ -184,6 +184,7 @@ class TrainGraph:
     ann: Mapping[str, NodeAnn]
     grad_outputs: tuple[str, ...] = ()   # canonical+: the parameter of each gradient output (after the loss)
     chunks: tuple[ChunkInfo, ...] = ()
+    chunk_size: int | None = None    # chunked+: elements per regular chunk (larger tensors get their own chunk)
     plan: Plan | None = None
     seconds: float = 0.0             # how long the pass took (kept out of the printed text)
 

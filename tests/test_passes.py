@@ -104,7 +104,12 @@ def test_pack_and_choose_chunk_size():
     placed = sorted(i for _, slots in chunks for i, _ in slots)
     assert placed == list(range(5))
     size = choose_chunk_size(numels, 4, budget=None)
-    assert waste(numels, size) == min(waste(numels, s) for s in range(32, 4096, 32))
+    assert size >= 1000, "every tensor fits a chunk when the budget allows"
+    assert waste(numels, size) == min(waste(numels, s) for s in range(1024, 4096, 32))
+    # a budget too small for the largest tensor's chunk: that tensor gets its own, the rest pack tightly
+    small = choose_chunk_size(numels, 4, budget=8 * 4 * 512)
+    assert small <= 512
+    assert waste(numels, small) == min(waste(numels, s) for s in range(32, small + 1, 32))
 
 
 def test_auto_chunk_size_leaves_room_for_several_chunks():

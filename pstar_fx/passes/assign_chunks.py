@@ -21,6 +21,7 @@ from .graph_utils import output_node, storage_key, tensors_of
 ALIGN = 32                  # element alignment of every parameter inside a chunk (vectorised kernels like it)
 MAX_AUTO_CHUNK = 1 << 26    # largest chunk chosen automatically (elements)
 MIN_CHUNKS_IN_BUDGET = 8    # an automatic chunk is at most 1/8 of the budget, so several fit at once
+EXHAUSTIVE = 2048           # chunk sizes tried when choosing one
 
 
 def _align(n: int) -> int:
@@ -52,18 +53,22 @@ def waste(numels: list[int], chunk_size: int) -> int:
 
 def choose_chunk_size(numels: list[int], itemsize: int, budget: int | None) -> int:
     """The chunk size (elements) that wastes least, among sizes small enough that MIN_CHUNKS_IN_BUDGET chunks fit in
-    the budget and large enough that there are at most a few hundred chunks; ties go to the larger size."""
+    the budget and large enough that there are at most a few hundred chunks and, where the budget allows, that every
+    tensor fits in one (a tensor's own chunk wastes nothing, but gives the pool slots of another size); ties go to
+    the larger size."""
     total = sum(numels)
     if total == 0:
         return ALIGN
-    hi = min(MAX_AUTO_CHUNK, _align(total))
+    hi = min(MAX_AUTO_CHUNK, sum(_align(n) for n in numels))   # one chunk holding everything
     if budget is not None:
         hi = min(hi, max(ALIGN, budget // (MIN_CHUNKS_IN_BUDGET * itemsize)))
     lo = min(hi, max(ALIGN, _align(total // 256)))
-    candidates = {hi, lo}
-    steps = 96
-    for k in range(steps + 1):
-        candidates.add(_align(int(lo * (hi / lo) ** (k / steps))))
+    if _align(max(numels)) <= hi:
+        lo = max(lo, _align(max(numels)))
+    if (hi - lo) // ALIGN <= EXHAUSTIVE:
+        candidates = set(range(lo, hi + 1, ALIGN)) | {hi}
+    else:   # a geometric grid: the waste of nearby sizes differs little once chunks hold many tensors
+        candidates = {hi, lo} | {_align(int(lo * (hi / lo) ** (k / EXHAUSTIVE))) for k in range(EXHAUSTIVE + 1)}
     candidates |= {_align(n) for n in numels if lo <= _align(n) <= hi}
     return min(sorted(candidates), key=lambda s: (waste(numels, s), -s))
 
@@ -83,7 +88,7 @@ def _alias_roots(graph: fx.Graph, param_of: dict[fx.Node, str]) -> dict[fx.Node,
 
 
 def assign_chunks(g: TrainGraph, *, chunk_size: int | None = None,
-                  layout: tuple[tuple[ParamInfo, ...], tuple[ChunkInfo, ...]] | None = None) -> TrainGraph:
+                  layout: tuple[tuple[ParamInfo, ...], tuple[ChunkInfo, ...], int] | None = None) -> TrainGraph:
     graph, _ = copy_graph(g)
     ann = dict(g.ann)
     nodes = list(graph.nodes)
@@ -110,7 +115,7 @@ def assign_chunks(g: TrainGraph, *, chunk_size: int | None = None,
                                         used=sum(members[i].numel for i, _ in slots)))
         param_table = tuple(params[p.name] for p in g.params)
     else:
-        param_table, chunk_table = layout
+        param_table, chunk_table, size = layout
         old = {p.name: p for p in param_table}
         for p in g.params:
             q = old.get(p.name)
@@ -182,4 +187,5 @@ def assign_chunks(g: TrainGraph, *, chunk_size: int | None = None,
     graph.lint()
     kept = {n.name for n in graph.nodes}
     return g.evolve(gm=to_module(graph, g.gm), stage="chunked", made_by="assign_chunks",
-                    ann={k: v for k, v in ann.items() if k in kept}, params=param_table, chunks=tuple(chunks))
+                    ann={k: v for k, v in ann.items() if k in kept}, params=param_table, chunks=tuple(chunks),
+                    chunk_size=size)

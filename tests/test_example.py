@@ -1,0 +1,30 @@
+"""The main job, examples/train_gpt.py, runs from a checkout: the loss falls and the plan summary is printed."""
+import os
+import re
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_train_gpt_example_trains_under_a_budget():
+    out = subprocess.run([sys.executable, "examples/train_gpt.py", "--model", "tiny", "--steps", "60",
+                          "--device", "cpu", "--log-every", "59"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    text = out.stdout
+    losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", text)]
+    assert len(losses) >= 2 and losses[-1] < losses[0] - 1.0, text
+    for field in ("chunks:", "budget:", "predicted peak:", "measured peak:", "moved per step:"):
+        assert field in text, f"summary lacks {field!r}:\n{text}"
+    predicted = re.search(r"predicted peak: (.*)", text).group(1)
+    measured = re.search(r"measured peak: (.*)", text).group(1)
+    assert predicted == measured
+    budget = _bytes(re.search(r"device memory budget: (.*)", text).group(1))
+    data = _bytes(re.search(r"model data \(.*\): (.*)", text).group(1))
+    assert budget < data, "the default budget must be smaller than the model data"
+
+
+def _bytes(s: str) -> float:
+    value, unit = re.match(r"([\d.]+) (B|KiB|MiB|GiB)", s.strip()).groups()
+    return float(value) * {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[unit]
