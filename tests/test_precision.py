@@ -129,3 +129,19 @@ def test_fp16_graph_unscales_before_any_step():
     first_step = roles.index(Role.OPTIMIZER_STEP)
     last_write = max(i for i, r in enumerate(roles) if r is Role.WRITE_GRAD)
     assert roles.index(Role.UNSCALE) > last_write and roles.index(Role.UNSCALE) < first_step
+
+
+def test_state_dict_round_trip_keeps_full_precision_in_bf16():
+    """Trainable parameters come back from the fp32 masters, frozen ones as they were given: no bf16 rounding."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+    model[0].weight.requires_grad_(False)
+    step = px.compile(model, optimizer=px.AdamW(lr=0.0, weight_decay=0.0), precision="bf16", device="cpu")(
+        lambda m, x: m(x).pow(2).sum())
+    step(torch.randn(4, 8))
+    sd = step.state_dict()
+    for k, v in model.state_dict().items():
+        assert torch.equal(sd[k], v), k          # lr=0: nothing moved, and nothing was rounded to bf16
+    new = {k: v + 0.123456789 for k, v in sd.items()}
+    step.load_state_dict(new)
+    assert all(torch.equal(step.state_dict()[k], new[k]) for k in new)

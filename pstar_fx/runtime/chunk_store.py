@@ -104,6 +104,7 @@ class ChunkStore:
                 self.states[c.id] = self.hostmem.zeros(state_floats(c, precision), torch.float32)
                 self.state_home[c.id] = StateHome.HOST
         self.buffers: dict[str, torch.Tensor] = {}
+        self.frozen_full: dict[str, torch.Tensor] = {}   # mixed precision: frozen parameters at full precision
 
     # -- parameters and buffers -------------------------------------------------------------------------------
     def load_params(self, values: dict[str, torch.Tensor]) -> None:
@@ -115,6 +116,9 @@ class ChunkStore:
             self.host_param[c.id][p.offset:p.offset + p.numel].copy_(flat)
             if self.precision.mixed and c.group is ChunkGroup.TRAINABLE:
                 self.master(c.id)[p.offset:p.offset + p.numel].copy_(flat)
+            elif self.precision.mixed:
+                # a frozen parameter has no master; keep its full-precision value for state_dict()
+                self.frozen_full[name] = v.detach().to("cpu", copy=True)
 
     def load_buffers(self, values: dict[str, torch.Tensor]) -> None:
         for name, v in values.items():
@@ -125,6 +129,8 @@ class ChunkStore:
 
     def param_value(self, name: str) -> torch.Tensor:
         """The full-precision value of a parameter (the fp32 master in mixed precision)."""
+        if name in self.frozen_full:
+            return self.frozen_full[name]
         p = self.params[name]
         c = self.chunks[p.chunk]
         src = (self.master(c.id) if self.precision.mixed and c.group is ChunkGroup.TRAINABLE
