@@ -1,0 +1,114 @@
+"""The public surface: arguments, their validation, Adam (L2) and AdamW options, the accounted device pool."""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import pstar_fx as px
+from pstar_fx.runtime.chunk_store import DevicePool, PoolExhausted
+from pstar_fx.units import format_bytes, parse_bytes
+
+from models import CASES_BY_NAME, assert_state_close
+
+
+@pytest.mark.parametrize("text,value", [("8GiB", 8 * 2**30), ("512MiB", 512 * 2**20), ("1.5GB", 1_500_000_000),
+                                        ("4096", 4096), (" 2 kib ", 2048), (123, 123)])
+def test_parse_bytes(text, value):
+    assert parse_bytes(text) == value
+
+
+@pytest.mark.parametrize("bad", ["abc", "8 GiBs", "-1GiB", 0, -5, True, 1.5, "0MiB"])
+def test_parse_bytes_rejects(bad):
+    with pytest.raises((ValueError, TypeError)):
+        parse_bytes(bad)
+
+
+def test_format_bytes():
+    assert format_bytes(1536) == "1.50 KiB" and format_bytes(12) == "12 B" and format_bytes(3 * 2**30) == "3.00 GiB"
+
+
+@pytest.mark.parametrize("kwargs,match", [(dict(amsgrad=True), "amsgrad"), (dict(lr=-1.0), "learning rate"),
+                                          (dict(betas=(0.9, 1.0)), "betas"), (dict(eps=-1.0), "epsilon"),
+                                          (dict(weight_decay=-0.1), "weight_decay"),
+                                          (dict(foreach=True), "foreach"), (dict(capturable=True), "capturable"),
+                                          (dict(lr=torch.tensor(0.1)), "tensor learning rates")])
+def test_optimizer_arguments_are_checked(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        px.AdamW(**kwargs)
+
+
+def test_optimizer_defaults_are_torchs():
+    import inspect
+    for ours, theirs in ((px.Adam, torch.optim.Adam), (px.AdamW, torch.optim.AdamW)):
+        sig = inspect.signature(theirs).parameters
+        cfg = ours()
+        assert cfg.lr == sig["lr"].default and (cfg.beta1, cfg.beta2) == sig["betas"].default
+        assert cfg.eps == sig["eps"].default and cfg.weight_decay == sig["weight_decay"].default
+
+
+@pytest.mark.parametrize("kwargs,exc,match", [
+    (dict(optimizer=torch.optim.AdamW), TypeError, "px.Adam"),
+    (dict(device_memory="abc"), ValueError, "cannot read"),
+    (dict(precision="fp8"), ValueError, "precision"),
+    (dict(chunk_size=0), ValueError, "chunk_size"),
+    (dict(device="mps"), ValueError, "device"),
+])
+def test_compile_arguments_are_checked(kwargs, exc, match):
+    args = dict(optimizer=px.AdamW())
+    args.update(kwargs)
+    with pytest.raises(exc, match=match):
+        px.compile(nn.Linear(2, 2), **args)(lambda m, x: m(x).sum())
+
+
+def test_model_must_be_a_module():
+    with pytest.raises(TypeError, match="nn.Module"):
+        px.compile(lambda x: x, optimizer=px.AdamW())(lambda m, x: m(x).sum())
+
+
+def test_adam_with_l2_weight_decay_and_maximize_match_torch():
+    case = CASES_BY_NAME["mlp_ce"]
+    hyper = dict(lr=1e-3, betas=(0.8, 0.99), eps=1e-7, weight_decay=0.05)
+    for maximize in (False, True):
+        model = case.build_model()
+        opt = torch.optim.Adam(model.parameters(), **hyper, maximize=maximize, fused=True)
+        ref = []
+        for i in range(4):
+            loss = case.loss_fn(model, *case.batch(i))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            ref.append(loss.item())
+        step = px.compile(case.build_model(), optimizer=px.Adam(**hyper, maximize=maximize), device="cpu")(
+            case.loss_fn)
+        got = [step(*case.batch(i)).item() for i in range(4)]
+        assert got == ref
+        assert_state_close(step.state_dict(), model.state_dict(), rtol=1e-6)
+
+
+def test_device_pool_refuses_past_its_budget():
+    pool = DevicePool(torch.device("cpu"), budget=1000)
+    a = pool.take(200, torch.float32)            # 800 bytes
+    with pytest.raises(PoolExhausted, match="past the budget"):
+        pool.take(100, torch.float32)
+    pool.give(a)
+    assert pool.in_use == 0
+    b = pool.take(200, torch.float32)
+    assert b.data_ptr() == a.data_ptr(), "a freed slot of the same size is reused"
+
+
+def test_step_before_compile_and_state_dict_before_step():
+    model = nn.Linear(3, 1)
+    step = px.compile(model, optimizer=px.AdamW(), device="cpu")(lambda m, x: m(x).sum())
+    with pytest.raises(RuntimeError, match="nothing is compiled yet"):
+        step.graphs
+    sd = step.state_dict()
+    assert torch.equal(sd["weight"], model.weight.detach())
+
+
+def test_loss_that_does_not_depend_on_parameters_trains_nothing():
+    model = nn.Linear(3, 1)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    step = px.compile(model, optimizer=px.AdamW(lr=0.1), device="cpu")(lambda m, x: (x * 2).sum())
+    assert step(torch.randn(4, 3)).dim() == 0
+    after = step.state_dict()
+    assert all(torch.equal(after[k], before[k]) for k in before)
