@@ -101,8 +101,11 @@ class CompiledStep:
         if not isinstance(optimizer, AdamConfig):
             raise TypeError("px.compile: optimizer must be px.Adam(...) or px.AdamW(...), got "
                             f"{type(optimizer).__name__}")
-        if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size <= 0):
+        if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool)
+                                       or chunk_size <= 0):
             raise ValueError(f"chunk_size must be a positive number of elements, got {chunk_size!r}")
+        if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
+            raise ValueError(f"prefetch must be a number of nodes >= 0, got {prefetch!r}")
         self._fn = fn
         self._model = model
         dev = _resolve_device(device)
@@ -177,7 +180,12 @@ class CompiledStep:
             scale = torch.tensor(self._scaler.scale, dtype=torch.float32, device=self.settings.device)
             rt.found_inf = torch.zeros((), dtype=torch.bool, device=self.settings.device)
         per_node: list[int] | None = [] if self.debug else None
-        loss, peak = compiled.executor.run(inputs, scale, rt, trace_peaks=per_node)
+        try:
+            loss, peak = compiled.executor.run(inputs, scale, rt, trace_peaks=per_node)
+        except BaseException:
+            # leave the step usable: nothing stays on the device (chunk updates already applied stay applied)
+            store.drop_slots()
+            raise
         if per_node is not None:
             _check_measured(g, per_node)
         if self._scaler is not None:

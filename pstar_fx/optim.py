@@ -25,16 +25,27 @@ class AdamConfig:
         return "AdamW" if self.decoupled else "Adam"
 
 
+def _is_real(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
 def _make(name: str, decoupled: bool, lr, betas, eps, weight_decay, amsgrad, foreach, maximize, capturable,
           differentiable, fused) -> AdamConfig:
-    if not isinstance(lr, (int, float)) or isinstance(lr, bool):
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and all(_is_real(b) for b in betas)):
+        raise ValueError(f"px.{name}: betas must be a pair of floats such as (0.9, 0.999), got {betas!r}")
+    for arg, value in (("eps", eps), ("weight_decay", weight_decay)):
+        if not _is_real(value):
+            raise ValueError(f"px.{name}: {arg} must be a float, got {value!r}")
+    if fused not in (None, True, False):
+        raise ValueError(f"px.{name}: fused must be None, True or False, got {fused!r}")
+    if not _is_real(lr):
         raise ValueError(f"px.{name}: lr must be a Python float, got {type(lr).__name__} "
                          "(tensor learning rates are not supported yet)")
     if lr < 0.0:
         raise ValueError(f"px.{name}: invalid learning rate {lr}")
     if eps < 0.0:
         raise ValueError(f"px.{name}: invalid epsilon value {eps}")
-    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+    if not all(0.0 <= b < 1.0 for b in betas):
         raise ValueError(f"px.{name}: invalid betas {betas}: each must be in [0, 1)")
     if weight_decay < 0.0:
         raise ValueError(f"px.{name}: invalid weight_decay value {weight_decay}")

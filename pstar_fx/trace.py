@@ -221,11 +221,12 @@ def trace_step(fn, model: nn.Module, batch: tuple, settings: Settings) -> TrainG
                        else type(out).__name__))
             if not out.is_floating_point():
                 raise UntraceableError(f"the step function returned a loss of dtype {out.dtype}; it must be floating")
-            if leaves and out.requires_grad:
-                seeded = out * scale_args[0] if scale_args else out
-                grads = torch.autograd.grad(seeded, list(leaves.values()), allow_unused=True)
-            else:
-                grads = [None] * len(leaves)
+            if not out.requires_grad:
+                raise UntraceableError(
+                    "the loss does not depend on any trainable parameter, so a step would train nothing (eager "
+                    "loss.backward() raises here too); check requires_grad and that the loss uses the model's output")
+            seeded = out * scale_args[0] if scale_args else out
+            grads = torch.autograd.grad(seeded, list(leaves.values()), allow_unused=True)
         return [out] + list(grads)
 
     recorder = _InplaceRecorder()

@@ -192,6 +192,14 @@ def _without(g, pred):
     return annotate(g.evolve(gm=to_module(graph, g.gm)))
 
 
+def _retarget(g, pred, target):
+    """A copy of g with the first node matching pred calling target instead."""
+    from pstar_fx.ir import copy_graph, to_module
+    graph, env = copy_graph(g)
+    next(env[n] for n in g.nodes if pred(n)).target = target
+    return g.evolve(gm=to_module(graph, g.gm))
+
+
 def test_verifier_accepts_the_schedule_and_rejects_broken_ones():
     g = _scheduled()
     verify(g)
@@ -201,6 +209,8 @@ def test_verifier_accepts_the_schedule_and_rejects_broken_ones():
         verify(_without(g, lambda n: n.target is ops.optimizer_step))
     with pytest.raises(VerificationError):   # the budget or the end-state check catches it
         verify(_without(g, lambda n: n.target is ops.release))
+    with pytest.raises(VerificationError, match="allocated zeroed"):
+        verify(_retarget(g, lambda n: n.target is ops.fetch, ops.alloc))
     tighter = g.evolve(settings=dataclasses.replace(g.settings, budget=g.plan.predicted_peak - 1))
     with pytest.raises(VerificationError, match="exceed the budget"):
         verify(tighter)

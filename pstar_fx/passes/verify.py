@@ -7,7 +7,7 @@ Checked at every stage (each check applies once the stage has what it is about):
   exactly one write_grad; in a chunk whose gradients overwrite its parameters, no parameter is read after that;
 - optimizer: one optimizer_step per trainable chunk, after every read and gradient write of its parameters;
 - schedule: every chunk buffer a node reads or writes is resident on the device; a fetch copies only data the host
-  holds; nothing written on the device is dropped while still needed; nothing is resident at the end; a host-side step
+  holds, and a buffer whose host copy holds data is fetched, never allocated zeroed; nothing written on the device is dropped while still needed; nothing is resident at the end; a host-side step
   finds its chunk off the device with its gradient on the host; static + resident + live + workspace <= budget at
   every node, and the plan's predicted peak is that maximum.
 - collectives (one rank here): none are present, so their order is trivially identical on every rank.
@@ -136,6 +136,8 @@ def _check_schedule(g: TrainGraph) -> None:
                 _fail(g, i, f"{key} fetched while resident")
             if n.target is ops.fetch and key not in host_has:
                 _fail(g, i, f"{key} fetched from a host copy that holds no data (use alloc)")
+            if n.target is ops.alloc and key in host_has:
+                _fail(g, i, f"{key} allocated zeroed while its host copy holds data that is needed (use fetch)")
             resident[key] = False
             used += buf_bytes(g, key)
             shown = used

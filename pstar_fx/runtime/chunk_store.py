@@ -1,8 +1,8 @@
 """ChunkStore: where every chunk buffer and optimizer state lives, with every device byte accounted.
 
-The device pool hands out fixed-size slots (one size class per distinct chunk capacity: no fragmentation) and
-permanent allocations (module buffers, device optimizer states), and counts each byte against the budget: an
-allocation past the budget raises. Freed slots are kept for reuse and count as in use by no one. The host side holds
+The device pool hands out chunk-sized slots and permanent allocations (module buffers, device optimizer states) and
+counts each byte against the budget: an allocation past the budget raises. A released slot's memory goes back to
+torch's allocator at once, so what the pool counts is what it holds. The host side holds
 each chunk's home copy of its parameters (pinned on CUDA machines: pageable copies are much slower), gradient homes
 made on first write-back, and the optimizer states placed on the host.
 """
@@ -25,8 +25,7 @@ class DevicePool:
         self.budget = budget
         self.in_use = 0
         self.window_peak = 0           # highest in_use since the executor last sampled it
-        self._free: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
-        self.storages: set[int] = set()   # data_ptrs of every buffer the pool owns
+        self.storages: set[int] = set()   # data_ptrs of the buffers the pool has handed out and not taken back
 
     def _charge(self, nbytes: int, what: str) -> None:
         if self.budget is not None and self.in_use + nbytes > self.budget:
@@ -37,16 +36,16 @@ class DevicePool:
 
     def take(self, numel: int, dtype: torch.dtype, what: str = "slot") -> torch.Tensor:
         self._charge(numel * dtype.itemsize, what)
-        free = self._free.get((numel, dtype))
-        if free:
-            return free.pop()
         t = torch.empty(numel, dtype=dtype, device=self.device)
         self.storages.add(t.untyped_storage().data_ptr())
         return t
 
     def give(self, t: torch.Tensor) -> None:
+        """Take a buffer back. The pool keeps no free list of its own: a cached slot would hold memory the budget no
+        longer counts. The memory goes back to torch's allocator, whose CUDA cache hands the same block to the
+        next slot of that size (no fragmentation while slots share a size)."""
         self.in_use -= t.numel() * t.dtype.itemsize
-        self._free.setdefault((t.numel(), t.dtype), []).append(t)
+        self.storages.discard(t.untyped_storage().data_ptr())
 
     def sample(self) -> int:
         """The highest in_use since the last sample (then starts a new window)."""
@@ -105,10 +104,12 @@ class ChunkStore:
                 self.state_home[c.id] = StateHome.HOST
         self.buffers: dict[str, torch.Tensor] = {}
         self.frozen_full: dict[str, torch.Tensor] = {}   # mixed precision: frozen parameters at full precision
+        self._reading: dict[int, "torch.cuda.Event"] = {}  # chunk -> event after the last copy from its host buffers
 
     # -- parameters and buffers -------------------------------------------------------------------------------
     def load_params(self, values: dict[str, torch.Tensor]) -> None:
         """Fill the chunks (and the fp32 masters in mixed precision) from full-precision values."""
+        self.before_host_write()
         for name, v in values.items():
             p = self.params[name]
             c = self.chunks[p.chunk]
@@ -181,7 +182,25 @@ class ChunkStore:
         c = self.chunks[key.chunk]
         slot = self.pool.take(c.capacity, c.dtype, what=f"chunk {c.id} {key.buf.value} buffer")
         slot.copy_(self.host(key), non_blocking=self.pin)
+        if self.pin:
+            # the copy reads the host buffer asynchronously: the CPU must not write it until the copy is done
+            event = torch.cuda.Event()
+            event.record()
+            self._reading[key.chunk] = event
         self.slots[key] = slot
+
+    def before_host_write(self, chunk: int | None = None) -> None:
+        """Wait for the host->device copies still reading chunk's host buffers (all chunks' when None)."""
+        chunks = list(self._reading) if chunk is None else [chunk]
+        for c in chunks:
+            event = self._reading.pop(c, None)
+            if event is not None:
+                event.synchronize()
+
+    def drop_slots(self) -> None:
+        """After a failed step: give every slot back without writing anything to the host."""
+        for key in list(self.slots):
+            self.pool.give(self.slots.pop(key))
 
     def alloc(self, key: BufKey) -> None:
         assert key not in self.slots, key

@@ -104,6 +104,7 @@ class Runtime:
             param = st.slots[BufKey(chunk, BufKind.PARAM)]
             grad = st.slots[BufKey(chunk, c.grad_buf())]
         else:
+            st.before_host_write(chunk)
             param = st.host_param[chunk]
             grad = st.host(BufKey(chunk, c.grad_buf()))
         if not self.precision.mixed:
@@ -123,6 +124,15 @@ class Runtime:
         finally:
             if on_device:
                 st.pool.give(g32)
+
+
+def _source(n: fx.Node) -> str:
+    """The user's source line that produced a node, as make_fx recorded it (when it did)."""
+    trace = n.meta.get("stack_trace")
+    if not trace:
+        return ""
+    lines = [ln.strip() for ln in trace.strip().splitlines() if ln.strip()]
+    return f" ({lines[-2]}: {lines[-1]})" if len(lines) >= 2 else f" ({lines[-1]})"
 
 
 class Executor:
@@ -189,51 +199,55 @@ class Executor:
             return env[self.pos[a]]
 
         # tensor constants: on the device, in the pool, for the length of the step
-        consts = {}
-        for name, t in self.constants.items():
-            if t.numel() == 0:
-                consts[name] = t.to(self.store.device)
-                continue
-            slot = pool.take(t.numel(), t.dtype, what=f"constant {name}")[:t.numel()]
-            consts[name] = slot.view(t.shape).copy_(t)
-        result = None
-        for i, n in enumerate(self.nodes):
-            role = self.roles[i]
-            if n.op == "get_attr":
-                val = consts[n.target]
-            elif n.op == "placeholder":
-                if role is Role.BUFFER:
-                    val = self.store.buffers[n.meta["buffer"]]
-                elif role is Role.SCALE:
-                    val = scale
+        consts, slots = {}, []
+        try:
+            for name, t in self.constants.items():
+                if t.numel() == 0:
+                    consts[name] = t.to(self.store.device)
+                    continue
+                slots.append(pool.take(t.numel(), t.dtype, what=f"constant {name}"))
+                consts[name] = slots[-1].view(t.shape).copy_(t)
+            result = None
+            for i, n in enumerate(self.nodes):
+                role = self.roles[i]
+                if n.op == "get_attr":
+                    val = consts[n.target]
+                elif n.op == "placeholder":
+                    if role is Role.BUFFER:
+                        val = self.store.buffers[n.meta["buffer"]]
+                    elif role is Role.SCALE:
+                        val = scale
+                    else:
+                        val = next(input_iter)
+                elif n.op == "output":
+                    result = fx.node.map_arg(n.args[0], load)
+                    val = None
+                elif n.target in _RUNTIME_OPS:
+                    args = fx.node.map_arg(n.args, load)
+                    val = n.target(rt, *args, **n.kwargs)
                 else:
-                    val = next(input_iter)
-            elif n.op == "output":
-                result = fx.node.map_arg(n.args[0], load)
-                val = None
-            elif n.target in _RUNTIME_OPS:
-                args = fx.node.map_arg(n.args, load)
-                val = n.target(rt, *args, **n.kwargs)
-            else:
-                args = fx.node.map_arg(n.args, load)
-                kwargs = fx.node.map_arg(n.kwargs, load)
-                val = n.target(*args, **kwargs)
-                val = self._compact(val, self.planned[i], pool)
-            env[i] = val
-            act += hold(val)
-            total = pool.sample() + act
-            peak = max(peak, total)
-            if trace_peaks is not None:
-                trace_peaks.append(total)
-            if pool.budget is not None and total > pool.budget:
-                raise RuntimeError(f"pstar-fx bug: node {n.name} holds {format_bytes(total)} on the device, past "
-                                   f"the budget {format_bytes(pool.budget)} that the plan promised to keep")
-            for j in self.free_after[i]:
-                act -= drop(env[j])
-                env[j] = None
-        for t in consts.values():
-            if t.numel():
-                pool.give(t._base if t._base is not None else t)
+                    args = fx.node.map_arg(n.args, load)
+                    kwargs = fx.node.map_arg(n.kwargs, load)
+                    try:
+                        val = n.target(*args, **kwargs)
+                    except Exception as e:
+                        raise RuntimeError(f"pstar-fx: {n.target} failed at node {n.name}{_source(n)}: {e}") from e
+                    val = self._compact(val, self.planned[i], pool)
+                env[i] = val
+                act += hold(val)
+                total = pool.sample() + act
+                peak = max(peak, total)
+                if trace_peaks is not None:
+                    trace_peaks.append(total)
+                if pool.budget is not None and total > pool.budget:
+                    raise RuntimeError(f"pstar-fx bug: node {n.name} holds {format_bytes(total)} on the device, "
+                                       f"past the budget {format_bytes(pool.budget)} that the plan promised to keep")
+                for j in self.free_after[i]:
+                    act -= drop(env[j])
+                    env[j] = None
+        finally:
+            for slot in slots:
+                pool.give(slot)
         return result[0], peak
 
     @staticmethod
