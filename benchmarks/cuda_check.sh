@@ -12,6 +12,7 @@ python3 -c 'import torch, transformers, hypothesis; print("torch", torch.__versi
 status=0
 PSTAR_TEST_DEVICE=cuda python3 -m pytest tests/test_equivalence.py tests/test_precision.py tests/test_properties.py \
   -q -p no:cacheprovider -rf 2>&1 | tee "$out/cuda_tests.txt" | tail -8 || status=1
+PSTAR_TEST_DEVICE=cuda python3 -m pytest tests/test_cuda_runtime.py -q -p no:cacheprovider -rf 2>&1 | tee "$out/cuda_runtime.txt" | tail -3 || status=1
 python3 -m pytest ${CPU_TESTS:-tests} -q -p no:cacheprovider -rf 2>&1 | tee "$out/cpu_tests.txt" | tail -5 || status=1
 python3 examples/train_gpt.py --device cuda --steps 100 2>&1 | tee "$out/train_gpt_cuda.txt" | tail -12 || status=1
 exit $status
