@@ -243,3 +243,35 @@ def test_printing_is_deterministic_and_complete():
     node_lines = [t for t in text if t[:5].strip().isdigit()]
     assert len(node_lines) == len(a["scheduled"].nodes)
     assert any("float32" in t and "(4, 16, 64)" in t for t in node_lines)   # shape and dtype columns
+
+
+def test_schedule_evicts_the_buffer_used_furthest_in_the_future():
+    """Belady: at every eviction, no other resident buffer that the next node does not need is used later."""
+    from pstar_fx.passes.memory import BufKey, all_needs
+    case = small_batches(CASES_BY_NAME["gpt_tied"])
+    step = compiled_step(case, budget=tight_budget(case, 1024), chunk_size=1024, prefetch=0)
+    g = step.lower(*case.batch(0))["scheduled"]
+    nodes, needs = g.nodes, all_needs(g)
+    uses: dict = {}
+    for i, x in enumerate(needs):
+        for k in x.resident:
+            uses.setdefault(k, []).append(i)
+
+    def next_use(k, i):
+        return next((u for u in uses[k] if u > i), float("inf"))
+
+    resident, evictions = set(), 0
+    for i, n in enumerate(nodes):
+        a = g.ann[n.name]
+        if a.role is Role.FETCH:
+            resident.add(BufKey(a.chunk, a.buf))
+        elif a.role is Role.RELEASE:
+            key = BufKey(a.chunk, a.buf)
+            resident.discard(key)
+            if next_use(key, i) != float("inf"):      # an eviction, not a release after the last use
+                evictions += 1
+                following = next(j for j in range(i, len(nodes)) if g.ann[nodes[j].name].role not in
+                                 (Role.FETCH, Role.RELEASE))
+                others = [k for k in resident if k not in needs[following].resident]
+                assert all(next_use(k, i) <= next_use(key, i) for k in others), (n.name, key, others)
+    assert evictions > 0, "the tight budget should force evictions"
