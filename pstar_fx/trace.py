@@ -11,7 +11,6 @@ stay in the graph as in-place aten ops on the buffer placeholders; the runtime a
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 import traceback

@@ -2,7 +2,6 @@
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import pstar_fx as px
 from pstar_fx.runtime.chunk_store import DevicePool, PoolExhausted

@@ -3,9 +3,6 @@ import dataclasses
 
 import pytest
 import torch
-import torch.fx as fx
-import torch.nn as nn
-import torch.nn.functional as F
 
 import pstar_fx as px
 from pstar_fx import ops

@@ -1,7 +1,6 @@
 """Property tests: random models x chunk sizes x budgets. The verifier accepts every schedule (it runs after every
 pass), the device bytes measured after every node equal the plan (debug=True checks it), the measured peak stays
 within the budget, and training equals eager PyTorch."""
-import dataclasses
 
 import torch
 from hypothesis import given, strategies as st

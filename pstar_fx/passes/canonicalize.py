@@ -12,7 +12,7 @@ import dataclasses
 
 import torch.fx as fx
 
-from ..ir import Phase, Role, TrainGraph, copy_graph, to_module
+from ..ir import Phase, TrainGraph, copy_graph, to_module
 from .graph_utils import loss_seed, mutated_args, output_node
 
 

@@ -2,8 +2,9 @@
 
 Invariant after: every node's `live_bytes` is the total size of the activation storages alive while it runs: a
 storage is alive from the node that creates it to the last user of any value sharing it (a value with no user dies
-at the node that made it). Batch inputs are activations; module buffers, tensor constants and chunk memory (parameter views) are
-not: the schedule accounts for them. The executor frees values by the same rule, so its measured bytes equal these.
+at the node that made it). Batch inputs are activations; module buffers, tensor constants and chunk memory
+(parameter views) are not: the schedule accounts for them. The executor frees values by the same rule, so its
+measured bytes equal these.
 """
 from __future__ import annotations
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
+import torch
 import torch.fx as fx
 
 from ..ir import BufKind, ChunkInfo, NodeAnn, Precision, Role, StateHome, TrainGraph
@@ -107,7 +108,7 @@ def buf_bytes(g: TrainGraph, key: BufKey) -> int:
     return g.chunks[key.chunk].nbytes
 
 
-def constants(g: TrainGraph) -> dict[str, "torch.Tensor"]:
+def constants(g: TrainGraph) -> dict[str, torch.Tensor]:
     """The tensor constants the graph's get_attr nodes read (made while tracing, e.g. torch.tensor(...))."""
     return {n.target: getattr(g.gm, n.target) for n in g.gm.graph.nodes if n.op == "get_attr"}
 

@@ -7,9 +7,10 @@ Checked at every stage (each check applies once the stage has what it is about):
   exactly one write_grad; in a chunk whose gradients overwrite its parameters, no parameter is read after that;
 - optimizer: one optimizer_step per trainable chunk, after every read and gradient write of its parameters;
 - schedule: every chunk buffer a node reads or writes is resident on the device; a fetch copies only data the host
-  holds, and a buffer whose host copy holds data is fetched, never allocated zeroed; nothing written on the device is dropped while still needed; nothing is resident at the end; a host-side step
-  finds its chunk off the device with its gradient on the host; static + resident + live + workspace <= budget at
-  every node, and the plan's predicted peak is that maximum.
+  holds, and a buffer whose host copy holds data is fetched, never allocated zeroed; nothing written on the device
+  is dropped while still needed; nothing is resident at the end; a host-side step finds its chunk off the device
+  with its gradient on the host; static + resident + live + workspace <= budget at every node, and the plan's
+  predicted peak is that maximum.
 - collectives (one rank here): none are present, so their order is trivially identical on every rank.
 """
 from __future__ import annotations
