@@ -130,10 +130,16 @@ class CompiledStep:
         stages = run_passes(traced, passes)
         final = stages[-1]
         if self._store is None:
+            model_state = dict(self._model.named_parameters())
+            on_meta = [n for n, t in list(model_state.items()) + list(self._model.named_buffers()) if t.is_meta]
+            if on_meta:
+                raise ValueError(f"the model's tensors {on_meta[:3]}{'...' if len(on_meta) > 3 else ''} are on the "
+                                 "meta device: pstar-fx copies the model's values into its chunks at the first "
+                                 "step, so give it a model with real values (initialising on meta is not supported "
+                                 "yet)")
             self._layout = (final.params, final.chunks, final.chunk_size)
             self._store = ChunkStore(final.chunks, final.params, self.settings.precision, self.settings.device,
                                      self.settings.budget)
-            model_state = dict(self._model.named_parameters())
             self._store.load_params({p.name: model_state[p.name] for p in final.params})
             self._store.load_buffers({n: b for n, b in self._model.named_buffers()})
         return _Compiled(stages=dict(zip(STAGE_NAMES, stages)), executor=Executor(final, self._store))
@@ -246,7 +252,8 @@ class CompiledStep:
         return out
 
     def load_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True) -> None:
-        """Restore parameter and buffer values (optimizer states are left as they are)."""
+        """Restore parameter and buffer values (optimizer states are left as they are). Before the first step
+        there are no chunks yet, so the values go into the model itself, from which the first step takes them."""
         ref = self._model.state_dict()
         missing = [k for k in ref if k not in state_dict]
         unexpected = [k for k in state_dict if k not in ref]

@@ -134,3 +134,11 @@ def test_a_failing_step_names_the_node_and_leaves_the_step_usable():
         step(torch.ones(4, 3, dtype=torch.long))
     assert step._store.pool.in_use == step.graphs["scheduled"].plan.static_bytes   # nothing left on the device
     assert step(torch.randn(4, 3)).dim() == 0
+
+
+def test_model_on_the_meta_device_is_rejected_clearly():
+    with torch.device("meta"):
+        model = nn.Linear(3, 2)
+    step = px.compile(model, optimizer=px.AdamW(), device="cpu")(lambda m, x: m(x).sum())
+    with pytest.raises(ValueError, match="meta device"):
+        step(torch.randn(4, 3))
