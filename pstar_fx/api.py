@@ -9,13 +9,14 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from .ir import ChunkGroup, Precision, Settings, StateHome, TrainGraph
+from .ir import ChunkGroup, Precision, Role, Settings, StateHome, TrainGraph
 from .optim import AdamConfig
 from .passes import pipeline, run_passes
+from .passes.memory import state_bytes
 from .passes.place_optimizer import min_need, place_optimizer
 from .runtime.chunk_store import ChunkStore
 from .runtime.executor import Executor, LossScaler, Runtime, StepStats
-from .trace import flatten_batch, model_tables, trace_step
+from .trace import FlatBatch, flatten_batch, model_tables, trace_step
 from .units import format_bytes, parse_bytes
 
 STAGE_NAMES = ("traced", "canonical", "chunked", "liveness", "optimizer_placed", "scheduled")
@@ -121,6 +122,10 @@ class CompiledStep:
         self._scaler = LossScaler() if prec is Precision.FP16 else None
         self._last_stats: StepStats | None = None
         self._tables = model_tables(model)
+        # every state_dict name (tied aliases too) -> (PARAM or BUFFER, the name the store keeps it under)
+        self._state_names: dict[str, tuple[Role, str]] = {
+            **{n: (Role.PARAM, p.name) for p in self._tables.params for n in (p.name,) + p.aliases},
+            **{n: (Role.BUFFER, b.name) for b in self._tables.buffers for n in (b.name,) + b.aliases}}
         self.__wrapped__ = fn
 
     # -- compiling --------------------------------------------------------------------------------------------
@@ -153,7 +158,7 @@ class CompiledStep:
 
     def lower(self, *batch) -> dict[str, TrainGraph]:
         """Compile for this batch's shapes without running a step; returns the stages."""
-        self._latest = self._get(batch)
+        self._latest, _ = self._get(batch)
         return self.graphs
 
     def min_device_memory(self, *batch) -> int:
@@ -165,22 +170,24 @@ class CompiledStep:
         host_only = before.evolve(settings=dataclasses.replace(before.settings, budget=0))
         return min_need(place_optimizer(host_only))
 
-    def _get(self, batch) -> _Compiled:
-        sig = flatten_batch(batch).signature
+    def _get(self, batch) -> tuple[_Compiled, FlatBatch]:
+        """The compiled step for this batch's signature (compiling it on first sight), and the flattened batch."""
+        flat = flatten_batch(batch)
+        sig = flat.signature
         compiled = self._cache.get(sig)
         if compiled is None:
             compiled = self._cache[sig] = self._compile(batch)
-        return compiled
+        return compiled, flat
 
     # -- running ----------------------------------------------------------------------------------------------
     def __call__(self, *batch) -> torch.Tensor:
-        compiled = self._get(batch)
+        compiled, flat = self._get(batch)
         self._latest = compiled
         g = compiled.executor.g
         store = self._store
         store.set_homes(g.chunks)
         rt = Runtime(g, store, self._scaler)
-        inputs = [self._prepare_input(x, info.dtype) for x, info in zip(flatten_batch(batch).tensors, g.inputs)]
+        inputs = [self._prepare_input(x, info.dtype) for x, info in zip(flat.tensors, g.inputs)]
         scale = None
         if self._scaler is not None:
             scale = torch.tensor(self._scaler.scale, dtype=torch.float32, device=self.settings.device)
@@ -219,7 +226,6 @@ class CompiledStep:
         g = self.graphs["scheduled"]
         prec = self.settings.precision
         trainable = [c for c in g.chunks if c.group is ChunkGroup.TRAINABLE]
-        from .passes.memory import state_bytes
         model_data = (sum(c.nbytes for c in g.chunks) + sum(c.nbytes for c in trainable if not c.grad_inplace)
                       + sum(state_bytes(c, prec) for c in trainable))
         own = sum(c.capacity > g.chunk_size for c in g.chunks)
@@ -238,16 +244,9 @@ class CompiledStep:
         out = {}
         if self._store is None:
             return {k: v.detach().clone() for k, v in ref.items()}
-        names = {}
-        for p in self._tables.params:
-            for n in (p.name,) + p.aliases:
-                names[n] = ("param", p.name)
-        for b in self._tables.buffers:
-            for n in (b.name,) + b.aliases:
-                names[n] = ("buffer", b.name)
         for key, like in ref.items():
-            kind, name = names[key]
-            src = self._store.param_value(name) if kind == "param" else self._store.buffers[name]
+            kind, name = self._state_names[key]
+            src = self._store.param_value(name) if kind is Role.PARAM else self._store.buffers[name]
             out[key] = src.detach().to(device=like.device, dtype=like.dtype, copy=True)
         return out
 
@@ -266,15 +265,11 @@ class CompiledStep:
         if self._store is None:
             self._model.load_state_dict(state_dict, strict=strict)
             return
-        params = {p.name: p for p in self._tables.params}
-        alias = {a: p.name for p in self._tables.params for a in p.aliases}
-        balias = {a: b.name for b in self._tables.buffers for a in b.aliases}
         pv, bv = {}, {}
         for k, v in state_dict.items():
-            if k in params or k in alias:
-                pv[alias.get(k, k)] = v
-            elif k in self._store.buffers or k in balias:
-                bv[balias.get(k, k)] = v
+            if k in self._state_names:
+                kind, name = self._state_names[k]
+                (pv if kind is Role.PARAM else bv)[name] = v
         self._store.load_params(pv)
         self._store.load_buffers(bv)
 

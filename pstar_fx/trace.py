@@ -142,7 +142,7 @@ class FlatBatch:
     other leaves (ints, strings, None) are constants of the trace and part of its signature."""
     tensors: tuple[torch.Tensor, ...]
     spec: object                     # optree's PyTreeSpec
-    constants: tuple                 # the non-tensor leaves, None where a tensor goes
+    constants: tuple                 # every leaf, with the _TENSOR marker where a tensor goes
     signature: tuple                 # what a cached trace is keyed by
 
     def rebuild(self, tensors) -> tuple:
