@@ -289,24 +289,7 @@ CASES = [
 CASES_BY_NAME = {c.name: c for c in CASES}
 
 # -----------------------------------------------------------------------------
-# eager reference and comparison
-
-def eager_reference(case, steps, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1):
-    """Plain PyTorch training with torch.optim.AdamW on the batches case.batch(0..steps-1).
-    Returns (per-step losses, final state_dict with detached clones)."""
-    model = case.build_model()
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, eps=eps,
-                            weight_decay=weight_decay)
-    losses = []
-    for i in range(steps):
-        loss = case.loss_fn(model, *case.batch(i))
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    return losses, sd
-
+# comparison (the eager reference runs live in harness.eager_run)
 
 def assert_state_close(sd_a, sd_b, rtol):
     """Assert two state_dicts match: same keys, same shapes, and per key
