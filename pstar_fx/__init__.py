@@ -1,9 +1,9 @@
 """pstar-fx: train models larger than the GPU by compiling the training step and planning every chunk move."""
-from .errors import BudgetError, PstarError, UntraceableError
+from .errors import BudgetError, CommitError, ModelHeldError, PstarError, UntraceableError
 from .optim import Adam, AdamW
 from .api import compile, CompiledStep
 from .ir import TrainGraph
 
-__all__ = ["compile", "CompiledStep", "Adam", "AdamW", "BudgetError", "UntraceableError", "PstarError",
+__all__ = ["compile", "CompiledStep", "Adam", "AdamW", "BudgetError", "UntraceableError", "PstarError", "CommitError", "ModelHeldError",
            "TrainGraph"]
 __version__ = "0.1.0"

@@ -2,15 +2,19 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
+import time
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import torch.nn as nn
 
+from .errors import CommitError
 from .ir import ChunkGroup, Precision, Role, Settings, StateHome, TrainGraph
 from .optim import AdamConfig
+from .ownership import hold, holder, model_tensors, release
 from .passes import pipeline, run_passes
 from .passes.memory import state_bytes
 from .passes.place_optimizer import min_need, place_optimizer
@@ -96,7 +100,7 @@ class CompiledStep:
 
     def __init__(self, fn: Callable, model: nn.Module, optimizer: AdamConfig, *, device_memory=None,
                  precision: str | None = None, chunk_size: int | None = None, device=None, debug: bool = False,
-                 prefetch: int = 4):
+                 prefetch: int = 4, max_grad_norm: float | None = None, accumulate: int = 1):
         if not isinstance(model, nn.Module):
             raise TypeError(f"px.compile: model must be a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(optimizer, AdamConfig):
@@ -107,12 +111,19 @@ class CompiledStep:
             raise ValueError(f"chunk_size must be a positive number of elements, got {chunk_size!r}")
         if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
             raise ValueError(f"prefetch must be a number of nodes >= 0, got {prefetch!r}")
+        if max_grad_norm is not None and (not isinstance(max_grad_norm, (int, float)) or isinstance(max_grad_norm, bool)
+                                          or not math.isfinite(max_grad_norm) or max_grad_norm <= 0):
+            raise ValueError(f"max_grad_norm must be a positive finite number (or None), got {max_grad_norm!r}")
+        if not isinstance(accumulate, int) or isinstance(accumulate, bool) or accumulate < 1:
+            raise ValueError(f"accumulate must be a number of micro-batches >= 1, got {accumulate!r}")
         self._fn = fn
         self._model = model
         dev = _resolve_device(device)
         prec = _resolve_precision(precision, dev)
         self.settings = Settings(precision=prec, device=dev, budget=_resolve_budget(device_memory, dev),
-                                 chunk_size=chunk_size, optimizer=optimizer)
+                                 chunk_size=chunk_size, optimizer=optimizer,
+                                 max_grad_norm=None if max_grad_norm is None else float(max_grad_norm),
+                                 accumulate=accumulate)
         self.debug = debug
         self.prefetch = prefetch
         self._cache: dict[tuple, _Compiled] = {}
@@ -121,6 +132,8 @@ class CompiledStep:
         self._layout = None
         self._scaler = LossScaler() if prec is Precision.FP16 else None
         self._last_stats: StepStats | None = None
+        self._broken: str | None = None      # set when a step failed after its commit point
+        self._before_node = None             # tests: called before every node (fault injection)
         self._tables = model_tables(model)
         # every state_dict name (tied aliases too) -> (PARAM or BUFFER, the name the store keeps it under)
         self._state_names: dict[str, tuple[Role, str]] = {
@@ -135,19 +148,44 @@ class CompiledStep:
         stages = run_passes(traced, passes)
         final = stages[-1]
         if self._store is None:
-            model_state = dict(self._model.named_parameters())
-            on_meta = [n for n, t in list(model_state.items()) + list(self._model.named_buffers()) if t.is_meta]
-            if on_meta:
-                raise ValueError(f"the model's tensors {on_meta[:3]}{'...' if len(on_meta) > 3 else ''} are on the "
-                                 "meta device: pstar-fx copies the model's values into its chunks at the first "
-                                 "step, so give it a model with real values (initialising on meta is not supported "
-                                 "yet)")
             self._layout = (final.params, final.chunks, final.chunk_size)
             self._store = ChunkStore(final.chunks, final.params, self.settings.precision, self.settings.device,
                                      self.settings.budget)
-            self._store.load_params({p.name: model_state[p.name] for p in final.params})
-            self._store.load_buffers({n: b for n, b in self._model.named_buffers()})
         return _Compiled(stages=dict(zip(STAGE_NAMES, stages)), executor=Executor(final, self._store))
+
+    def _take_model(self) -> None:
+        """Make the chunks hold the model's current values. If this step holds the model already, nothing to do;
+        otherwise (first step, after sync_model(), or held by another step) copy the values in and hold it."""
+        tensors = model_tensors(self._model)
+        if all(holder(t) is self for t in tensors.values()):
+            return
+        for t in tensors.values():
+            other = holder(t)
+            if other is not None and other is not self:
+                other.sync_model()         # the other step writes its values back; then they are the model's
+        on_meta = [n for n, t in tensors.items() if t.is_meta]
+        if on_meta:
+            raise ValueError(f"the model's tensors {on_meta[:3]}{'...' if len(on_meta) > 3 else ''} are on the "
+                             "meta device: pstar-fx copies the model's values into its chunks at the first "
+                             "step, so give it a model with real values")
+        named = dict(self._model.named_parameters())
+        self._store.load_params({p.name: named[p.name] for p in self._layout[0]})
+        self._store.load_buffers({b.name: tensors[b.name] for b in self._tables.buffers})
+        hold(self._model, self)
+
+    def sync_model(self) -> nn.Module:
+        """Write the trained values (parameters at full precision, and buffers) back into the model and give it back
+        to the user: it can be used, saved or edited eagerly. The next step copies it into the chunks again, so
+        edits made in between are trained on. Returns the model."""
+        if self._store is None or not any(holder(t) is self for t in model_tensors(self._model).values()):
+            return self._model
+        values = {}
+        for name, t in model_tensors(self._model).items():
+            kind, key = self._state_names[name]
+            src = self._store.param_value(key) if kind is Role.PARAM else self._store.buffers[key]
+            values[name] = src.detach().to(device=t.device, dtype=t.dtype, copy=True)
+        release(self._model, values)
+        return self._model
 
     @property
     def graphs(self) -> dict[str, TrainGraph]:
@@ -173,18 +211,28 @@ class CompiledStep:
     def _get(self, batch) -> tuple[_Compiled, FlatBatch]:
         """The compiled step for this batch's signature (compiling it on first sight), and the flattened batch."""
         flat = flatten_batch(batch)
-        sig = flat.signature
+        sig = (flat.signature, self._model_key())
         compiled = self._cache.get(sig)
         if compiled is None:
             compiled = self._cache[sig] = self._compile(batch)
         return compiled, flat
 
+    def _model_key(self) -> tuple:
+        """What of the model a trace depends on besides the batch: each module's train/eval mode and each
+        parameter's requires_grad (a change of either retraces)."""
+        return (tuple(m.training for m in self._model.modules()),
+                tuple(p.requires_grad for p in self._model.parameters()))
+
     # -- running ----------------------------------------------------------------------------------------------
     def __call__(self, *batch) -> torch.Tensor:
+        if self._broken is not None:
+            raise CommitError(self._broken)
+        t0 = time.perf_counter()
         compiled, flat = self._get(batch)
         self._latest = compiled
         g = compiled.executor.g
         store = self._store
+        self._take_model()
         store.set_homes(g.chunks)
         rt = Runtime(g, store, self._scaler)
         inputs = [self._prepare_input(x, info.dtype) for x, info in zip(flat.tensors, g.inputs)]
@@ -194,16 +242,20 @@ class CompiledStep:
             rt.found_inf = torch.zeros((), dtype=torch.bool, device=self.settings.device)
         per_node: list[int] | None = [] if self.debug else None
         try:
-            loss, peak = compiled.executor.run(inputs, scale, rt, trace_peaks=per_node)
-        except BaseException:
-            # leave the step usable: nothing stays on the device (chunk updates already applied stay applied)
-            store.drop_slots()
+            loss, peak, interrupted = compiled.executor.run(inputs, scale, rt, trace_peaks=per_node,
+                                                            before_node=self._before_node)
+        except CommitError as e:
+            self._broken = str(e)
             raise
-        if per_node is not None:
-            _check_measured(g, per_node)
         if self._scaler is not None:
             self._scaler.update(rt.skip)
-        self._last_stats = StepStats(measured_peak=peak, h2d_bytes=rt.h2d, d2h_bytes=rt.d2h, skipped=rt.skip)
+        self._last_stats = StepStats(measured_peak=peak, h2d_bytes=rt.h2d, d2h_bytes=rt.d2h, skipped=rt.skip,
+                                     seconds=time.perf_counter() - t0, lr=(self.settings.optimizer.lr,),
+                                     _grad_norm=rt.grad_norm)
+        if interrupted:
+            raise KeyboardInterrupt   # held while the update was applied; the step is complete
+        if per_node is not None:
+            _check_measured(g, per_node)
         return loss.detach().float()
 
     def _prepare_input(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -286,7 +338,8 @@ def _check_measured(g: TrainGraph, per_node: list[int]) -> None:
 
 def compile(model: nn.Module, *, optimizer: AdamConfig, device_memory: int | str | None = None,
             precision: str | None = None, chunk_size: int | None = None, device=None, debug: bool = False,
-            prefetch: int = 4) -> Callable[[Callable], CompiledStep]:
+            prefetch: int = 4, max_grad_norm: float | None = None,
+            accumulate: int = 1) -> Callable[[Callable], CompiledStep]:
     """Compile `step(model, *batch) -> loss` into one training step that fits `device_memory`.
 
     Use as a decorator: `@px.compile(model, optimizer=px.AdamW(lr=3e-4))` over `def step(model, x, y): ...`;
@@ -294,5 +347,6 @@ def compile(model: nn.Module, *, optimizer: AdamConfig, device_memory: int | str
     """
     def wrap(fn: Callable) -> CompiledStep:
         return CompiledStep(fn, model, optimizer, device_memory=device_memory, precision=precision,
-                            chunk_size=chunk_size, device=device, debug=debug, prefetch=prefetch)
+                            chunk_size=chunk_size, device=device, debug=debug, prefetch=prefetch,
+                            max_grad_norm=max_grad_norm, accumulate=accumulate)
     return wrap

@@ -24,3 +24,14 @@ class BudgetError(PstarError):
         self.node = node
         self.needed = needed
         self.available = available
+
+
+class CommitError(PstarError):
+    """A step failed after its commit point, while applying the update (a device fault or a bug: nothing of the
+    user's runs there). Some chunks were updated and others not, so the compiled step refuses further use until its
+    values are loaded again (`step.load(...)` or `step.load_state_dict(...)`)."""
+
+
+class ModelHeldError(PstarError):
+    """A parameter or buffer of a model that a compiled step holds was used directly. Its current value lives in the
+    step's chunks: `step.sync_model()` writes the values back into the model, `step.state_dict()` returns them."""

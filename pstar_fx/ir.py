@@ -54,7 +54,7 @@ class Role(enum.Enum):
     FETCH = "fetch"                  # host -> device copy of a chunk buffer
     RELEASE = "release"              # a chunk buffer leaves the device (written back if dirty)
     OPTIMIZER_STEP = "optimizer_step"
-    UNSCALE = "unscale"              # fp16: all gradients checked for overflow before any step
+    COMMIT = "commit"                # the commit point: every gradient final; overflow / norm decided; updates follow
 
 
 class ChunkGroup(enum.Enum):
@@ -158,6 +158,8 @@ class Settings:
     budget: int | None               # device bytes for everything pstar-fx places there; None: unlimited
     chunk_size: int | None           # elements; None: chosen by assign_chunks
     optimizer: AdamConfig
+    max_grad_norm: float | None = None   # clip gradients by their global L2 norm before the update
+    accumulate: int = 1              # micro-batches per step (the batch is split along dim 0)
 
 
 @dataclass(frozen=True)

@@ -15,9 +15,10 @@ def param_view(rt, *, param: str) -> torch.Tensor:
     return rt.param_view(param)
 
 
-def write_grad(rt, grad: torch.Tensor, *, param: str) -> None:
-    """Copy a final gradient into its chunk (the grad buffer, or the parameter's own slot when in place)."""
-    rt.write_grad(param, grad)
+def write_grad(rt, grad: torch.Tensor, *, param: str, accumulate: bool = False, final: bool = True) -> None:
+    """Copy a gradient into its chunk (the grad buffer, or the parameter's own slot when in place); `accumulate`
+    adds it to what earlier micro-batches wrote; `final` marks the write after which the gradient is complete."""
+    rt.write_grad(param, grad, accumulate, final)
 
 
 def fetch(rt, *, chunk: int, buf: BufKind) -> None:
@@ -35,9 +36,11 @@ def release(rt, *, chunk: int, buf: BufKind, writeback: bool) -> None:
     rt.release(chunk, buf, writeback)
 
 
-def unscale(rt) -> None:
-    """fp16: decide, from the overflow flag gathered while gradients were written, whether this step is skipped."""
-    rt.unscale()
+def commit(rt) -> None:
+    """The commit point. Every gradient is final: decide whether the step is skipped (fp16 overflow) and the clip
+    coefficient (global norm). Nothing before it changes parameters or optimizer states; what follows applies the
+    update and runs to the end (a KeyboardInterrupt is held until the step is complete)."""
+    rt.commit()
 
 
 def optimizer_step(rt, *, chunk: int) -> None:
@@ -45,4 +48,4 @@ def optimizer_step(rt, *, chunk: int) -> None:
     rt.optimizer_step(chunk)
 
 
-RUNTIME_OPS = (param_view, write_grad, fetch, alloc, release, unscale, optimizer_step)
+RUNTIME_OPS = (param_view, write_grad, fetch, alloc, release, commit, optimizer_step)

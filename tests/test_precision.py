@@ -121,14 +121,14 @@ def test_fp16_overflow_skips_the_step_and_halves_the_scale():
     assert any(not torch.equal(step.state_dict()[k], before[k]) for k in before), "a good step updates"
 
 
-def test_fp16_graph_unscales_before_any_step():
+def test_fp16_graph_decides_overflow_at_the_commit_before_any_step():
     case = CASES_BY_NAME["mlp_ce"]
     g = compiled_step(case, precision="fp16").lower(*case.batch(0))["scheduled"]
     roles = [g.ann[n.name].role for n in g.nodes]
-    assert roles.count(Role.UNSCALE) == 1
+    assert roles.count(Role.COMMIT) == 1
     first_step = roles.index(Role.OPTIMIZER_STEP)
     last_write = max(i for i, r in enumerate(roles) if r is Role.WRITE_GRAD)
-    assert roles.index(Role.UNSCALE) > last_write and roles.index(Role.UNSCALE) < first_step
+    assert roles.index(Role.COMMIT) > last_write and roles.index(Role.COMMIT) < first_step
 
 
 def test_state_dict_round_trip_keeps_full_precision_in_bf16():
@@ -138,9 +138,10 @@ def test_state_dict_round_trip_keeps_full_precision_in_bf16():
     model[0].weight.requires_grad_(False)
     step = px.compile(model, optimizer=px.AdamW(lr=0.0, weight_decay=0.0), precision="bf16", device="cpu")(
         lambda m, x: m(x).pow(2).sum())
+    before = {k: v.clone() for k, v in model.state_dict().items()}
     step(torch.randn(4, 8))
     sd = step.state_dict()
-    for k, v in model.state_dict().items():
+    for k, v in before.items():
         assert torch.equal(sd[k], v), k          # lr=0: nothing moved, and nothing was rounded to bf16
     new = {k: v + 0.123456789 for k, v in sd.items()}
     step.load_state_dict(new)

@@ -97,9 +97,9 @@ def test_param_and_buffer_names_match_state_dict():
     case = CASES_BY_NAME["cnn_bn"]
     model = case.build_model()
     step = _compile(model, case.loss_fn)
+    ref = {k: v.clone() for k, v in model.state_dict().items()}
     step(*case.batch(0))
     sd = step.state_dict()
-    ref = model.state_dict()
     assert list(sd) == list(ref)
     assert all(sd[k].shape == ref[k].shape and sd[k].dtype == ref[k].dtype for k in ref)
     # BatchNorm running stats and the counter changed during the step

@@ -1,19 +1,20 @@
-"""place_optimizer: one `optimizer_step` per trainable chunk, right after the chunk's last use; states placed.
+"""place_optimizer: one `commit()` after backward, then one `optimizer_step` per trainable chunk; states placed.
 
-Invariant after: every trainable chunk has exactly one `optimizer_step(chunk=c)`, after the last write of any of its
-gradients and after the last read of any of its parameters (so the update overlaps the rest of backward), and a
-`state_home`: DEVICE for as many chunks as the budget allows while every node's minimum need still fits with room
-for two more chunk buffers, HOST for the rest. With fp16 loss scaling every step follows one `unscale()` node placed
-after the last gradient write, since an overflow anywhere must skip every chunk's update.
+Invariant after: the graph has exactly one `commit()` node, placed after every node of the user's program and every
+gradient write (the last node that can fail with the user's code or data), and every trainable chunk has exactly one
+`optimizer_step(chunk=c)`, after the commit. Before the commit nothing writes a parameter value or an optimizer
+state, so a step that fails there leaves every value as it was (the step is atomic); clipping by global norm and
+fp16 overflow checks, which need every gradient, are decided at the commit. Steps come in the order the next
+forward needs the chunks (first-use order, which is chunk order), so host-side updates can overlap the next step.
+Every trainable chunk has a `state_home`: DEVICE for as many chunks as the budget allows while every node's minimum
+need still fits with room for two more chunk buffers, HOST for the rest.
 """
 from __future__ import annotations
 
 import dataclasses
 
-import torch.fx as fx
-
 from .. import ops
-from ..ir import ChunkGroup, NodeAnn, Phase, Precision, Role, StateHome, TrainGraph, copy_graph, to_module
+from ..ir import ChunkGroup, NodeAnn, Phase, Role, StateHome, TrainGraph, copy_graph, to_module
 from .liveness import analyze
 from .memory import NO_NEEDS, all_needs, buf_bytes, needs, state_bytes, static_bytes
 
@@ -32,30 +33,18 @@ def min_need(g: TrainGraph) -> int:
 def place_optimizer(g: TrainGraph) -> TrainGraph:
     graph, _ = copy_graph(g)
     ann = dict(g.ann)
-    nodes = list(graph.nodes)
-    last_use: dict[int, fx.Node] = {}
-    last_write: fx.Node | None = None
-    for n, x in zip(nodes, all_needs(g)):
-        for k in x.resident:
-            last_use[k.chunk] = n
-        if ann[n.name].role is Role.WRITE_GRAD:
-            last_write = n
-    trainable = [c for c in g.chunks if c.group is ChunkGroup.TRAINABLE]
-    anchor: fx.Node | None = None
-    if g.settings.precision is Precision.FP16 and last_write is not None:
-        with graph.inserting_after(last_write):
-            anchor = graph.call_function(ops.unscale, (), {})
-        ann[anchor.name] = NodeAnn(role=Role.UNSCALE, phase=Phase.OPTIMIZER)
-    position = {n: i for i, n in enumerate(graph.nodes)}
-    for c in reversed(trainable):   # inserted last-first so equal anchors keep chunk order
-        after = last_use.get(c.id)
-        if after is None:
-            continue   # a chunk whose parameters are never used: impossible for trainable ones (they have grads)
-        if anchor is not None and position[anchor] > position[after]:
-            after = anchor
+    program = [n for n in graph.nodes if ann[n.name].role in (Role.COMPUTE, Role.WRITE_GRAD)]
+    assert program, "a training graph has at least the loss"
+    with graph.inserting_after(program[-1]):
+        commit = graph.call_function(ops.commit, (), {})
+    ann[commit.name] = NodeAnn(role=Role.COMMIT, phase=Phase.OPTIMIZER)
+    after = commit
+    for c in g.chunks:
+        if c.group is not ChunkGroup.TRAINABLE:
+            continue
         with graph.inserting_after(after):
-            s = graph.call_function(ops.optimizer_step, (), {"chunk": c.id})
-        ann[s.name] = NodeAnn(role=Role.OPTIMIZER_STEP, phase=Phase.OPTIMIZER, chunk=c.id)
+            after = graph.call_function(ops.optimizer_step, (), {"chunk": c.id})
+        ann[after.name] = NodeAnn(role=Role.OPTIMIZER_STEP, phase=Phase.OPTIMIZER, chunk=c.id)
 
     placed = g.evolve(gm=to_module(graph, g.gm), ann=ann,
                       chunks=tuple(dataclasses.replace(c, state_home=StateHome.HOST)

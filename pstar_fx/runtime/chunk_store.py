@@ -202,6 +202,17 @@ class ChunkStore:
         for key in list(self.slots):
             self.pool.give(self.slots.pop(key))
 
+    def restore_params_from_masters(self) -> None:
+        """After a step failed before its commit point: in mixed precision a chunk's gradients may have overwritten
+        its half-precision parameters (in place) and reached the host home; the fp32 masters are untouched, and the
+        half-precision parameters are always the masters rounded, so they are rebuilt from them."""
+        if not self.precision.mixed:
+            return
+        self.before_host_write()
+        for c in self.chunks:
+            if c.group is ChunkGroup.TRAINABLE:
+                self.host_param[c.id].copy_(self.master(c.id))
+
     def alloc(self, key: BufKey) -> None:
         assert key not in self.slots, key
         c = self.chunks[key.chunk]

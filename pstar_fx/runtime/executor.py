@@ -13,13 +13,15 @@ import torch.fx as fx
 from torch.utils._pytree import tree_leaves, tree_map
 
 from .. import ops
+from ..errors import CommitError
 from ..ir import BufKind, Role, StateHome, TrainGraph
-from ..passes.graph_utils import storage_bytes, tensors_of
+from ..passes.graph_utils import mutated_args, storage_bytes, tensors_of
 from ..passes.liveness import last_uses
 from ..passes.memory import BufKey, constants
 from ..units import format_bytes
 from .adam import adam_step
 from .chunk_store import ChunkStore
+from .interrupts import DeferredInterrupt
 
 _RUNTIME_OPS = frozenset(ops.RUNTIME_OPS)
 
@@ -46,10 +48,19 @@ class LossScaler:
 
 @dataclass(frozen=True)
 class StepStats:
+    """What one step measured. Tensor-valued figures stay on the device until read (no sync in the step)."""
     measured_peak: int               # device bytes: pool (chunks, states, buffers, workspace) + activations
     h2d_bytes: int
     d2h_bytes: int
     skipped: bool                    # fp16: the step was skipped on overflow
+    seconds: float = 0.0             # wall time of the step, from call to return
+    lr: tuple[float, ...] = ()       # the learning rate of each optimizer group during the step
+    _grad_norm: torch.Tensor | None = None
+
+    @property
+    def grad_norm(self) -> float | None:
+        """The global L2 norm of the gradients before clipping (None without max_grad_norm)."""
+        return None if self._grad_norm is None else float(self._grad_norm)
 
 
 class Runtime:
@@ -62,8 +73,15 @@ class Runtime:
         self.cfg = g.settings.optimizer
         self.precision = g.settings.precision
         self.params = {p.name: p for p in g.params}
+        self.param_index = {p.name: i for i, p in enumerate(g.params)}
         self.found_inf: torch.Tensor | None = None
+        self.norms: dict[int, torch.Tensor] | None = {} if g.settings.max_grad_norm is not None else None
+        self.grad_norm: torch.Tensor | None = None
+        self.clip_coef: torch.Tensor | None = None
+        self._clip_coef_host: torch.Tensor | None = None
         self.skip = False
+        self.committed = False
+        self.stepped: list[int] = []         # chunks updated so far in this step
         self.h2d = 0
         self.d2h = 0
 
@@ -71,15 +89,22 @@ class Runtime:
         p = self.params[name]
         return self.store.slots[BufKey(p.chunk, BufKind.PARAM)][p.offset:p.offset + p.numel].view(p.shape)
 
-    def write_grad(self, name: str, grad: torch.Tensor) -> None:
+    def write_grad(self, name: str, grad: torch.Tensor, accumulate: bool, final: bool) -> None:
         p = self.params[name]
         c = self.g.chunks[p.chunk]
         dst = self.store.slots[BufKey(c.id, c.grad_buf())][p.offset:p.offset + p.numel].view(p.shape)
-        dst.copy_(grad)
+        if accumulate:
+            dst.add_(grad)
+        else:
+            dst.copy_(grad)
+        if not final:
+            return
         if self.found_inf is not None:
             # max and min propagate NaN and show inf: two reductions, no temporary the size of the gradient
-            bad = ~torch.isfinite(grad.amax()) | ~torch.isfinite(grad.amin())
+            bad = ~torch.isfinite(dst.amax()) | ~torch.isfinite(dst.amin())
             self.found_inf |= bad
+        if self.norms is not None:
+            self.norms[self.param_index[name]] = torch.linalg.vector_norm(dst, dtype=torch.float32)
 
     def fetch(self, chunk: int, buf: BufKind) -> None:
         self.store.fetch(BufKey(chunk, buf))
@@ -93,8 +118,25 @@ class Runtime:
         if writeback:
             self.d2h += self.g.chunks[chunk].nbytes
 
-    def unscale(self) -> None:
-        self.skip = bool(self.found_inf.item())
+    def commit(self) -> None:
+        if self.found_inf is not None:
+            self.skip = bool(self.found_inf.item())
+        if self.norms is not None:
+            # torch.nn.utils.clip_grad_norm_: the norm of the per-parameter norms, in parameter order
+            norms = [self.norms[i] for i in sorted(self.norms)]
+            total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
+            if self.scaler is not None:
+                total = total / self.scaler.scale
+            self.grad_norm = total
+            self.clip_coef = torch.clamp(self.g.settings.max_grad_norm / (total + 1e-6), max=1.0)
+        self.committed = True
+
+    def _coef_on(self, device: torch.device) -> torch.Tensor:
+        if device == self.clip_coef.device:
+            return self.clip_coef
+        if self._clip_coef_host is None:
+            self._clip_coef_host = self.clip_coef.to(device)
+        return self._clip_coef_host
 
     def optimizer_step(self, chunk: int) -> None:
         c = self.g.chunks[chunk]
@@ -107,8 +149,11 @@ class Runtime:
             st.before_host_write(chunk)
             param = st.host_param[chunk]
             grad = st.host(BufKey(chunk, c.grad_buf()))
+        self.stepped.append(chunk)
         if not self.precision.mixed:
             if not self.skip:
+                if self.clip_coef is not None:
+                    grad.mul_(self._coef_on(grad.device))
                 adam_step(self.cfg, param, grad, parts["m"], parts["v"], parts["step"])
             return
         on_device = c.state_home is StateHome.DEVICE
@@ -119,11 +164,30 @@ class Runtime:
                 g32.copy_(grad)
                 if self.scaler is not None:
                     g32.mul_(1.0 / self.scaler.scale)
+                if self.clip_coef is not None:
+                    g32.mul_(self._coef_on(g32.device))
                 adam_step(self.cfg, parts["master"], g32, parts["m"], parts["v"], parts["step"])
             param.copy_(parts["master"])   # new half-precision parameters (also restores them after a skip)
         finally:
             if on_device:
                 st.pool.give(g32)
+
+
+def mutated_buffers(g: TrainGraph) -> list[str]:
+    """Module buffers the step writes in place (BatchNorm's running statistics): put back if a step fails."""
+    owner: dict[fx.Node, str] = {}
+    out: list[str] = []
+    for n in g.gm.graph.nodes:
+        if n.op == "placeholder" and g.ann[n.name].role is Role.BUFFER:
+            owner[n] = n.meta["buffer"]
+        elif n.op == "call_function":
+            for a in n.all_input_nodes:       # views of a buffer (and in-place results) write into it too
+                if a in owner:
+                    owner.setdefault(n, owner[a])
+            for m in mutated_args(n):
+                if m in owner and owner[m] not in out:
+                    out.append(owner[m])
+    return out
 
 
 def _source(n: fx.Node) -> str:
@@ -155,9 +219,35 @@ class Executor:
         self.constants = constants(g)
         self.planned = [[storage_bytes(t) for t in tensors_of(n)] if n.op == "call_function" else None
                         for n in self.nodes]
+        self.mutated_buffers = mutated_buffers(g)
 
     def run(self, inputs: list[torch.Tensor], scale: torch.Tensor | None, rt: Runtime,
-            trace_peaks: list[int] | None = None) -> tuple[torch.Tensor, int]:
+            trace_peaks: list[int] | None = None, before_node=None) -> tuple[torch.Tensor, int, bool]:
+        """One step. Atomic: if any node before the commit point fails (or is interrupted), every value is put back
+        as it was before the step and the error propagates; from the commit point on, a KeyboardInterrupt is held
+        until the step is complete, and the third result says whether one arrived (the caller raises it after its
+        own bookkeeping). `before_node(i, node)` is called before every node (fault injection in tests)."""
+        saved = {name: self.store.buffers[name].clone() for name in self.mutated_buffers}
+        deferred = DeferredInterrupt()
+        try:
+            loss, peak = self._run(inputs, scale, rt, trace_peaks, before_node, deferred)
+        except BaseException as e:
+            deferred.stop()
+            self.store.drop_slots()
+            if rt.committed:
+                raise CommitError(
+                    f"pstar-fx: the step failed after its commit point ({type(e).__name__}: {e}), with "
+                    f"{len(rt.stepped)} of {sum(1 for r in self.roles if r is Role.OPTIMIZER_STEP)} chunks "
+                    "updated; the compiled step's values are no longer consistent. Load a checkpoint "
+                    "(step.load(path) or step.load_state_dict(...)) to continue.") from e
+            for name, value in saved.items():
+                self.store.buffers[name].copy_(value)
+            self.store.restore_params_from_masters()
+            raise
+        deferred.stop()
+        return loss, peak, deferred.pending
+
+    def _run(self, inputs, scale, rt: Runtime, trace_peaks, before_node, deferred) -> tuple[torch.Tensor, int]:
         env: list = [None] * len(self.nodes)
         pool = self.store.pool
         held: dict[int, list[int]] = {}      # storage data_ptr -> [refcount, nbytes]
@@ -210,6 +300,10 @@ class Executor:
             result = None
             for i, n in enumerate(self.nodes):
                 role = self.roles[i]
+                if before_node is not None:
+                    before_node(i, n)
+                if role is Role.COMMIT:
+                    deferred.start()
                 if n.op == "get_attr":
                     val = consts[n.target]
                 elif n.op == "placeholder":
