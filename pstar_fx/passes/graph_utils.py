@@ -6,12 +6,22 @@ import torch.fx as fx
 from torch.utils._pytree import tree_leaves
 
 
+# Ops that write to arguments their schema does not annotate as written: the positions they write.
+_UNANNOTATED_WRITES = {
+    torch.ops.aten.native_batch_norm.default: (3, 4),     # running_mean, running_var (in training)
+    torch.ops.aten.cudnn_batch_norm.default: (3, 4),
+    torch.ops.aten.miopen_batch_norm.default: (3, 4),
+}
+
+
 def mutated_args(node: fx.Node) -> list[fx.Node]:
-    """The node's arguments that its op writes to, from the op schema's alias annotations."""
+    """The node's arguments that its op writes to, from the op schema's alias annotations (and, for ops whose
+    schema leaves a write unannotated, from the table above)."""
     schema = getattr(node.target, "_schema", None)
     if schema is None:
         return []
-    out = []
+    out = [node.args[i] for i in _UNANNOTATED_WRITES.get(node.target, ())
+           if i < len(node.args) and isinstance(node.args[i], fx.Node)]
     for i, a in enumerate(schema.arguments):
         if a.alias_info is not None and a.alias_info.is_write:
             v = node.args[i] if i < len(node.args) else node.kwargs.get(a.name)
