@@ -10,7 +10,7 @@ import pstar_fx as px
 from pstar_fx.ir import BufKind
 from pstar_fx.passes.memory import BufKey
 
-from harness import eager_run, host_params, rel_err
+from harness import eager_run, fetch_counts, host_params, rel_err
 from models import Case, assert_state_close
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -78,7 +78,7 @@ def test_large_model_at_least_budget_matches_eager_over_steps():
     losses = [step(*b).item() for b in batches]
     g = step.graphs["scheduled"]
     assert host_params(step), "the least budget should put optimizer states on the host"
-    assert g.plan.h2d_bytes > 2 * sum(c.nbytes for c in g.chunks), "chunks should be fetched more than once a step"
+    assert max(fetch_counts(g).values()) >= 2, "no chunk was evicted and fetched again"
     case = Case("stack", lambda: _Stack(d, n), fn, lambda i, gen: batches[i])
     ref_losses, ref_sd = eager_run(case, steps, hyper=dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
                                                            weight_decay=1e-2), host_params=host_params(step))
