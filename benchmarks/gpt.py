@@ -240,6 +240,8 @@ def run_pstar(cfg, args, device, batch, budget: str) -> dict:
 
 def child(args) -> None:
     device = torch.device(args.device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())   # set_device and FSDP2 want an index
     cfg = GPTConfig(vocab=args.vocab, seq=args.seq, layers=args.layers, hidden=args.hidden, heads=args.heads)
     g = torch.Generator().manual_seed(1)
     batch = tuple(torch.randint(0, cfg.vocab, (args.batch, cfg.seq), generator=g).to(device) for _ in range(2))
@@ -351,6 +353,9 @@ def profile_step(fn, device, out_dir: str, name: str) -> dict:
     os.remove(path)
     summary = stream_summary(events)
     summary["wall_ms"] = wall * 1e3
+    # where the host's time goes: the operators with the most self CPU time (copies, conversions, AdamW, launches)
+    ops = sorted(prof.key_averages(), key=lambda a: a.self_cpu_time_total, reverse=True)[:10]
+    summary["top_host_ops_ms"] = {a.key: round(a.self_cpu_time_total / 1e3, 1) for a in ops}
     with open(os.path.join(out_dir, f"{name}_streams.json"), "w") as f:
         json.dump(summary, f, indent=1)
     return summary
