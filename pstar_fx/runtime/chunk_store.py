@@ -5,6 +5,15 @@ counts each byte against the budget: an allocation past the budget raises. A rel
 torch's allocator at once, so what the pool counts is what it holds. The host side holds
 each chunk's home copy of its parameters (pinned on CUDA machines: pageable copies are much slower), gradient homes
 made on first write-back, and the optimizer states placed on the host.
+
+On CUDA, copies run on two streams of their own, host->device (H2D) and device->host (D2H), ordered with events only
+(no device-wide synchronize; the CPU waits only before it touches a host buffer a copy still reads or writes):
+- fetch: the slot is allocated in the compute stream's order, so the H2D stream first waits for the compute stream
+  to reach the fetch (the block may have been an activation until then), copies, and records an event; the compute
+  stream waits for that event just before the slot's first use (`slot(key)`), not at the fetch.
+- release with write-back: the D2H stream waits for an event recorded on the compute stream at the release (the
+  buffer's last write), copies, and records an event that the CPU waits for before it reads or writes that host
+  buffer (`before_host_write`), and the H2D stream waits for before it fetches that buffer again.
 """
 from __future__ import annotations
 
@@ -105,6 +114,10 @@ class ChunkStore:
         self.buffers: dict[str, torch.Tensor] = {}
         self.frozen_full: dict[str, torch.Tensor] = {}   # mixed precision: frozen parameters at full precision
         self._reading: dict[int, "torch.cuda.Event"] = {}  # chunk -> event after the last copy from its host buffers
+        self._writing: dict[BufKey, "torch.cuda.Event"] = {}  # host buffer -> event after the write-back into it
+        self._arriving: dict[BufKey, "torch.cuda.Event"] = {}  # slot -> its fetch's event, until compute waits on it
+        self.h2d_stream = torch.cuda.Stream(device) if self.pin else None
+        self.d2h_stream = torch.cuda.Stream(device) if self.pin else None
 
     # -- parameters and buffers -------------------------------------------------------------------------------
     def load_params(self, values: dict[str, torch.Tensor]) -> None:
@@ -134,6 +147,7 @@ class ChunkStore:
             return self.frozen_full[name]
         p = self.params[name]
         c = self.chunks[p.chunk]
+        self.before_host_write(c.id)   # a write-back into host_param may still be in flight
         src = (self.master(c.id) if self.precision.mixed and c.group is ChunkGroup.TRAINABLE
                else self.host_param[c.id])
         return src[p.offset:p.offset + p.numel].view(p.shape)
@@ -177,29 +191,54 @@ class ChunkStore:
             self.host_grad[key.chunk] = self.hostmem.zeros(c.capacity, c.dtype)
         return self.host_grad[key.chunk]
 
+    def slot(self, key: BufKey) -> torch.Tensor:
+        """A resident chunk buffer, for use on the current (compute) stream. The first use after a fetch makes the
+        compute stream wait for that fetch's copy (on the device; the CPU does not wait)."""
+        event = self._arriving.pop(key, None)
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+        return self.slots[key]
+
     def fetch(self, key: BufKey) -> None:
         assert key not in self.slots, key
         c = self.chunks[key.chunk]
         slot = self.pool.take(c.capacity, c.dtype, what=f"chunk {c.id} {key.buf.value} buffer")
-        slot.copy_(self.host(key), non_blocking=self.pin)
-        if self.pin:
-            # the copy reads the host buffer asynchronously: the CPU must not write it until the copy is done
-            event = torch.cuda.Event()
-            event.record()
-            self._reading[key.chunk] = event
         self.slots[key] = slot
+        if not self.pin:
+            slot.copy_(self.host(key))
+            return
+        # the slot's block comes from the compute stream's allocator pool: until the compute stream reaches this
+        # point it may still be an activation, so the copy waits for it (and for a write-back into the same host
+        # buffer, which it reads)
+        self.h2d_stream.wait_stream(torch.cuda.current_stream(self.device))
+        writing = self._writing.get(key)
+        if writing is not None:
+            self.h2d_stream.wait_event(writing)
+        with torch.cuda.stream(self.h2d_stream):
+            slot.copy_(self.host(key), non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.h2d_stream)
+        self._arriving[key] = event
+        # the copy reads the host buffer asynchronously: the CPU must not write it until the copy is done
+        self._reading[key.chunk] = event
 
     def before_host_write(self, chunk: int | None = None) -> None:
-        """Wait for the host->device copies still reading chunk's host buffers (all chunks' when None)."""
-        chunks = list(self._reading) if chunk is None else [chunk]
+        """Before the CPU reads or writes chunk's host buffers (all chunks' when None): wait for the host->device
+        copies still reading them and the device->host write-backs still writing them, and for nothing else."""
+        chunks = list(self._reading) + [k.chunk for k in self._writing] if chunk is None else [chunk]
         for c in chunks:
             event = self._reading.pop(c, None)
             if event is not None:
                 event.synchronize()
+            for buf in BufKind:
+                event = self._writing.pop(BufKey(c, buf), None)
+                if event is not None:
+                    event.synchronize()
 
     def drop_slots(self) -> None:
         """After a failed step: give every slot back without writing anything to the host."""
         for key in list(self.slots):
+            self.slot(key)   # a copy still arriving into the slot must finish before its memory is reused
             self.pool.give(self.slots.pop(key))
 
     def restore_params_from_masters(self) -> None:
@@ -221,7 +260,28 @@ class ChunkStore:
         self.slots[key] = slot
 
     def release(self, key: BufKey, writeback: bool) -> None:
-        slot = self.slots.pop(key)
-        if writeback:
+        """The buffer leaves the device; its memory is reusable, in the compute stream's order, right here.
+
+        Without a write-back that holds once the compute stream has waited for the slot's fetch (a slot fetched and
+        never read). With one, the D2H stream copies the slot after the compute stream's last write, and the compute
+        stream then waits (on the device) for that copy before anything after the release may reuse the block; the
+        CPU does not wait. This keeps the pool's count truthful and the plan's predicted peak exact: the plan frees a
+        buffer at its release. Holding the slot until its copy completes instead, with no compute wait, would let
+        compute overlap the write-back but keep its bytes on the device for the copy's duration (chunk bytes / about
+        55 GB/s), which the plan does not count: the predicted peak would be low by the write-backs in flight (and
+        the debug per-node check would fail). That needs the schedule to keep a written-back buffer charged for its
+        copy time; then this wait can go."""
+        slot = self.slot(key)
+        del self.slots[key]
+        if writeback and not self.pin:
             self.host(key).copy_(slot)
+        elif writeback:
+            compute = torch.cuda.current_stream(self.device)
+            self.d2h_stream.wait_stream(compute)
+            with torch.cuda.stream(self.d2h_stream):
+                self.host(key).copy_(slot, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self.d2h_stream)
+            compute.wait_event(event)
+            self._writing[key] = event
         self.pool.give(slot)

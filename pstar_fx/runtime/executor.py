@@ -87,12 +87,12 @@ class Runtime:
 
     def param_view(self, name: str) -> torch.Tensor:
         p = self.params[name]
-        return self.store.slots[BufKey(p.chunk, BufKind.PARAM)][p.offset:p.offset + p.numel].view(p.shape)
+        return self.store.slot(BufKey(p.chunk, BufKind.PARAM))[p.offset:p.offset + p.numel].view(p.shape)
 
     def write_grad(self, name: str, grad: torch.Tensor, accumulate: bool, final: bool) -> None:
         p = self.params[name]
         c = self.g.chunks[p.chunk]
-        dst = self.store.slots[BufKey(c.id, c.grad_buf())][p.offset:p.offset + p.numel].view(p.shape)
+        dst = self.store.slot(BufKey(c.id, c.grad_buf()))[p.offset:p.offset + p.numel].view(p.shape)
         if accumulate:
             dst.add_(grad)
         else:
@@ -143,8 +143,8 @@ class Runtime:
         st = self.store
         parts = st.state_parts(chunk)
         if c.state_home is StateHome.DEVICE:
-            param = st.slots[BufKey(chunk, BufKind.PARAM)]
-            grad = st.slots[BufKey(chunk, c.grad_buf())]
+            param = st.slot(BufKey(chunk, BufKind.PARAM))
+            grad = st.slot(BufKey(chunk, c.grad_buf()))
         else:
             st.before_host_write(chunk)
             param = st.host_param[chunk]

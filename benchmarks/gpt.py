@@ -1,0 +1,487 @@
+"""
+Train-step benchmark of a nanoGPT-style GPT: eager PyTorch, FSDP2 with CPU offload, and pstar-fx, side by side.
+
+    python benchmarks/gpt.py --layers 24 --hidden 2048 --heads 16 --batch 8 --budgets none,20GiB
+    python benchmarks/gpt.py --layers 20 --hidden 4096 --heads 32 --batch 4 --budgets 40GiB --profile prof/
+    python benchmarks/gpt.py --device cpu --tiny             # a smoke run on the CPU
+
+The GPT: vocab 50304, tied head, sequence 2048 (--seq), no dropout, biases and LayerNorms as in nanoGPT, random
+tokens. Each system runs in its own child process (so memory figures are its own and an out-of-memory in one does not
+end the others):
+- eager: the model in fp32 on the device, bf16 autocast, fused AdamW. With --checkpoint auto (default) it retries with
+  per-block activation checkpointing (torch.utils.checkpoint) when it runs out of memory without; on / off force it.
+- fsdp2: `fully_shard` per block and at the root with CPUOffloadPolicy(pin_memory=True) and a bf16
+  MixedPrecisionPolicy (fp32 reductions), in a one-process group the script initialises itself (nccl on CUDA, gloo on
+  the CPU, where offloading means nothing and is left out); fused AdamW on the host shards.
+- pstar: px.compile(..., precision bf16, device_memory=each of --budgets), px.AdamW.
+Per run: parameters, median step time over --steps steps after --warmup, TFLOP/s counted as 6*N*tokens + attention
+(12 * layers * hidden * seq per token, as nanoGPT's MFU estimate; recompute not counted), peak device memory
+(torch.cuda.max_memory_allocated over the timed steps), peak host RSS, bytes moved each way per step, compile time,
+and for pstar-fx the plan's predicted peak beside its measured one. --profile DIR writes a torch.profiler trace of one
+pstar-fx step per budget and prints where the step's time goes per stream (compute, H2D, D2H) and on the host.
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import math
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+GiB = 2 ** 30
+
+# -----------------------------------------------------------------------------
+# model: nanoGPT without dropout
+
+
+@dataclass
+class GPTConfig:
+    vocab: int
+    seq: int
+    layers: int
+    hidden: int
+    heads: int
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.heads = cfg.heads
+        self.c_attn = nn.Linear(cfg.hidden, 3 * cfg.hidden)
+        self.c_proj = nn.Linear(cfg.hidden, cfg.hidden)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.hidden)
+        self.attn = Attention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.hidden)
+        self.c_fc = nn.Linear(cfg.hidden, 4 * cfg.hidden)
+        self.c_proj = nn.Linear(4 * cfg.hidden, cfg.hidden)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.c_proj(F.gelu(self.c_fc(self.ln_2(x))))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.wte = nn.Embedding(cfg.vocab, cfg.hidden)
+        self.wpe = nn.Embedding(cfg.seq, cfg.hidden)
+        self.h = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+        self.ln_f = nn.LayerNorm(cfg.hidden)
+        self.lm_head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
+        self.lm_head.weight = self.wte.weight   # tied
+        self.checkpoint = False
+        for name, p in self.named_parameters():
+            if p.dim() >= 2:
+                std = 0.02 / math.sqrt(2 * cfg.layers) if name.endswith("c_proj.weight") else 0.02
+                nn.init.normal_(p, mean=0.0, std=std)
+            elif name.endswith("bias"):
+                nn.init.zeros_(p)
+
+    def forward(self, idx):
+        B, T = idx.shape
+        x = self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))   # (B, T, C)
+        for block in self.h:
+            if self.checkpoint:
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+def gpt_loss(model, idx, targets):
+    logits = model(idx)   # (B, T, vocab)
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def n_params(model) -> int:
+    return sum(p.numel() for p in model.parameters())   # tied weight once
+
+
+def flops_per_step(n: int, cfg: GPTConfig, batch: int) -> float:
+    """6*N*tokens + attention: 12 * layers * hidden * seq flops per token (nanoGPT's MFU estimate)."""
+    tokens = batch * cfg.seq
+    return 6 * n * tokens + 12 * cfg.layers * cfg.hidden * cfg.seq * tokens
+
+
+def build(cfg: GPTConfig, device: torch.device, where: str = "device") -> nn.Module:
+    """fp32 model, initialised on the compute device (fast) and moved to the host when where == 'host'."""
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = GPT(cfg)
+    if where == "host" and device.type == "cuda":
+        model = model.cpu()
+        torch.cuda.empty_cache()
+    return model
+
+# -----------------------------------------------------------------------------
+# one system in this process
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def rss_peak() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024   # Linux reports KiB
+
+
+def timed_steps(step_fn, device, warmup: int, steps: int) -> tuple[list[float], list[float]]:
+    warm, times = [], []
+    for i in range(warmup + steps):
+        if i == warmup and device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        sync(device)
+        t0 = time.perf_counter()
+        step_fn()
+        sync(device)
+        (warm if i < warmup else times).append(time.perf_counter() - t0)
+    return warm, times
+
+
+def run_eager(cfg, args, device, batch, checkpoint: bool) -> dict:
+    model = build(cfg, device)
+    model.checkpoint = checkpoint
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+    x, y = batch
+
+    def step():
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = gpt_loss(model, x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    warm, times = timed_steps(step, device, args.warmup, args.steps)
+    return dict(n=n_params(model), warm=warm, times=times, h2d=0, d2h=0, checkpoint=checkpoint)
+
+
+def run_fsdp2(cfg, args, device, batch) -> dict:
+    import torch.distributed as dist
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    model = build(cfg, device)
+    kw = dict(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    if device.type == "cuda":
+        kw["offload_policy"] = CPUOffloadPolicy(pin_memory=True)
+    for block in model.h:
+        fully_shard(block, **kw)
+    fully_shard(model, **kw)
+    n = n_params(model)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+    x, y = batch
+
+    def step():
+        loss = gpt_loss(model, x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    warm, times = timed_steps(step, device, args.warmup, args.steps)
+    dist.destroy_process_group()
+    # estimated, not measured: with offload FSDP2 copies each fp32 shard to the device for forward and again for
+    # backward (reshard after forward), and each fp32 gradient back
+    moved = (8 * n, 4 * n) if device.type == "cuda" else (0, 0)
+    return dict(n=n, warm=warm, times=times, h2d=moved[0], d2h=moved[1], moved_estimated=True)
+
+
+def run_pstar(cfg, args, device, batch, budget: str) -> dict:
+    import pstar_fx as px
+    model = build(cfg, device, where="host")
+    n = n_params(model)
+    dm = None if budget == "none" else budget
+    step = px.compile(model, optimizer=px.AdamW(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1),
+                      device_memory=dm, precision=args.precision, device=device, chunk_size=args.chunk_size)(gpt_loss)
+    t0 = time.perf_counter()
+    step.lower(*batch)                                       # trace + passes + chunk set-up
+    compile_s = time.perf_counter() - t0
+    warm, times = timed_steps(lambda: step(*batch), device, args.warmup, args.steps)
+    s = step.summary()
+    st = step.last_step
+    out = dict(n=n, warm=warm, times=times, h2d=st.h2d_bytes, d2h=st.d2h_bytes, compile_s=compile_s,
+               predicted_peak=s.predicted_peak, measured_peak=st.measured_peak, chunks=s.chunks,
+               states_on_device=f"{s.states_on_device}/{s.trainable_chunks}", nodes=s.nodes)
+    if args.profile:
+        out["profile"] = profile_step(lambda: step(*batch), device, args.profile, f"pstar_{budget}")
+    return out
+
+
+def child(args) -> None:
+    device = torch.device(args.device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())   # set_device and FSDP2 want an index
+    cfg = GPTConfig(vocab=args.vocab, seq=args.seq, layers=args.layers, hidden=args.hidden, heads=args.heads)
+    g = torch.Generator().manual_seed(1)
+    batch = tuple(torch.randint(0, cfg.vocab, (args.batch, cfg.seq), generator=g).to(device) for _ in range(2))
+    system, _, variant = args.child.partition(":")
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        if system == "eager":
+            r = run_eager(cfg, args, device, batch, checkpoint=variant == "ckpt")
+        elif system == "fsdp2":
+            r = run_fsdp2(cfg, args, device, batch)
+        else:
+            r = run_pstar(cfg, args, device, batch, variant)
+    except torch.OutOfMemoryError as e:
+        r = dict(error="out of memory", detail=str(e).splitlines()[0][:200])
+    except Exception as e:   # report and let the other systems run
+        r = dict(error=type(e).__name__, detail=str(e).splitlines()[0][:300] if str(e) else "")
+    r["peak_gpu"] = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    r["peak_rss"] = rss_peak()
+    print("RESULT " + json.dumps(r), flush=True)
+
+# -----------------------------------------------------------------------------
+# profile of one step: time busy per stream, overlap, host-side time
+
+
+def _union(iv: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for a, b in sorted(iv):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def _length(iv) -> float:
+    return sum(b - a for a, b in iv)
+
+
+def _intersect(x, y) -> list[tuple[float, float]]:
+    out, i, j = [], 0, 0
+    while i < len(x) and j < len(y):
+        a, b = max(x[i][0], y[j][0]), min(x[i][1], y[j][1])
+        if a < b:
+            out.append((a, b))
+        if x[i][1] < y[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def stream_summary(events: list[dict]) -> dict:
+    """From a chrome trace: busy time per stream, labelled by what dominates it (kernels: compute, HtoD copies: H2D,
+    DtoH copies: D2H), the overlap of copies with compute, and host-side totals (CPU AdamW, waits on the GPU)."""
+    per_stream: dict[int, dict] = {}
+    for e in events:
+        if e.get("ph") != "X" or e.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset"):
+            continue
+        s = per_stream.setdefault(e["args"].get("stream", -1), dict(iv=[], kernel=0.0, htod=0.0, dtoh=0.0))
+        s["iv"].append((e["ts"], e["ts"] + e["dur"]))
+        kind = "htod" if "HtoD" in e["name"] else "dtoh" if "DtoH" in e["name"] else "kernel"
+        s[kind] += e["dur"]
+    host = dict(cpu_adam=0.0, sync_wait=0.0)
+    for e in events:
+        if e.get("ph") != "X":
+            continue
+        if e.get("cat") == "cpu_op" and "_fused_adam" in e["name"] and e["dur"] > 200:   # CPU kernels, not launches
+            host["cpu_adam"] += e["dur"]
+        if e.get("cat") == "cuda_runtime" and e["name"] in ("cudaEventSynchronize", "cudaStreamSynchronize",
+                                                           "cudaDeviceSynchronize"):
+            host["sync_wait"] += e["dur"]
+    ms = 1e-3
+    if not per_stream:
+        return dict(cpu_adam_ms=host["cpu_adam"] * ms)
+    t0 = min(a for s in per_stream.values() for a, _ in s["iv"])
+    t1 = max(b for s in per_stream.values() for _, b in s["iv"])
+    lanes: dict[str, list] = {}
+    for sid, s in per_stream.items():
+        label = {"kernel": "compute", "htod": "H2D", "dtoh": "D2H"}[max(("kernel", "htod", "dtoh"), key=s.get)]
+        lanes.setdefault(label, []).extend(s["iv"])
+    lanes = {k: _union(v) for k, v in lanes.items()}
+    copies = _union(lanes.get("H2D", []) + lanes.get("D2H", []))
+    compute = lanes.get("compute", [])
+    return dict(gpu_span_ms=(t1 - t0) * ms,
+                busy_ms={k: _length(v) * ms for k, v in lanes.items()},
+                copies_overlapping_compute_ms=_length(_intersect(compute, copies)) * ms,
+                compute_idle_ms=((t1 - t0) - _length(compute)) * ms,
+                cpu_adam_ms=host["cpu_adam"] * ms, host_sync_wait_ms=host["sync_wait"] * ms,
+                streams=len(per_stream))
+
+
+def profile_step(fn, device, out_dir: str, name: str) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+    os.makedirs(out_dir, exist_ok=True)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sync(device)
+    with profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        wall = time.perf_counter() - t0
+    path = os.path.join(out_dir, f"{name}.json")
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    with open(path, "rb") as f, gzip.open(path + ".gz", "wb") as g:
+        g.write(f.read())
+    os.remove(path)
+    summary = stream_summary(events)
+    summary["wall_ms"] = wall * 1e3
+    # where the host's time goes: the operators with the most self CPU time (copies, conversions, AdamW, launches)
+    ops = sorted(prof.key_averages(), key=lambda a: a.self_cpu_time_total, reverse=True)[:10]
+    summary["top_host_ops_ms"] = {a.key: round(a.self_cpu_time_total / 1e3, 1) for a in ops}
+    with open(os.path.join(out_dir, f"{name}_streams.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    return summary
+
+# -----------------------------------------------------------------------------
+# the parent: one child per system, then the table
+
+
+def fmt_bytes(n) -> str:
+    if n is None:
+        return "-"
+    return f"{n / GiB:.2f} GiB" if n >= GiB / 10 else f"{n / 2 ** 20:.1f} MiB"
+
+
+def run_child(argv: list[str], label: str, timeout: float) -> dict:
+    t0 = time.perf_counter()
+    try:
+        p = subprocess.run([sys.executable, os.path.abspath(__file__)] + argv, capture_output=True, text=True,
+                           timeout=timeout)
+        out = p.stdout + p.stderr
+    except subprocess.TimeoutExpired as e:
+        out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        return dict(error=f"timed out after {timeout:.0f} s", log=out)
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+    r = json.loads(lines[-1][7:]) if lines else dict(error=f"exit {p.returncode}", detail=out.strip()[-300:])
+    r["log"] = out
+    r["wall_s"] = time.perf_counter() - t0
+    return r
+
+
+def row(label, cfg, args, r) -> dict:
+    if "error" in r:
+        return dict(system=label, error=r["error"] + (": " + r.get("detail", "") if r.get("detail") else ""))
+    med = statistics.median(r["times"])
+    n = r["n"]
+    tflops = flops_per_step(n, cfg, args.batch) / med / 1e12
+    out = dict(system=label, params=f"{n / 1e9:.3f}B" if n >= 1e8 else f"{n / 1e6:.3f}M", step_s=round(med, 4),
+               tflops=round(tflops, 1) if tflops >= 1 else float(f"{tflops:.3g}"),
+               peak_gpu=fmt_bytes(r.get("peak_gpu")), peak_rss=fmt_bytes(r.get("peak_rss")),
+               h2d=("~" if r.get("moved_estimated") else "") + fmt_bytes(r["h2d"]),
+               d2h=("~" if r.get("moved_estimated") else "") + fmt_bytes(r["d2h"]),
+               first_steps_s=[round(t, 2) for t in r["warm"]])
+    if "compile_s" in r:
+        out.update(compile_s=round(r["compile_s"], 2),
+                   first_minus_steady_s=round(r["warm"][0] - med, 2),
+                   predicted_peak=fmt_bytes(r["predicted_peak"]), measured_peak=fmt_bytes(r["measured_peak"]),
+                   states_on_device=r["states_on_device"], chunks=r["chunks"], nodes=r["nodes"])
+    if "profile" in r:
+        out["profile"] = r["profile"]
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip(),
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--batch", type=int, default=8, help="sequences per step")
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--vocab", type=int, default=50304)
+    ap.add_argument("--systems", default="eager,fsdp2,pstar", help="comma-separated: eager, fsdp2, pstar")
+    ap.add_argument("--budgets", default="none", help="pstar-fx device_memory values, comma-separated ('none': "
+                                                      "unlimited)")
+    ap.add_argument("--checkpoint", choices=["auto", "on", "off"], default="auto",
+                    help="eager: per-block activation checkpointing (auto: only if it does not fit without)")
+    ap.add_argument("--precision", default="bf16", help="pstar-fx precision")
+    ap.add_argument("--chunk-size", type=int, default=None, help="pstar-fx elements per chunk (default: its own)")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--tiny", action="store_true", help="a tiny shape (2 x 64, 2 heads, 2 x 64 tokens, vocab 512)")
+    ap.add_argument("--profile", default=None, metavar="DIR", help="torch.profiler trace of one pstar-fx step")
+    ap.add_argument("--timeout", type=float, default=600, help="seconds per system run")
+    ap.add_argument("--json", default=None, help="also write the rows (and the children's logs) to this file")
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.tiny:
+        args.layers, args.hidden, args.heads, args.batch, args.seq, args.vocab = 2, 64, 2, 2, 64, 512
+    if args.child:
+        return child(args)
+    assert args.steps >= 5, "the median is over at least 5 steps"
+    cfg = GPTConfig(vocab=args.vocab, seq=args.seq, layers=args.layers, hidden=args.hidden, heads=args.heads)
+    passthrough = ["--layers", str(args.layers), "--hidden", str(args.hidden), "--heads", str(args.heads),
+                   "--batch", str(args.batch), "--seq", str(args.seq), "--vocab", str(args.vocab),
+                   "--warmup", str(args.warmup), "--steps", str(args.steps), "--device", args.device,
+                   "--precision", args.precision]
+    if args.chunk_size:
+        passthrough += ["--chunk-size", str(args.chunk_size)]
+    print(f"GPT {cfg}, batch {args.batch} x {args.seq} tokens, device {args.device}"
+          f"{' (' + torch.cuda.get_device_name() + ')' if args.device.startswith('cuda') else ''}, "
+          f"torch {torch.__version__}; TFLOP/s = (6*N*tokens + 12*layers*hidden*seq*tokens) / median step time",
+          flush=True)
+    rows, logs = [], {}
+    for system in args.systems.split(","):
+        variants = {"eager": ["ckpt"] if args.checkpoint == "on" else ["plain"],
+                    "fsdp2": [""], "pstar": args.budgets.split(",")}[system]
+        for v in variants:
+            label = f"{system}:{v}" if v else system
+            extra = ["--profile", args.profile] if system == "pstar" and args.profile else []
+            r = run_child(passthrough + extra + ["--child", label], label, args.timeout)
+            if system == "eager" and args.checkpoint == "auto" and r.get("error") == "out of memory":
+                label = "eager:ckpt"
+                r = run_child(passthrough + ["--child", label], label, args.timeout)
+            logs[label] = r.pop("log", "")
+            rows.append(row(label, cfg, args, r))
+            print(json.dumps(rows[-1]), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(config=vars(args), rows=rows, logs=logs), f, indent=1)
+    print_table(rows)
+
+
+def print_table(rows):
+    cols = ["system", "params", "step_s", "tflops", "peak_gpu", "peak_rss", "h2d", "d2h", "compile_s",
+            "predicted_peak", "measured_peak"]
+    print("\n| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['system']} | {r['error'][:150]} |")
+        else:
+            print("| " + " | ".join(str(r.get(c, "-")) for c in cols) + " |")
+    for r in rows:
+        if "profile" in r:
+            print(f"profile {r['system']}: {json.dumps(r['profile'])}")
+
+
+if __name__ == "__main__":
+    main()
