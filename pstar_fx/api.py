@@ -10,7 +10,8 @@ import torch
 import torch.nn as nn
 
 from .ir import ChunkGroup, Precision, Role, Settings, StateHome, TrainGraph
-from .optim import AdamConfig
+from .optim import OptimizerSpec
+from .optimizer import build as build_optimizer
 from .passes import pipeline, run_passes
 from .passes.memory import state_bytes
 from .passes.place_optimizer import min_need, place_optimizer
@@ -94,12 +95,12 @@ class _Compiled:
 class CompiledStep:
     """A training step compiled for a model: call it with a batch to run forward, backward and the update."""
 
-    def __init__(self, fn: Callable, model: nn.Module, optimizer: AdamConfig, *, device_memory=None,
+    def __init__(self, fn: Callable, model: nn.Module, optimizer: OptimizerSpec, *, device_memory=None,
                  precision: str | None = None, chunk_size: int | None = None, device=None, debug: bool = False,
                  prefetch: int = 4):
         if not isinstance(model, nn.Module):
             raise TypeError(f"px.compile: model must be a torch.nn.Module, got {type(model).__name__}")
-        if not isinstance(optimizer, AdamConfig):
+        if not isinstance(optimizer, OptimizerSpec):
             raise TypeError("px.compile: optimizer must be px.Adam(...) or px.AdamW(...), got "
                             f"{type(optimizer).__name__}")
         if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool)
@@ -111,8 +112,9 @@ class CompiledStep:
         self._model = model
         dev = _resolve_device(device)
         prec = _resolve_precision(precision, dev)
+        self._optimizer = build_optimizer(optimizer, model)
         self.settings = Settings(precision=prec, device=dev, budget=_resolve_budget(device_memory, dev),
-                                 chunk_size=chunk_size, optimizer=optimizer)
+                                 chunk_size=chunk_size, optimizer=self._optimizer.layout)
         self.debug = debug
         self.prefetch = prefetch
         self._cache: dict[tuple, _Compiled] = {}
@@ -147,6 +149,7 @@ class CompiledStep:
                                      self.settings.budget)
             self._store.load_params({p.name: model_state[p.name] for p in final.params})
             self._store.load_buffers({n: b for n, b in self._model.named_buffers()})
+            self._optimizer.attach(self._store)
         return _Compiled(stages=dict(zip(STAGE_NAMES, stages)), executor=Executor(final, self._store))
 
     @property
@@ -212,6 +215,13 @@ class CompiledStep:
         if t.untyped_storage().nbytes() != t.numel() * t.element_size() or not t.is_contiguous():
             t = t.clone(memory_format=torch.contiguous_format)
         return t
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The live optimizer: torch.optim.AdamW's (or Adam's) param_groups, read at every step (set lr between
+        steps, or drive it with a torch.optim.lr_scheduler), and its state_dict() / load_state_dict() in torch's
+        format. The compiled step runs its update: do not call step.optimizer.step()."""
+        return self._optimizer
 
     @property
     def last_step(self) -> StepStats | None:
@@ -284,7 +294,7 @@ def _check_measured(g: TrainGraph, per_node: list[int]) -> None:
                                  f"the plan predicted {predicted}")
 
 
-def compile(model: nn.Module, *, optimizer: AdamConfig, device_memory: int | str | None = None,
+def compile(model: nn.Module, *, optimizer: OptimizerSpec, device_memory: int | str | None = None,
             precision: str | None = None, chunk_size: int | None = None, device=None, debug: bool = False,
             prefetch: int = 4) -> Callable[[Callable], CompiledStep]:
     """Compile `step(model, *batch) -> loss` into one training step that fits `device_memory`.

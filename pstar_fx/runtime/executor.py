@@ -59,7 +59,7 @@ class Runtime:
         self.g = g
         self.store = store
         self.scaler = scaler
-        self.cfg = g.settings.optimizer
+        self.cfg = g.settings.optimizer.configs()   # each group's options, read and checked at every step
         self.precision = g.settings.precision
         self.params = {p.name: p for p in g.params}
         self.found_inf: torch.Tensor | None = None
@@ -98,6 +98,7 @@ class Runtime:
 
     def optimizer_step(self, chunk: int) -> None:
         c = self.g.chunks[chunk]
+        cfg = self.cfg[c.opt_group]
         st = self.store
         parts = st.state_parts(chunk)
         if c.state_home is StateHome.DEVICE:
@@ -109,7 +110,7 @@ class Runtime:
             grad = st.host(BufKey(chunk, c.grad_buf()))
         if not self.precision.mixed:
             if not self.skip:
-                adam_step(self.cfg, param, grad, parts["m"], parts["v"], parts["step"])
+                adam_step(cfg, param, grad, parts["m"], parts["v"], parts["step"])
             return
         on_device = c.state_home is StateHome.DEVICE
         g32 = (st.pool.take(c.capacity, torch.float32, what=f"step workspace of chunk {chunk}") if on_device
@@ -119,7 +120,7 @@ class Runtime:
                 g32.copy_(grad)
                 if self.scaler is not None:
                     g32.mul_(1.0 / self.scaler.scale)
-                adam_step(self.cfg, parts["master"], g32, parts["m"], parts["v"], parts["step"])
+                adam_step(cfg, parts["master"], g32, parts["m"], parts["v"], parts["step"])
             param.copy_(parts["master"])   # new half-precision parameters (also restores them after a skip)
         finally:
             if on_device:
