@@ -59,7 +59,8 @@ class Runtime:
         self.g = g
         self.store = store
         self.scaler = scaler
-        self.cfg = g.settings.optimizer.configs()   # each group's options, read and checked at every step
+        opt = g.settings.optimizer   # each group's options, read and checked at every step (None: no optimizer)
+        self.cfg = opt.configs() if opt is not None else ()
         self.precision = g.settings.precision
         self.params = {p.name: p for p in g.params}
         self.found_inf: torch.Tensor | None = None
