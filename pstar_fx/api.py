@@ -13,7 +13,8 @@ import torch.nn as nn
 
 from .errors import CommitError
 from .ir import ChunkGroup, Precision, Role, Settings, StateHome, TrainGraph
-from .optim import AdamConfig
+from .optim import OptimizerSpec
+from .optimizer import build as build_optimizer
 from .ownership import hold, holder, model_tensors, release
 from .passes import pipeline, run_passes
 from .passes.memory import state_bytes
@@ -98,12 +99,12 @@ class _Compiled:
 class CompiledStep:
     """A training step compiled for a model: call it with a batch to run forward, backward and the update."""
 
-    def __init__(self, fn: Callable, model: nn.Module, optimizer: AdamConfig, *, device_memory=None,
+    def __init__(self, fn: Callable, model: nn.Module, optimizer: OptimizerSpec, *, device_memory=None,
                  precision: str | None = None, chunk_size: int | None = None, device=None, debug: bool = False,
                  prefetch: int = 4, max_grad_norm: float | None = None, accumulate: int = 1):
         if not isinstance(model, nn.Module):
             raise TypeError(f"px.compile: model must be a torch.nn.Module, got {type(model).__name__}")
-        if not isinstance(optimizer, AdamConfig):
+        if not isinstance(optimizer, OptimizerSpec):
             raise TypeError("px.compile: optimizer must be px.Adam(...) or px.AdamW(...), got "
                             f"{type(optimizer).__name__}")
         if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool)
@@ -120,8 +121,9 @@ class CompiledStep:
         self._model = model
         dev = _resolve_device(device)
         prec = _resolve_precision(precision, dev)
+        self._optimizer = build_optimizer(optimizer, model)
         self.settings = Settings(precision=prec, device=dev, budget=_resolve_budget(device_memory, dev),
-                                 chunk_size=chunk_size, optimizer=optimizer,
+                                 chunk_size=chunk_size, optimizer=self._optimizer.layout,
                                  max_grad_norm=None if max_grad_norm is None else float(max_grad_norm),
                                  accumulate=accumulate)
         self.debug = debug
@@ -151,6 +153,7 @@ class CompiledStep:
             self._layout = (final.params, final.chunks, final.chunk_size)
             self._store = ChunkStore(final.chunks, final.params, self.settings.precision, self.settings.device,
                                      self.settings.budget)
+            self._optimizer.attach(self._store)
         return _Compiled(stages=dict(zip(STAGE_NAMES, stages)), executor=Executor(final, self._store))
 
     def _take_model(self) -> None:
@@ -250,7 +253,7 @@ class CompiledStep:
         if self._scaler is not None:
             self._scaler.update(rt.skip)
         self._last_stats = StepStats(measured_peak=peak, h2d_bytes=rt.h2d, d2h_bytes=rt.d2h, skipped=rt.skip,
-                                     seconds=time.perf_counter() - t0, lr=(self.settings.optimizer.lr,),
+                                     seconds=time.perf_counter() - t0, lr=tuple(c.lr for c in rt.cfg),
                                      _grad_norm=rt.grad_norm)
         if interrupted:
             raise KeyboardInterrupt   # held while the update was applied; the step is complete
@@ -264,6 +267,13 @@ class CompiledStep:
         if t.untyped_storage().nbytes() != t.numel() * t.element_size() or not t.is_contiguous():
             t = t.clone(memory_format=torch.contiguous_format)
         return t
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The live optimizer: torch.optim.AdamW's (or Adam's) param_groups, read at every step (set lr between
+        steps, or drive it with a torch.optim.lr_scheduler), and its state_dict() / load_state_dict() in torch's
+        format. The compiled step runs its update: do not call step.optimizer.step()."""
+        return self._optimizer
 
     @property
     def last_step(self) -> StepStats | None:
@@ -336,7 +346,7 @@ def _check_measured(g: TrainGraph, per_node: list[int]) -> None:
                                  f"the plan predicted {predicted}")
 
 
-def compile(model: nn.Module, *, optimizer: AdamConfig, device_memory: int | str | None = None,
+def compile(model: nn.Module, *, optimizer: OptimizerSpec, device_memory: int | str | None = None,
             precision: str | None = None, chunk_size: int | None = None, device=None, debug: bool = False,
             prefetch: int = 4, max_grad_norm: float | None = None,
             accumulate: int = 1) -> Callable[[Callable], CompiledStep]:

@@ -15,7 +15,7 @@ from typing import Mapping
 import torch
 import torch.fx as fx
 
-from .optim import AdamConfig
+from .optim import OptimizerLayout
 
 
 class Precision(enum.Enum):
@@ -123,6 +123,7 @@ class ChunkInfo:
     used: int                        # elements holding parameters (capacity - used is padding)
     grad_inplace: bool = False       # the gradient overwrites the parameter in the PARAM buffer
     state_home: StateHome | None = None   # where the optimizer states live (TRAINABLE only)
+    opt_group: int | None = None     # TRAINABLE: the optimizer parameter group of every parameter in the chunk
 
     @property
     def nbytes(self) -> int:
@@ -157,7 +158,7 @@ class Settings:
     device: torch.device
     budget: int | None               # device bytes for everything pstar-fx places there; None: unlimited
     chunk_size: int | None           # elements; None: chosen by assign_chunks
-    optimizer: AdamConfig
+    optimizer: OptimizerLayout | None   # which parameters form each optimizer group (None: one group of all)
     max_grad_norm: float | None = None   # clip gradients by their global L2 norm before the update
     accumulate: int = 1              # micro-batches per step (the batch is split along dim 0)
 

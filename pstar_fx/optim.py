@@ -1,16 +1,24 @@
-"""Optimizer descriptions: `px.Adam` and `px.AdamW`.
+"""Optimizer descriptions: `px.Adam` and `px.AdamW`, and the checks torch.optim applies to their options.
 
-They take torch.optim.Adam / torch.optim.AdamW's arguments (without `params`: pstar-fx owns the parameters) with the
-same meaning, and are applied chunk-wise by the runtime (`runtime/adam.py`). Options pstar-fx does not support yet
-raise a ValueError that says so, rather than being silently ignored.
+They take torch.optim.Adam / torch.optim.AdamW's arguments with the same meaning. `params` is optional: without it
+one group holds every parameter of the model given to `px.compile`; with it (torch's forms: an iterable of tensors,
+or of `{"params": [...], "lr": ..., ...}` dicts) the groups hold the model's tensors and each group's unspecified
+options take the constructor's values, as in torch. The description is resolved against the model by `px.compile`,
+which builds the live optimizer (`pstar_fx/optimizer.py`, `step.optimizer`). Options pstar-fx does not support raise
+a ValueError that says so, rather than being silently ignored.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+import numbers
+from dataclasses import dataclass, field
+from typing import Any, Mapping
 
+import torch
 
 @dataclass(frozen=True)
 class AdamConfig:
+    """The option values of one parameter group at one step: what the chunk kernels read."""
     lr: float
     beta1: float
     beta2: float
@@ -26,56 +34,147 @@ class AdamConfig:
 
 
 def _is_real(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
-def _make(name: str, decoupled: bool, lr, betas, eps, weight_decay, amsgrad, foreach, maximize, capturable,
-          differentiable, fused) -> AdamConfig:
-    if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and all(_is_real(b) for b in betas)):
-        raise ValueError(f"px.{name}: betas must be a pair of floats such as (0.9, 0.999), got {betas!r}")
-    for arg, value in (("eps", eps), ("weight_decay", weight_decay)):
-        if not _is_real(value):
-            raise ValueError(f"px.{name}: {arg} must be a float, got {value!r}")
-    if fused not in (None, True, False):
-        raise ValueError(f"px.{name}: fused must be None, True or False, got {fused!r}")
+def check_options(where: str, opts: Mapping[str, Any], decoupled: bool, *, construction: bool) -> AdamConfig:
+    """torch.optim.Adam's checks on one group's options (with its messages, e.g. "Invalid learning rate: nan"),
+    plus what torch accepts but pstar-fx cannot honour; NaN and inf are rejected everywhere (torch accepts an inf
+    lr, eps or weight_decay, which turns every parameter into NaN or inf at the first step). `where` prefixes the
+    messages. construction=False: the checks made at every step, on options possibly set through param_groups or
+    loaded from a state dict (foreach and capturable are then how torch would have run; pstar-fx's chunk kernels
+    give the same values, so they are accepted)."""
+    lr, betas, eps, wd = opts["lr"], opts["betas"], opts["eps"], opts["weight_decay"]
+    if isinstance(lr, torch.Tensor):
+        raise ValueError(f"{where}: lr must be a Python float, got a tensor (tensor learning rates are not "
+                         "supported yet)")
     if not _is_real(lr):
-        raise ValueError(f"px.{name}: lr must be a Python float, got {type(lr).__name__} "
-                         "(tensor learning rates are not supported yet)")
-    if lr < 0.0:
-        raise ValueError(f"px.{name}: invalid learning rate {lr}")
-    if eps < 0.0:
-        raise ValueError(f"px.{name}: invalid epsilon value {eps}")
-    if not all(0.0 <= b < 1.0 for b in betas):
-        raise ValueError(f"px.{name}: invalid betas {betas}: each must be in [0, 1)")
-    if weight_decay < 0.0:
-        raise ValueError(f"px.{name}: invalid weight_decay value {weight_decay}")
-    if amsgrad:
-        raise ValueError(f"px.{name}: amsgrad=True is not supported yet; use amsgrad=False")
-    if capturable:
-        raise ValueError(f"px.{name}: capturable=True is not supported (pstar-fx schedules the step itself)")
-    if differentiable:
-        raise ValueError(f"px.{name}: differentiable=True is not supported")
-    if foreach:
-        raise ValueError(f"px.{name}: foreach=True is not supported: pstar-fx updates whole flat chunks; "
-                         "leave foreach=None")
+        raise ValueError(f"{where}: lr must be a float, got {lr!r}")
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and all(_is_real(b) for b in betas)):
+        raise ValueError(f"{where}: betas must be a pair of floats such as (0.9, 0.999), got {betas!r}")
+    for arg, value in (("eps", eps), ("weight_decay", wd)):
+        if not _is_real(value):
+            raise ValueError(f"{where}: {arg} must be a float, got {value!r}")
+    if not (0.0 <= lr < math.inf):
+        raise ValueError(f"{where}: Invalid learning rate: {lr}")
+    if not (0.0 <= eps < math.inf):
+        raise ValueError(f"{where}: Invalid epsilon value: {eps}")
+    for i, b in enumerate(betas):
+        if not 0.0 <= b < 1.0:
+            raise ValueError(f"{where}: Invalid beta parameter at index {i}: {b} (betas must be in [0, 1))")
+    if not (0.0 <= wd < math.inf):
+        raise ValueError(f"{where}: Invalid weight_decay value: {wd}")
+    fused = opts.get("fused")
+    if fused not in (None, True, False):
+        raise ValueError(f"{where}: fused must be None, True or False, got {fused!r}")
+    if opts.get("amsgrad"):
+        raise ValueError(f"{where}: amsgrad=True is not supported yet; use amsgrad=False")
+    if construction:
+        if opts.get("capturable"):
+            raise ValueError(f"{where}: capturable=True is not supported (pstar-fx schedules the step itself)")
+        if opts.get("differentiable"):
+            raise ValueError(f"{where}: differentiable=True is not supported")
+        if opts.get("foreach"):
+            raise ValueError(f"{where}: foreach=True is not supported: pstar-fx updates whole flat chunks; "
+                             "leave foreach=None")
+    elif opts.get("differentiable"):
+        raise ValueError(f"{where}: differentiable=True is not supported")
     return AdamConfig(lr=float(lr), beta1=float(betas[0]), beta2=float(betas[1]), eps=float(eps),
-                      weight_decay=float(weight_decay), decoupled=decoupled, maximize=bool(maximize),
-                      fused=fused)
+                      weight_decay=float(wd), decoupled=bool(opts.get("decoupled_weight_decay", decoupled)),
+                      maximize=bool(opts.get("maximize", False)), fused=fused)
 
 
-def Adam(lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+@dataclass(frozen=True, eq=False)
+class OptimizerSpec:
+    """What `px.Adam(...)` / `px.AdamW(...)` return: the options, and torch's group form when one was given.
+    `px.compile` resolves it against the model into the live optimizer."""
+    decoupled: bool
+    defaults: Mapping[str, Any]                         # torch's constructor options (betas as floats)
+    groups: tuple[dict, ...] | None = None              # torch's param groups (tensors, as given); None: all
+    config: AdamConfig = field(default=None)            # the defaults as checked values
+
+    @property
+    def name(self) -> str:
+        return "AdamW" if self.decoupled else "Adam"
+
+
+@dataclass(frozen=True)
+class OptimizerLayout:
+    """The structural part of the optimizer that the plan depends on: which parameters form each group (names as
+    in model.state_dict(), each tensor once), in torch's group order. Option values are not part of it: they are
+    read from `live` (the optimizer object) at every step, so changing them never retraces."""
+    groups: tuple[tuple[str, ...], ...]
+    live: Any = field(default=None, compare=False, repr=False)   # has configs() -> tuple[AdamConfig, ...]
+
+    def group_of(self, name: str) -> int | None:
+        for i, names in enumerate(self.groups):
+            if name in names:
+                return i
+        return None
+
+    def configs(self) -> tuple[AdamConfig, ...]:
+        """Each group's options for the step about to run, checked (a ValueError names a bad group and option)."""
+        return self.live.configs()
+
+
+def _groups(name: str, params) -> tuple[dict, ...] | None:
+    if params is None:
+        return None
+    if isinstance(params, torch.Tensor):
+        raise TypeError(f"px.{name}: params must be an iterable of tensors or of parameter-group dicts (as for "
+                        f"torch.optim.{name}), got a single tensor; wrap it in a list")
+    if _is_real(params):
+        raise TypeError(f"px.{name}: the first positional argument is params, as in torch.optim.{name}; "
+                        f"pass the learning rate as lr={params!r}")
+    items = list(params)
+    if not items:
+        raise ValueError(f"px.{name}: optimizer got an empty parameter list")
+    if not isinstance(items[0], dict):
+        items = [{"params": items}]
+    groups = []
+    for i, g in enumerate(items):
+        if not isinstance(g, dict) or "params" not in g:
+            raise TypeError(f"px.{name}: parameter group {i} must be a dict with a 'params' entry, got "
+                            f"{type(g).__name__}")
+        if isinstance(g["params"], set):
+            raise TypeError(f"px.{name}: optimizer parameters need to be organized in ordered collections, but "
+                            "the ordering of tensors in sets will change between runs. Please use a list instead.")
+        g = dict(g)
+        g["params"] = [g["params"]] if isinstance(g["params"], torch.Tensor) else list(g["params"])
+        groups.append(g)
+    return tuple(groups)
+
+
+def _make(name: str, decoupled: bool, params, lr, betas, eps, weight_decay, amsgrad, foreach, maximize,
+          capturable, differentiable, fused) -> OptimizerSpec:
+    groups = _groups(name, params)
+    defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, foreach=foreach,
+                    maximize=maximize, capturable=capturable, differentiable=differentiable, fused=fused)
+    config = check_options(f"px.{name}", defaults, decoupled, construction=True)
+    defaults["betas"] = (config.beta1, config.beta2)      # torch requires both floats (or both tensors)
+    for i, g in enumerate(groups or ()):
+        merged = {**defaults, **{k: v for k, v in g.items() if k != "params"}}
+        check_options(f"px.{name}: parameter group {i}", merged, decoupled, construction=True)
+        if "betas" in g:
+            g["betas"] = tuple(float(b) for b in g["betas"])
+    return OptimizerSpec(decoupled=decoupled, defaults=defaults, groups=groups, config=config)
+
+
+def Adam(params=None, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
          weight_decay: float = 0.0, amsgrad: bool = False, *, foreach: bool | None = None,
          maximize: bool = False, capturable: bool = False, differentiable: bool = False,
-         fused: bool | None = None) -> AdamConfig:
-    """Adam with torch.optim.Adam's arguments and meaning (weight_decay is an L2 term added to the gradient)."""
-    return _make("Adam", False, lr, betas, eps, weight_decay, amsgrad, foreach, maximize, capturable,
+         fused: bool | None = None) -> OptimizerSpec:
+    """Adam with torch.optim.Adam's arguments and meaning (weight_decay is an L2 term added to the gradient).
+    params: None (every parameter of the model, one group) or torch's tensors / parameter-group dicts."""
+    return _make("Adam", False, params, lr, betas, eps, weight_decay, amsgrad, foreach, maximize, capturable,
                  differentiable, fused)
 
 
-def AdamW(lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+def AdamW(params=None, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
           weight_decay: float = 1e-2, amsgrad: bool = False, *, foreach: bool | None = None,
           maximize: bool = False, capturable: bool = False, differentiable: bool = False,
-          fused: bool | None = None) -> AdamConfig:
-    """AdamW with torch.optim.AdamW's arguments and meaning (decoupled weight decay)."""
-    return _make("AdamW", True, lr, betas, eps, weight_decay, amsgrad, foreach, maximize, capturable,
+          fused: bool | None = None) -> OptimizerSpec:
+    """AdamW with torch.optim.AdamW's arguments and meaning (decoupled weight decay).
+    params: None (every parameter of the model, one group) or torch's tensors / parameter-group dicts."""
+    return _make("AdamW", True, params, lr, betas, eps, weight_decay, amsgrad, foreach, maximize, capturable,
                  differentiable, fused)

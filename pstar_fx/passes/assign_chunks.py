@@ -1,6 +1,8 @@
 """assign_chunks: parameters into fixed-size chunks in first-use order; reads and gradients go through the chunks.
 
-Invariant after: every parameter has a chunk and an offset, chunks of one group never overlap; no placeholder of a
+Invariant after: every parameter has a chunk and an offset, chunks of one group never overlap; a trainable chunk
+holds parameters of one optimizer parameter group only (`opt_group`; first-use order within each group), and a
+parameter the loss reaches but no optimizer group holds is frozen (torch.optim never updates it); no placeholder of a
 parameter remains: each use of a parameter (or of a view of one) is fed by its own `param_view(param=...)` node,
 placed, with the chain of views it needs, right before that use, so no value aliasing a chunk lives across two uses
 (the chunk may move in between); every gradient output became `write_grad(grad, param=...)` right after the node
@@ -16,7 +18,7 @@ import torch.fx as fx
 
 from .. import ops
 from ..ir import ChunkGroup, ChunkInfo, NodeAnn, ParamInfo, Phase, Role, TrainGraph, copy_graph, to_module
-from .graph_utils import output_node, storage_key, tensors_of
+from .graph_utils import mutated_args, output_node, storage_key, tensors_of
 
 ALIGN = 32                  # element alignment of every parameter inside a chunk (vectorised kernels like it)
 MAX_AUTO_CHUNK = 1 << 26    # largest chunk chosen automatically (elements)
@@ -51,11 +53,12 @@ def waste(numels: list[int], chunk_size: int) -> int:
     return sum(cap for cap, _ in pack(numels, chunk_size)) - used
 
 
-def choose_chunk_size(numels: list[int], itemsize: int, budget: int | None) -> int:
+def choose_chunk_size(numels: list[int], itemsize: int, budget: int | None,
+                      parts: list[list[int]] | None = None) -> int:
     """The chunk size (elements) that wastes least, among sizes small enough that MIN_CHUNKS_IN_BUDGET chunks fit in
     the budget and large enough that there are at most a few hundred chunks and, where the budget allows, that every
     tensor fits in one (a tensor's own chunk wastes nothing, but gives the pool slots of another size); ties go to
-    the larger size."""
+    the larger size. parts: the lists packed separately (optimizer groups, frozen parameters); None: one list."""
     total = sum(numels)
     if total == 0:
         return ALIGN
@@ -70,7 +73,8 @@ def choose_chunk_size(numels: list[int], itemsize: int, budget: int | None) -> i
     else:   # a geometric grid: the waste of nearby sizes differs little once chunks hold many tensors
         candidates = {hi, lo} | {_align(int(lo * (hi / lo) ** (k / EXHAUSTIVE))) for k in range(EXHAUSTIVE + 1)}
     candidates |= {_align(n) for n in numels if lo <= _align(n) <= hi}
-    return min(sorted(candidates), key=lambda s: (waste(numels, s), -s))
+    parts = [numels] if parts is None else [p for p in parts if p]
+    return min(sorted(candidates), key=lambda s: (sum(waste(p, s) for p in parts), -s))
 
 
 def _alias_roots(graph: fx.Graph, param_of: dict[fx.Node, str]) -> dict[fx.Node, fx.Node]:
@@ -91,46 +95,66 @@ def assign_chunks(g: TrainGraph, *, chunk_size: int | None = None,
                   layout: tuple[tuple[ParamInfo, ...], tuple[ChunkInfo, ...], int] | None = None) -> TrainGraph:
     graph, _ = copy_graph(g)
     ann = dict(g.ann)
+    grouping = g.settings.optimizer
+
+    def group_of(name: str) -> int | None:
+        return 0 if grouping is None else grouping.group_of(name)
+
+    # 0. A trainable parameter in no optimizer group is never updated (as in torch.optim): frozen, gradient dropped.
+    ungrouped = {p.name for p in g.params if p.trainable and group_of(p.name) is None}
+    all_params = tuple(dataclasses.replace(p, trainable=False) if p.name in ungrouped else p for p in g.params)
+    grad_outputs = tuple(n for n in g.grad_outputs if n not in ungrouped)
+    if ungrouped:
+        out = output_node(graph)
+        loss, grads = out.args[0][0], out.args[0][1:]
+        out.args = ([loss] + [gn for n, gn in zip(g.grad_outputs, grads) if n not in ungrouped],)
+        for node in reversed(list(graph.nodes)):   # the dropped gradients' computations (canonicalize's rule)
+            if node.op == "call_function" and not node.users and not mutated_args(node):
+                graph.erase_node(node)
+                ann.pop(node.name, None)
     nodes = list(graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
     param_of = {n: ann[n.name].param for n in nodes if ann[n.name].role is Role.PARAM}
     placeholder = {name: n for n, name in param_of.items()}
 
-    # 1. Layout: first-use order, trainable and frozen parameters in separate chunks.
+    # 1. Layout: first-use order; trainable parameters by optimizer group, and frozen ones, in separate chunks.
     if layout is None:
         first_use = {name: min((index[u] for u in n.users), default=len(nodes)) for name, n in placeholder.items()}
-        order = sorted(g.params, key=lambda p: (first_use[p.name], p.name))
+        order = sorted(all_params, key=lambda p: (first_use[p.name], p.name))
+        opt_groups = sorted({group_of(p.name) for p in order if p.trainable})
+        parts = [(ChunkGroup.TRAINABLE, k, [p for p in order if p.trainable and group_of(p.name) == k])
+                 for k in opt_groups] + [(ChunkGroup.FROZEN, None, [p for p in order if not p.trainable])]
         dtype = g.settings.precision.dtype
-        size = chunk_size or choose_chunk_size([p.numel for p in order], dtype.itemsize, g.settings.budget)
+        size = chunk_size or choose_chunk_size([p.numel for p in order], dtype.itemsize, g.settings.budget,
+                                               parts=[[p.numel for p in m] for _, _, m in parts])
         params: dict[str, ParamInfo] = {}
         chunks: list[ChunkInfo] = []
-        for group, trainable in ((ChunkGroup.TRAINABLE, True), (ChunkGroup.FROZEN, False)):
-            members = [p for p in order if p.trainable == trainable]
+        for group, opt_group, members in parts:
             for cap, slots in pack([p.numel for p in members], size):
                 cid = len(chunks)
                 names = tuple(members[i].name for i, _ in slots)
                 for i, off in slots:
                     params[members[i].name] = dataclasses.replace(members[i], chunk=cid, offset=off)
                 chunks.append(ChunkInfo(id=cid, group=group, capacity=cap, dtype=dtype, params=names,
-                                        used=sum(members[i].numel for i, _ in slots)))
-        param_table = tuple(params[p.name] for p in g.params)
+                                        used=sum(members[i].numel for i, _ in slots), opt_group=opt_group))
+        param_table = tuple(params[p.name] for p in all_params)
     else:
         param_table, chunk_table, size = layout
         old = {p.name: p for p in param_table}
-        for p in g.params:
+        for p in all_params:
             q = old.get(p.name)
             if q is None or q.trainable != p.trainable:
                 raise ValueError(
                     f"parameter '{p.name}' is {'trainable' if p.trainable else 'not trainable'} in this trace but "
                     "not in the first one: pstar-fx fixes the chunk layout at the first compile. Keep the set of "
                     "parameters that receive gradients the same for every input shape.")
-        param_table = tuple(old[p.name] for p in g.params)
+        param_table = tuple(old[p.name] for p in all_params)
         chunks = [dataclasses.replace(c, grad_inplace=False) for c in chunk_table]
 
     # 2. Gradients: write_grad right after the node that makes each one; the graph returns only the loss.
     out = output_node(graph)
     loss, grads = out.args[0][0], out.args[0][1:]
-    for name, gnode in zip(g.grad_outputs, grads):
+    for name, gnode in zip(grad_outputs, grads):
         with graph.inserting_after(gnode):
             w = graph.call_function(ops.write_grad, (gnode,), {"param": name})
         ann[w.name] = NodeAnn(role=Role.WRITE_GRAD, phase=Phase.BACKWARD, param=name)
@@ -188,4 +212,4 @@ def assign_chunks(g: TrainGraph, *, chunk_size: int | None = None,
     kept = {n.name for n in graph.nodes}
     return g.evolve(gm=to_module(graph, g.gm), stage="chunked", made_by="assign_chunks",
                     ann={k: v for k, v in ann.items() if k in kept}, params=param_table, chunks=tuple(chunks),
-                    chunk_size=size)
+                    chunk_size=size, grad_outputs=grad_outputs)

@@ -70,7 +70,8 @@ class Runtime:
         self.g = g
         self.store = store
         self.scaler = scaler
-        self.cfg = g.settings.optimizer
+        opt = g.settings.optimizer   # each group's options, read and checked at every step (None: no optimizer)
+        self.cfg = opt.configs() if opt is not None else ()
         self.precision = g.settings.precision
         self.params = {p.name: p for p in g.params}
         self.param_index = {p.name: i for i, p in enumerate(g.params)}
@@ -140,6 +141,7 @@ class Runtime:
 
     def optimizer_step(self, chunk: int) -> None:
         c = self.g.chunks[chunk]
+        cfg = self.cfg[c.opt_group]
         st = self.store
         parts = st.state_parts(chunk)
         if c.state_home is StateHome.DEVICE:
@@ -154,7 +156,7 @@ class Runtime:
             if not self.skip:
                 if self.clip_coef is not None:
                     grad.mul_(self._coef_on(grad.device))
-                adam_step(self.cfg, param, grad, parts["m"], parts["v"], parts["step"])
+                adam_step(cfg, param, grad, parts["m"], parts["v"], parts["step"])
             return
         on_device = c.state_home is StateHome.DEVICE
         g32 = (st.pool.take(c.capacity, torch.float32, what=f"step workspace of chunk {chunk}") if on_device
@@ -166,7 +168,7 @@ class Runtime:
                     g32.mul_(1.0 / self.scaler.scale)
                 if self.clip_coef is not None:
                     g32.mul_(self._coef_on(g32.device))
-                adam_step(self.cfg, parts["master"], g32, parts["m"], parts["v"], parts["step"])
+                adam_step(cfg, parts["master"], g32, parts["m"], parts["v"], parts["step"])
             param.copy_(parts["master"])   # new half-precision parameters (also restores them after a skip)
         finally:
             if on_device:
