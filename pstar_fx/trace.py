@@ -466,6 +466,7 @@ def _fold_param_casts(graph: fx.Graph, params: set[fx.Node]) -> None:
             with val.fake_mode:
                 copy.meta["val"] = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device=val.device)
             user.replace_input_with(n, copy)
+            _refresh_views(copy, storage_key(val))
         graph.erase_node(n)
 
 
