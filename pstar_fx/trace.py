@@ -356,6 +356,8 @@ def trace_step(fn, model: nn.Module, batch: tuple, settings: Settings) -> TrainG
         elif node.op == "output":
             ann[node.name] = NodeAnn(role=Role.OUTPUT, phase=Phase.OUTPUT)
     _reject_param_mutation(gm, ann, recorder)
+    if any(x.dtype is torch.float64 for x in flat.tensors):
+        _reject_float64_mixing(gm, flat)
     if half is not None:
         _fold_param_casts(gm.graph, {n for n in placeholders if ann[n.name].role is Role.PARAM})
         gm.graph.lint()
@@ -496,3 +498,33 @@ def _fix_fake_values(graph: fx.Graph) -> None:
         fix = _FAKE_FIXES.get(n.target)
         if fix is not None:
             fix(n)
+
+
+def _stack_line(node: fx.Node) -> str:
+    """The innermost frame of the user's code in make_fx's recorded stack trace of a node."""
+    lines = [ln.strip() for ln in (node.meta.get("stack_trace") or "").splitlines() if ln.strip()]
+    best = "at an unknown source line"
+    for i, ln in enumerate(lines):
+        if ln.startswith("File ") and _TORCH_DIR not in ln and _OUR_DIR not in ln:
+            best = f"at {ln}" + (f" ({lines[i + 1]})" if i + 1 < len(lines) and not lines[i + 1].startswith("File ")
+                                 else "")
+    return best
+
+
+def _reject_float64_mixing(gm: fx.GraphModule, flat: FlatBatch) -> None:
+    """A float64 batch tensor meeting a lower-precision floating tensor in an op that does not promote to float64
+    (a matmul with float32 weights): eager PyTorch raises there, the fake kernels do not, so say it now."""
+    which = next(i for i, t in enumerate(flat.tensors) if t.dtype is torch.float64)
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        dts = {a.meta["val"].dtype for a in n.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)}
+        pointwise = torch.Tag.pointwise in getattr(n.target, "tags", ())   # these promote, as in eager
+        if (torch.float64 in dts and any(d.is_floating_point and d is not torch.float64 for d in dts)
+                and not pointwise):
+            raise UntraceableError(
+                f"cannot trace the training step: operation {n.target} mixes float64 with "
+                f"{', '.join(sorted(str(d).removeprefix('torch.') for d in dts if d is not torch.float64))} "
+                f"{_stack_line(n)}; batch tensor {which} is float64: pstar-fx, like eager PyTorch, passes batch "
+                "tensors in their own dtype, so convert it to the model's dtype, e.g. x.float(), in or before the "
+                "step")
