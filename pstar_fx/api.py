@@ -11,7 +11,9 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from .errors import CommitError
+from .cache import TraceCache
+from .checks import warn_chunk_padding
+from .errors import CommitError, PstarError
 from .ir import ChunkGroup, Precision, Role, Settings, StateHome, TrainGraph
 from .optim import OptimizerSpec
 from .optimizer import build as build_optimizer
@@ -109,7 +111,10 @@ class CompiledStep:
                             f"{type(optimizer).__name__}")
         if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool)
                                        or chunk_size <= 0):
-            raise ValueError(f"chunk_size must be a positive number of elements, got {chunk_size!r}")
+            raise ValueError(f"chunk_size must be a positive int number of elements, got {chunk_size!r}"
+                             + (f" (a float: write {int(chunk_size)} or int({chunk_size!r}))"
+                                if isinstance(chunk_size, float) and chunk_size.is_integer() and chunk_size > 0
+                                else ""))
         if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
             raise ValueError(f"prefetch must be a number of nodes >= 0, got {prefetch!r}")
         if max_grad_norm is not None and (not isinstance(max_grad_norm, (int, float)) or isinstance(max_grad_norm, bool)
@@ -128,7 +133,7 @@ class CompiledStep:
                                  accumulate=accumulate)
         self.debug = debug
         self.prefetch = prefetch
-        self._cache: dict[tuple, _Compiled] = {}
+        self._cache: TraceCache[_Compiled] = TraceCache()
         self._latest: _Compiled | None = None
         self._store: ChunkStore | None = None
         self._layout = None
@@ -150,6 +155,7 @@ class CompiledStep:
         stages = run_passes(traced, passes)
         final = stages[-1]
         if self._store is None:
+            warn_chunk_padding(final)
             self._layout = (final.params, final.chunks, final.chunk_size)
             self._store = ChunkStore(final.chunks, final.params, self.settings.precision, self.settings.device,
                                      self.settings.budget)
@@ -214,10 +220,11 @@ class CompiledStep:
     def _get(self, batch) -> tuple[_Compiled, FlatBatch]:
         """The compiled step for this batch's signature (compiling it on first sight), and the flattened batch."""
         flat = flatten_batch(batch)
-        sig = (flat.signature, self._model_key())
-        compiled = self._cache.get(sig)
+        key = (flat.signature, self._model_key())
+        compiled = self._cache.get(key)
         if compiled is None:
-            compiled = self._cache[sig] = self._compile(batch)
+            compiled = self._compile(batch)
+            self._cache.put(key, compiled)
         return compiled, flat
 
     def _model_key(self) -> tuple:
@@ -230,6 +237,10 @@ class CompiledStep:
     def __call__(self, *batch) -> torch.Tensor:
         if self._broken is not None:
             raise CommitError(self._broken)
+        if torch.is_inference_mode_enabled() or not torch.is_grad_enabled():
+            ctx = "torch.inference_mode()" if torch.is_inference_mode_enabled() else "torch.no_grad()"
+            raise PstarError(f"pstar-fx step called under {ctx}; a training step needs grad mode; use "
+                             "px.compile(model, optimizer=None) for forward-only evaluation")
         t0 = time.perf_counter()
         compiled, flat = self._get(batch)
         self._latest = compiled

@@ -8,9 +8,20 @@ trainable parameter in table order (None for a parameter the loss does not reach
 
 Buffers are passed in as inputs (not closed over), so in-place buffer updates such as BatchNorm's running statistics
 stay in the graph as in-place aten ops on the buffer placeholders; the runtime applies them to the real buffers.
+
+Mixed precision is torch.autocast's: parameters are half-precision placeholders (the chunks hold them so), batch
+tensors keep their own dtype, and the forward runs under `torch.autocast(device, half dtype)`, so the casts autocast
+makes (half for matmuls and convolutions, fp32 for losses, softmax and norms) are recorded as aten ops. The backward
+is differentiated outside autocast, as `loss.backward()` is in eager code.
+
+The model is never left changed by tracing: its parameter and buffer slots are swapped for fake tensors only while
+the step runs, and every slot is put back (the same objects) whether the trace succeeds or fails.
 """
 from __future__ import annotations
 
+import contextlib
+import inspect
+import operator
 import os
 import time
 import traceback
@@ -26,7 +37,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.overrides import TorchFunctionMode
 
 from .errors import UntraceableError
-from .passes.graph_utils import mutated_args, storage_key
+from .passes.graph_utils import mutated_args, storage_key, tensors_of
 from .ir import BufferInfo, InputInfo, NodeAnn, ParamInfo, Phase, Role, Settings, TrainGraph, to_module
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
@@ -110,7 +121,7 @@ def _where(frame: traceback.FrameSummary | None) -> str:
     return f"at {frame.filename}:{frame.lineno} ({frame.line})"
 
 
-def _explain(exc: BaseException) -> UntraceableError:
+def _explain(exc: BaseException, flat: "FlatBatch | None" = None) -> UntraceableError:
     frame = _user_frame(traceback.extract_tb(exc.__traceback__))
     if isinstance(exc, DataDependentOutputException):
         what = (f"operation {exc.func} needs a tensor's value while tracing (for example .item(), .tolist(), or "
@@ -124,6 +135,10 @@ def _explain(exc: BaseException) -> UntraceableError:
                 "attribute or a global); register it with module.register_buffer(...) or pass it in the batch")
     else:
         what = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        doubles = [i for i, t in enumerate(flat.tensors) if t.dtype is torch.float64] if flat else []
+        if doubles and "double" in str(exc).lower():
+            what += (f" (batch tensor {doubles[0]} is float64: pstar-fx, like eager PyTorch, passes batch tensors in "
+                     "their own dtype, so convert it to the model's dtype, e.g. x.float(), in or before the step)")
     return UntraceableError(f"cannot trace the training step: {what}; {_where(frame)}")
 
 
@@ -133,7 +148,73 @@ def _fake_like(mode: FakeTensorMode, shape, dtype, device) -> torch.Tensor:
 
 
 def _compute_dtype(t_dtype: torch.dtype, settings: Settings) -> torch.dtype:
+    """The dtype of a parameter's placeholder: the chunks' dtype for floating parameters."""
     return settings.precision.dtype if t_dtype.is_floating_point else t_dtype
+
+
+def _slots(model: nn.Module) -> list[tuple[str, str, nn.Module, str, torch.Tensor]]:
+    """Every distinct parameter / buffer slot (module, attribute) once, with one of its full names. A module reachable
+    under two names (`self.c = nn.Sequential(self.a, ...)`) has its slots once; a tensor tied into two modules
+    (wte / lm_head) has two slots."""
+    seen: set[tuple[int, str]] = set()
+    out = []
+    for prefix, mod in model.named_modules(remove_duplicate=False):
+        for kind in ("_parameters", "_buffers"):
+            for name, t in getattr(mod, kind).items():
+                if t is None or (id(mod), name) in seen:
+                    continue
+                seen.add((id(mod), name))
+                out.append((f"{prefix}.{name}" if prefix else name, kind, mod, name, t))
+    return out
+
+
+@contextlib.contextmanager
+def _model_restored(model: nn.Module):
+    """Whatever happens inside, every parameter and buffer slot of the model holds its original tensor afterwards."""
+    saved = [(kind, mod, name, t) for _, kind, mod, name, t in _slots(model)]
+    try:
+        yield
+    finally:
+        for kind, mod, name, t in saved:
+            if getattr(mod, kind).get(name) is not t:
+                getattr(mod, kind)[name] = t
+
+
+def _check_arity(fn, batch: tuple) -> None:
+    """A wrong number of batch arguments is the user's mistake: say so before tracing (not from inside make_fx)."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return
+    try:
+        sig.bind(None, *batch)
+    except TypeError as e:
+        name = getattr(fn, "__qualname__", repr(fn))
+        params = list(sig.parameters)
+        raise TypeError(
+            f"the step function {name}{sig} takes the model and then {', '.join(params[1:]) or 'no batch arguments'}"
+            f"; step(...) was called with {len(batch)} batch argument{'s' if len(batch) != 1 else ''} "
+            f"({', '.join(_describe_leaf(x) for x in batch)}): {e}") from None
+
+
+def _describe_leaf(x) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"tensor{tuple(x.shape)} {str(x.dtype).removeprefix('torch.')}"
+    return type(x).__name__
+
+
+@dataclass(frozen=True)
+class BatchSignature:
+    """What a compiled trace of a batch is keyed by: its structure, each tensor's shape and dtype, each constant.
+
+    `constants` are (leaf path, type, value) of the non-tensor leaves; `without_constants()` is the key of the
+    family of signatures that differ only in them (the trace cache warns when such a family keeps growing)."""
+    structure: object                # optree's PyTreeSpec (hashable, compared structurally)
+    tensors: tuple[tuple[tuple[int, ...], torch.dtype], ...]
+    constants: tuple[tuple[str, type, object], ...]
+
+    def without_constants(self) -> tuple:
+        return (self.structure, self.tensors, tuple(path for path, _, _ in self.constants))
 
 
 @dataclass(frozen=True)
@@ -143,7 +224,7 @@ class FlatBatch:
     tensors: tuple[torch.Tensor, ...]
     spec: object                     # optree's PyTreeSpec
     constants: tuple                 # every leaf, with the _TENSOR marker where a tensor goes
-    signature: tuple                 # what a cached trace is keyed by
+    signature: BatchSignature        # what a cached trace is keyed by
 
     def rebuild(self, tensors) -> tuple:
         it = iter(tensors)
@@ -159,34 +240,42 @@ class _TensorSlot:
 _TENSOR = _TensorSlot()
 
 
+def _leaf_name(path: tuple) -> str:
+    """`batch[2]`, `batch[0]['epoch']`: where a leaf sits in step(*batch)."""
+    return "batch" + "".join(f"[{k!r}]" for k in path)
+
+
 def flatten_batch(batch: tuple) -> FlatBatch:
-    leaves, spec = optree.tree_flatten(tuple(batch), none_is_leaf=True, namespace="torch")
+    # No optree namespace: torch registers its own pytree types in the "torch" namespace lazily (when make_fx first
+    # runs), which would change the spec, and so the signature, of the same batch after the first trace.
+    paths, leaves, spec = optree.tree_flatten_with_path(tuple(batch), none_is_leaf=True)
     tensors = tuple(x for x in leaves if isinstance(x, torch.Tensor))
     constants = tuple(_TENSOR if isinstance(x, torch.Tensor) else x for x in leaves)
-    sig = []
-    for x in leaves:
+    consts = []
+    for path, x in zip(paths, leaves):
         if isinstance(x, torch.Tensor):
-            sig.append((tuple(x.shape), x.dtype))
-        else:
-            try:
-                hash(x)
-            except TypeError:
-                raise TypeError(f"step(*batch): a batch leaf of type {type(x).__name__} is neither a tensor nor "
-                                "hashable; pass tensors (in tuples, lists or dicts) and plain constants") from None
-            sig.append((type(x), x))
-    return FlatBatch(tensors, spec, constants, (str(spec), tuple(sig)))
+            continue
+        try:
+            hash(x)
+        except TypeError:
+            raise TypeError(f"step(*batch): {_leaf_name(path)} is a {type(x).__name__}, neither a tensor nor "
+                            "hashable; pass tensors (in tuples, lists or dicts) and plain constants") from None
+        consts.append((_leaf_name(path), type(x), x))
+    sig = BatchSignature(spec, tuple((tuple(x.shape), x.dtype) for x in tensors), tuple(consts))
+    return FlatBatch(tensors, spec, constants, sig)
 
 
 def trace_step(fn, model: nn.Module, batch: tuple, settings: Settings) -> TrainGraph:
-    """Trace `fn(model, *batch)` into the "traced" TrainGraph (forward + backward, nothing real allocated)."""
+    """Trace `fn(model, *batch)` into the "traced" TrainGraph (forward + backward, nothing real allocated).
+    The model is left exactly as it was (the same parameter and buffer objects), whether tracing succeeds or not."""
     t0 = time.perf_counter()
+    _check_arity(fn, batch)
     tables = model_tables(model)
     wrapper = _StepModule(model, fn)
-    named_p = dict(model.named_parameters())
-    named_b = dict(model.named_buffers())
     device = settings.device
     mode = FakeTensorMode(allow_non_fake_inputs=False)
     fp16 = settings.precision.dtype is torch.float16
+    half = settings.precision.dtype if settings.precision.mixed else None
 
     trainable = {p.name: _fake_like(mode, p.shape, _compute_dtype(p.dtype, settings), device)
                  for p in tables.params if p.trainable}
@@ -194,25 +283,35 @@ def trace_step(fn, model: nn.Module, batch: tuple, settings: Settings) -> TrainG
               for p in tables.params if not p.trainable}
     buffers = {b.name: _fake_like(mode, b.shape, b.dtype, device) for b in tables.buffers}
     flat = flatten_batch(batch)
-    inputs, fake_batch = [], []
-    for i, x in enumerate(flat.tensors):
-        dt = _compute_dtype(x.dtype, settings)
-        inputs.append(InputInfo(i, tuple(x.shape), dt))
-        fake_batch.append(_fake_like(mode, x.shape, dt, device))
+    # batch tensors keep their dtype, as in eager code (autocast casts where it would; float64 stays float64)
+    inputs = [InputInfo(i, tuple(x.shape), x.dtype) for i, x in enumerate(flat.tensors)]
+    fake_batch = [_fake_like(mode, x.shape, x.dtype, device) for x in flat.tensors]
     scale = [_fake_like(mode, (), torch.float32, device)] if fp16 else []
-    del named_p, named_b
+    # one functional_call key per distinct slot, mapped to its tensor's table name (tied tensors: one placeholder)
+    table_name: dict[int, str] = {}       # tensor -> its first name, the one the tables use
+    named = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
+    for n, t in named:
+        table_name.setdefault(id(t), n)
+    slot_names = [(full, table_name[id(t)]) for full, _, _, _, t in _slots(model)]
 
-    def prefixed(d):
-        return {"m." + k: v for k, v in d.items()}
+    model_dtype = {p.name: p.dtype for p in tables.params}
+
+    def substituted(tp, fp, bufs):
+        # mixed precision: the step sees each parameter in the model's own dtype, as under eager autocast (an exact
+        # upcast of the half-precision chunk value; _fold_param_casts drops the casts autocast reverses)
+        values = {**{k: v.to(model_dtype[k]) for k, v in {**tp, **fp}.items()}, **bufs}
+        return {"m." + full: values[name] for full, name in slot_names}
 
     def traced(tp, fp, bufs, scale_args, *xs):
         # Differentiate with the autograd engine itself, recorded by make_fx (as AOTAutograd does). torch.func.grad
         # would also work, but libraries that test `isinstance(t, FakeTensor)` to skip data-dependent checks
         # (transformers' mask utilities) do not recognise functorch's wrapped tensors, and fail to trace.
         leaves = {k: v.detach().requires_grad_(True) for k, v in tp.items()}
+        autocast = (torch.autocast(device.type, dtype=half) if half is not None else contextlib.nullcontext())
         with torch.enable_grad():
-            out = torch.func.functional_call(wrapper, (prefixed(leaves), prefixed(fp), prefixed(bufs)),
-                                             flat.rebuild(xs), strict=False, tie_weights=True)
+            with autocast:
+                out = torch.func.functional_call(wrapper, substituted(leaves, fp, bufs), flat.rebuild(xs),
+                                                 strict=False, tie_weights=False)
             if not isinstance(out, torch.Tensor) or out.dim() != 0:
                 raise UntraceableError(
                     "the step function must return the loss as a 0-d tensor, got "
@@ -230,15 +329,13 @@ def trace_step(fn, model: nn.Module, batch: tuple, settings: Settings) -> TrainG
 
     recorder = _InplaceRecorder()
     try:
-        with recorder:
+        with _model_restored(model), recorder:
             gm = make_fx(traced, tracing_mode="fake", record_stack_traces=True)(
                 trainable, frozen, buffers, scale, *fake_batch)
     except UntraceableError:
         raise
-    except (DataDependentOutputException, DynamicOutputShapeException) as e:
-        raise _explain(e) from e
     except Exception as e:  # an unsupported construct deep inside torch: name it and the user's line
-        raise _explain(e) from e
+        raise _explain(e, flat) from e
 
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     roles: list[tuple[Role, str | None]] = (
@@ -259,6 +356,13 @@ def trace_step(fn, model: nn.Module, batch: tuple, settings: Settings) -> TrainG
         elif node.op == "output":
             ann[node.name] = NodeAnn(role=Role.OUTPUT, phase=Phase.OUTPUT)
     _reject_param_mutation(gm, ann, recorder)
+    if any(x.dtype is torch.float64 for x in flat.tensors):
+        _reject_float64_mixing(gm, flat)
+    if half is not None:
+        _fold_param_casts(gm.graph, {n for n in placeholders if ann[n.name].role is Role.PARAM})
+        gm.graph.lint()
+        _fix_fake_values(gm.graph)
+        ann = {n.name: ann.get(n.name, NodeAnn(role=Role.COMPUTE, phase=Phase.FORWARD)) for n in gm.graph.nodes}
     # Trainable first, then frozen, matching the placeholder order.
     ordered = tuple(p for p in tables.params if p.trainable) + tuple(p for p in tables.params if not p.trainable)
     graph = to_module(gm.graph, gm)
@@ -277,6 +381,8 @@ def _reject_param_mutation(gm: fx.GraphModule, ann, recorder: _InplaceRecorder) 
         if node.op != "call_function":
             continue
         val = node.meta.get("val")
+        if node.target is _TO_COPY and node.args[0] in base and base[node.args[0]].op == "placeholder":
+            base[node] = base[node.args[0]]   # mixed precision: the step's view of a parameter is its upcast
         for a in node.all_input_nodes:
             av = a.meta.get("val")
             if (isinstance(val, torch.Tensor) and isinstance(av, torch.Tensor) and a in base
@@ -292,3 +398,133 @@ def _reject_param_mutation(gm: fx.GraphModule, ann, recorder: _InplaceRecorder) 
                     f"cannot trace the training step: operation {op} updates parameter "
                     f"'{ann[root.name].param}' in place {_where(frame)}; pstar-fx owns the parameters and only its "
                     "optimizer updates them. Compute a new tensor instead of writing into the parameter.")
+
+
+_TO_COPY = torch.ops.aten._to_copy.default
+_EXACT_IN_FP32 = (torch.bfloat16, torch.float16)
+
+
+def _is_plain_cast(n: fx.Node) -> bool:
+    """`_to_copy` that changes only the dtype (same device, strided, no memory format)."""
+    if n.op != "call_function" or n.target is not _TO_COPY or len(n.args) != 1:
+        return False
+    src = n.args[0].meta.get("val") if isinstance(n.args[0], fx.Node) else None
+    kw = n.kwargs
+    return (isinstance(src, torch.Tensor) and set(kw) <= {"dtype", "layout", "device"}
+            and kw.get("layout", torch.strided) == torch.strided
+            and torch.device(kw.get("device", src.device)) == src.device)
+
+
+def _refresh_views(x: fx.Node, old_storage: int) -> None:
+    """x replaced a node whose value had storage old_storage: recompute the fake values of the views of it (they
+    now alias x's storage, which liveness and the schedule must see)."""
+    mode = x.meta["val"].fake_mode
+    stack = list(x.users)
+    while stack:
+        u = stack.pop()
+        if u.op != "call_function" or not any(storage_key(t) == old_storage for t in tensors_of(u)):
+            continue
+        args, kwargs = fx.node.map_arg((u.args, u.kwargs), lambda a: a.meta["val"])
+        with mode:
+            u.meta["val"] = u.target(*args, **kwargs)
+        stack.extend(u.users)
+
+
+def _fold_param_casts(graph: fx.Graph, params: set[fx.Node]) -> None:
+    """Mixed precision, after tracing under autocast (in place, on the freshly traced graph).
+
+    After: no cast round trip `x (bf16/fp16) -> float32 -> x.dtype` remains (its uses read x: exact, since float32
+    holds every half-precision value; this is how a matmul reads the chunk's half-precision parameter directly,
+    with no copy saved for backward), and every remaining upcast of a parameter sits right before its only user, a
+    fresh copy per user, so a float32 copy of a parameter lives no longer than the op that reads it."""
+    for n in list(graph.nodes):
+        if not _is_plain_cast(n) or n.kwargs.get("dtype") not in _EXACT_IN_FP32:
+            continue
+        mid = n.args[0]
+        if not (_is_plain_cast(mid) and mid.kwargs.get("dtype") == torch.float32):
+            continue
+        x = mid.args[0]
+        if x.meta["val"].dtype == n.kwargs["dtype"]:
+            old = storage_key(n.meta["val"])
+            n.replace_all_uses_with(x)
+            graph.erase_node(n)
+            if not mid.users:
+                graph.erase_node(mid)
+            _refresh_views(x, old)
+
+    def of_param(n: fx.Node) -> bool:
+        while n.op == "call_function" and n.target is torch.ops.aten.detach.default:
+            n = n.args[0]
+        return n in params
+
+    for n in list(graph.nodes):
+        if not (_is_plain_cast(n) and of_param(n.args[0]) and len(n.users) > 0):
+            continue
+        val = n.meta["val"]
+        for user in list(n.users):
+            with graph.inserting_before(user):
+                copy = graph.call_function(_TO_COPY, n.args, dict(n.kwargs))
+            copy.meta = dict(n.meta)
+            with val.fake_mode:
+                copy.meta["val"] = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device=val.device)
+            user.replace_input_with(n, copy)
+            _refresh_views(copy, storage_key(val))
+        graph.erase_node(n)
+
+
+def _bn_stats_in_weight_dtype(n: fx.Node) -> None:
+    """native_batch_norm with a half-precision input and float32 weight (autocast keeps norms' parameters float32):
+    the real kernels return the saved mean and inverse std in float32, torch's fake kernel in the input's dtype."""
+    x, w = n.args[0].meta["val"], n.args[1].meta["val"] if isinstance(n.args[1], fx.Node) else None
+    out = n.meta["val"]
+    if w is None or w.dtype == x.dtype or out[1].dtype == w.dtype:
+        return
+    with x.fake_mode:
+        stats = [torch.empty(t.shape, dtype=w.dtype, device=t.device) for t in out[1:3]]
+    n.meta["val"] = (out[0], *stats, *out[3:])
+    for u in n.users:
+        if u.target is operator.getitem and u.args[1] in (1, 2):
+            u.meta["val"] = n.meta["val"][u.args[1]]
+
+
+# ops whose fake kernel disagrees with the real one in mixed precision: corrected in the traced graph's values
+_FAKE_FIXES = {torch.ops.aten.native_batch_norm.default: _bn_stats_in_weight_dtype,
+               torch.ops.aten._native_batch_norm_legit.default: _bn_stats_in_weight_dtype,
+               torch.ops.aten._native_batch_norm_legit_functional.default: _bn_stats_in_weight_dtype}
+
+
+def _fix_fake_values(graph: fx.Graph) -> None:
+    for n in graph.nodes:
+        fix = _FAKE_FIXES.get(n.target)
+        if fix is not None:
+            fix(n)
+
+
+def _stack_line(node: fx.Node) -> str:
+    """The innermost frame of the user's code in make_fx's recorded stack trace of a node."""
+    lines = [ln.strip() for ln in (node.meta.get("stack_trace") or "").splitlines() if ln.strip()]
+    best = "at an unknown source line"
+    for i, ln in enumerate(lines):
+        if ln.startswith("File ") and _TORCH_DIR not in ln and _OUR_DIR not in ln:
+            best = f"at {ln}" + (f" ({lines[i + 1]})" if i + 1 < len(lines) and not lines[i + 1].startswith("File ")
+                                 else "")
+    return best
+
+
+def _reject_float64_mixing(gm: fx.GraphModule, flat: FlatBatch) -> None:
+    """A float64 batch tensor meeting a lower-precision floating tensor in an op that does not promote to float64
+    (a matmul with float32 weights): eager PyTorch raises there, the fake kernels do not, so say it now."""
+    which = next(i for i, t in enumerate(flat.tensors) if t.dtype is torch.float64)
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        dts = {a.meta["val"].dtype for a in n.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)}
+        pointwise = torch.Tag.pointwise in getattr(n.target, "tags", ())   # these promote, as in eager
+        if (torch.float64 in dts and any(d.is_floating_point and d is not torch.float64 for d in dts)
+                and not pointwise):
+            raise UntraceableError(
+                f"cannot trace the training step: operation {n.target} mixes float64 with "
+                f"{', '.join(sorted(str(d).removeprefix('torch.') for d in dts if d is not torch.float64))} "
+                f"{_stack_line(n)}; batch tensor {which} is float64: pstar-fx, like eager PyTorch, passes batch "
+                "tensors in their own dtype, so convert it to the model's dtype, e.g. x.float(), in or before the "
+                "step")

@@ -1,9 +1,13 @@
 """bf16 and fp16 (mixed precision: half-precision chunks, fp32 master weights and Adam states).
 
-Tolerances: bf16 keeps 8 significant bits (relative rounding 2**-9 per op), fp16 keeps 11 (2**-12). Over 20 steps on
-one batch the loss of the tiny GPT moved from fp32's by at most 0.60% in bf16 and 0.30% in fp16 (measured on this
-machine, torch 2.13). The bounds, 3% and 1%, are 5x and 3x that, which leaves room for another BLAS, yet fail if half
-precision corrupted training: a wrong cast or a lost update moves the loss by tens of percent.
+Tolerances: bf16 keeps 8 significant bits (relative rounding 2**-9 per op), fp16 keeps 11 (2**-12). The runs below are
+deliberately harsh (lr 1e-2, the same batch 20 times), which amplifies rounding differences step after step: eager
+torch.autocast itself ends 0.88% (bf16) and 1.44% (fp16) away from fp32 on this run. Mixed precision now follows
+autocast (issue 7), with half-precision parameter and gradient storage on top, which measured 3.2% (bf16) and 1.5%
+(fp16) from fp32 (this machine, torch 2.13; bit-equal to eager autocast with parameters and gradients rounded to bf16).
+The bounds, 6% and 3%, leave room for another BLAS, yet fail if half precision corrupted training: a wrong cast or a
+lost update moves the loss by tens of percent. tests/test_inputs.py checks, tightly, that the losses track eager
+autocast under ordinary hyperparameters.
 """
 import dataclasses
 
@@ -28,7 +32,7 @@ def _same_batch(case):
         case, make_batch=lambda step, gen, f=case.make_batch: f(0, torch.Generator().manual_seed(0)))
 
 
-@pytest.mark.parametrize("precision,tol", [("bf16", 0.03), ("fp16", 0.01)])
+@pytest.mark.parametrize("precision,tol", [("bf16", 0.06), ("fp16", 0.03)])
 @pytest.mark.parametrize("budget", ["unlimited", "tight"])
 def test_half_precision_trains_close_to_fp32(precision, tol, budget):
     case = _same_batch(small_batches(CASES_BY_NAME["gpt_tied"]))
@@ -66,16 +70,18 @@ def test_mixed_precision_gradients_overwrite_parameters_where_safe():
 
 
 class _ReadAfterGrad(nn.Module):
-    """`scale.detach()` is read by the backward of an op that runs after scale's gradient is final."""
+    """`mix.detach()` is read by the backward of a matmul that runs after mix's gradient is final. (A matmul: under
+    autocast it reads the half-precision parameter itself; an elementwise op would read an fp32 copy saved in
+    forward, and the chunk would not be read again.)"""
 
     def __init__(self):
         super().__init__()
         self.lin = nn.Linear(8, 8)
-        self.scale = nn.Parameter(torch.randn(8))
+        self.mix = nn.Parameter(torch.randn(8, 8) / 3)
         self.out = nn.Linear(8, 2)
 
     def forward(self, x):
-        return self.out(self.lin(x) * self.scale.detach() * self.scale)
+        return self.out((self.lin(x) @ self.mix.detach()) @ self.mix)
 
 
 def test_gradient_not_in_place_where_a_parameter_is_read_after_it():
@@ -92,9 +98,9 @@ def test_gradient_not_in_place_where_a_parameter_is_read_after_it():
     losses = [step(x, y).item() for _ in range(STEPS)]
     ref_losses = [ref(x, y).item() for _ in range(STEPS)]
     g = step.graphs["scheduled"]
-    chunk = g.chunk_of("scale")
+    chunk = g.chunk_of("mix")
     assert not chunk.grad_inplace
-    assert all(c.grad_inplace for c in g.chunks if "scale" not in c.params)
+    assert all(c.grad_inplace for c in g.chunks if "mix" not in c.params)
     assert losses[-1] < 0.7 * losses[0]
     assert max(abs(a - b) / b for a, b in zip(losses, ref_losses)) <= 0.03
 

@@ -70,15 +70,7 @@ def plan_moves(g: TrainGraph, budget: int | None, prefetch: int) -> list[Move]:
         while want > cap:
             victims = [k for k in resident if k not in x.resident]
             if not victims:
-                need = static + lv.live[i] + x.workspace + sum(buf_bytes(g, k) for k in x.resident)
-                raise BudgetError(
-                    f"device_memory budget {format_bytes(int(cap))} ({int(cap)} bytes) is too small: node "
-                    f"{_describe(n)} needs {format_bytes(need)} ({need} bytes): live activations "
-                    f"{format_bytes(lv.live[i])} + its chunk buffers "
-                    f"{format_bytes(sum(buf_bytes(g, k) for k in x.resident))} + workspace "
-                    f"{format_bytes(x.workspace)} + always-resident {format_bytes(static)} (module buffers and "
-                    "device optimizer states). Raise device_memory, or lower chunk_size or the batch size.",
-                    node=n.name, needed=need, available=int(cap))
+                raise _budget_error(g, lv, cap, first=n)
             victim = max(victims, key=lambda k: (next_use(k, i), k.order()))
             dirty = resident.pop(victim)
             moves.append(Move(Role.RELEASE, victim, i, copy=dirty))
@@ -101,6 +93,27 @@ def plan_moves(g: TrainGraph, budget: int | None, prefetch: int) -> list[Move]:
                 used -= buf_bytes(g, k)
     assert not resident, resident
     return _hoist(g, moves, profile, lv.live, nd, static, cap, prefetch) if prefetch else moves
+
+
+def _budget_error(g: TrainGraph, lv, cap: float, first: fx.Node) -> BudgetError:
+    """What the whole step needs, not just the first node that does not fit: the least budget under which it runs
+    (every optimizer state on the host, only each node's own needs on the device: step.min_device_memory) and the
+    node that needs it."""
+    host = g.evolve(chunks=tuple(dataclasses.replace(c, state_home=StateHome.HOST) if c.state_home else c
+                                 for c in g.chunks))
+    static = static_bytes(host)
+    own = [lv.live[i] + x.workspace + sum(buf_bytes(g, k) for k in x.resident) for i, x in enumerate(all_needs(host))]
+    i = max(range(len(own)), key=own.__getitem__)
+    x = all_needs(host)[i]
+    need = static + own[i]
+    return BudgetError(
+        f"device_memory budget {format_bytes(int(cap))} ({int(cap)} bytes) is too small: this step needs at least "
+        f"{format_bytes(need)} ({need} bytes), at node {_describe(g.nodes[i])}: live activations "
+        f"{format_bytes(lv.live[i])} + its chunk buffers {format_bytes(sum(buf_bytes(g, k) for k in x.resident))} + "
+        f"workspace {format_bytes(x.workspace)} + always-resident {format_bytes(static)} (module buffers and "
+        f"constants; every optimizer state on the host). The first node that does not fit is {_describe(first)}. "
+        "Raise device_memory, or lower chunk_size or the batch size.",
+        node=g.nodes[i].name, needed=need, available=int(cap))
 
 
 def _hoist(g, moves, profile, live, nd, static, cap, prefetch) -> list[Move]:

@@ -193,12 +193,18 @@ def mutated_buffers(g: TrainGraph) -> list[str]:
 
 
 def _source(n: fx.Node) -> str:
-    """The user's source line that produced a node, as make_fx recorded it (when it did)."""
+    """The user's source line that produced a node, as make_fx recorded it (when it did): the innermost frame
+    outside torch and pstar-fx (make_fx's trace ends inside torch, e.g. in F.embedding)."""
     trace = n.meta.get("stack_trace")
     if not trace:
         return ""
     lines = [ln.strip() for ln in trace.strip().splitlines() if ln.strip()]
-    return f" ({lines[-2]}: {lines[-1]})" if len(lines) >= 2 else f" ({lines[-1]})"
+    frames = [(ln, lines[i + 1] if i + 1 < len(lines) and not lines[i + 1].startswith("File ") else "")
+              for i, ln in enumerate(lines) if ln.startswith("File ")]
+    libraries = (torch.__file__.rpartition("/")[0] + "/", __file__.rpartition("/runtime/")[0] + "/")
+    user = [f for f in frames if not any(d in f[0] for d in libraries)]
+    where, code = (user or frames or [(lines[-1], "")])[-1]
+    return f" ({where}: {code})"
 
 
 class Executor:
