@@ -25,6 +25,7 @@ from torch._subclasses.fake_tensor import (DataDependentOutputException, Dynamic
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.overrides import TorchFunctionMode
 
+from . import trace_hints
 from .errors import UntraceableError
 from .passes.graph_utils import mutated_args, storage_key
 from .ir import BufferInfo, InputInfo, NodeAnn, ParamInfo, Phase, Role, Settings, TrainGraph, to_module
@@ -210,7 +211,8 @@ def trace_step(fn, model: nn.Module, batch: tuple, settings: Settings) -> TrainG
         # would also work, but libraries that test `isinstance(t, FakeTensor)` to skip data-dependent checks
         # (transformers' mask utilities) do not recognise functorch's wrapped tensors, and fail to trace.
         leaves = {k: v.detach().requires_grad_(True) for k, v in tp.items()}
-        with torch.enable_grad():
+        with torch.enable_grad(), trace_hints.substituted(
+                wrapper, {**prefixed(leaves), **prefixed(fp), **prefixed(bufs)}):
             out = torch.func.functional_call(wrapper, (prefixed(leaves), prefixed(fp), prefixed(bufs)),
                                              flat.rebuild(xs), strict=False, tie_weights=True)
             if not isinstance(out, torch.Tensor) or out.dim() != 0:
@@ -225,7 +227,7 @@ def trace_step(fn, model: nn.Module, batch: tuple, settings: Settings) -> TrainG
                     "the loss does not depend on any trainable parameter, so a step would train nothing (eager "
                     "loss.backward() raises here too); check requires_grad and that the loss uses the model's output")
             seeded = out * scale_args[0] if scale_args else out
-            grads = torch.autograd.grad(seeded, list(leaves.values()), allow_unused=True)
+            grads = trace_hints.gradients(seeded, list(leaves.values()))
         return [out] + list(grads)
 
     recorder = _InplaceRecorder()
@@ -240,6 +242,7 @@ def trace_step(fn, model: nn.Module, batch: tuple, settings: Settings) -> TrainG
     except Exception as e:  # an unsupported construct deep inside torch: name it and the user's line
         raise _explain(e) from e
 
+    trace_hints.mark_recompute(gm)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     roles: list[tuple[Role, str | None]] = (
         [(Role.PARAM, k) for k in trainable] + [(Role.PARAM, k) for k in frozen]
