@@ -51,7 +51,9 @@ _SAME_VALUE = (torch.ops.aten.detach.default, torch.ops.aten.alias.default)
 @dataclass(frozen=True)
 class CheckpointTag:
     region: int                      # checkpointed region id, in order of the region's first recompute node
-    recompute_of: str | None = None  # recompute node: its forward twin's name; None on the forward twin itself
+    recompute_of: str | None = None  # recompute node: its forward twin's name; None on the forward twin itself.
+    # A twin only backward needed (a layer norm's saved mean) has no user once backward reads the recompute's copy,
+    # so canonicalize drops it: then the name is of no node and there is nothing to reuse.
 
 
 @dataclass(frozen=True)
