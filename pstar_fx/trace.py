@@ -25,7 +25,7 @@ from torch._subclasses.fake_tensor import (DataDependentOutputException, Dynamic
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.overrides import TorchFunctionMode
 
-from . import trace_hints
+from . import fake_fixes, trace_hints
 from .errors import UntraceableError
 from .passes.graph_utils import mutated_args, storage_key
 from .ir import BufferInfo, InputInfo, NodeAnn, ParamInfo, Phase, Role, Settings, TrainGraph, to_module
@@ -232,7 +232,7 @@ def trace_step(fn, model: nn.Module, batch: tuple, settings: Settings) -> TrainG
 
     recorder = _InplaceRecorder()
     try:
-        with recorder:
+        with recorder, fake_fixes.FakeKernelFixes():
             gm = make_fx(traced, tracing_mode="fake", record_stack_traces=True)(
                 trainable, frozen, buffers, scale, *fake_batch)
     except UntraceableError:
