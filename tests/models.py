@@ -363,3 +363,21 @@ CHECKPOINT_CASES = [
     Case("hf_llama_gc", lambda: hf_checkpointed(tiny_llama, False), hf_loss, _hf_batch),
     Case("hf_llama_gc_reentrant", lambda: hf_checkpointed(tiny_llama, True), hf_loss, _hf_batch),
 ]
+
+# -----------------------------------------------------------------------------
+# mixture of experts (tests/test_moe.py)
+
+def tiny_mixtral(experts_implementation=None):
+    """MixtralForCausalLM: 4 experts, top-2 routing. experts_implementation=None is transformers' default
+    (grouped_mm where torch has it: sort by expert, fixed-shape grouped matmuls); "eager" loops over the experts
+    hit, found with nonzero (data-dependent shapes)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+    kw = {} if experts_implementation is None else dict(experts_implementation=experts_implementation)
+    cfg = MixtralConfig(vocab_size=HF_VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                        max_position_embeddings=32, use_cache=False, bos_token_id=0, eos_token_id=0,
+                        attn_implementation="eager", **kw)
+    return MixtralForCausalLM(cfg)
+
+
+MOE_CASES = [Case("hf_mixtral", tiny_mixtral, hf_loss, _hf_batch)]
