@@ -1,8 +1,8 @@
 """Ops whose fake (meta) kernel rejects inputs that the real kernel accepts, traced through an opaque op instead.
 
 `torch._grouped_mm` (transformers' default Mixture-of-Experts implementation, `experts_implementation="grouped_mm"`)
-has a meta kernel that copies the CUDA kernel's checks and accepts bf16 only, while the real kernels also compute fp32
-(the CPU kernel does); so an fp32 Mixtral cannot be traced over fake tensors although eager PyTorch runs it. While tracing,
+has a meta kernel that copies the CUDA kernel's checks and accepts bf16 only, while the CPU kernel also computes
+fp32; so an fp32 Mixtral cannot be traced over fake tensors although eager PyTorch runs it. While tracing,
 `FakeKernelFixes` sends such calls to `pstar::grouped_mm`, a custom op with a fake kernel for the shapes (the
 output shape does not depend on values: (S, N) for S grouped rows) whose real kernel is `torch._grouped_mm` itself,
 and whose backward is a second opaque op computing torch's own backward formula with the same kernel. The graph thus

@@ -107,7 +107,6 @@ def _private_chains(nodes: list[fx.Node]) -> set[int]:
     """Written storages whose values are well defined per node: one node creates the storage, then in-place ops each
     write the previous one's result (dropout on the CPU: empty_like, bernoulli_, div_), no view of it is taken, and
     every other reader reads the last write, after it."""
-    creator: dict[int, fx.Node] = {}
     chain: dict[int, list[fx.Node]] = {}
     readers: dict[int, list[fx.Node]] = {}
     bad: set[int] = set()
@@ -116,7 +115,6 @@ def _private_chains(nodes: list[fx.Node]) -> set[int]:
         ins = {k for a in n.all_input_nodes for k in _storages(a)}
         muts = mutated_args(n)
         for k in out - ins:
-            creator.setdefault(k, n)
             chain[k] = [n]
         for m in muts:
             for k in _storages(m):

@@ -10,7 +10,7 @@ from torch.utils.checkpoint import checkpoint
 import pstar_fx as px
 from pstar_fx.trace_hints import CHECKPOINT, checkpoint_regions
 from harness import HYPER, compiled_run, compiled_step, eager_run, fetch_counts, host_params, rel_err, tight_budget
-from models import (CASES, CASES_BY_NAME, CHECKPOINT_CASES, GPT, CheckpointedGPT, MODEL_SEED, assert_state_close,
+from models import (CASES, CASES_BY_NAME, CHECKPOINT_CASES, GPT, MODEL_SEED, CheckpointedGPT, assert_state_close,
                     gpt_loss)
 
 STEPS = 4
