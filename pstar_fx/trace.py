@@ -36,6 +36,7 @@ from torch._subclasses.fake_tensor import (DataDependentOutputException, Dynamic
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.overrides import TorchFunctionMode
 
+from . import fake_fixes, trace_hints
 from .errors import UntraceableError
 from .passes.graph_utils import mutated_args, storage_key, tensors_of
 from .ir import BufferInfo, InputInfo, NodeAnn, ParamInfo, Phase, Role, Settings, TrainGraph, to_module
@@ -308,10 +309,10 @@ def trace_step(fn, model: nn.Module, batch: tuple, settings: Settings) -> TrainG
         # (transformers' mask utilities) do not recognise functorch's wrapped tensors, and fail to trace.
         leaves = {k: v.detach().requires_grad_(True) for k, v in tp.items()}
         autocast = (torch.autocast(device.type, dtype=half) if half is not None else contextlib.nullcontext())
-        with torch.enable_grad():
+        # the model's tensors stay substituted through backward too: a checkpoint's recompute runs there
+        with torch.enable_grad(), trace_hints.substituted(wrapper, substituted(leaves, fp, bufs)):
             with autocast:
-                out = torch.func.functional_call(wrapper, substituted(leaves, fp, bufs), flat.rebuild(xs),
-                                                 strict=False, tie_weights=False)
+                out = wrapper(*flat.rebuild(xs))
             if not isinstance(out, torch.Tensor) or out.dim() != 0:
                 raise UntraceableError(
                     "the step function must return the loss as a 0-d tensor, got "
@@ -324,12 +325,12 @@ def trace_step(fn, model: nn.Module, batch: tuple, settings: Settings) -> TrainG
                     "the loss does not depend on any trainable parameter, so a step would train nothing (eager "
                     "loss.backward() raises here too); check requires_grad and that the loss uses the model's output")
             seeded = out * scale_args[0] if scale_args else out
-            grads = torch.autograd.grad(seeded, list(leaves.values()), allow_unused=True)
+            grads = trace_hints.gradients(seeded, list(leaves.values()))
         return [out] + list(grads)
 
     recorder = _InplaceRecorder()
     try:
-        with _model_restored(model), recorder:
+        with _model_restored(model), recorder, fake_fixes.FakeKernelFixes():
             gm = make_fx(traced, tracing_mode="fake", record_stack_traces=True)(
                 trainable, frozen, buffers, scale, *fake_batch)
     except UntraceableError:
@@ -337,6 +338,7 @@ def trace_step(fn, model: nn.Module, batch: tuple, settings: Settings) -> TrainG
     except Exception as e:  # an unsupported construct deep inside torch: name it and the user's line
         raise _explain(e, flat) from e
 
+    trace_hints.mark_recompute(gm)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     roles: list[tuple[Role, str | None]] = (
         [(Role.PARAM, k) for k in trainable] + [(Role.PARAM, k) for k in frozen]

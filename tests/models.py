@@ -321,3 +321,63 @@ def assert_state_close(sd_a, sd_b, rtol):
             raise AssertionError(f"{k}: relative error {err:.3e} > rtol {rtol:.1e} "
                                  f"(max|a-b|={(a - b).abs().max().item():.3e}, "
                                  f"max|b|={b.abs().max().item():.3e})")
+
+# -----------------------------------------------------------------------------
+# activation checkpointing in user code (tests/test_checkpointing.py)
+
+class CheckpointedGPT(GPT):
+    """nanoGPT with every block run under torch.utils.checkpoint.checkpoint (reentrant or not)."""
+
+    def __init__(self, *args, reentrant=False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.reentrant = reentrant
+
+    def forward(self, idx):
+        from torch.utils.checkpoint import checkpoint
+        B, T = idx.size()
+        pos = torch.arange(0, T, dtype=torch.long, device=idx.device)  # (T,)
+        x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
+        for block in self.h:
+            x = checkpoint(block, x, use_reentrant=self.reentrant)
+        return self.lm_head(self.ln_f(x))
+
+
+def hf_checkpointed(build, reentrant):
+    """A tiny transformers model after gradient_checkpointing_enable() (use_reentrant as given), the way users turn
+    it on (the method is a deprecated alias in recent transformers, hence the warning filter)."""
+    import warnings
+    model = build()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    return model
+
+
+CHECKPOINT_CASES = [
+    Case("gpt_ckpt", lambda: CheckpointedGPT(vocab=64, block_size=16, n_layer=2, n_head=2, n_embd=32),
+         gpt_loss, _gpt_batch),
+    Case("gpt_ckpt_reentrant", lambda: CheckpointedGPT(vocab=64, block_size=16, n_layer=2, n_head=2, n_embd=32,
+                                                       reentrant=True), gpt_loss, _gpt_batch),
+    Case("hf_gpt2_gc", lambda: hf_checkpointed(tiny_gpt2, False), hf_loss, _hf_batch),
+    Case("hf_gpt2_gc_reentrant", lambda: hf_checkpointed(tiny_gpt2, True), hf_loss, _hf_batch),
+    Case("hf_llama_gc", lambda: hf_checkpointed(tiny_llama, False), hf_loss, _hf_batch),
+    Case("hf_llama_gc_reentrant", lambda: hf_checkpointed(tiny_llama, True), hf_loss, _hf_batch),
+]
+
+# -----------------------------------------------------------------------------
+# mixture of experts (tests/test_moe.py)
+
+def tiny_mixtral(experts_implementation=None):
+    """MixtralForCausalLM: 4 experts, top-2 routing. experts_implementation=None is transformers' default
+    (grouped_mm where torch has it: sort by expert, fixed-shape grouped matmuls); "eager" loops over the experts
+    hit, found with nonzero (data-dependent shapes)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+    kw = {} if experts_implementation is None else dict(experts_implementation=experts_implementation)
+    cfg = MixtralConfig(vocab_size=HF_VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                        max_position_embeddings=32, use_cache=False, bos_token_id=0, eos_token_id=0,
+                        attn_implementation="eager", **kw)
+    return MixtralForCausalLM(cfg)
+
+
+MOE_CASES = [Case("hf_mixtral", tiny_mixtral, hf_loss, _hf_batch)]
