@@ -38,7 +38,7 @@ from torch.overrides import TorchFunctionMode
 
 from . import fake_fixes, trace_hints
 from .errors import UntraceableError
-from .passes.graph_utils import mutated_args, storage_key, tensors_of
+from .passes.graph_utils import loss_seed, mutated_args, output_node, storage_key, tensors_of
 from .ir import BufferInfo, InputInfo, NodeAnn, ParamInfo, Phase, Role, Settings, TrainGraph, to_module
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
@@ -266,6 +266,20 @@ def flatten_batch(batch: tuple) -> FlatBatch:
     return FlatBatch(tensors, spec, constants, sig)
 
 
+def _micro_batch_sizes(flat: "FlatBatch", micro: int) -> list[int]:
+    """accumulate=K: the micro-batch size of every batch tensor (its dim 0 divided by K)."""
+    if micro == 1:
+        return [0] * len(flat.tensors)
+    sizes = []
+    for i, x in enumerate(flat.tensors):
+        if x.dim() == 0 or x.shape[0] % micro != 0:
+            raise ValueError(f"accumulate={micro} splits every batch tensor along dimension 0 into {micro} "
+                             f"micro-batches, but batch tensor {i} has shape {tuple(x.shape)}; give it a first "
+                             f"dimension divisible by {micro}")
+        sizes.append(x.shape[0] // micro)
+    return sizes
+
+
 def trace_step(fn, model: nn.Module, batch: tuple, settings: Settings) -> TrainGraph:
     """Trace `fn(model, *batch)` into the "traced" TrainGraph (forward + backward, nothing real allocated).
     The model is left exactly as it was (the same parameter and buffer objects), whether tracing succeeds or not."""
@@ -303,11 +317,10 @@ def trace_step(fn, model: nn.Module, batch: tuple, settings: Settings) -> TrainG
         values = {**{k: v.to(model_dtype[k]) for k, v in {**tp, **fp}.items()}, **bufs}
         return {"m." + full: values[name] for full, name in slot_names}
 
-    def traced(tp, fp, bufs, scale_args, *xs):
-        # Differentiate with the autograd engine itself, recorded by make_fx (as AOTAutograd does). torch.func.grad
-        # would also work, but libraries that test `isinstance(t, FakeTensor)` to skip data-dependent checks
-        # (transformers' mask utilities) do not recognise functorch's wrapped tensors, and fail to trace.
-        leaves = {k: v.detach().requires_grad_(True) for k, v in tp.items()}
+    micro = settings.accumulate
+    splits = _micro_batch_sizes(flat, micro)
+
+    def one_micro_batch(leaves, fp, bufs, scale_args, xs):
         autocast = (torch.autocast(device.type, dtype=half) if half is not None else contextlib.nullcontext())
         # the model's tensors stay substituted through backward too: a checkpoint's recompute runs there
         with torch.enable_grad(), trace_hints.substituted(wrapper, substituted(leaves, fp, bufs)):
@@ -324,9 +337,31 @@ def trace_step(fn, model: nn.Module, batch: tuple, settings: Settings) -> TrainG
                 raise UntraceableError(
                     "the loss does not depend on any trainable parameter, so a step would train nothing (eager "
                     "loss.backward() raises here too); check requires_grad and that the loss uses the model's output")
-            seeded = out * scale_args[0] if scale_args else out
+            seeded = out / micro if micro > 1 else out       # eager accumulation: (loss / K).backward() per micro-batch
+            seeded = seeded * scale_args[0] if scale_args else seeded
             grads = trace_hints.gradients(seeded, list(leaves.values()))
-        return [out] + list(grads)
+        return out, list(grads)
+
+    def traced(tp, fp, bufs, scale_args, *xs):
+        # Differentiate with the autograd engine itself, recorded by make_fx (as AOTAutograd does). torch.func.grad
+        # would also work, but libraries that test `isinstance(t, FakeTensor)` to skip data-dependent checks
+        # (transformers' mask utilities) do not recognise functorch's wrapped tensors, and fail to trace.
+        # With accumulate=K the graph holds K forward + backward passes, one per micro-batch (a slice of every batch
+        # tensor along dim 0), in order; outputs: [mean loss, loss_1..loss_K (K > 1 only), grads_1, ..., grads_K].
+        leaves = {k: v.detach().requires_grad_(True) for k, v in tp.items()}
+        if micro == 1:
+            out, grads = one_micro_batch(leaves, fp, bufs, scale_args, xs)
+            return [out] + grads
+        losses, all_grads = [], []
+        for k in range(micro):
+            part = [x.narrow(0, k * b, b) for x, b in zip(xs, splits)]
+            out, grads = one_micro_batch(leaves, fp, bufs, scale_args, part)
+            losses.append(out)
+            all_grads += grads
+        total = losses[0]
+        for loss_k in losses[1:]:
+            total = total + loss_k
+        return [total / micro] + losses + all_grads
 
     recorder = _InplaceRecorder()
     try:
@@ -338,7 +373,9 @@ def trace_step(fn, model: nn.Module, batch: tuple, settings: Settings) -> TrainG
     except Exception as e:  # an unsupported construct deep inside torch: name it and the user's line
         raise _explain(e, flat) from e
 
-    trace_hints.mark_recompute(gm)
+    outputs = output_node(gm.graph).args[0]
+    micro_losses = outputs[1:1 + micro] if micro > 1 else outputs[:1]
+    trace_hints.mark_recompute(gm, [seed for seed in (loss_seed(gm.graph, n) for n in micro_losses) if seed is not None])
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     roles: list[tuple[Role, str | None]] = (
         [(Role.PARAM, k) for k in trainable] + [(Role.PARAM, k) for k in frozen]

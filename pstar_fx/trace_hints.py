@@ -134,7 +134,7 @@ def _private_chains(nodes: list[fx.Node]) -> set[int]:
             and all(r is chain[k][-1] for r in readers.get(k, ()))}
 
 
-def mark_recompute(gm: fx.GraphModule) -> None:
+def mark_recompute(gm: fx.GraphModule, seeds: list[fx.Node] | None = None) -> None:
     """Tag recomputed nodes with their forward twins and make recomputed random ops reuse the forward's values
     (see the module docstring). Edits `gm` in place: it runs on the fresh trace, before any TrainGraph exists.
 
@@ -142,17 +142,42 @@ def mark_recompute(gm: fx.GraphModule) -> None:
     same values (twins of its inputs, the same constants) as a node before the seed; random ops are paired in order.
     Nodes that read a storage some node writes are matched only when that storage is a private chain of writes
     (`_private_chains`), where each node's value is well defined. A region is kept only if it computes something
-    (a group of views alone, such as the `t(weight)` every backward takes again, is not a checkpoint)."""
+    (a group of views alone, such as the `t(weight)` every backward takes again, is not a checkpoint).
+
+    `seeds`: with gradient accumulation the graph holds one forward + backward per micro-batch, each started by its
+    own seed; each micro-batch is matched on its own (from the end of the previous one's backward to the end of its
+    own), so a micro-batch's forward is never taken for a recompute of the previous one's. None: the one seed of the
+    loss (output 0)."""
     graph = gm.graph
     nodes = list(graph.nodes)
-    seed = loss_seed(graph, output_node(graph).args[0][0])
-    if seed is None:
+    if seeds is None:
+        seed = loss_seed(graph, output_node(graph).args[0][0])
+        seeds = [] if seed is None else [seed]
+    if not seeds:
         return
     pos = {n: i for i, n in enumerate(nodes)}
-    backward = {seed}
-    for n in nodes[pos[seed] + 1:]:
-        if any(a in backward for a in n.all_input_nodes):
-            backward.add(n)
+    twin: dict[fx.Node, fx.Node] = {}          # recompute node -> forward twin
+    start = 0
+    for k, seed in enumerate(seeds):
+        backward = {seed}
+        for n in nodes[pos[seed] + 1:]:
+            if any(a in backward for a in n.all_input_nodes):
+                backward.add(n)
+        # this micro-batch's window ends where the next micro-batch's seed's ancestry begins: at its own last
+        # backward node before the next seed
+        end = len(nodes) if k + 1 == len(seeds) else max(
+            (pos[n] for n in backward if pos[n] < pos[seeds[k + 1]]), default=pos[seed]) + 1
+        _match_window(nodes[start:end], seed, backward, twin)
+        start = end
+    _tag_regions(nodes, twin)
+    _reuse_forward_randomness(graph, nodes, twin)
+    gm.recompile()
+
+
+def _match_window(nodes: list[fx.Node], seed: fx.Node, backward: set[fx.Node],
+                  twin: dict[fx.Node, fx.Node]) -> None:
+    """mark_recompute's matching over one micro-batch's nodes (forward, seed, backward); fills `twin`."""
+    pos = {n: i for i, n in enumerate(nodes)}
     private = _private_chains(nodes)
     written = {k for n in nodes for m in mutated_args(n) for k in _storages(m)}
 
@@ -182,7 +207,6 @@ def mark_recompute(gm: fx.GraphModule) -> None:
     first: dict = {}                           # key -> first forward node (deterministic ops)
     random_fwd: dict = {}                      # key -> forward random nodes, in order
     random_used: dict = {}                     # key -> how many of them recompute nodes have taken
-    twin: dict[fx.Node, fx.Node] = {}          # recompute node -> forward twin
     for n in nodes:
         if n.op == "call_function" and n.target in _SAME_VALUE and n.args and isinstance(n.args[0], fx.Node):
             rep[n] = rep.get(n.args[0], n.args[0])
@@ -219,9 +243,6 @@ def mark_recompute(gm: fx.GraphModule) -> None:
                 "checkpointing recomputes it) but pstar-fx cannot tell which forward call it repeats, so it cannot "
                 "give it the forward's random values; keep random ops (dropout) out of checkpointed regions or set "
                 "their probability to 0")
-    _tag_regions(nodes, twin)
-    _reuse_forward_randomness(graph, nodes, twin)
-    gm.recompile()
 
 
 def _reuse_forward_randomness(graph: fx.Graph, nodes: list[fx.Node], twin: dict[fx.Node, fx.Node]) -> None:

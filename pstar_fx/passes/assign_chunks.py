@@ -154,9 +154,16 @@ def assign_chunks(g: TrainGraph, *, chunk_size: int | None = None,
     # 2. Gradients: write_grad right after the node that makes each one; the graph returns only the loss.
     out = output_node(graph)
     loss, grads = out.args[0][0], out.args[0][1:]
+    # with accumulation each parameter's gradient comes once per micro-batch: the first write copies, later ones add,
+    # and the last one completes it
+    remaining = {n: grad_outputs.count(n) for n in set(grad_outputs)}
+    seen: set[str] = set()
     for name, gnode in zip(grad_outputs, grads):
+        remaining[name] -= 1
+        kwargs = {"param": name, "accumulate": name in seen, "final": remaining[name] == 0}
+        seen.add(name)
         with graph.inserting_after(gnode):
-            w = graph.call_function(ops.write_grad, (gnode,), {"param": name})
+            w = graph.call_function(ops.write_grad, (gnode,), kwargs)
         ann[w.name] = NodeAnn(role=Role.WRITE_GRAD, phase=Phase.BACKWARD, param=name)
     out.args = ([loss],)
 
@@ -203,7 +210,7 @@ def assign_chunks(g: TrainGraph, *, chunk_size: int | None = None,
             if a.role is Role.PARAM_VIEW:
                 last_read[a.param] = position[n]
             elif a.role is Role.WRITE_GRAD:
-                written[a.param] = position[n]
+                written.setdefault(a.param, position[n])   # the first write (accumulation writes again)
         chunks = [dataclasses.replace(c, grad_inplace=all(
             last_read.get(p, -1) < written.get(p, math.inf) for p in c.params))
             if c.group is ChunkGroup.TRAINABLE else c for c in chunks]

@@ -3,6 +3,8 @@
 Invariant after: every call_function node either has a user, writes to one of its arguments, or is the loss; each
 node's phase is BACKWARD iff it depends on the loss seed (`ones_like(loss)`, the start of backward), FORWARD otherwise;
 `grad_outputs[i]` names the parameter whose gradient is output i + 1, and every named gradient depends on the seed.
+With accumulate=K there is one seed per micro-batch and each parameter's gradient is output K times, in micro-batch
+order (the runtime accumulates them into its chunk).
 A trainable parameter whose gradient does not depend on the seed gets none (eager PyTorch leaves its `.grad` None and
 the optimizer skips it): it is marked not trainable and its gradient output is dropped.
 """
@@ -20,13 +22,17 @@ def canonicalize(g: TrainGraph) -> TrainGraph:
     graph, _ = copy_graph(g)
     out_node = output_node(graph)
     outputs = list(out_node.args[0])
-    loss, grads = outputs[0], outputs[1:]
+    micro = g.settings.accumulate
     trainable = [p for p in g.params if p.trainable]
-    assert len(grads) == len(trainable), (len(grads), len(trainable))
+    loss = outputs[0]
+    micro_losses = outputs[1:1 + micro] if micro > 1 else [loss]
+    grads = outputs[1 + (micro if micro > 1 else 0):]
+    assert len(grads) == micro * len(trainable), (len(grads), micro, len(trainable))
 
-    seed = loss_seed(graph, loss)
     backward: set[fx.Node] = set()
-    if seed is not None:
+    for seed in (loss_seed(graph, m) for m in micro_losses):
+        if seed is None:
+            continue
         frontier = [seed]
         backward.add(seed)
         while frontier:
@@ -36,13 +42,16 @@ def canonicalize(g: TrainGraph) -> TrainGraph:
                     backward.add(u)
                     frontier.append(u)
 
-    kept_grads, grad_names, no_grad = [], [], set()
-    for p, gnode in zip(trainable, grads):
-        if isinstance(gnode, fx.Node) and gnode in backward:
-            kept_grads.append(gnode)
-            grad_names.append(p.name)
-        else:
-            no_grad.add(p.name)
+    # a parameter gets a gradient iff it does in the first micro-batch (the same program runs for each)
+    reached = [isinstance(gn, fx.Node) and gn in backward for gn in grads[:len(trainable)]]
+    no_grad = {p.name for p, r in zip(trainable, reached) if not r}
+    kept_grads, grad_names = [], []
+    for k in range(micro):
+        for p, r, gnode in zip(trainable, reached, grads[k * len(trainable):(k + 1) * len(trainable)]):
+            if r:
+                assert isinstance(gnode, fx.Node) and gnode in backward, (p.name, k)
+                kept_grads.append(gnode)
+                grad_names.append(p.name)
     out_node.args = ([loss] + kept_grads,)
 
     # Dead-code elimination, last to first, keeping ops that write to an argument (buffer updates).

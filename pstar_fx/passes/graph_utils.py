@@ -30,9 +30,15 @@ def mutated_args(node: fx.Node) -> list[fx.Node]:
     return out
 
 
+_SEED_SCALING = (torch.ops.aten.mul.Tensor, torch.ops.aten.div.Tensor)
+
+
 def loss_seed(graph: fx.Graph, loss: fx.Node) -> fx.Node | None:
-    """The `ones_like` that starts backward: applied to the loss, or to loss * scale (fp16 loss scaling)."""
-    candidates = [loss] + [u for u in loss.users if u.target is torch.ops.aten.mul.Tensor]
+    """The `ones_like` that starts backward: applied to the loss, or to the loss scaled first (divided by the
+    number of micro-batches with accumulation, multiplied by the fp16 loss scale, or both)."""
+    candidates = [loss]
+    for _ in range(2):
+        candidates += [u for c in candidates for u in c.users if u.target in _SEED_SCALING and u not in candidates]
     for c in candidates:
         for u in c.users:
             if u.target is torch.ops.aten.ones_like.default:

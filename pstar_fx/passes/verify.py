@@ -4,7 +4,7 @@ Checked at every stage (each check applies once the stage has what it is about):
 - the fx graph is well formed (def before use) and every node has an annotation;
 - chunks: every parameter sits inside its chunk, parameters of a chunk do not overlap;
 - reads and gradients: no parameter placeholder is left once param_views exist; each parameter with a gradient has
-  exactly one write_grad; in a chunk whose gradients overwrite its parameters, no parameter is read after that;
+  one write_grad per micro-batch, the first copying, the later ones adding, the last marked final; in a chunk whose gradients overwrite its parameters, no parameter is read after that;
 - optimizer: one optimizer_step per trainable chunk, after every read and gradient write of its parameters;
 - schedule: every chunk buffer a node reads or writes is resident on the device; a fetch copies only data the host
   holds, and a buffer whose host copy holds data is fetched, never allocated zeroed; nothing written on the device
@@ -51,14 +51,25 @@ def verify(g: TrainGraph) -> TrainGraph:
         for i, r in enumerate(roles):
             if r is Role.PARAM:
                 _fail(g, i, "a parameter placeholder remains after assign_chunks")
+        micro = g.settings.accumulate
         writes = [g.ann[n.name].param for n in nodes if g.ann[n.name].role is Role.WRITE_GRAD]
-        want = sorted(p.name for p in g.params if p.trainable)
+        want = sorted(p.name for p in g.params if p.trainable for _ in range(micro))
         if sorted(writes) != want:
-            _fail(g, None, f"write_grad per parameter: got {sorted(writes)}, want {want}")
+            _fail(g, None, f"write_grad per parameter ({micro} per micro-batch count): got {sorted(writes)}, "
+                           f"want {want}")
         written: set[str] = set()
         for i, n in enumerate(nodes):
             a = g.ann[n.name]
             if a.role is Role.WRITE_GRAD:
+                kw = n.kwargs
+                first, last = a.param not in written, writes.count(a.param) == 1
+                if kw.get("accumulate", False) == first:
+                    _fail(g, i, f"the {'first' if first else 'a later'} gradient write of {a.param} must "
+                                f"{'copy' if first else 'add'} (accumulate={kw.get('accumulate')})")
+                if kw.get("final", True) != last:
+                    _fail(g, i, f"final={kw.get('final')} on a gradient write of {a.param} that is "
+                                f"{'' if last else 'not '}its last")
+                writes.remove(a.param)
                 written.add(a.param)
             elif a.role is Role.PARAM_VIEW and a.param in written and g.chunk_of(a.param).grad_inplace:
                 _fail(g, i, f"parameter {a.param} is read after its gradient overwrote it (chunk in place)")
