@@ -146,8 +146,10 @@ def assign_chunks(g: TrainGraph, *, chunk_size: int | None = None,
             if q is None or q.trainable != p.trainable:
                 raise ValueError(
                     f"parameter '{p.name}' is {'trainable' if p.trainable else 'not trainable'} in this trace but "
-                    "not in the first one: pstar-fx fixes the chunk layout at the first compile. Keep the set of "
-                    "parameters that receive gradients the same for every input shape.")
+                    "not in the first one (its requires_grad changed, or this input shape leaves it unused): "
+                    "pstar-fx fixes which parameters train when it lays out the chunks at the first compile. Set "
+                    "requires_grad before the first step; to change it later, call step.sync_model(), change it, "
+                    "and compile a new step (carry the optimizer over with step.optimizer.state_dict()).")
         param_table = tuple(old[p.name] for p in all_params)
         chunks = [dataclasses.replace(c, grad_inplace=False) for c in chunk_table]
 
