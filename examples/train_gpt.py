@@ -1,18 +1,19 @@
 """
-Train a small character-level GPT on examples/data/tiny_corpus.txt with pstar-fx, under a
-device-memory budget smaller than the model's own training data (parameters + gradients +
-Adam states), so pstar-fx has to move chunks in and out every step.
+Train a small character-level GPT on examples/data/tiny_corpus.txt with pstar-fx, as a real run does it (nanoGPT's
+train.py): warmup + cosine learning-rate schedule, two parameter groups (weight decay on matrices only), gradient
+clipping at 1.0, gradient accumulation, periodic evaluation, a checkpoint to resume from, and sampling at the end.
+The device-memory budget is smaller than the model's own training data (parameters + gradients + Adam states), so
+pstar-fx moves chunks in and out every step; the memory plan is printed, and plotted when matplotlib is there.
 
 Run from the repository root:
 
-    python examples/train_gpt.py
+    python examples/train_gpt.py                 # train, evaluate, checkpoint to out/ckpt, sample
+    python examples/train_gpt.py --resume        # continue from out/ckpt (same losses as an uninterrupted run)
 
-The defaults (1.6M parameters, 24.5 MiB of model data, a 12.25 MiB budget) train on 2 CPU
-cores in about 25 seconds; the loss falls from ~4.4 (uniform over the 70 characters is 4.25)
-to ~2.0. Try e.g. `--device-memory 16MiB`, `--chunk-size 100000`, `--precision bf16`,
-`--model tiny --steps 50` (a quick smoke run), `--model medium` or `--device cuda`.
-A budget below what the activations of one step need fails with px.BudgetError, which says
-how much is needed.
+The defaults (1.6M parameters, 24.5 MiB of model data, a 12.25 MiB budget) train on 2 CPU cores in about half a
+minute; the loss falls from ~4.4 (uniform over the 70 characters is 4.25) to ~2.0. Try `--device-memory 16MiB`,
+`--precision bf16`, `--model tiny --steps 50` (a quick smoke run), `--model medium` or `--device cuda`. A budget below
+what the activations of one micro-batch need fails with px.BudgetError, which says how much is needed.
 """
 
 import argparse
@@ -122,16 +123,6 @@ class GPT(nn.Module):
             x = block(x)
         return self.lm_head(self.ln_f(x))
 
-    @torch.no_grad()
-    def generate(self, idx, max_new_tokens, generator=None, temperature=0.8):
-        # idx: (B, T0) -> (B, T0 + max_new_tokens), sampling one character at a time
-        for _ in range(max_new_tokens):
-            logits = self(idx[:, -self.config.block_size:])[:, -1, :] / temperature  # (B, vocab)
-            probs = F.softmax(logits, dim=-1)
-            idx_next = torch.multinomial(probs, num_samples=1, generator=generator)  # (B, 1)
-            idx = torch.cat((idx, idx_next), dim=1)
-        return idx
-
 
 def gpt_loss(model, idx, targets):
     logits = model(idx)  # (B, T, vocab)
@@ -177,6 +168,50 @@ def fmt_bytes(n):
             return f"{n / size:.2f} {unit}"
     return f"{n} B"
 
+
+def configure_optimizer(model, lr, weight_decay):
+    """nanoGPT's two groups: decay for matrices (2+ dims), none for biases and norms."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    return px.AdamW([{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+                    lr=lr, betas=(0.9, 0.95), eps=1e-8)
+
+
+def warmup_cosine(warmup, total, min_ratio=0.1):
+    """LambdaLR factor: linear warmup, then cosine down to min_ratio of the peak."""
+    def factor(it):
+        if it < warmup:
+            return (it + 1) / warmup
+        progress = min(1.0, (it - warmup) / max(1, total - warmup))
+        return min_ratio + 0.5 * (1 - min_ratio) * (1 + math.cos(math.pi * progress))
+    return factor
+
+
+def progress(iterable, enabled):
+    """tqdm when it is installed (pip install tqdm), plain iteration otherwise."""
+    if enabled:
+        try:
+            from tqdm import tqdm
+            return tqdm(iterable, dynamic_ncols=True)
+        except ImportError:
+            pass
+    return iterable
+
+
+def sample(generate, chars, block_size, n_tokens, generator, temperature=0.8):
+    """One character at a time from the compiled forward-only function. The context window always has the shape
+    (1, block_size), filled from the left: attention is causal, so the logits at position t depend only on the
+    tokens up to t and the padding after it changes nothing; one shape means one trace."""
+    seq = [0]                                                   # index 0 is '\n'
+    for _ in range(n_tokens):
+        ctx = seq[-block_size:]
+        window = torch.zeros((1, block_size), dtype=torch.long)
+        window[0, :len(ctx)] = torch.tensor(ctx)
+        logits = generate(window)[0, len(ctx) - 1].float() / temperature  # (vocab,)
+        seq.append(int(torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)))
+    return "".join(chars[i] for i in seq)
+
 # -----------------------------------------------------------------------------
 
 def main():
@@ -184,7 +219,10 @@ def main():
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=sorted(PRESETS), default="small", help="size preset")
     parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
+    parser.add_argument("--warmup", type=int, default=30)
+    parser.add_argument("--accumulate", type=int, default=2, help="micro-batches per step")
+    parser.add_argument("--clip", type=float, default=1.0, help="max gradient norm")
     parser.add_argument("--device-memory", default="auto",
                         help="budget: bytes, a size like '8MiB', 'none' for unlimited, or 'auto' "
                              "(half of the model data, so chunks must move)")
@@ -193,17 +231,21 @@ def main():
                         help="default: pstar-fx's default")
     parser.add_argument("--device", default=None, help="e.g. cpu, cuda (default: pstar-fx picks)")
     parser.add_argument("--seed", type=int, default=1337)
+    parser.add_argument("--eval-every", type=int, default=100)
     parser.add_argument("--log-every", type=int, default=25)
+    parser.add_argument("--out", default="out", help="checkpoint and plot directory")
+    parser.add_argument("--resume", action="store_true", help="continue from OUT/ckpt")
+    parser.add_argument("--stop-after", type=int, default=None, help="stop after this step (to try --resume)")
+    parser.add_argument("--no-progress", action="store_true", help="plain log lines instead of a tqdm bar")
     args = parser.parse_args()
 
     torch.manual_seed(args.seed)
-    gen = torch.Generator().manual_seed(args.seed)  # batch sampling
     preset = PRESETS[args.model]
     train_data, val_data, chars = load_corpus(
         os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "tiny_corpus.txt"))
     config = GPTConfig(block_size=preset["block_size"], vocab_size=len(chars),
                        n_layer=preset["n_layer"], n_head=preset["n_head"], n_embd=preset["n_embd"])
-    batch_size = preset["batch_size"]
+    batch_size = preset["batch_size"] * args.accumulate         # split into micro-batches by pstar-fx
     model = GPT(config)
 
     n_params, data_bytes = model_data_bytes(model)
@@ -217,37 +259,69 @@ def main():
         budget = args.device_memory  # a size string such as "8MiB": pstar-fx parses it
     print(f"corpus: {len(train_data) + len(val_data):,} characters, vocab {len(chars)}")
     print(f"model '{args.model}': {n_params:,} parameters, {config.n_layer} layers, n_embd {config.n_embd}, "
-          f"batch {batch_size}x{config.block_size}")
+          f"batch {batch_size}x{config.block_size} in {args.accumulate} micro-batches")
     print(f"model data (fp32 params + grads + Adam m, v): {fmt_bytes(data_bytes)}")
     print(f"device memory budget: {budget if budget is None or isinstance(budget, str) else fmt_bytes(budget)}")
 
     options = dict(device_memory=budget, chunk_size=args.chunk_size, device=args.device)
     if args.precision is not None:
         options["precision"] = args.precision
-    step = px.compile(model, optimizer=px.AdamW(lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1),
-                      **options)(gpt_loss)
+    step = px.compile(model, optimizer=configure_optimizer(model, args.lr, 0.1), max_grad_norm=args.clip,
+                      accumulate=args.accumulate, **options)(gpt_loss)
+    evaluate = px.compile(model, optimizer=None, **options)(gpt_loss)          # forward only, shares the chunks
+    generate = px.compile(model, optimizer=None, **options)(lambda m, idx: m(idx))
+    sched = torch.optim.lr_scheduler.LambdaLR(step.optimizer, warmup_cosine(args.warmup, args.steps))
+
+    ckpt = os.path.join(args.out, "ckpt")
+    first = 0
+    if args.resume:
+        step.load(ckpt)
+        sched.load_state_dict(torch.load(os.path.join(ckpt, "scheduler.pt"), weights_only=True))
+        first = sched.last_epoch
+        print(f"resumed from {ckpt} at step {first}")
+
+    def val_loss():
+        model.eval()
+        vgen = torch.Generator().manual_seed(0)
+        loss = sum(evaluate(*get_batch(val_data, config.block_size, 16, vgen)).item() for _ in range(10)) / 10
+        model.train()
+        return loss
 
     t0 = time.time()
-    for it in range(args.steps):
+    last = min(args.steps, args.stop_after + 1) if args.stop_after is not None else args.steps
+    bar = progress(range(first, last), not args.no_progress)
+    for it in bar:
+        gen = torch.Generator().manual_seed(args.seed * 100_003 + it)   # a step's batch depends on the step only
         x, y = get_batch(train_data, config.block_size, batch_size, gen)
         loss = step(x, y)
-        if it % args.log_every == 0 or it == args.steps - 1:
-            print(f"step {it:4d} | loss {loss.item():.4f} | {time.time() - t0:6.1f}s")
-    print(f"trained {args.steps} steps in {time.time() - t0:.1f}s")
-    print(step.summary())
+        sched.step()
+        s = step.last_step
+        tokens_per_s = x.numel() / max(s.seconds, 1e-9)
+        if hasattr(bar, "set_postfix_str"):
+            bar.set_postfix_str(f"loss {loss.item():.4f} lr {s.lr[0]:.2e} norm {s.grad_norm:.2f} "
+                                f"{tokens_per_s:,.0f} tok/s peak {fmt_bytes(s.measured_peak)}")
+        if it % args.log_every == 0 or it == last - 1:
+            line = (f"step {it:4d} | loss {loss.item():.4f} | lr {s.lr[0]:.2e} | grad norm {s.grad_norm:.3f} | "
+                    f"{tokens_per_s:,.0f} tok/s | peak {fmt_bytes(s.measured_peak)} | {time.time() - t0:6.1f}s")
+            (bar.write if hasattr(bar, "write") else print)(line)
+        if (it + 1) % args.eval_every == 0:
+            (bar.write if hasattr(bar, "write") else print)(f"step {it:4d} | val loss {val_loss():.4f}")
+    print(f"trained steps {first}..{last - 1} in {time.time() - t0:.1f}s")
 
-    # pull the trained weights back into a plain eager model: validate and sample from it
-    eval_model = GPT(config)
-    eval_model.load_state_dict(step.state_dict())
-    eval_model.eval()
-    with torch.no_grad():
-        val_gen = torch.Generator().manual_seed(0)
-        val_loss = sum(gpt_loss(eval_model, *get_batch(val_data, config.block_size, 16, val_gen)).item()
-                       for _ in range(10)) / 10
-    print(f"val loss {val_loss:.4f}")
-    start = torch.zeros((1, 1), dtype=torch.long)  # index 0 is '\n'
-    out = eval_model.generate(start, 200, generator=torch.Generator().manual_seed(args.seed))
-    print("sample:\n" + "".join(chars[i] for i in out[0].tolist()))
+    os.makedirs(ckpt, exist_ok=True)
+    step.save(ckpt)
+    torch.save(sched.state_dict(), os.path.join(ckpt, "scheduler.pt"))
+    print(f"checkpoint: {ckpt}")
+    print(step.summary())
+    try:
+        px.plot_memory(step, os.path.join(args.out, "memory.png"))
+        print(f"memory plot: {os.path.join(args.out, 'memory.png')}")
+    except ImportError as e:
+        print(f"no memory plot: {e}")
+
+    print(f"val loss {val_loss():.4f}")
+    model.eval()
+    print("sample:\n" + sample(generate, chars, config.block_size, 200, torch.Generator().manual_seed(args.seed)))
 
 
 if __name__ == "__main__":

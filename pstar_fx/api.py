@@ -106,9 +106,9 @@ class CompiledStep:
                  prefetch: int = 4, max_grad_norm: float | None = None, accumulate: int = 1):
         if not isinstance(model, nn.Module):
             raise TypeError(f"px.compile: model must be a torch.nn.Module, got {type(model).__name__}")
-        if not isinstance(optimizer, OptimizerSpec):
-            raise TypeError("px.compile: optimizer must be px.Adam(...) or px.AdamW(...), got "
-                            f"{type(optimizer).__name__}")
+        if optimizer is not None and not isinstance(optimizer, OptimizerSpec):
+            raise TypeError("px.compile: optimizer must be px.Adam(...) or px.AdamW(...) (or None for a "
+                            f"forward-only evaluation function), got {type(optimizer).__name__}")
         if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool)
                                        or chunk_size <= 0):
             raise ValueError(f"chunk_size must be a positive int number of elements, got {chunk_size!r}"
@@ -126,9 +126,10 @@ class CompiledStep:
         self._model = model
         dev = _resolve_device(device)
         prec = _resolve_precision(precision, dev)
-        self._optimizer = build_optimizer(optimizer, model)
+        self._optimizer = build_optimizer(optimizer, model) if optimizer is not None else None
         self.settings = Settings(precision=prec, device=dev, budget=_resolve_budget(device_memory, dev),
-                                 chunk_size=chunk_size, optimizer=self._optimizer.layout,
+                                 chunk_size=chunk_size,
+                                 optimizer=self._optimizer.layout if self._optimizer is not None else None,
                                  max_grad_norm=None if max_grad_norm is None else float(max_grad_norm),
                                  accumulate=accumulate)
         self.debug = debug
@@ -159,7 +160,8 @@ class CompiledStep:
             self._layout = (final.params, final.chunks, final.chunk_size)
             self._store = ChunkStore(final.chunks, final.params, self.settings.precision, self.settings.device,
                                      self.settings.budget)
-            self._optimizer.attach(self._store)
+            if self._optimizer is not None:
+                self._optimizer.attach(self._store)
         return _Compiled(stages=dict(zip(STAGE_NAMES, stages)), executor=Executor(final, self._store))
 
     def _take_model(self) -> None:
@@ -256,8 +258,9 @@ class CompiledStep:
             rt.found_inf = torch.zeros((), dtype=torch.bool, device=self.settings.device)
         per_node: list[int] | None = [] if self.debug else None
         try:
-            loss, peak, interrupted = compiled.executor.run(inputs, scale, rt, trace_peaks=per_node,
-                                                            before_node=self._before_node)
+            outputs, peak, interrupted = compiled.executor.run(inputs, scale, rt, trace_peaks=per_node,
+                                                               before_node=self._before_node)
+            loss = outputs[0]
         except CommitError as e:
             self._broken = str(e)
             raise
@@ -357,16 +360,25 @@ def _check_measured(g: TrainGraph, per_node: list[int]) -> None:
                                  f"the plan predicted {predicted}")
 
 
-def compile(model: nn.Module, *, optimizer: OptimizerSpec, device_memory: int | str | None = None,
+def compile(model: nn.Module, *, optimizer: OptimizerSpec | None, device_memory: int | str | None = None,
             precision: str | None = None, chunk_size: int | None = None, device=None, debug: bool = False,
             prefetch: int = 4, max_grad_norm: float | None = None,
             accumulate: int = 1) -> Callable[[Callable], CompiledStep]:
     """Compile `step(model, *batch) -> loss` into one training step that fits `device_memory`.
 
     Use as a decorator: `@px.compile(model, optimizer=px.AdamW(lr=3e-4))` over `def step(model, x, y): ...`;
-    then `loss = step(x, y)` runs forward, backward and the optimizer update. See DESIGN.md for the contract.
+    then `loss = step(x, y)` runs forward, backward and the optimizer update. With `optimizer=None` the function
+    is compiled forward only (evaluation: no backward, no update) and returns what it returns; it reads the chunks
+    of a training step compiled on the same model. See DESIGN.md for the contract.
     """
     def wrap(fn: Callable) -> CompiledStep:
+        if optimizer is None:
+            if max_grad_norm is not None or accumulate != 1:
+                raise ValueError("max_grad_norm and accumulate belong to training steps; a forward-only function "
+                                 "(optimizer=None) takes neither")
+            from .evaluate import CompiledEval   # evaluate builds on this module
+            return CompiledEval(fn, model, device_memory=device_memory, precision=precision, chunk_size=chunk_size,
+                                device=device, debug=debug, prefetch=prefetch)
         return CompiledStep(fn, model, optimizer, device_memory=device_memory, precision=precision,
                             chunk_size=chunk_size, device=device, debug=debug, prefetch=prefetch,
                             max_grad_norm=max_grad_norm, accumulate=accumulate)

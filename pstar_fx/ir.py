@@ -158,7 +158,7 @@ class Settings:
     device: torch.device
     budget: int | None               # device bytes for everything pstar-fx places there; None: unlimited
     chunk_size: int | None           # elements; None: chosen by assign_chunks
-    optimizer: OptimizerLayout | None   # which parameters form each optimizer group (None: one group of all)
+    optimizer: OptimizerLayout | None   # which parameters form each optimizer group; None: forward only (evaluation)
     max_grad_norm: float | None = None   # clip gradients by their global L2 norm before the update
     accumulate: int = 1              # micro-batches per step (the batch is split along dim 0)
 
@@ -189,6 +189,7 @@ class TrainGraph:
     chunks: tuple[ChunkInfo, ...] = ()
     chunk_size: int | None = None    # chunked+: elements per regular chunk (larger tensors get their own chunk)
     plan: Plan | None = None
+    output_spec: object = None       # forward only (optimizer=None): the optree spec of what the function returns
     seconds: float = 0.0             # how long the pass took (kept out of the printed text)
 
     def evolve(self, **changes) -> "TrainGraph":

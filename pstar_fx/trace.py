@@ -20,6 +20,7 @@ the step runs, and every slot is put back (the same objects) whether the trace s
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import operator
 import os
@@ -286,6 +287,8 @@ def trace_step(fn, model: nn.Module, batch: tuple, settings: Settings) -> TrainG
     t0 = time.perf_counter()
     _check_arity(fn, batch)
     tables = model_tables(model)
+    if settings.optimizer is None:   # forward only: nothing trains
+        tables = ModelTables(tuple(dataclasses.replace(p, trainable=False) for p in tables.params), tables.buffers)
     wrapper = _StepModule(model, fn)
     device = settings.device
     mode = FakeTensorMode(allow_non_fake_inputs=False)
@@ -342,6 +345,22 @@ def trace_step(fn, model: nn.Module, batch: tuple, settings: Settings) -> TrainG
             grads = trace_hints.gradients(seeded, list(leaves.values()))
         return out, list(grads)
 
+    output_spec = []                                  # forward only: how to rebuild what fn returns
+
+    def forward_only(tp, fp, bufs, scale_args, *xs):
+        # evaluation (optimizer=None): the function's outputs, no backward, no update
+        autocast = (torch.autocast(device.type, dtype=half) if half is not None else contextlib.nullcontext())
+        with torch.no_grad(), trace_hints.substituted(wrapper, substituted(tp, fp, bufs)), autocast:
+            out = wrapper(*flat.rebuild(xs))
+        leaves, spec = optree.tree_flatten(out, none_is_leaf=True)
+        bad = [type(x).__name__ for x in leaves if not isinstance(x, torch.Tensor)]
+        if bad or not leaves:
+            raise UntraceableError("a forward-only step (optimizer=None) must return a tensor or a tuple, list or "
+                                   f"dict of tensors; it returned {type(out).__name__}"
+                                   + (f" holding {', '.join(sorted(set(bad)))}" if bad else ""))
+        output_spec.append(spec)
+        return leaves
+
     def traced(tp, fp, bufs, scale_args, *xs):
         # Differentiate with the autograd engine itself, recorded by make_fx (as AOTAutograd does). torch.func.grad
         # would also work, but libraries that test `isinstance(t, FakeTensor)` to skip data-dependent checks
@@ -366,16 +385,17 @@ def trace_step(fn, model: nn.Module, batch: tuple, settings: Settings) -> TrainG
     recorder = _InplaceRecorder()
     try:
         with _model_restored(model), recorder, fake_fixes.FakeKernelFixes():
-            gm = make_fx(traced, tracing_mode="fake", record_stack_traces=True)(
-                trainable, frozen, buffers, scale, *fake_batch)
+            gm = make_fx(traced if settings.optimizer is not None else forward_only, tracing_mode="fake",
+                         record_stack_traces=True)(trainable, frozen, buffers, scale, *fake_batch)
     except UntraceableError:
         raise
     except Exception as e:  # an unsupported construct deep inside torch: name it and the user's line
         raise _explain(e, flat) from e
 
-    outputs = output_node(gm.graph).args[0]
-    micro_losses = outputs[1:1 + micro] if micro > 1 else outputs[:1]
-    trace_hints.mark_recompute(gm, [seed for seed in (loss_seed(gm.graph, n) for n in micro_losses) if seed is not None])
+    if settings.optimizer is not None:
+        outputs = output_node(gm.graph).args[0]
+        micro_losses = outputs[1:1 + micro] if micro > 1 else outputs[:1]
+        trace_hints.mark_recompute(gm, [s for s in (loss_seed(gm.graph, n) for n in micro_losses) if s is not None])
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     roles: list[tuple[Role, str | None]] = (
         [(Role.PARAM, k) for k in trainable] + [(Role.PARAM, k) for k in frozen]
@@ -406,7 +426,8 @@ def trace_step(fn, model: nn.Module, batch: tuple, settings: Settings) -> TrainG
     ordered = tuple(p for p in tables.params if p.trainable) + tuple(p for p in tables.params if not p.trainable)
     graph = to_module(gm.graph, gm)
     return TrainGraph(gm=graph, stage="traced", made_by="trace_step", settings=settings, params=ordered,
-                      buffers=tables.buffers, inputs=tuple(inputs), ann=ann, seconds=time.perf_counter() - t0)
+                      buffers=tables.buffers, inputs=tuple(inputs), ann=ann, seconds=time.perf_counter() - t0,
+                      output_spec=output_spec[0] if output_spec else None)
 
 
 def _reject_param_mutation(gm: fx.GraphModule, ann, recorder: _InplaceRecorder) -> None:

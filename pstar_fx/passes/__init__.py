@@ -16,15 +16,21 @@ from .schedule import schedule
 from .verify import VerificationError, verify
 
 
-def pipeline(*, chunk_size=None, layout=None, prefetch: int = 4):
-    """The passes in order, with their settings bound as keyword arguments."""
+def pipeline(*, chunk_size=None, layout=None, prefetch: int = 4, train: bool = True):
+    """The passes in order, with their settings bound as keyword arguments. A forward-only (evaluation) graph has
+    no optimizer to place: its "optimizer_placed" stage is the liveness stage passed through."""
     return [
         canonicalize,
         functools.partial(assign_chunks, chunk_size=chunk_size, layout=layout),
         liveness,
-        place_optimizer,
+        place_optimizer if train else _no_optimizer,
         functools.partial(schedule, prefetch=prefetch),
     ]
+
+
+def _no_optimizer(g: TrainGraph) -> TrainGraph:
+    """Forward only: nothing to update; the stage is stamped so every pipeline has the same stages."""
+    return g.evolve(stage="optimizer_placed", made_by="no optimizer (forward only)")
 
 
 def run_passes(g: TrainGraph, passes) -> list[TrainGraph]:

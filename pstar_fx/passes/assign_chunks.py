@@ -141,9 +141,10 @@ def assign_chunks(g: TrainGraph, *, chunk_size: int | None = None,
     else:
         param_table, chunk_table, size = layout
         old = {p.name: p for p in param_table}
+        forward_only = g.settings.optimizer is None   # an evaluation graph reads a training step's chunks
         for p in all_params:
             q = old.get(p.name)
-            if q is None or q.trainable != p.trainable:
+            if q is None or (q.trainable != p.trainable and not forward_only):
                 raise ValueError(
                     f"parameter '{p.name}' is {'trainable' if p.trainable else 'not trainable'} in this trace but "
                     "not in the first one (its requires_grad changed, or this input shape leaves it unused): "
@@ -156,6 +157,8 @@ def assign_chunks(g: TrainGraph, *, chunk_size: int | None = None,
     # 2. Gradients: write_grad right after the node that makes each one; the graph returns only the loss.
     out = output_node(graph)
     loss, grads = out.args[0][0], out.args[0][1:]
+    if g.settings.optimizer is None:          # forward only: no gradients; the outputs stay as they are
+        loss, grads = out.args[0], ()
     # with accumulation each parameter's gradient comes once per micro-batch: the first write copies, later ones add,
     # and the last one completes it
     remaining = {n: grad_outputs.count(n) for n in set(grad_outputs)}
@@ -167,7 +170,7 @@ def assign_chunks(g: TrainGraph, *, chunk_size: int | None = None,
         with graph.inserting_after(gnode):
             w = graph.call_function(ops.write_grad, (gnode,), kwargs)
         ann[w.name] = NodeAnn(role=Role.WRITE_GRAD, phase=Phase.BACKWARD, param=name)
-    out.args = ([loss],)
+    out.args = (loss if g.settings.optimizer is None else [loss],)
 
     # 3. Parameter reads: a fresh param_view (plus the view chain) right before every use.
     root = _alias_roots(graph, param_of)

@@ -22,6 +22,10 @@ def canonicalize(g: TrainGraph) -> TrainGraph:
     graph, _ = copy_graph(g)
     out_node = output_node(graph)
     outputs = list(out_node.args[0])
+    if g.settings.optimizer is None:          # forward only: every output is the function's, all forward
+        _eliminate_dead_code(graph)
+        ann = {n.name: g.ann[n.name] for n in graph.nodes}
+        return g.evolve(gm=to_module(graph, g.gm), stage="canonical", made_by="canonicalize", ann=ann)
     micro = g.settings.accumulate
     trainable = [p for p in g.params if p.trainable]
     loss = outputs[0]
@@ -54,10 +58,7 @@ def canonicalize(g: TrainGraph) -> TrainGraph:
                 grad_names.append(p.name)
     out_node.args = ([loss] + kept_grads,)
 
-    # Dead-code elimination, last to first, keeping ops that write to an argument (buffer updates).
-    for node in reversed(list(graph.nodes)):
-        if node.op == "call_function" and not node.users and not mutated_args(node):
-            graph.erase_node(node)
+    _eliminate_dead_code(graph)
 
     ann = {}
     for node in graph.nodes:
@@ -68,3 +69,10 @@ def canonicalize(g: TrainGraph) -> TrainGraph:
     params = tuple(dataclasses.replace(p, trainable=False) if p.name in no_grad else p for p in g.params)
     return g.evolve(gm=to_module(graph, g.gm), stage="canonical", made_by="canonicalize", ann=ann, params=params,
                     grad_outputs=tuple(grad_names))
+
+
+def _eliminate_dead_code(graph: fx.Graph) -> None:
+    """Last to first, drop ops whose value nobody uses, keeping ops that write to an argument (buffer updates)."""
+    for node in reversed(list(graph.nodes)):
+        if node.op == "call_function" and not node.users and not mutated_args(node):
+            graph.erase_node(node)

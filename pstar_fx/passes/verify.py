@@ -51,7 +51,7 @@ def verify(g: TrainGraph) -> TrainGraph:
         for i, r in enumerate(roles):
             if r is Role.PARAM:
                 _fail(g, i, "a parameter placeholder remains after assign_chunks")
-        micro = g.settings.accumulate
+        micro = g.settings.accumulate if g.settings.optimizer is not None else 0   # forward only: no gradients
         writes = [g.ann[n.name].param for n in nodes if g.ann[n.name].role is Role.WRITE_GRAD]
         want = sorted(p.name for p in g.params if p.trainable for _ in range(micro))
         if sorted(writes) != want:

@@ -230,15 +230,16 @@ class Executor:
         self.mutated_buffers = mutated_buffers(g)
 
     def run(self, inputs: list[torch.Tensor], scale: torch.Tensor | None, rt: Runtime,
-            trace_peaks: list[int] | None = None, before_node=None) -> tuple[torch.Tensor, int, bool]:
-        """One step. Atomic: if any node before the commit point fails (or is interrupted), every value is put back
+            trace_peaks: list[int] | None = None, before_node=None) -> tuple[list[torch.Tensor], int, bool]:
+        """One step; returns the graph's outputs (a training step's: [loss]), the measured peak, and whether a
+        Ctrl-C arrived during the update. Atomic: if any node before the commit point fails (or is interrupted), every value is put back
         as it was before the step and the error propagates; from the commit point on, a KeyboardInterrupt is held
         until the step is complete, and the third result says whether one arrived (the caller raises it after its
         own bookkeeping). `before_node(i, node)` is called before every node (fault injection in tests)."""
         saved = {name: self.store.buffers[name].clone() for name in self.mutated_buffers}
         deferred = DeferredInterrupt()
         try:
-            loss, peak = self._run(inputs, scale, rt, trace_peaks, before_node, deferred)
+            outputs, peak = self._run(inputs, scale, rt, trace_peaks, before_node, deferred)
         except BaseException as e:
             deferred.stop()
             self.store.drop_slots()
@@ -253,9 +254,9 @@ class Executor:
             self.store.restore_params_from_masters()
             raise
         deferred.stop()
-        return loss, peak, deferred.pending
+        return outputs, peak, deferred.pending
 
-    def _run(self, inputs, scale, rt: Runtime, trace_peaks, before_node, deferred) -> tuple[torch.Tensor, int]:
+    def _run(self, inputs, scale, rt: Runtime, trace_peaks, before_node, deferred) -> tuple[list, int]:
         env: list = [None] * len(self.nodes)
         pool = self.store.pool
         held: dict[int, list[int]] = {}      # storage data_ptr -> [refcount, nbytes]
@@ -350,7 +351,7 @@ class Executor:
         finally:
             for slot in slots:
                 pool.give(slot)
-        return result[0], peak
+        return result, peak
 
     @staticmethod
     def _compact(val, planned: list[int], pool):
