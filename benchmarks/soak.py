@@ -9,7 +9,7 @@ compiled signatures every call. Eager PyTorch (the same model, torch.optim.AdamW
 runs alongside on the same batches. At the end it prints the figures and checks, exiting 1 if any check fails:
 - losses equal to eager: every --compare-every'th step, within 1e-6 relative (fp32; the numerics policy);
 - resident memory (RSS, from /proc/self/statm) flat after warm-up: the least-squares slope over the second half of
-  the run, times 1000 steps, below --rss-bound-mib (default 2 MiB per 1000 steps);
+  the run, times 1000 steps, below --rss-bound-mib (default 1 MiB per 1000 steps, 1 KiB a step);
 - step time flat: the median of the last 10% of steps within --time-ratio (default 1.3x) of the median of the 10%
   after warm-up (a shared machine is noisy, hence medians);
 - the trace cache bounded: exactly one compile per distinct shape (2), and the cache holds no more.
@@ -74,7 +74,7 @@ def main() -> int:
     ap.add_argument("--slack", type=float, default=1.05, help="budget = slack x the least the longest shape needs")
     ap.add_argument("--compare-every", type=int, default=1)
     ap.add_argument("--warmup", type=int, default=None, help="steps left out of the flatness checks (10%%)")
-    ap.add_argument("--rss-bound-mib", type=float, default=2.0, help="RSS slope bound, MiB per 1000 steps")
+    ap.add_argument("--rss-bound-mib", type=float, default=1.0, help="RSS slope bound, MiB per 1000 steps")
     ap.add_argument("--time-ratio", type=float, default=1.3)
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads (1: on a shared machine more threads make step times noisy)")

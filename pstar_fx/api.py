@@ -315,7 +315,7 @@ class CompiledStep:
 
     def memory_timeline(self) -> list[timeline.Row]:
         """Per node of the latest compiled step: predicted device bytes by kind, chunk moves, and the bytes measured
-        after it by the latest debug=True step of that signature (None otherwise). See pstar_fx.timeline."""
+        after it by the latest debug=True call if that call ran this signature (else None). See pstar_fx.timeline."""
         return timeline.memory_timeline(self.graphs["scheduled"], self._measured)
 
     # -- state ------------------------------------------------------------------------------------------------

@@ -102,7 +102,7 @@ def save(step, path) -> None:
             raise ValueError(f"step.save: {path!r} holds files that are not a pstar-fx checkpoint's "
                              f"({foreign[:3]}); save into a new or an old checkpoint directory, which is replaced "
                              "as a whole")
-    # everything is read before anything is written: the step may be mid-way through nothing
+    # read everything before writing anything
     contents = {"model.pt": _to_cpu(_model_values(step)),
                 "optimizer.pt": _to_cpu(step.optimizer.state_dict()),
                 "meta.pt": _meta(step)}

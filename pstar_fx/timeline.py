@@ -4,8 +4,8 @@ One `Row` per node of the scheduled graph, in execution order: the device bytes 
 by kind (static: module buffers, tensor constants and the optimizer states placed on the device; chunks: resident
 chunk buffers; activations: live activation storages; workspace: the node's own temporaries), their sum
 (`predicted`, the figure the verifier holds under the budget and whose maximum is `plan.predicted_peak`), the bytes
-measured after the node by the latest `debug=True` step of this signature (None without one), and the chunk move
-the node makes, if it is one (fetch, alloc, release).
+measured after the node by the step's latest `debug=True` call when that call ran this signature (None otherwise),
+and the chunk move the node makes, if it is one (fetch, alloc, release).
 
 Plotting needs matplotlib, an optional extra: `pip install pstar-fx[plot]`.
 """
