@@ -12,7 +12,8 @@ runs alongside on the same batches. At the end it prints the figures and checks,
   the run, times 1000 steps, below --rss-bound-mib (default 1 MiB per 1000 steps, 1 KiB a step);
 - step time flat: the median of the last 10% of steps within --time-ratio (default 1.3x) of the median of the 10%
   after warm-up (a shared machine is noisy, hence medians);
-- the trace cache bounded: exactly one compile per distinct shape (2), and the cache holds no more.
+- the trace cache bounded: exactly one compile per distinct shape (2), and the cache holds no more;
+- the last step's measured device peak equals the plan's prediction, within the budget.
 The first --warmup steps (default 10% of the run) are excluded from the RSS and time checks.
 """
 from __future__ import annotations
@@ -134,7 +135,7 @@ def main() -> int:
     span = max(args.steps // 10, 1)
     early = statistics.median(seconds[warmup:warmup + span])
     late = statistics.median(seconds[-span:])
-    peak = step.last_step.measured_peak
+    peak, planned = step.last_step.measured_peak, step.summary().predicted_peak   # of the last step's signature
     checks = [
         ("losses equal eager (fp32)", worst <= 1e-6, f"max relative difference {worst:.2e} over {compares} steps "
                                                       "(bound 1e-6)"),
@@ -147,7 +148,8 @@ def main() -> int:
          f"(ratio {late / early:.2f}, bound {args.time_ratio})"),
         ("trace cache bounded", len(compiles) == len(set(seqs)) and len(step._cache) == len(set(seqs)),
          f"{len(compiles)} compiles, {len(step._cache)} cached signatures for {len(set(seqs))} shapes"),
-        ("within budget", peak <= budget, f"measured peak {peak:,} <= budget {budget:,} bytes"),
+        ("peak as planned, within budget", peak == planned <= budget,
+         f"last step's measured peak {peak:,} bytes, predicted {planned:,}, budget {budget:,}"),
     ]
     print(f"\n{args.steps} steps in {wall:.1f} s (compiled + eager); loss {losses[0]:.4f} -> {losses[1]:.4f}")
     ok = True
