@@ -3,7 +3,8 @@ from .errors import BudgetError, CommitError, ModelHeldError, PstarError, Untrac
 from .optim import Adam, AdamW
 from .api import compile, CompiledStep
 from .ir import TrainGraph
+from .timeline import plot_memory
 
 __all__ = ["compile", "CompiledStep", "Adam", "AdamW", "BudgetError", "UntraceableError", "PstarError", "CommitError", "ModelHeldError",
-           "TrainGraph"]
+           "TrainGraph", "plot_memory"]
 __version__ = "0.1.0"

@@ -11,6 +11,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from . import checkpoint, timeline
 from .cache import TraceCache
 from .checks import warn_chunk_padding
 from .errors import CommitError, PstarError
@@ -140,6 +141,7 @@ class CompiledStep:
         self._layout = None
         self._scaler = LossScaler() if prec is Precision.FP16 else None
         self._last_stats: StepStats | None = None
+        self._measured: tuple[TrainGraph, list[int]] | None = None   # debug: device bytes after every node
         self._broken: str | None = None      # set when a step failed after its commit point
         self._before_node = None             # tests: called before every node (fault injection)
         self._tables = model_tables(model)
@@ -272,6 +274,7 @@ class CompiledStep:
         if interrupted:
             raise KeyboardInterrupt   # held while the update was applied; the step is complete
         if per_node is not None:
+            self._measured = (g, per_node)
             _check_measured(g, per_node)
         return loss.detach().float()
 
@@ -313,7 +316,20 @@ class CompiledStep:
             measured_peak=None if self._last_stats is None else self._last_stats.measured_peak,
             h2d_bytes=g.plan.h2d_bytes, d2h_bytes=g.plan.d2h_bytes, nodes=len(g.nodes))
 
+    def memory_timeline(self) -> list[timeline.Row]:
+        """Per node of the latest compiled step: predicted device bytes by kind, chunk moves, and the bytes measured
+        after it by the latest debug=True call if that call ran this signature (else None). See pstar_fx.timeline."""
+        return timeline.memory_timeline(self.graphs["scheduled"], self._measured)
+
     # -- state ------------------------------------------------------------------------------------------------
+    def save(self, path) -> None:
+        """Write a checkpoint directory that resumes exactly (see pstar_fx.checkpoint)."""
+        checkpoint.save(self, path)
+
+    def load(self, path) -> None:
+        """Restore a checkpoint written by save(), before the first step or after a failed one too."""
+        checkpoint.load(self, path)
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Keys and shapes of model.state_dict(), full-precision values (fp32 masters in mixed precision)."""
         ref = self._model.state_dict()
