@@ -343,8 +343,9 @@ class CompiledStep:
         return out
 
     def load_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True) -> None:
-        """Restore parameter and buffer values (optimizer states are left as they are). Before the first step
-        there are no chunks yet, so the values go into the model itself, from which the first step takes them."""
+        """Restore parameter and buffer values (optimizer states are left as they are). When this step does not
+        hold the model (before the first step, after sync_model(), or while another step holds it), the values go
+        into the model itself, from which the next step takes them."""
         ref = self._model.state_dict()
         missing = [k for k in ref if k not in state_dict]
         unexpected = [k for k in state_dict if k not in ref]
@@ -354,7 +355,10 @@ class CompiledStep:
             if k in ref and tuple(v.shape) != tuple(ref[k].shape):
                 raise ValueError(f"load_state_dict: {k} has shape {tuple(v.shape)}, the model has "
                                  f"{tuple(ref[k].shape)}")
-        if self._store is None:
+        tensors = model_tensors(self._model).values()
+        if self._store is None or not all(holder(t) is self for t in tensors):
+            for other in {id(h): h for h in map(holder, tensors) if h is not None}.values():
+                other.sync_model()          # the model's values must be real before they are overwritten
             self._model.load_state_dict(state_dict, strict=strict)
             return
         pv, bv = {}, {}

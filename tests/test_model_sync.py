@@ -111,3 +111,20 @@ def test_requires_grad_change_after_the_first_step_raises_clearly():
         step(*CASE.batch(1))
     after = step.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)   # nothing changed
+
+
+def test_load_state_dict_after_sync_is_what_the_next_step_trains_on():
+    model = CASE.build_model()
+    step = _compile(model)
+    step(*CASE.batch(0))
+    step.sync_model()
+    new = {k: (v + 0.01 if v.is_floating_point() else v) for k, v in step.state_dict().items()}
+    step.load_state_dict(new)
+    step.lower(*CASE.batch(1))
+    got = step.state_dict()
+    assert all(torch.equal(got[k], new[k]) for k in new)
+    loss = step(*CASE.batch(1))
+    ref = CASE.build_model()
+    ref.load_state_dict(new)
+    want = CASE.loss_fn(ref, *CASE.batch(1))
+    assert abs(loss.item() - want.item()) <= 1e-6 * abs(want.item())
