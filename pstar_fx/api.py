@@ -331,10 +331,15 @@ class CompiledStep:
         checkpoint.load(self, path)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Keys and shapes of model.state_dict(), full-precision values (fp32 masters in mixed precision)."""
+        """Keys and shapes of model.state_dict(), full-precision values (fp32 masters in mixed precision): the
+        current values wherever they are (this step's chunks, another step's, or the model)."""
         ref = self._model.state_dict()
         out = {}
-        if self._store is None:
+        holders = {holder(t) for t in model_tensors(self._model).values()}
+        if self not in holders:
+            others = [h for h in holders if h is not None]
+            if others:
+                return others[0].state_dict()
             return {k: v.detach().clone() for k, v in ref.items()}
         for key, like in ref.items():
             kind, name = self._state_names[key]

@@ -92,9 +92,4 @@ class CompiledEval(CompiledStep):
             _check_measured(g, per_node)
         return optree.tree_unflatten(g.output_spec, [o.detach() for o in outputs])
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        trainer = self._trainer()
-        return trainer.state_dict() if trainer is not None else super().state_dict()
-
-
 __all__ = ["CompiledEval"]
