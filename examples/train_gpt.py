@@ -276,7 +276,7 @@ def main():
     first = 0
     if args.resume:
         step.load(ckpt)
-        sched.load_state_dict(torch.load(os.path.join(ckpt, "scheduler.pt"), weights_only=True))
+        sched.load_state_dict(torch.load(os.path.join(args.out, "scheduler.pt"), weights_only=True))
         first = sched.last_epoch
         print(f"resumed from {ckpt} at step {first}")
 
@@ -308,9 +308,9 @@ def main():
             (bar.write if hasattr(bar, "write") else print)(f"step {it:4d} | val loss {val_loss():.4f}")
     print(f"trained steps {first}..{last - 1} in {time.time() - t0:.1f}s")
 
-    os.makedirs(ckpt, exist_ok=True)
+    os.makedirs(args.out, exist_ok=True)
     step.save(ckpt)
-    torch.save(sched.state_dict(), os.path.join(ckpt, "scheduler.pt"))
+    torch.save(sched.state_dict(), os.path.join(args.out, "scheduler.pt"))   # beside the checkpoint: step.save owns ckpt/
     print(f"checkpoint: {ckpt}")
     print(step.summary())
     try:

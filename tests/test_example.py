@@ -7,10 +7,10 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_train_gpt_example_trains_under_a_budget():
+def test_train_gpt_example_trains_under_a_budget(tmp_path):
     out = subprocess.run([sys.executable, "examples/train_gpt.py", "--model", "tiny", "--steps", "60",
-                          "--device", "cpu", "--log-every", "59"], cwd=ROOT, capture_output=True, text=True,
-                         timeout=300)
+                          "--device", "cpu", "--log-every", "59", "--no-progress", "--out", str(tmp_path)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     text = out.stdout
     losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", text)]
@@ -28,3 +28,19 @@ def test_train_gpt_example_trains_under_a_budget():
 def _bytes(s: str) -> float:
     value, unit = re.match(r"([\d.]+) (B|KiB|MiB|GiB)", s.strip()).groups()
     return float(value) * {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[unit]
+
+
+def test_train_gpt_example_resumes_exactly(tmp_path):
+    """Stopped after step 19 and resumed with --resume in a new process: the same losses as one run of 40 steps."""
+    def run(*extra, out):
+        args = [sys.executable, "examples/train_gpt.py", "--model", "tiny", "--steps", "40", "--device", "cpu",
+                "--log-every", "13", "--eval-every", "1000", "--no-progress", "--out", str(out), *extra]
+        res = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0, res.stderr[-3000:]
+        return dict(re.findall(r"^step +(\d+) \| loss (\d+\.\d+)", res.stdout, re.M))
+    whole = run(out=tmp_path / "a")
+    first = run("--stop-after", "19", out=tmp_path / "b")
+    second = run("--resume", out=tmp_path / "b")
+    assert set(first) == {"0", "13", "19"} and set(second) == {"26", "39"}
+    for k in ("0", "13", "26", "39"):
+        assert (first.get(k) or second.get(k)) == whole[k], (k, whole, first, second)
