@@ -57,6 +57,13 @@ def _work(q: "queue.SimpleQueue", shared: _Shared) -> None:
                 cfut.set_exception(e)
 
 
+def _stop(q: "queue.SimpleQueue", thread: threading.Thread) -> None:
+    """End the worker after the updates queued so far."""
+    q.put(None)
+    if thread is not threading.current_thread():
+        thread.join()
+
+
 class HostUpdates:
     def __init__(self):
         self._q: queue.SimpleQueue = queue.SimpleQueue()
@@ -69,7 +76,7 @@ class HostUpdates:
             self._thread = threading.Thread(target=_work, args=(self._q, self._shared), daemon=True,
                                             name="pstar-fx host updates")
             self._thread.start()
-            weakref.finalize(self, self._q.put, None)
+            weakref.finalize(self, _stop, self._q, self._thread)   # also at interpreter exit, before daemons die
 
     def submit(self, chunk: int, fn: Callable[[], None]) -> Future:
         self._start()
