@@ -173,6 +173,7 @@ class Plan:
     d2h_bytes: int                   # device -> host chunk traffic per step (write-backs, host-side steps)
     fetches: int
     releases: int
+    carried: tuple = ()              # ((BufKey, dirty), ...): resident at the start and at the end of every step
 
 
 @dataclass(frozen=True)

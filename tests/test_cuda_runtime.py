@@ -96,6 +96,7 @@ def test_copies_run_on_their_own_streams_without_blocking_the_cpu():
                       chunk_size=d * d)(lambda m, x: m(x).sum())
     step(torch.randn(8, d))
     store = step._store
+    store.evict_all()                                       # the step left its chunks resident (carried)
     torch.cuda.synchronize()
     key = BufKey(0, BufKind.PARAM)
     expect = store.host(key).clone()

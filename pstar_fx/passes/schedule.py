@@ -1,12 +1,19 @@
-"""schedule: fetch / alloc / release (and prefetch) of chunk buffers so that every node fits the device budget.
+"""schedule: fetch / alloc / release (and prefetch) of chunk buffers so that every node fits the device budget, as a
+steady-state cycle over the step boundary.
 
-Invariant after: before every node, each chunk buffer it reads or writes is resident on the device (fetched, or for a
-gradient buffer never written back, allocated zeroed), and static + resident chunk bytes + live activation bytes +
-workspace <= budget at every node. A buffer is released right after its last use in the step (written back to its
-host home if it was written on the device and its contents are still needed) and, when room is needed, the resident
-buffer whose next use is furthest away is evicted first (Belady; exact, since the whole step is in the graph).
-Nothing is resident at the end. Fetches are then hoisted up to `prefetch` nodes earlier into free room only, so
-prefetching never adds evictions. A budget that some node cannot fit raises BudgetError before anything runs.
+Invariant after: a set of parameter buffers (`plan.carried`, each with whether its host copy is stale) is resident
+when a step starts and again when it ends, so consecutive steps chain (the store brings the set in once, before the
+first step: a prologue). Before every node, each chunk buffer it reads or writes is resident on the device
+(fetched, or for a gradient buffer never written back, allocated zeroed), and static + resident chunk bytes + live
+activation bytes + workspace <= budget at every node. A buffer that is not carried is released right after its last
+use in the step (written back to its host home if it was written on the device and its contents are still needed);
+a carried buffer stays until room is needed. The buffer evicted first is the resident one whose next use, counted
+around the cycle, is furthest away (Belady; exact, since the whole step is in the graph). Which buffers are carried:
+parameters of frozen chunks and of chunks stepped on the device that a pass from an empty device still holds at the
+end, plus host-stepped chunks' parameters (fetched back after their update) while they fit, minus any the step would
+evict before their first use (churn). At an unlimited budget every parameter buffer is carried and nothing moves.
+Fetches are then hoisted up to `prefetch` nodes earlier into free room only, so prefetching never adds evictions.
+A budget that some node cannot fit raises BudgetError before anything runs.
 """
 from __future__ import annotations
 
@@ -17,13 +24,14 @@ import torch.fx as fx
 
 from .. import ops
 from ..errors import BudgetError
-from ..ir import BufKind, NodeAnn, Phase, Plan, Role, StateHome, TrainGraph, copy_graph, to_module
+from ..ir import BufKind, ChunkGroup, NodeAnn, Phase, Plan, Role, StateHome, TrainGraph, copy_graph, to_module
 from ..units import format_bytes
 from .liveness import analyze
 from .graph_utils import output_node
 from .memory import BufKey, all_needs, buf_bytes, static_bytes
 
 INF = float("inf")
+_SHRINK_ROUNDS = 6          # rounds that drop carried buffers the step would evict before using them
 
 
 @dataclass(frozen=True)
@@ -35,64 +43,159 @@ class Move:
     copy: bool = True               # FETCH: copy from host (False: allocate zeroed); RELEASE: write back
 
 
+@dataclass
+class _Pass:
+    """One Belady pass over the step from a given start state."""
+    moves: list[Move]
+    profile: list[int]              # resident chunk bytes while each node runs
+    end: dict[BufKey, bool]         # resident at the end of the step -> dirty (host copy stale)
+    churned: set[BufKey]            # carried buffers evicted before their first use in the step
+
+
 def _describe(n: fx.Node) -> str:
     return f"'{n.name}' ({n.target.__name__ if callable(n.target) and hasattr(n.target, '__name__') else n.target})"
 
 
-def plan_moves(g: TrainGraph, budget: int | None, prefetch: int) -> list[Move]:
-    nodes = g.nodes
-    lv = analyze(nodes, g.ann)
-    nd = all_needs(g)
-    uses: dict[BufKey, list[int]] = {}
-    for i, x in enumerate(nd):
-        for k in x.resident:
-            uses.setdefault(k, []).append(i)
-    cursor = {k: 0 for k in uses}
-    cap = INF if budget is None else budget
-    static = static_bytes(g)
-    resident: dict[BufKey, bool] = {}       # key -> dirty
-    on_host: set[BufKey] = {k for k in uses if k.buf is BufKind.PARAM}   # buffers whose host home holds data
-    moves: list[Move] = []
-    used = 0
-    profile = [0] * len(nodes)              # resident chunk bytes while each node runs
+class _Planner:
+    def __init__(self, g: TrainGraph, budget: int | None):
+        self.g = g
+        self.nodes = g.nodes
+        self.lv = analyze(self.nodes, g.ann)
+        self.nd = all_needs(g)
+        self.uses: dict[BufKey, list[int]] = {}
+        for i, x in enumerate(self.nd):
+            for k in x.resident:
+                self.uses.setdefault(k, []).append(i)
+        self.cap = INF if budget is None else budget
+        self.static = static_bytes(g)
+        self.written = {k for x in self.nd for k in x.writes}
 
-    def next_use(k: BufKey, i: int) -> float:
-        lst, c = uses[k], cursor[k]
-        while c < len(lst) and lst[c] <= i:
-            c += 1
-        cursor[k] = c
-        return lst[c] if c < len(lst) else INF
+    def carryable(self, k: BufKey) -> bool:
+        """A parameter buffer whose device copy stays valid across the boundary: no host-side step rewrites it."""
+        c = self.g.chunks[k.chunk]
+        return k.buf is BufKind.PARAM and (c.group is not ChunkGroup.TRAINABLE or c.state_home is StateHome.DEVICE)
 
-    for i, n in enumerate(nodes):
-        x = nd[i]
-        missing = sorted(x.resident - resident.keys(), key=BufKey.order)
-        want = static + used + sum(buf_bytes(g, k) for k in missing) + lv.live[i] + x.workspace
-        while want > cap:
-            victims = [k for k in resident if k not in x.resident]
-            if not victims:
-                raise _budget_error(g, lv, cap, first=n)
-            victim = max(victims, key=lambda k: (next_use(k, i), k.order()))
-            dirty = resident.pop(victim)
-            moves.append(Move(Role.RELEASE, victim, i, copy=dirty))
-            if dirty:
-                on_host.add(victim)
-            used -= buf_bytes(g, victim)
-            want -= buf_bytes(g, victim)
-        for k in missing:
-            moves.append(Move(Role.FETCH, k, i, copy=k in on_host))
-            resident[k] = False
-            used += buf_bytes(g, k)
-        for k in x.writes:
-            resident[k] = True
-        profile[i] = used
-        for k in sorted(x.resident, key=BufKey.order):
-            if next_use(k, i) == INF:
+    def fits_at_ends(self, keys) -> bool:
+        """A carried set must fit where the step starts (placeholders) and where it ends (the output node)."""
+        size = sum(buf_bytes(self.g, k) for k in keys)
+        first = next(i for i, n in enumerate(self.nodes) if n.op != "placeholder")
+        ends = list(range(first)) + [len(self.nodes) - 1]
+        return all(self.static + size + self.lv.live[i] + self.nd[i].workspace <= self.cap for i in ends)
+
+    def run(self, start: dict[BufKey, bool], carry: frozenset[BufKey], top_up: bool) -> _Pass:
+        """Belady from `start`; buffers in `carry` are kept past their last use (their next use is the next step's
+        first), the others released at their last use. With top_up, the carried buffers missing at the end are
+        fetched back before the output node, so the step ends where it started."""
+        g, nodes, nd, uses = self.g, self.nodes, self.nd, self.uses
+        n_nodes = len(nodes)
+        cursor = {k: 0 for k in uses}
+        resident = dict(start)
+        on_host: set[BufKey] = {k for k in uses if k.buf is BufKind.PARAM}   # host homes holding data
+        moves: list[Move] = []
+        used = sum(buf_bytes(g, k) for k in resident)
+        profile = [0] * n_nodes
+        churned: set[BufKey] = set()
+        cyclic = {k for k in carry if self.carryable(k)}   # a host-stepped chunk's buffers leave before its update
+
+        def next_use(k: BufKey, i: int) -> float:
+            lst, c = uses[k], cursor[k]
+            while c < len(lst) and lst[c] <= i:
+                c += 1
+            cursor[k] = c
+            if c < len(lst):
+                return lst[c]
+            return n_nodes + lst[0] if k in cyclic else INF
+
+        for i, n in enumerate(nodes):
+            x = nd[i]
+            missing = sorted(x.resident - resident.keys(), key=BufKey.order)
+            want = self.static + used + sum(buf_bytes(g, k) for k in missing) + self.lv.live[i] + x.workspace
+            while want > self.cap:
+                victims = [k for k in resident if k not in x.resident]
+                if not victims:
+                    raise _budget_error(g, self.lv, self.cap, first=n)
+                victim = max(victims, key=lambda k: (next_use(k, i), k.order()))
+                if victim in start and uses[victim][0] >= i:
+                    churned.add(victim)
+                dirty = resident.pop(victim)
+                moves.append(Move(Role.RELEASE, victim, i, copy=dirty))
+                if dirty:
+                    on_host.add(victim)
+                used -= buf_bytes(g, victim)
+                want -= buf_bytes(g, victim)
+            for k in missing:
+                moves.append(Move(Role.FETCH, k, i, copy=k in on_host))
+                resident[k] = False
+                used += buf_bytes(g, k)
+            for k in x.writes:
+                resident[k] = True
+            profile[i] = used
+            for k in sorted(x.resident, key=BufKey.order):
+                if next_use(k, i) == INF:
+                    dirty = resident.pop(k)
+                    keep = k.buf is BufKind.PARAM or g.chunks[k.chunk].state_home is StateHome.HOST
+                    moves.append(Move(Role.RELEASE, k, i + 1, copy=dirty and keep))
+                    if dirty and keep:
+                        on_host.add(k)
+                    used -= buf_bytes(g, k)
+        if top_up:
+            last = n_nodes - 1
+            for k in sorted(resident.keys() - carry, key=BufKey.order):
                 dirty = resident.pop(k)
-                keep = k.buf is BufKind.PARAM or g.chunks[k.chunk].state_home is StateHome.HOST
-                moves.append(Move(Role.RELEASE, k, i + 1, copy=dirty and keep))
+                moves.append(Move(Role.RELEASE, k, last, copy=dirty))
                 used -= buf_bytes(g, k)
-    assert not resident, resident
-    return _hoist(g, moves, profile, lv.live, nd, static, cap, prefetch) if prefetch else moves
+            for k in sorted(carry - resident.keys(), key=lambda k: (uses[k][0], k.order())):
+                assert k in on_host, k
+                moves.append(Move(Role.FETCH, k, last, copy=True))
+                resident[k] = False
+                used += buf_bytes(g, k)
+            profile[last] = used
+            assert self.static + used + self.lv.live[last] <= self.cap, "the carried set does not fit at the end"
+        return _Pass(moves, profile, resident, churned)
+
+    def cycle(self) -> tuple[_Pass, tuple]:
+        """The steady-state cycle: choose the carried set, then plan the step from and back to it."""
+        g = self.g
+        keys = sorted(self.uses, key=BufKey.order)
+        first = self.run({}, frozenset(k for k in keys if self.carryable(k)), top_up=False)
+        carry = [k for k in keys if k in first.end]
+        host_stepped = sorted((k for k in keys if k.buf is BufKind.PARAM and not self.carryable(k)),
+                              key=lambda k: (self.uses[k][0], k.order()))
+        for k in host_stepped:
+            if self.fits_at_ends(carry + [k]):
+                carry.append(k)
+        carry_set = frozenset(carry)
+        while not self.fits_at_ends(carry_set):     # the start holds only inputs, but be safe
+            carry_set = carry_set - {max(carry_set, key=lambda k: (self.uses[k][0], k.order()))}
+        for _ in range(_SHRINK_ROUNDS):
+            p = self._closed(carry_set)
+            if not p.churned:
+                break
+            carry_set = carry_set - p.churned
+        else:
+            p = self._closed(carry_set)
+        return p, tuple(sorted(((k, d) for k, d in p.end.items()), key=lambda kd: kd[0].order()))
+
+    def _closed(self, carry: frozenset[BufKey]) -> _Pass:
+        """A pass that ends in the state it starts from: dirty flags at the start are those at the end (a buffer
+        written in the step is first assumed stale; then the flags the step actually ends with)."""
+        dirty = {k: k in self.written for k in carry}
+        for _ in range(3):
+            p = self.run(dirty, carry, top_up=True)
+            if p.end == dirty:
+                return p
+            dirty = dict(p.end)
+        raise AssertionError(f"the schedule's cycle does not close: start {dirty}, end {p.end}")
+
+
+def plan_moves(g: TrainGraph, budget: int | None, prefetch: int) -> tuple[list[Move], tuple]:
+    """The moves of one step of the steady-state cycle, and the carried set ((BufKey, dirty), ...)."""
+    planner = _Planner(g, budget)
+    p, carried = planner.cycle()
+    moves = p.moves
+    if prefetch:
+        moves = _hoist(g, moves, p.profile, planner.lv.live, planner.nd, planner.static, planner.cap, prefetch)
+    return moves, carried
 
 
 def _budget_error(g: TrainGraph, lv, cap: float, first: fx.Node) -> BudgetError:
@@ -119,7 +222,11 @@ def _budget_error(g: TrainGraph, lv, cap: float, first: fx.Node) -> BudgetError:
 def _hoist(g, moves, profile, live, nd, static, cap, prefetch) -> list[Move]:
     """Move each fetch up to `prefetch` nodes earlier, through gaps where its bytes fit and it is not resident."""
     last_gone: dict[BufKey, int] = {}
-    first = next(i for i, n in enumerate(g.nodes) if n.op != "placeholder")   # placeholders stay first
+    nodes = g.nodes
+    first = next(i for i, n in enumerate(nodes) if n.op != "placeholder")   # placeholders stay first
+    host_step = {g.ann[n.name].chunk: i for i, n in enumerate(nodes)      # a fetch after a host-side update stays
+                 if g.ann[n.name].role is Role.OPTIMIZER_STEP            # after it
+                 and g.chunks[g.ann[n.name].chunk].state_home is StateHome.HOST}
     out: list[Move] = []
     for m in sorted(moves, key=lambda m: m.before):
         if m.role is Role.RELEASE:
@@ -128,7 +235,7 @@ def _hoist(g, moves, profile, live, nd, static, cap, prefetch) -> list[Move]:
             continue
         size = buf_bytes(g, m.key)
         j = m.before
-        floor = max(last_gone.get(m.key, first), first, m.before - prefetch)
+        floor = max(last_gone.get(m.key, first), first, m.before - prefetch, host_step.get(m.key.chunk, -1) + 1)
         while j - 1 >= floor and static + profile[j - 1] + size + live[j - 1] + nd[j - 1].workspace <= cap:
             j -= 1
         for t in range(j, m.before):
@@ -140,7 +247,7 @@ def _hoist(g, moves, profile, live, nd, static, cap, prefetch) -> list[Move]:
 
 def schedule(g: TrainGraph, *, prefetch: int = 4) -> TrainGraph:
     budget = g.settings.budget
-    moves = plan_moves(g, budget, prefetch)
+    moves, carried = plan_moves(g, budget, prefetch)
     graph, env = copy_graph(g)
     old_nodes = g.nodes
     ann = dict(g.ann)
@@ -163,15 +270,16 @@ def schedule(g: TrainGraph, *, prefetch: int = 4) -> TrainGraph:
                     node = graph.call_function(fn, (), {"chunk": m.key.chunk, "buf": m.key.buf})
             ann[node.name] = NodeAnn(role=m.role, phase=phase, chunk=m.key.chunk, buf=m.key.buf)
     sched = g.evolve(gm=to_module(graph, g.gm), ann=ann)
-    return annotate(sched).evolve(stage="scheduled", made_by="schedule")
+    return annotate(sched, carried).evolve(stage="scheduled", made_by="schedule")
 
 
-def annotate(g: TrainGraph) -> TrainGraph:
-    """Replay the scheduled graph: resident bytes, live bytes and workspace at every node, and the Plan."""
+def annotate(g: TrainGraph, carried: tuple = ()) -> TrainGraph:
+    """Replay the scheduled graph from the carried set: resident bytes, live bytes and workspace at every node, and
+    the Plan."""
     nodes = g.nodes
     lv = analyze(nodes, g.ann)
     static = static_bytes(g)
-    resident = 0
+    resident = sum(buf_bytes(g, k) for k, _ in carried)
     peak = h2d = d2h = fetches = releases = 0
     ann = {}
     nd = all_needs(g)
@@ -193,5 +301,5 @@ def annotate(g: TrainGraph) -> TrainGraph:
         ann[n.name] = dataclasses.replace(a, resident_bytes=shown, live_bytes=lv.live[i], bytes=lv.created[i],
                                           workspace_bytes=x.workspace)
     plan = Plan(budget=g.settings.budget, static_bytes=static, predicted_peak=peak, h2d_bytes=h2d, d2h_bytes=d2h,
-                fetches=fetches, releases=releases)
+                fetches=fetches, releases=releases, carried=carried)
     return g.evolve(ann=ann, plan=plan)

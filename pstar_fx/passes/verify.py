@@ -8,7 +8,9 @@ Checked at every stage (each check applies once the stage has what it is about):
 - optimizer: one optimizer_step per trainable chunk, after every read and gradient write of its parameters;
 - schedule: every chunk buffer a node reads or writes is resident on the device; a fetch copies only data the host
   holds, and a buffer whose host copy holds data is fetched, never allocated zeroed; nothing written on the device
-  is dropped while still needed; nothing is resident at the end; a host-side step finds its chunk off the device
+  is dropped while still needed; the cycle closes: the buffers resident at the end are exactly the plan's carried
+  set, the one the step starts from, and none assumed fresh on the host at the start ends stale; a host-side step
+  finds its chunk off the device
   with its gradient on the host; static + resident + live + workspace <= budget at every node, and the plan's
   predicted peak is that maximum.
 - collectives (one rank here): none are present, so their order is trivially identical on every rank.
@@ -129,14 +131,18 @@ def _check_schedule(g: TrainGraph) -> None:
     lv = analyze(nodes, g.ann)
     static = static_bytes(g)
     budget = g.settings.budget
-    resident: dict[BufKey, bool] = {}    # key -> written on the device since it arrived
+    start = dict(g.plan.carried)         # key -> host copy stale, at the start of every step
+    resident: dict[BufKey, bool] = dict(start)    # key -> written on the device since its host copy was current
     host_has = {BufKey(c.id, BufKind.PARAM) for c in g.chunks}
+    for k in start:
+        if k.buf is not BufKind.PARAM:
+            _fail(g, None, f"{k} is carried across steps, but only parameter buffers are")
     later_uses: dict[BufKey, int] = {}
     nd = all_needs(g)
     for x in nd:
         for k in x.resident:
             later_uses[k] = later_uses.get(k, 0) + 1
-    used = 0
+    used = sum(buf_bytes(g, k) for k in start)
     peak = 0
     for i, n in enumerate(nodes):
         a = g.ann[n.name]
@@ -184,7 +190,12 @@ def _check_schedule(g: TrainGraph) -> None:
             _fail(g, i, f"device bytes {total} exceed the budget {budget}")
         if a.resident_bytes is not None and a.resident_bytes != shown:
             _fail(g, i, f"annotated resident bytes {a.resident_bytes} != replayed {shown}")
-    if resident:
-        _fail(g, len(nodes) - 1, f"buffers left on the device at the end: {sorted(k.order() for k in resident)}")
+    if resident.keys() != start.keys():
+        _fail(g, len(nodes) - 1, "the cycle does not close: resident at the end "
+              f"{sorted(k.order() for k in resident)}, carried into the step {sorted(k.order() for k in start)}")
+    stale = sorted(k.order() for k, dirty in resident.items() if dirty and not start[k])
+    if stale:
+        _fail(g, len(nodes) - 1, f"the cycle does not close: {stale} end stale on the host, but the next step "
+              "assumes their host copies current")
     if g.plan.predicted_peak != peak:
         _fail(g, None, f"plan's predicted peak {g.plan.predicted_peak} != replayed peak {peak}")

@@ -21,6 +21,49 @@ def adam_step(cfg: AdamConfig, param: torch.Tensor, grad: torch.Tensor, m: torch
               step: torch.Tensor) -> None:
     """One update of a flat chunk. `step` is a 0-d fp32 tensor, incremented here (as torch.optim does)."""
     step += 1
+    _apply(cfg, param, grad, m, v, step)
+
+
+# elements per block of a host-side update: a multiple of every vector width and of the CPU fused kernel's work
+# unit, so a block's elements round exactly as in one call over the whole chunk; small enough (24 MiB over the six
+# arrays) that a block's conversions and its update share the cache
+HOST_BLOCK = 1 << 20
+
+
+def host_step(cfg: AdamConfig, param: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
+              step: torch.Tensor, *, master: torch.Tensor | None = None, inv_scale: float | None = None,
+              coef: torch.Tensor | None = None, skip: bool = False, block: int = HOST_BLOCK) -> None:
+    """One host-side update of a flat chunk, block by block so that each block is read once from memory: in mixed
+    precision (`master` given) the half-precision gradient is converted to fp32, unscaled (fp16) and clipped, the
+    fp32 master stepped and the new half-precision parameters written from it, all while the block is in cache.
+    The same operations, element by element, as converting, stepping and writing the whole chunk in turn.
+    `skip` (fp16 overflow): no update; the parameters are rewritten from the masters."""
+    if skip:
+        if master is not None:
+            param.copy_(master)
+        return
+    step += 1
+    n = param.numel()
+    g32 = torch.empty(min(block, n), dtype=torch.float32) if master is not None else None
+    for lo in range(0, n, block):
+        hi = min(n, lo + block)
+        if master is None:
+            g = grad[lo:hi]
+            if coef is not None:
+                g.mul_(coef)
+            _apply(cfg, param[lo:hi], g, m[lo:hi], v[lo:hi], step)
+            continue
+        g = g32[:hi - lo]
+        g.copy_(grad[lo:hi])
+        if inv_scale is not None:
+            g.mul_(inv_scale)
+        if coef is not None:
+            g.mul_(coef)
+        _apply(cfg, master[lo:hi], g, m[lo:hi], v[lo:hi], step)
+        param[lo:hi].copy_(master[lo:hi])
+
+
+def _apply(cfg: AdamConfig, param, grad, m, v, step: torch.Tensor) -> None:
     if _fused_ok(cfg, param):
         kernel = torch._fused_adamw_ if cfg.decoupled else torch._fused_adam_
         kernel([param], [grad], [m], [v], [], [step], lr=cfg.lr, beta1=cfg.beta1, beta2=cfg.beta2,

@@ -14,14 +14,29 @@ On CUDA, copies run on two streams of their own, host->device (H2D) and device->
 - release with write-back: the D2H stream waits for an event recorded on the compute stream at the release (the
   buffer's last write), copies, and records an event that the CPU waits for before it reads or writes that host
   buffer (`before_host_write`), and the H2D stream waits for before it fetches that buffer again.
+
+Residency across steps: the plan is a cycle, so parameter buffers stay in their slots from one step to the next
+(`enter` brings in the set a plan starts from: the prologue before the first step, or after a retrace). A slot
+written on the device (`mark_written`) makes its host home stale until it is written back. Everything that reads or
+replaces host homes goes through one place: `flush` (write stale parameter slots home, wait for every copy; the
+slots stay resident) and `evict_all` (flush, then give every slot back); `param_value`, `load_params`,
+`state_parts` and `set_homes` call them, so readers never see a stale host value.
+
+Host-side optimizer updates run on a worker thread (`updates`, see host_updates.py) while the executor goes on. A
+fetch of a chunk whose update is pending is issued by the worker right after that update (`then`), and the slot's
+first use waits for exactly it; a CPU access to host buffers (`before_host_write`, hence flush) first waits for the
+pending updates of the chunks it touches.
 """
 from __future__ import annotations
+
+from concurrent.futures import Future
 
 import torch
 
 from ..ir import BufKind, ChunkGroup, ChunkInfo, ParamInfo, Precision, StateHome
 from ..passes.memory import BufKey, state_floats
 from ..units import format_bytes
+from .host_updates import HostUpdates
 
 
 class PoolExhausted(RuntimeError):
@@ -116,13 +131,16 @@ class ChunkStore:
         self._reading: dict[int, "torch.cuda.Event"] = {}  # chunk -> event after the last copy from its host buffers
         self._writing: dict[BufKey, "torch.cuda.Event"] = {}  # host buffer -> event after the write-back into it
         self._arriving: dict[BufKey, "torch.cuda.Event"] = {}  # slot -> its fetch's event, until compute waits on it
+        self.stale: set[BufKey] = set()   # resident slots written on the device since their host home was current
+        self.updates: HostUpdates | None = HostUpdates()   # None: host-side updates run inline (tests compare)
         self.h2d_stream = torch.cuda.Stream(device) if self.pin else None
         self.d2h_stream = torch.cuda.Stream(device) if self.pin else None
 
     # -- parameters and buffers -------------------------------------------------------------------------------
     def load_params(self, values: dict[str, torch.Tensor]) -> None:
-        """Fill the chunks (and the fp32 masters in mixed precision) from full-precision values."""
-        self.before_host_write()
+        """Fill the chunks (and the fp32 masters in mixed precision) from full-precision values. Resident slots go
+        home first (the next step brings back what its plan starts from), so no slot keeps an old value."""
+        self.evict_all()
         for name, v in values.items():
             p = self.params[name]
             c = self.chunks[p.chunk]
@@ -147,14 +165,20 @@ class ChunkStore:
             return self.frozen_full[name]
         p = self.params[name]
         c = self.chunks[p.chunk]
-        self.before_host_write(c.id)   # a write-back into host_param may still be in flight
+        self.flush(c.id)
         src = (self.master(c.id) if self.precision.mixed and c.group is ChunkGroup.TRAINABLE
                else self.host_param[c.id])
         return src[p.offset:p.offset + p.numel].view(p.shape)
 
     # -- optimizer states --------------------------------------------------------------------------------------
     def state_parts(self, cid: int) -> dict[str, torch.Tensor]:
-        """Views into a chunk's state buffer: m, v, (master), step (0-d)."""
+        """Views into a chunk's state buffer: m, v, (master), step (0-d), for readers and writers outside a step:
+        first made current (see flush)."""
+        self.flush(cid)
+        return self.parts(cid)
+
+    def parts(self, cid: int) -> dict[str, torch.Tensor]:
+        """state_parts without waiting: for the step itself, which orders its own work."""
         cap = self.chunks[cid].capacity
         s = self.states[cid]
         parts = {"m": s[0:cap], "v": s[cap:2 * cap], "step": s[-1]}
@@ -163,10 +187,13 @@ class ChunkStore:
         return parts
 
     def master(self, cid: int) -> torch.Tensor:
-        return self.state_parts(cid)["master"]
+        return self.parts(cid)["master"]
 
     def set_homes(self, chunks: tuple[ChunkInfo, ...]) -> None:
-        """Move optimizer states to where this graph's plan put them."""
+        """Move optimizer states to where this graph's plan put them. If any moves, every slot goes home first, so
+        the new device states fit the budget next to what the new plan starts from (`enter` brings that in)."""
+        if any(c.group is ChunkGroup.TRAINABLE and c.state_home is not self.state_home[c.id] for c in chunks):
+            self.evict_all()
         for c in chunks:
             if c.group is not ChunkGroup.TRAINABLE or c.state_home is self.state_home[c.id]:
                 continue
@@ -195,6 +222,8 @@ class ChunkStore:
         """A resident chunk buffer, for use on the current (compute) stream. The first use after a fetch makes the
         compute stream wait for that fetch's copy (on the device; the CPU does not wait)."""
         event = self._arriving.pop(key, None)
+        if isinstance(event, Future):
+            event = event.result()   # the fetch hangs on a host-side update: wait for exactly that one
         if event is not None:
             torch.cuda.current_stream(self.device).wait_event(event)
         return self.slots[key]
@@ -204,27 +233,42 @@ class ChunkStore:
         c = self.chunks[key.chunk]
         slot = self.pool.take(c.capacity, c.dtype, what=f"chunk {c.id} {key.buf.value} buffer")
         self.slots[key] = slot
+        host = self.host(key)
         if not self.pin:
-            slot.copy_(self.host(key))
-            return
-        # the slot's block comes from the compute stream's allocator pool: until the compute stream reaches this
-        # point it may still be an activation, so the copy waits for it (and for a write-back into the same host
-        # buffer, which it reads)
-        self.h2d_stream.wait_stream(torch.cuda.current_stream(self.device))
-        writing = self._writing.get(key)
-        if writing is not None:
-            self.h2d_stream.wait_event(writing)
-        with torch.cuda.stream(self.h2d_stream):
-            slot.copy_(self.host(key), non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(self.h2d_stream)
-        self._arriving[key] = event
-        # the copy reads the host buffer asynchronously: the CPU must not write it until the copy is done
-        self._reading[key.chunk] = event
+            def copy():
+                slot.copy_(host)
+        else:
+            # the slot's block comes from the compute stream's allocator pool: until the compute stream reaches
+            # this point it may still be an activation, so the copy waits for it (and for a write-back into the
+            # same host buffer, which it reads)
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.device))
+            writing = self._writing.pop(key, None)
+
+            def copy():
+                with torch.cuda.device(self.device), torch.cuda.stream(self.h2d_stream):
+                    self.h2d_stream.wait_event(ready)
+                    if writing is not None:
+                        self.h2d_stream.wait_event(writing)
+                    slot.copy_(host, non_blocking=True)
+                    event = torch.cuda.Event()
+                    event.record(self.h2d_stream)
+                # the copy reads the host buffer asynchronously: the CPU must not write it until the copy is done
+                self._reading[key.chunk] = event
+                return event
+        # after the chunk's pending host-side update (issued by the worker when it is done), else now
+        arriving = self.updates.then(key.chunk, copy) if self.updates is not None else copy()
+        if arriving is not None:
+            self._arriving[key] = arriving
 
     def before_host_write(self, chunk: int | None = None) -> None:
         """Before the CPU reads or writes chunk's host buffers (all chunks' when None): wait for the host->device
         copies still reading them and the device->host write-backs still writing them, and for nothing else."""
+        if self.updates is not None:
+            if chunk is None:
+                self.updates.wait_all()
+            else:
+                self.updates.wait(chunk)
         chunks = list(self._reading) + [k.chunk for k in self._writing] if chunk is None else [chunk]
         for c in chunks:
             event = self._reading.pop(c, None)
@@ -235,11 +279,48 @@ class ChunkStore:
                 if event is not None:
                     event.synchronize()
 
+    def mark_written(self, key: BufKey) -> None:
+        """The step wrote a resident slot: its host home is stale until the slot is written back."""
+        self.stale.add(key)
+
+    def flush(self, chunk: int | None = None) -> None:
+        """Make host homes current (of one chunk, or all): write back every stale parameter slot (it stays resident,
+        now clean) and wait for every copy that reads or writes those host buffers. A stale gradient slot is not
+        written back: only the step reads gradients."""
+        for key in sorted(self.stale, key=BufKey.order):
+            if key.buf is BufKind.PARAM and (chunk is None or key.chunk == chunk):
+                self._write_back(key, self.slot(key))
+                self.stale.discard(key)
+        self.before_host_write(chunk)
+
+    def evict_all(self) -> None:
+        """flush, then give every slot back: nothing of the chunks is on the device, the host homes hold it all."""
+        self.flush()
+        self.drop_slots()
+
     def drop_slots(self) -> None:
-        """After a failed step: give every slot back without writing anything to the host."""
+        """Give every slot back without writing anything to the host (what a stale slot held is lost)."""
         for key in list(self.slots):
             self.slot(key)   # a copy still arriving into the slot must finish before its memory is reused
             self.pool.give(self.slots.pop(key))
+        self.stale.clear()
+
+    def enter(self, carried: tuple) -> tuple[int, int]:
+        """Before a step: make the resident slots exactly the plan's carried set ((BufKey, stale allowed), ...).
+        Slots outside it go home (written back if stale), missing ones are fetched. Returns the bytes moved (host to
+        device, device to host): nothing in the steady state."""
+        want = dict(carried)
+        h2d = d2h = 0
+        for key in sorted(self.slots.keys() - want.keys(), key=BufKey.order):
+            stale = key in self.stale and key.buf is BufKind.PARAM
+            self.release(key, writeback=stale)
+            d2h += self.chunks[key.chunk].nbytes if stale else 0
+        for key in sorted(want.keys() - self.slots.keys(), key=BufKey.order):
+            self.fetch(key)
+            h2d += self.chunks[key.chunk].nbytes
+        wrong = sorted(k.order() for k in self.stale if not want.get(k, False))
+        assert not wrong, f"slots {wrong} are stale on the host, but the plan assumes their host homes current"
+        return h2d, d2h
 
     def restore_params_from_masters(self) -> None:
         """After a step failed before its commit point: in mixed precision a chunk's gradients may have overwritten
@@ -273,15 +354,28 @@ class ChunkStore:
         copy time; then this wait can go."""
         slot = self.slot(key)
         del self.slots[key]
-        if writeback and not self.pin:
-            self.host(key).copy_(slot)
-        elif writeback:
-            compute = torch.cuda.current_stream(self.device)
-            self.d2h_stream.wait_stream(compute)
-            with torch.cuda.stream(self.d2h_stream):
-                self.host(key).copy_(slot, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(self.d2h_stream)
-            compute.wait_event(event)
-            self._writing[key] = event
+        self.stale.discard(key)
+        if writeback:
+            self._write_back(key, slot)
         self.pool.give(slot)
+
+    def take_host_events(self, chunk: int) -> list:
+        """The events a host-side update of chunk must wait for before it touches the chunk's host buffers (copies
+        reading or writing them), handed over to whoever waits (the update's worker): the store forgets them."""
+        events = [self._reading.pop(chunk, None)] + [self._writing.pop(BufKey(chunk, b), None) for b in BufKind]
+        return [e for e in events if e is not None]
+
+    def _write_back(self, key: BufKey, slot: torch.Tensor) -> None:
+        if self.updates is not None:
+            self.updates.wait(key.chunk)   # the chunk's host buffers are the pending update's until it is done
+        if not self.pin:
+            self.host(key).copy_(slot)
+            return
+        compute = torch.cuda.current_stream(self.device)
+        self.d2h_stream.wait_stream(compute)
+        with torch.cuda.stream(self.d2h_stream):
+            self.host(key).copy_(slot, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.d2h_stream)
+        compute.wait_event(event)
+        self._writing[key] = event

@@ -19,7 +19,7 @@ from ..passes.graph_utils import mutated_args, storage_bytes, tensors_of
 from ..passes.liveness import last_uses
 from ..passes.memory import BufKey, constants
 from ..units import format_bytes
-from .adam import adam_step
+from .adam import adam_step, host_step
 from .chunk_store import ChunkStore
 from .interrupts import DeferredInterrupt
 
@@ -93,7 +93,9 @@ class Runtime:
     def write_grad(self, name: str, grad: torch.Tensor, accumulate: bool, final: bool) -> None:
         p = self.params[name]
         c = self.g.chunks[p.chunk]
-        dst = self.store.slot(BufKey(c.id, c.grad_buf()))[p.offset:p.offset + p.numel].view(p.shape)
+        key = BufKey(c.id, c.grad_buf())
+        dst = self.store.slot(key)[p.offset:p.offset + p.numel].view(p.shape)
+        self.store.mark_written(key)
         if accumulate:
             dst.add_(grad)
         else:
@@ -133,24 +135,59 @@ class Runtime:
         self.committed = True
 
     def _coef_on(self, device: torch.device) -> torch.Tensor:
-        if device == self.clip_coef.device:
-            return self.clip_coef
+        assert device == self.clip_coef.device
+        return self.clip_coef
+
+    def _host_coef(self):
+        """The clip coefficient for host-side updates: copied to the host once, asynchronously, with the event the
+        update waits for (the executor's thread never waits for it)."""
+        if self.clip_coef is None:
+            return None, None
+        if self.clip_coef.device.type == "cpu":
+            return self.clip_coef, None
         if self._clip_coef_host is None:
-            self._clip_coef_host = self.clip_coef.to(device)
+            host = torch.empty((), dtype=self.clip_coef.dtype, pin_memory=True)
+            host.copy_(self.clip_coef, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self._clip_coef_host = (host, event)
         return self._clip_coef_host
+
+    def _host_step(self, chunk: int, cfg, parts) -> None:
+        """Queue the update of a chunk whose states live on the host (on the store's worker thread; inline without
+        one). Everything it reads from this step is fixed now: the copies to wait for, the scale, the skip."""
+        st = self.store
+        c = self.g.chunks[chunk]
+        events = st.take_host_events(chunk)
+        param, grad = st.host_param[chunk], st.host(BufKey(chunk, c.grad_buf()))
+        coef, coef_ready = self._host_coef()
+        inv_scale = 1.0 / self.scaler.scale if self.scaler is not None else None
+        master = parts["master"] if self.precision.mixed else None
+        skip = self.skip
+
+        def update() -> None:
+            for e in events + ([coef_ready] if coef_ready is not None else []):
+                e.synchronize()
+            host_step(cfg, param, grad, parts["m"], parts["v"], parts["step"], master=master, inv_scale=inv_scale,
+                      coef=coef, skip=skip)
+
+        self.stepped.append(chunk)
+        if st.updates is None:
+            update()
+        else:
+            st.updates.submit(chunk, update)
 
     def optimizer_step(self, chunk: int) -> None:
         c = self.g.chunks[chunk]
         cfg = self.cfg[c.opt_group]
         st = self.store
-        parts = st.state_parts(chunk)
-        if c.state_home is StateHome.DEVICE:
-            param = st.slot(BufKey(chunk, BufKind.PARAM))
-            grad = st.slot(BufKey(chunk, c.grad_buf()))
-        else:
-            st.before_host_write(chunk)
-            param = st.host_param[chunk]
-            grad = st.host(BufKey(chunk, c.grad_buf()))
+        parts = st.parts(chunk)
+        if c.state_home is StateHome.HOST:
+            self._host_step(chunk, cfg, parts)
+            return
+        param = st.slot(BufKey(chunk, BufKind.PARAM))
+        st.mark_written(BufKey(chunk, BufKind.PARAM))
+        grad = st.slot(BufKey(chunk, c.grad_buf()))
         self.stepped.append(chunk)
         if not self.precision.mixed:
             if not self.skip:
@@ -158,9 +195,7 @@ class Runtime:
                     grad.mul_(self._coef_on(grad.device))
                 adam_step(cfg, param, grad, parts["m"], parts["v"], parts["step"])
             return
-        on_device = c.state_home is StateHome.DEVICE
-        g32 = (st.pool.take(c.capacity, torch.float32, what=f"step workspace of chunk {chunk}") if on_device
-               else torch.empty(c.capacity, dtype=torch.float32))
+        g32 = st.pool.take(c.capacity, torch.float32, what=f"step workspace of chunk {chunk}")
         try:
             if not self.skip:
                 g32.copy_(grad)
@@ -171,8 +206,7 @@ class Runtime:
                 adam_step(cfg, parts["master"], g32, parts["m"], parts["v"], parts["step"])
             param.copy_(parts["master"])   # new half-precision parameters (also restores them after a skip)
         finally:
-            if on_device:
-                st.pool.give(g32)
+            st.pool.give(g32)
 
 
 def mutated_buffers(g: TrainGraph) -> list[str]:
@@ -239,10 +273,15 @@ class Executor:
         saved = {name: self.store.buffers[name].clone() for name in self.mutated_buffers}
         deferred = DeferredInterrupt()
         try:
+            h2d, d2h = self.store.enter(self.g.plan.carried)   # the prologue: nothing moves in the steady state
+            rt.h2d += h2d
+            rt.d2h += d2h
             outputs, peak = self._run(inputs, scale, rt, trace_peaks, before_node, deferred)
         except BaseException as e:
             deferred.stop()
-            self.store.drop_slots()
+            # before the commit no parameter slot was written except by in-place gradients (mixed precision, whose
+            # host homes are rebuilt from the masters below): what goes home is what the step started from
+            self.store.evict_all()
             if rt.committed:
                 raise CommitError(
                     f"pstar-fx: the step failed after its commit point ({type(e).__name__}: {e}), with "

@@ -1,0 +1,125 @@
+"""Host-side optimizer updates on a CPU thread of their own, off the executor's critical path.
+
+One worker thread per ChunkStore runs the updates of chunks whose optimizer states live on the host, in the order
+they were submitted (the order the next forward needs the chunks). Torch's fused CPU Adam uses every core inside one
+update and releases the GIL there, so one thread suffices and the executor's Python keeps running beside it.
+
+Per chunk: `submit(c, fn)` queues chunk c's update; `then(c, fn)` runs fn right after chunk c's pending update (on
+the worker) or at once (on the caller) when none is pending: a fetch of c's parameters hangs on it, so it waits for
+exactly that update; `wait(c)` / `wait_all()` block until c's (every) pending update is done. An update that fails
+is re-raised, as a CommitError (the step it belongs to had committed), by the next wait on it.
+
+The thread holds no reference to the ChunkStore (nor to this object): when this object is garbage-collected, a
+finalizer ends the thread.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import weakref
+from concurrent.futures import Future
+from typing import Callable
+
+from ..errors import CommitError
+
+
+class _Shared:
+    """What the worker thread and the submitting thread share (under `lock`)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.pending: dict[int, Future] = {}                       # chunk -> its latest queued update
+        self.after: dict[int, list[tuple[Callable, Future]]] = {}  # chunk -> continuations of its pending update
+
+
+def _work(q: "queue.SimpleQueue", shared: _Shared) -> None:
+    while True:
+        task = q.get()
+        if task is None:
+            return
+        chunk, fn, fut = task
+        try:
+            fn()
+            fut.set_result(None)
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the chunk
+            fut.set_exception(e)
+        with shared.lock:
+            if shared.pending.get(chunk) is fut:
+                del shared.pending[chunk]
+            conts = shared.after.pop(chunk, [])
+        for cont, cfut in conts:
+            if fut.exception() is not None:
+                cfut.set_exception(fut.exception())
+                continue
+            try:
+                cfut.set_result(cont())
+            except BaseException as e:  # noqa: BLE001
+                cfut.set_exception(e)
+
+
+def _stop(q: "queue.SimpleQueue", thread: threading.Thread) -> None:
+    """End the worker after the updates queued so far."""
+    q.put(None)
+    if thread is not threading.current_thread():
+        thread.join()
+
+
+class HostUpdates:
+    def __init__(self):
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._shared = _Shared()
+        self._thread: threading.Thread | None = None
+        self._failed: list[Future] = []
+
+    def _start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=_work, args=(self._q, self._shared), daemon=True,
+                                            name="pstar-fx host updates")
+            self._thread.start()
+            weakref.finalize(self, _stop, self._q, self._thread)   # also at interpreter exit, before daemons die
+
+    def submit(self, chunk: int, fn: Callable[[], None]) -> Future:
+        self._start()
+        fut: Future = Future()
+        with self._shared.lock:
+            assert chunk not in self._shared.pending, f"chunk {chunk} already has an update pending"
+            self._shared.pending[chunk] = fut
+        self._q.put((chunk, fn, fut))
+        return fut
+
+    def then(self, chunk: int, fn: Callable):
+        """fn() after chunk's pending update (on the worker), or now (on the caller) if none is pending. Returns a
+        Future of fn's result, or fn's result itself when it ran now."""
+        with self._shared.lock:
+            if chunk in self._shared.pending:
+                fut: Future = Future()
+                self._shared.after.setdefault(chunk, []).append((fn, fut))
+                return fut
+        return fn()
+
+    def busy(self, chunk: int) -> bool:
+        with self._shared.lock:
+            return chunk in self._shared.pending
+
+    def wait(self, chunk: int) -> None:
+        with self._shared.lock:
+            fut = self._shared.pending.get(chunk)
+        if fut is not None:
+            _result(fut)
+
+    def wait_all(self) -> None:
+        with self._shared.lock:
+            futs = list(self._shared.pending.values())
+        for fut in futs:
+            _result(fut)
+
+
+def _result(fut: Future) -> None:
+    try:
+        fut.result()
+    except CommitError:
+        raise
+    except BaseException as e:
+        raise CommitError(f"pstar-fx: a host-side optimizer update failed after its step committed "
+                          f"({type(e).__name__}: {e}); the compiled step's values are no longer consistent. Load a "
+                          "checkpoint (step.load(path) or step.load_state_dict(...)) to continue.") from e
