@@ -307,8 +307,9 @@ class ChunkStore:
 
     def enter(self, carried: tuple) -> tuple[int, int]:
         """Before a step: make the resident slots exactly the plan's carried set ((BufKey, stale allowed), ...).
-        Slots outside it go home (written back if stale), missing ones are fetched. Returns the bytes moved (host to
-        device, device to host): nothing in the steady state."""
+        Slots outside it go home (written back if stale), missing ones are fetched, and stale slots the plan does not
+        allow stale are written home. Returns the bytes moved (host to device, device to host): nothing in the steady
+        state of one graph."""
         want = dict(carried)
         h2d = d2h = 0
         for key in sorted(self.slots.keys() - want.keys(), key=BufKey.order):
@@ -318,8 +319,13 @@ class ChunkStore:
         for key in sorted(want.keys() - self.slots.keys(), key=BufKey.order):
             self.fetch(key)
             h2d += self.chunks[key.chunk].nbytes
-        wrong = sorted(k.order() for k in self.stale if not want.get(k, False))
-        assert not wrong, f"slots {wrong} are stale on the host, but the plan assumes their host homes current"
+        # a slot stale on the host that this plan assumes current (another graph on the same chunks left it so:
+        # a training step's resident parameters when an evaluation runs) is written home and stays resident
+        for key in sorted((k for k in self.stale if not want.get(k, False)), key=BufKey.order):
+            assert key.buf is BufKind.PARAM, f"{key}: a stale gradient slot outlived its step"
+            self._write_back(key, self.slot(key))
+            self.stale.discard(key)
+            d2h += self.chunks[key.chunk].nbytes
         return h2d, d2h
 
     def restore_params_from_masters(self) -> None:
