@@ -13,7 +13,7 @@ from pstar_fx.passes import VerificationError, verify
 from pstar_fx.passes.memory import BufKey
 from pstar_fx.passes.schedule import annotate
 
-from harness import compiled_step, eager_run, rel_err, small_batches, tight_budget
+from harness import compiled_step, eager_run, host_params, rel_err, small_batches, tight_budget
 from models import CASES_BY_NAME, assert_state_close
 
 GPT = CASES_BY_NAME["gpt_tied"]
@@ -62,7 +62,7 @@ def test_tight_budgets_close_the_cycle_and_match_eager(chunk_size, slack):
     assert 0 < len(carried), "something stays resident"
     assert g.plan.h2d_bytes > 0, "and something still moves every step"
     assert step.last_step.h2d_bytes == g.plan.h2d_bytes and step.last_step.d2h_bytes == g.plan.d2h_bytes
-    ref_losses, ref_sd = eager_run(SMALL, 4)
+    ref_losses, ref_sd = eager_run(SMALL, 4, host_params=host_params(step))
     assert rel_err(losses, ref_losses) <= 1e-6, (losses, ref_losses)
     assert_state_close(step.state_dict(), ref_sd, rtol=1e-6)
 
@@ -142,7 +142,7 @@ def test_retrace_with_a_different_plan_enters_its_carried_set():
         carried.append(_carried(step))
     assert carried[0] != carried[1], "the two plans should carry different sets"
     case = dataclasses.replace(SMALL, make_batch=lambda i, gen: batches[i])
-    ref_losses, ref_sd = eager_run(case, 6)
+    ref_losses, ref_sd = eager_run(case, 6, host_params=host_params(step))
     assert rel_err(losses, ref_losses) <= 1e-6, (losses, ref_losses)
     assert_state_close(step.state_dict(), ref_sd, rtol=1e-6)
 
