@@ -303,7 +303,7 @@ def test_budget_error_names_what_the_step_needs():
         step(*case.batch(0))
     err = e.value
     assert err.needed == need and err.available == 10_000
-    assert f"needs at least" in str(err) and str(need) in str(err) and err.node in str(err)
+    assert "needs at least" in str(err) and str(need) in str(err) and err.node in str(err)
     with pytest.raises(px.BudgetError):           # a budget of one byte less does not work; the stated one does
         px.compile(case.build_model(), optimizer=px.AdamW(**HYPER), device_memory=need - 1, chunk_size=1024,
                    device=DEVICE)(case.loss_fn).lower(*case.batch(0))

@@ -155,7 +155,6 @@ class _Planner:
 
     def cycle(self) -> tuple[_Pass, tuple]:
         """The steady-state cycle: choose the carried set, then plan the step from and back to it."""
-        g = self.g
         keys = sorted(self.uses, key=BufKey.order)
         first = self.run({}, frozenset(k for k in keys if self.carryable(k)), top_up=False)
         carry = [k for k in keys if k in first.end]
