@@ -10,7 +10,7 @@ import torch
 import pstar_fx as px
 from pstar_fx.ir import Role
 
-from models import Case
+from models import Case, assert_state_close
 
 # PSTAR_TEST_DEVICE=cuda runs the compiled steps and their eager references on the GPU (see BENCHMARKS.md).
 DEVICE = os.environ.get("PSTAR_TEST_DEVICE", "cpu")
@@ -34,26 +34,53 @@ def eager_run(case: Case, steps: int, *, fused: bool | None = None, hyper=HYPER,
     transformer's key bias) into visible ones. On the CPU both are the same kernel."""
     model = case.build_model().to(DEVICE)
     kw = dict(fused=True) if fused is None else dict(foreach=False)
-    on_device = [p for n, p in model.named_parameters() if n not in host_params]
-    offloaded = [(p, p.detach().cpu().clone()) for n, p in model.named_parameters() if n in host_params]
-    opts = [torch.optim.AdamW(on_device, **hyper, **kw)] if on_device else []
-    if offloaded:
-        opts.append(torch.optim.AdamW([c for _, c in offloaded], **hyper, **kw))
+    opt = EagerAdamW(model, host_params, **hyper, **kw)
     losses = []
     for i in range(steps):
         loss = case.loss_fn(model, *[x.to(DEVICE) for x in case.batch(i)])
         loss.backward()
-        for p, c in offloaded:
+        opt.step()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+class EagerAdamW:
+    """torch.optim.AdamW over a model, with the parameters named in host_params updated on the CPU on fp32 copies,
+    as pstar-fx does for chunks whose optimizer states live on the host (see eager_run). step() also zeroes the
+    gradients."""
+
+    def __init__(self, model, host_params=(), **options):
+        self.on_device = [p for n, p in model.named_parameters() if n not in host_params]
+        self.offloaded = [(p, p.detach().cpu().clone()) for n, p in model.named_parameters() if n in host_params]
+        self.opts = [torch.optim.AdamW(self.on_device, **options)] if self.on_device else []
+        if self.offloaded:
+            self.opts.append(torch.optim.AdamW([c for _, c in self.offloaded], **options))
+
+    def step(self) -> None:
+        for p, c in self.offloaded:
             c.grad = p.grad.cpu() if p.grad is not None else None
-        for opt in opts:
+        for opt in self.opts:
             opt.step()
             opt.zero_grad(set_to_none=True)
         with torch.no_grad():
-            for p, c in offloaded:
+            for p, c in self.offloaded:
                 p.copy_(c)
                 p.grad = None
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def check_tight_budget_matches_eager(case: Case, steps: int, chunk_size: int = 1024) -> None:
+    """Under a budget just above the least feasible one (below half the model data): chunks are evicted and fetched
+    again, and losses and final values equal eager's to 1e-6; the measured peak is the plan's and within budget."""
+    budget = tight_budget(case, chunk_size)
+    losses, sd, step = compiled_run(case, steps, budget=budget, chunk_size=chunk_size)
+    ref_losses, ref_sd = eager_run(case, steps, host_params=host_params(step))
+    g = step.graphs["scheduled"]
+    assert budget < step.summary().model_data_bytes / 2
+    assert max(fetch_counts(g).values()) >= 2, "no chunk was evicted and fetched again"
+    assert rel_err(losses, ref_losses) <= 1e-6, (losses, ref_losses)
+    assert_state_close(sd, ref_sd, rtol=1e-6)
+    assert step.last_step.measured_peak <= budget
+    assert step.last_step.measured_peak == g.plan.predicted_peak
 
 
 def compiled_step(case: Case, *, budget=None, chunk_size=None, precision="fp32", fused=None, hyper=HYPER,

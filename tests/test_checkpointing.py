@@ -9,7 +9,7 @@ from torch.utils.checkpoint import checkpoint
 
 import pstar_fx as px
 from pstar_fx.trace_hints import CHECKPOINT, checkpoint_regions
-from harness import HYPER, compiled_run, compiled_step, eager_run, fetch_counts, host_params, rel_err, tight_budget
+from harness import HYPER, check_tight_budget_matches_eager, compiled_run, compiled_step, eager_run, rel_err
 from models import (CASES, CASES_BY_NAME, CHECKPOINT_CASES, GPT, MODEL_SEED, CheckpointedGPT, assert_state_close,
                     gpt_loss)
 
@@ -33,17 +33,7 @@ def test_checkpointed_model_matches_eager_unlimited(case):
 
 @pytest.mark.parametrize("case", [_small(c) for c in CHECKPOINT_CASES], ids=lambda c: c.name)
 def test_checkpointed_model_matches_eager_tight(case):
-    chunk_size = 1024
-    budget = tight_budget(case, chunk_size)
-    losses, sd, step = compiled_run(case, STEPS, budget=budget, chunk_size=chunk_size)
-    ref_losses, ref_sd = eager_run(case, STEPS, host_params=host_params(step))
-    g = step.graphs["scheduled"]
-    assert budget < step.summary().model_data_bytes / 2
-    assert max(fetch_counts(g).values()) >= 2, "no chunk was evicted and fetched again"
-    assert rel_err(losses, ref_losses) <= 1e-6, (losses, ref_losses)
-    assert_state_close(sd, ref_sd, rtol=1e-6)
-    assert step.last_step.measured_peak <= budget
-    assert step.last_step.measured_peak == g.plan.predicted_peak
+    check_tight_budget_matches_eager(case, STEPS)
 
 
 @pytest.mark.parametrize("case", CHECKPOINT_CASES, ids=lambda c: c.name)

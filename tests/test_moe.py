@@ -8,7 +8,7 @@ import torch
 
 import pstar_fx as px
 from pstar_fx.fake_fixes import grouped_mm, grouped_mm_backward
-from harness import compiled_run, eager_run, fetch_counts, host_params, rel_err, tight_budget
+from harness import check_tight_budget_matches_eager, compiled_run, eager_run, rel_err
 from models import MOE_CASES, assert_state_close, hf_loss, tiny_mixtral
 
 STEPS = 4
@@ -31,17 +31,7 @@ def test_mixtral_matches_eager_unlimited():
 
 def test_mixtral_matches_eager_tight():
     case = dataclasses.replace(CASE, make_batch=functools.partial(CASE.make_batch, B=1, T=8))
-    chunk_size = 1024
-    budget = tight_budget(case, chunk_size)
-    losses, sd, step = compiled_run(case, STEPS, budget=budget, chunk_size=chunk_size)
-    ref_losses, ref_sd = eager_run(case, STEPS, host_params=host_params(step))
-    g = step.graphs["scheduled"]
-    assert budget < step.summary().model_data_bytes / 2
-    assert max(fetch_counts(g).values()) >= 2, "no chunk was evicted and fetched again"
-    assert rel_err(losses, ref_losses) <= 1e-6, (losses, ref_losses)
-    assert_state_close(sd, ref_sd, rtol=1e-6)
-    assert step.last_step.measured_peak <= budget
-    assert step.last_step.measured_peak == g.plan.predicted_peak
+    check_tight_budget_matches_eager(case, STEPS)
 
 
 def test_grouped_mm_op_and_its_backward_equal_torch_bitwise():

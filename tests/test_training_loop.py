@@ -9,19 +9,15 @@ import torch
 import pstar_fx as px
 from pstar_fx.ir import Role
 
-from harness import DEVICE, HYPER, host_params, tight_budget
+from harness import DEVICE, HYPER, EagerAdamW, host_params, tight_budget
 from models import CASES_BY_NAME, assert_state_close
 
 
 def _eager(case, steps, *, accumulate=1, max_norm=None, host=frozenset()):
     """host: parameters whose update pstar-fx runs on the CPU (states on the host); on CUDA the reference updates
-    them with the CPU kernel too, since CPU and GPU AdamW round differently (see harness.eager_run)."""
+    them with the CPU kernel too, since CPU and GPU AdamW round differently (harness.EagerAdamW)."""
     model = case.build_model().to(DEVICE)
-    on_device = [p for n, p in model.named_parameters() if n not in host]
-    offloaded = [(p, p.detach().cpu().clone()) for n, p in model.named_parameters() if n in host]
-    opts = [torch.optim.AdamW(on_device, **HYPER, fused=True)] if on_device else []
-    if offloaded:
-        opts.append(torch.optim.AdamW([c for _, c in offloaded], **HYPER, fused=True))
+    opt = EagerAdamW(model, host, **HYPER, fused=True)
     losses, norms = [], []
     for i in range(steps):
         batch = [x.to(DEVICE) for x in case.batch(i)]
@@ -34,15 +30,7 @@ def _eager(case, steps, *, accumulate=1, max_norm=None, host=frozenset()):
         losses.append((total / accumulate if accumulate > 1 else total).item())
         if max_norm is not None:
             norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item())
-        for p, c in offloaded:
-            c.grad = p.grad.cpu()
-        for opt in opts:
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        with torch.no_grad():
-            for p, c in offloaded:
-                p.copy_(c)
-                p.grad = None
+        opt.step()
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, norms
 
 
