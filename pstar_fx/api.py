@@ -20,7 +20,7 @@ from .optim import OptimizerSpec
 from .optimizer import build as build_optimizer
 from .ownership import hold, holder, model_tensors, release
 from .passes import pipeline, run_passes
-from .passes.memory import state_bytes
+from .memory import state_bytes
 from .passes.place_optimizer import min_need, place_optimizer
 from .runtime.chunk_store import ChunkStore
 from .runtime.executor import Executor, LossScaler, Runtime, StepStats

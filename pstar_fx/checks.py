@@ -4,7 +4,7 @@ from __future__ import annotations
 import warnings
 
 from .ir import ChunkGroup, TrainGraph
-from .passes.memory import state_bytes
+from .memory import state_bytes
 from .units import format_bytes
 
 PADDING_WARN_FRACTION = 0.5        # padding above this share of all model data ...

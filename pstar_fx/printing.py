@@ -7,7 +7,7 @@ import torch
 import torch.fx as fx
 
 from .ir import Role, TrainGraph
-from .passes.graph_utils import tensors_of
+from .graph_utils import tensors_of
 from .units import format_bytes
 
 

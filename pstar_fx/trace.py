@@ -39,7 +39,7 @@ from torch.overrides import TorchFunctionMode
 
 from . import fake_fixes, trace_hints
 from .errors import UntraceableError
-from .passes.graph_utils import loss_seed, mutated_args, output_node, storage_key, tensors_of
+from .graph_utils import loss_seed, mutated_args, output_node, storage_key, tensors_of
 from .ir import BufferInfo, InputInfo, NodeAnn, ParamInfo, Phase, Role, Settings, TrainGraph, to_module
 
 _TORCH_DIR = os.path.dirname(torch.__file__)

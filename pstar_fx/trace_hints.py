@@ -40,7 +40,7 @@ import torch.nn as nn
 from torch.nn.utils import stateless
 
 from .errors import UntraceableError
-from .passes.graph_utils import loss_seed, mutated_args, output_node, storage_key, tensors_of
+from .graph_utils import loss_seed, mutated_args, output_node, storage_key, tensors_of
 
 CHECKPOINT = "pstar_checkpoint"     # node.meta key of a CheckpointTag
 

@@ -9,7 +9,7 @@ from pstar_fx import ops
 from pstar_fx.ir import ChunkGroup, Phase, Role, StateHome
 from pstar_fx.passes import VerificationError, verify
 from pstar_fx.passes.assign_chunks import choose_chunk_size, pack, waste
-from pstar_fx.passes.graph_utils import mutated_args
+from pstar_fx.graph_utils import mutated_args
 
 from harness import compiled_step, small_batches, tight_budget
 from models import CASES_BY_NAME
@@ -247,7 +247,7 @@ def test_printing_is_deterministic_and_complete():
 
 def test_schedule_evicts_the_buffer_used_furthest_in_the_future():
     """Belady: at every eviction, no other resident buffer that the next node does not need is used later."""
-    from pstar_fx.passes.memory import BufKey, all_needs
+    from pstar_fx.memory import BufKey, all_needs
     case = small_batches(CASES_BY_NAME["gpt_tied"])
     step = compiled_step(case, budget=tight_budget(case, 1024), chunk_size=1024, prefetch=0)
     g = step.lower(*case.batch(0))["scheduled"]

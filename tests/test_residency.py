@@ -10,7 +10,7 @@ import torch
 
 from pstar_fx.ir import BufKind
 from pstar_fx.passes import VerificationError, verify
-from pstar_fx.passes.memory import BufKey
+from pstar_fx.memory import BufKey
 from pstar_fx.passes.schedule import annotate
 
 from harness import compiled_step, eager_run, host_params, rel_err, small_batches, tight_budget

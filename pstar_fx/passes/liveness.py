@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch.fx as fx
 
 from ..ir import Role, TrainGraph
-from .graph_utils import storage_bytes, storage_key, tensors_of
+from ..graph_utils import last_uses, storage_bytes, storage_key, tensors_of
 
 _NOT_ACTIVATION = (Role.PARAM, Role.PARAM_VIEW, Role.BUFFER, Role.CONSTANT)
 
@@ -24,11 +24,6 @@ class Liveness:
     live: tuple[int, ...]            # per node position: activation bytes alive while it runs
     created: tuple[int, ...]         # per node position: bytes of activation storage it creates
     last_use: tuple[int, ...]        # per node position: position after which its value is freed
-
-
-def last_uses(nodes: list[fx.Node]) -> list[int]:
-    index = {n: i for i, n in enumerate(nodes)}
-    return [max((index[u] for u in n.users), default=i) for i, n in enumerate(nodes)]
 
 
 def analyze(nodes: list[fx.Node], ann) -> Liveness:

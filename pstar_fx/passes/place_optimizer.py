@@ -16,7 +16,7 @@ import dataclasses
 from .. import ops
 from ..ir import ChunkGroup, NodeAnn, Phase, Role, StateHome, TrainGraph, copy_graph, to_module
 from .liveness import analyze
-from .memory import NO_NEEDS, all_needs, buf_bytes, needs, state_bytes, static_bytes
+from ..memory import NO_NEEDS, all_needs, buf_bytes, needs, state_bytes, static_bytes
 
 
 def min_need(g: TrainGraph) -> int:

@@ -27,8 +27,8 @@ from ..errors import BudgetError
 from ..ir import BufKind, ChunkGroup, NodeAnn, Phase, Plan, Role, StateHome, TrainGraph, copy_graph, to_module
 from ..units import format_bytes
 from .liveness import analyze
-from .graph_utils import output_node
-from .memory import BufKey, all_needs, buf_bytes, static_bytes
+from ..graph_utils import output_node
+from ..memory import BufKey, all_needs, buf_bytes, static_bytes
 
 INF = float("inf")
 _SHRINK_ROUNDS = 6          # rounds that drop carried buffers the step would evict before using them

@@ -20,7 +20,7 @@ from __future__ import annotations
 from .. import ops
 from ..ir import BufKind, ChunkGroup, Role, StateHome, TrainGraph
 from .liveness import analyze
-from .memory import BufKey, all_needs, buf_bytes, static_bytes
+from ..memory import BufKey, all_needs, buf_bytes, static_bytes
 
 
 class VerificationError(AssertionError):

@@ -34,7 +34,7 @@ from concurrent.futures import Future
 import torch
 
 from ..ir import BufKind, ChunkGroup, ChunkInfo, ParamInfo, Precision, StateHome
-from ..passes.memory import BufKey, state_floats
+from ..memory import BufKey, state_floats
 from ..units import format_bytes
 from .host_updates import HostUpdates
 

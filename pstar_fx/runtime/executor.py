@@ -15,9 +15,8 @@ from torch.utils._pytree import tree_leaves, tree_map
 from .. import ops
 from ..errors import CommitError
 from ..ir import BufKind, Role, StateHome, TrainGraph
-from ..passes.graph_utils import mutated_args, storage_bytes, tensors_of
-from ..passes.liveness import last_uses
-from ..passes.memory import BufKey, constants
+from ..graph_utils import last_uses, mutated_args, storage_bytes, tensors_of
+from ..memory import BufKey, constants
 from ..units import format_bytes
 from .adam import adam_step, host_step
 from .chunk_store import ChunkStore

@@ -8,7 +8,7 @@ from typing import Callable, NamedTuple
 import torch
 import torch.fx as fx
 
-from ..ir import BufKind, ChunkInfo, NodeAnn, Precision, Role, StateHome, TrainGraph
+from .ir import BufKind, ChunkInfo, NodeAnn, Precision, Role, StateHome, TrainGraph
 from .graph_utils import storage_key, tensors_of
 
 

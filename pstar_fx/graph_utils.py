@@ -65,3 +65,9 @@ def output_node(graph: fx.Graph) -> fx.Node:
         if n.op == "output":
             return n
     raise AssertionError("graph has no output node")
+
+
+def last_uses(nodes: list[fx.Node]) -> list[int]:
+    """Per node position: the position of its last user (itself when it has none); a value is freed after it."""
+    index = {n: i for i, n in enumerate(nodes)}
+    return [max((index[u] for u in n.users), default=i) for i, n in enumerate(nodes)]
