@@ -19,15 +19,16 @@ from .ir import ChunkGroup, Precision, Role, Settings, StateHome, TrainGraph
 from .optim import OptimizerSpec
 from .optimizer import build as build_optimizer
 from .ownership import hold, holder, model_tensors, release
-from .passes import pipeline, run_passes
+from .passes import collectives, pipeline, run_passes, schedule, shard
 from .memory import state_bytes
 from .passes.place_optimizer import min_need, place_optimizer
 from .runtime.chunk_store import ChunkStore
+from .runtime.comm import Comm, default_comm
 from .runtime.executor import Executor, LossScaler, Runtime, StepStats
 from .trace import FlatBatch, flatten_batch, model_tables, trace_step
 from .units import format_bytes, parse_bytes
 
-STAGE_NAMES = ("traced", "canonical", "chunked", "liveness", "optimizer_placed", "scheduled")
+STAGE_NAMES = ("traced", "canonical", "chunked", "liveness", "optimizer_placed", "scheduled")   # + "sharded"
 
 
 def _resolve_device(device) -> torch.device:
@@ -128,11 +129,12 @@ class CompiledStep:
         dev = _resolve_device(device)
         prec = _resolve_precision(precision, dev)
         self._optimizer = build_optimizer(optimizer, model) if optimizer is not None else None
+        self._comm: Comm | None = default_comm(dev)   # the default process group, when one of 2+ ranks exists
         self.settings = Settings(precision=prec, device=dev, budget=_resolve_budget(device_memory, dev),
                                  chunk_size=chunk_size,
                                  optimizer=self._optimizer.layout if self._optimizer is not None else None,
                                  max_grad_norm=None if max_grad_norm is None else float(max_grad_norm),
-                                 accumulate=accumulate)
+                                 accumulate=accumulate, world=1 if self._comm is None else self._comm.world)
         self.debug = debug
         self.prefetch = prefetch
         self._cache: TraceCache[_Compiled] = TraceCache()
@@ -154,17 +156,20 @@ class CompiledStep:
     # -- compiling --------------------------------------------------------------------------------------------
     def _compile(self, batch) -> _Compiled:
         traced = trace_step(self._fn, self._model, batch, self.settings)
-        passes = pipeline(chunk_size=self.settings.chunk_size, layout=self._layout, prefetch=self.prefetch)
+        passes = pipeline(chunk_size=self.settings.chunk_size, layout=self._layout, prefetch=self.prefetch,
+                          world=self.settings.world)
         stages = run_passes(traced, passes)
         final = stages[-1]
+        if self._comm is not None:
+            self._comm.check_same(collectives(final), "the collectives of the compiled step")
         if self._store is None:
             warn_chunk_padding(final)
             self._layout = (final.params, final.chunks, final.chunk_size)
             self._store = ChunkStore(final.chunks, final.params, self.settings.precision, self.settings.device,
-                                     self.settings.budget)
+                                     self.settings.budget, comm=self._comm)
             if self._optimizer is not None:
                 self._optimizer.attach(self._store)
-        return _Compiled(stages=dict(zip(STAGE_NAMES, stages)), executor=Executor(final, self._store))
+        return _Compiled(stages={s.stage: s for s in stages}, executor=Executor(final, self._store))
 
     def _take_model(self) -> None:
         """Make the chunks hold the model's current values. If this step holds the model already, nothing to do;
@@ -193,9 +198,12 @@ class CompiledStep:
         if self._store is None or not any(holder(t) is self for t in model_tensors(self._model).values()):
             return self._model
         values = {}
-        for name, t in model_tensors(self._model).items():
+        tensors = model_tensors(self._model)
+        params = self._store.param_values(sorted({self._state_names[n][1] for n in tensors
+                                                  if self._state_names[n][0] is Role.PARAM}))
+        for name, t in tensors.items():
             kind, key = self._state_names[name]
-            src = self._store.param_value(key) if kind is Role.PARAM else self._store.buffers[key]
+            src = params[key] if kind is Role.PARAM else self._store.buffers[key]
             values[name] = src.detach().to(device=t.device, dtype=t.dtype, copy=True)
         release(self._model, values)
         return self._model
@@ -207,6 +215,11 @@ class CompiledStep:
             raise RuntimeError("nothing is compiled yet: call the step once (or step.lower(*batch))")
         return dict(self._latest.stages)
 
+    @property
+    def final_graph(self) -> TrainGraph:
+        """The graph the step runs: the last stage ("scheduled"; "sharded" with more than one rank)."""
+        return list(self.graphs.values())[-1]
+
     def lower(self, *batch) -> dict[str, TrainGraph]:
         """Compile for this batch's shapes without running a step; returns the stages."""
         self._latest, _ = self._get(batch)
@@ -216,7 +229,9 @@ class CompiledStep:
         """The smallest device_memory (bytes) under which this step compiles for this batch's shapes, with this
         chunk layout: every optimizer state on the host and only what each node itself needs on the device."""
         traced = trace_step(self._fn, self._model, batch, self.settings)
-        passes = pipeline(chunk_size=self.settings.chunk_size, layout=self._layout, prefetch=0)[:-2]
+        passes = [p for p in pipeline(chunk_size=self.settings.chunk_size, layout=self._layout, prefetch=0,
+                                      world=self.settings.world)
+                  if getattr(p, "func", p) not in (place_optimizer, schedule, shard)]
         before = run_passes(traced, passes)[-1]
         host_only = before.evolve(settings=dataclasses.replace(before.settings, budget=0))
         return min_need(place_optimizer(host_only))
@@ -263,9 +278,12 @@ class CompiledStep:
             outputs, peak, interrupted = compiled.executor.run(inputs, scale, rt, trace_peaks=per_node,
                                                                before_node=self._before_node)
             loss = outputs[0]
+            if self._comm is not None:        # the loss reported is the mean over every rank's batch
+                loss = self._comm.all_reduce(loss.detach().float().clone()) / self._comm.world
         except CommitError as e:
             self._broken = str(e)
             raise
+
         if self._scaler is not None:
             self._scaler.update(rt.skip)
         self._last_stats = StepStats(measured_peak=peak, h2d_bytes=rt.h2d, d2h_bytes=rt.d2h, skipped=rt.skip,
@@ -302,7 +320,7 @@ class CompiledStep:
         return None if self._scaler is None else self._scaler.scale
 
     def summary(self) -> Summary:
-        g = self.graphs["scheduled"]
+        g = self.final_graph
         prec = self.settings.precision
         trainable = [c for c in g.chunks if c.group is ChunkGroup.TRAINABLE]
         model_data = (sum(c.nbytes for c in g.chunks) + sum(c.nbytes for c in trainable if not c.grad_inplace)
@@ -319,7 +337,7 @@ class CompiledStep:
     def memory_timeline(self) -> list[timeline.Row]:
         """Per node of the latest compiled step: predicted device bytes by kind, chunk moves, and the bytes measured
         after it by the latest debug=True call if that call ran this signature (else None). See pstar_fx.timeline."""
-        return timeline.memory_timeline(self.graphs["scheduled"], self._measured)
+        return timeline.memory_timeline(self.final_graph, self._measured)
 
     # -- state ------------------------------------------------------------------------------------------------
     def save(self, path) -> None:
@@ -341,9 +359,11 @@ class CompiledStep:
             if others:
                 return others[0].state_dict()
             return {k: v.detach().clone() for k, v in ref.items()}
+        params = self._store.param_values(sorted({n for k in ref for kind, n in [self._state_names[k]]
+                                                  if kind is Role.PARAM}))
         for key, like in ref.items():
             kind, name = self._state_names[key]
-            src = self._store.param_value(name) if kind is Role.PARAM else self._store.buffers[name]
+            src = params[name] if kind is Role.PARAM else self._store.buffers[name]
             out[key] = src.detach().to(device=like.device, dtype=like.dtype, copy=True)
         return out
 

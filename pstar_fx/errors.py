@@ -35,3 +35,10 @@ class CommitError(PstarError):
 class ModelHeldError(PstarError):
     """A parameter or buffer of a model that a compiled step holds was used directly. Its current value lives in the
     step's chunks: `step.sync_model()` writes the values back into the model, `step.state_dict()` returns them."""
+
+
+class DistributedError(PstarError):
+    """Multi-GPU: the ranks disagree (they compiled different graphs: different batch shapes or settings), or a
+    collective failed because another rank failed or exited. Every rank must call the step with batches of the
+    same shapes; when one rank fails, the others get this error (within the process group's timeout) instead of
+    waiting for ever."""

@@ -19,7 +19,7 @@ import optree
 import torch
 import torch.nn as nn
 
-from .api import CompiledStep, STAGE_NAMES, _check_measured, _Compiled
+from .api import CompiledStep, _check_measured, _Compiled
 from .checks import warn_chunk_padding
 from .ownership import holder, model_tensors
 from .passes import pipeline, run_passes
@@ -72,7 +72,7 @@ class CompiledEval(CompiledStep):
             warn_chunk_padding(final)
             store = ChunkStore(final.chunks, final.params, settings.precision, settings.device, settings.budget)
             self._own = (store, (final.params, final.chunks, final.chunk_size))
-        return _Compiled(stages=dict(zip(STAGE_NAMES, stages)), executor=Executor(final, store))
+        return _Compiled(stages={s.stage: s for s in stages}, executor=Executor(final, store))
 
     def __call__(self, *batch):
         compiled, flat = self._get(batch)

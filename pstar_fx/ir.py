@@ -55,6 +55,7 @@ class Role(enum.Enum):
     RELEASE = "release"              # a chunk buffer leaves the device (written back if dirty)
     OPTIMIZER_STEP = "optimizer_step"
     COMMIT = "commit"                # the commit point: every gradient final; overflow / norm decided; updates follow
+    REDUCE_SCATTER = "reduce_scatter"  # multi-GPU: a chunk's final gradient summed over ranks, each keeping its shard
 
 
 class ChunkGroup(enum.Enum):
@@ -161,6 +162,7 @@ class Settings:
     optimizer: OptimizerLayout | None   # which parameters form each optimizer group; None: forward only (evaluation)
     max_grad_norm: float | None = None   # clip gradients by their global L2 norm before the update
     accumulate: int = 1              # micro-batches per step (the batch is split along dim 0)
+    world: int = 1                   # ranks sharing the chunks (data parallel; each owns 1/world of every chunk)
 
 
 @dataclass(frozen=True)
@@ -174,6 +176,8 @@ class Plan:
     fetches: int
     releases: int
     carried: tuple = ()              # ((BufKey, dirty), ...): resident at the start and at the end of every step
+    gathered_bytes: int = 0          # multi-GPU: chunk bytes all-gathered per step (each rank receives (w-1)/w)
+    reduced_bytes: int = 0           # multi-GPU: chunk bytes reduce-scattered per step (each rank sends (w-1)/w)
 
 
 @dataclass(frozen=True)

@@ -35,19 +35,25 @@ class Needs:
 NO_NEEDS = Needs()
 
 
-def state_floats(chunk: ChunkInfo, precision: Precision) -> int:
-    """Optimizer-state fp32 elements of a chunk, in one buffer: m, v, the master copy in mixed precision, and the
-    step count (one element, as the fused kernels take it)."""
-    return chunk.capacity * (3 if precision.mixed else 2) + 1
+def shard_numel(chunk: ChunkInfo, world: int) -> int:
+    """Elements of a chunk each of `world` ranks owns (assign_chunks makes capacities multiples of world)."""
+    assert chunk.capacity % world == 0, (chunk.id, chunk.capacity, world)
+    return chunk.capacity // world
 
 
-def state_bytes(chunk: ChunkInfo, precision: Precision) -> int:
-    return state_floats(chunk, precision) * 4
+def state_floats(chunk: ChunkInfo, precision: Precision, world: int = 1) -> int:
+    """Optimizer-state fp32 elements of a chunk's shard (the whole chunk on one rank), in one buffer: m, v, the
+    master copy in mixed precision, and the step count (one element, as the fused kernels take it)."""
+    return shard_numel(chunk, world) * (3 if precision.mixed else 2) + 1
 
 
-def step_workspace(chunk: ChunkInfo, precision: Precision) -> int:
-    """A device-side step in mixed precision converts the gradient to fp32 first."""
-    return chunk.capacity * 4 if precision.mixed else 0
+def state_bytes(chunk: ChunkInfo, precision: Precision, world: int = 1) -> int:
+    return state_floats(chunk, precision, world) * 4
+
+
+def step_workspace(chunk: ChunkInfo, precision: Precision, world: int = 1) -> int:
+    """A device-side step in mixed precision converts the gradient (of its shard) to fp32 first."""
+    return shard_numel(chunk, world) * 4 if precision.mixed else 0
 
 
 def _param_view(g: TrainGraph, a: NodeAnn) -> Needs:
@@ -65,13 +71,19 @@ def _optimizer_step(g: TrainGraph, a: NodeAnn) -> Needs:
         return NO_NEEDS   # runs on the host; the schedule releases the chunk's buffers first
     keys = frozenset(BufKey(c.id, b) for b in c.buffers())
     return Needs(reads=keys, writes=frozenset({BufKey(c.id, BufKind.PARAM)}),
-                 workspace=step_workspace(c, g.settings.precision))
+                 workspace=step_workspace(c, g.settings.precision, g.settings.world))
+
+
+def _reduce_scatter(g: TrainGraph, a: NodeAnn) -> Needs:
+    key = BufKey(a.chunk, g.chunks[a.chunk].grad_buf())
+    return Needs(reads=frozenset({key}), writes=frozenset({key}))
 
 
 NEEDS_BY_ROLE: dict[Role, Callable[[TrainGraph, NodeAnn], Needs]] = {
     Role.PARAM_VIEW: _param_view,
     Role.WRITE_GRAD: _write_grad,
     Role.OPTIMIZER_STEP: _optimizer_step,
+    Role.REDUCE_SCATTER: _reduce_scatter,
 }
 
 
@@ -115,6 +127,6 @@ def constants(g: TrainGraph) -> dict[str, torch.Tensor]:
 
 def static_bytes(g: TrainGraph) -> int:
     """Bytes always on the device during a step: module buffers, tensor constants, the optimizer states there."""
-    states = sum(state_bytes(c, g.settings.precision) for c in g.chunks if c.state_home is StateHome.DEVICE)
+    states = sum(state_bytes(c, g.settings.precision, g.settings.world) for c in g.chunks if c.state_home is StateHome.DEVICE)
     consts = sum(t.numel() * t.element_size() for t in constants(g).values())
     return sum(b.nbytes for b in g.buffers) + states + consts

@@ -26,6 +26,18 @@ def fetch(rt, *, chunk: int, buf: BufKind) -> None:
     rt.fetch(chunk, buf)
 
 
+def all_gather(rt, *, chunk: int, buf: BufKind) -> None:
+    """Multi-GPU fetch: this rank's shard of the chunk buffer goes host -> device into its place in a free slot,
+    and the ranks gather the other shards into it (asynchronously; the slot's first use waits for it)."""
+    rt.fetch(chunk, buf)
+
+
+def reduce_scatter(rt, *, chunk: int) -> None:
+    """Multi-GPU: the chunk's final gradient, summed over ranks and divided by their number, lands in this rank's
+    shard of the gradient buffer (in place); only that shard is written home and stepped."""
+    rt.reduce_scatter(chunk)
+
+
 def alloc(rt, *, chunk: int, buf: BufKind) -> None:
     """Give a chunk buffer a zeroed device slot without copying (a gradient buffer before its first write)."""
     rt.alloc(chunk, buf)
@@ -48,4 +60,4 @@ def optimizer_step(rt, *, chunk: int) -> None:
     rt.optimizer_step(chunk)
 
 
-RUNTIME_OPS = (param_view, write_grad, fetch, alloc, release, commit, optimizer_step)
+RUNTIME_OPS = (param_view, write_grad, fetch, all_gather, alloc, release, reduce_scatter, commit, optimizer_step)

@@ -167,6 +167,7 @@ class _Live:
                     p = st.params[n]
                     parts["m"][p.offset:p.offset + p.numel].copy_(states[n]["exp_avg"].reshape(-1))
                     parts["v"][p.offset:p.offset + p.numel].copy_(states[n]["exp_avg_sq"].reshape(-1))
+            st.put_state_parts(cid, parts)
 
     # -- torch's state-dict format ---------------------------------------------------------------------------------
     def state_dict(self):

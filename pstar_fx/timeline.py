@@ -27,7 +27,7 @@ class MoveKind(enum.Enum):
     RELEASE = "release"      # the slot is freed (written back to the host first when `writeback`)
 
 
-_MOVES = {ops.fetch: MoveKind.FETCH, ops.alloc: MoveKind.ALLOC, ops.release: MoveKind.RELEASE}
+_MOVES = {ops.fetch: MoveKind.FETCH, ops.all_gather: MoveKind.FETCH, ops.alloc: MoveKind.ALLOC, ops.release: MoveKind.RELEASE}
 
 
 @dataclass(frozen=True)
@@ -133,7 +133,7 @@ def plot_memory(step, path, *, title: str | None = None) -> list[Row]:
         from matplotlib.patches import Patch
     except ImportError as e:
         raise ImportError(_PLOT_MISSING) from e
-    g = step.graphs["scheduled"]
+    g = step.final_graph
     rows = step.memory_timeline()
     peak = max(max(r.predicted for r in rows), max((r.measured or 0) for r in rows), g.plan.budget or 0)
     scale, unit = _unit(peak)

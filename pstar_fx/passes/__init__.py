@@ -1,6 +1,6 @@
 """The pass pipeline: an explicit list of pure `TrainGraph -> TrainGraph` functions, each checked by the verifier.
 
-    canonicalize -> assign_chunks -> liveness -> place_optimizer -> schedule
+    canonicalize -> assign_chunks -> liveness -> place_optimizer -> schedule (-> shard, with more than one rank)
 """
 from __future__ import annotations
 
@@ -13,19 +13,21 @@ from .canonicalize import canonicalize
 from .liveness import liveness
 from .place_optimizer import place_optimizer
 from .schedule import schedule
+from .shard import collectives, shard
 from .verify import VerificationError, verify
 
 
-def pipeline(*, chunk_size=None, layout=None, prefetch: int = 4, train: bool = True):
+def pipeline(*, chunk_size=None, layout=None, prefetch: int = 4, train: bool = True, world: int = 1):
     """The passes in order, with their settings bound as keyword arguments. A forward-only (evaluation) graph has
-    no optimizer to place: its "optimizer_placed" stage is the liveness stage passed through."""
+    no optimizer to place: its "optimizer_placed" stage is the liveness stage passed through. With more than one
+    rank the shard pass follows the schedule."""
     return [
         canonicalize,
         functools.partial(assign_chunks, chunk_size=chunk_size, layout=layout),
         liveness,
         place_optimizer if train else _no_optimizer,
         functools.partial(schedule, prefetch=prefetch),
-    ]
+    ] + ([shard] if world > 1 else [])
 
 
 def _no_optimizer(g: TrainGraph) -> TrainGraph:
@@ -44,5 +46,6 @@ def run_passes(g: TrainGraph, passes) -> list[TrainGraph]:
     return stages
 
 
-__all__ = ["assign_chunks", "canonicalize", "liveness", "place_optimizer", "schedule", "verify", "pipeline",
+__all__ = ["assign_chunks", "canonicalize", "liveness", "place_optimizer", "schedule", "shard", "collectives",
+           "verify", "pipeline",
            "run_passes", "VerificationError"]

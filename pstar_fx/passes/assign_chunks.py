@@ -7,7 +7,8 @@ parameter remains: each use of a parameter (or of a view of one) is fed by its o
 placed, with the chain of views it needs, right before that use, so no value aliasing a chunk lives across two uses
 (the chunk may move in between); every gradient output became `write_grad(grad, param=...)` right after the node
 that made it, and the graph returns only the loss. In mixed precision a chunk's gradients overwrite its parameters
-(`grad_inplace`) iff no parameter of the chunk is read after its own gradient is written.
+(`grad_inplace`) iff no parameter of the chunk is read after its own gradient is written. With `world` ranks every
+chunk's capacity is a multiple of ALIGN * world, so each rank's shard is a whole, aligned 1/world of it.
 """
 from __future__ import annotations
 
@@ -30,15 +31,15 @@ def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def pack(numels: list[int], chunk_size: int) -> list[tuple[int, list[tuple[int, int]]]]:
+def pack(numels: list[int], chunk_size: int, quantum: int = 1) -> list[tuple[int, list[tuple[int, int]]]]:
     """Greedy first-fit in the given order. Returns chunks as (capacity, [(index, offset)]). A tensor larger than
-    chunk_size gets a chunk of its own, exactly its size."""
+    chunk_size gets a chunk of its own, its size rounded up to a multiple of `quantum`."""
     chunks: list[tuple[int, list[tuple[int, int]]]] = []
     current: list[tuple[int, int]] | None = None
     fill = 0
     for i, n in enumerate(numels):
         if n > chunk_size:
-            chunks.append((n, [(i, 0)]))
+            chunks.append(((n + quantum - 1) // quantum * quantum, [(i, 0)]))
             continue
         if current is None or fill + n > chunk_size:
             current, fill = [], 0
@@ -127,10 +128,12 @@ def assign_chunks(g: TrainGraph, *, chunk_size: int | None = None,
         dtype = g.settings.precision.dtype
         size = chunk_size or choose_chunk_size([p.numel for p in order], dtype.itemsize, g.settings.budget,
                                                parts=[[p.numel for p in m] for _, _, m in parts])
+        quantum = ALIGN * g.settings.world if g.settings.world > 1 else 1   # whole, aligned shards per rank
+        size = (size + quantum - 1) // quantum * quantum
         params: dict[str, ParamInfo] = {}
         chunks: list[ChunkInfo] = []
         for group, opt_group, members in parts:
-            for cap, slots in pack([p.numel for p in members], size):
+            for cap, slots in pack([p.numel for p in members], size, quantum):
                 cid = len(chunks)
                 names = tuple(members[i].name for i, _ in slots)
                 for i, off in slots:

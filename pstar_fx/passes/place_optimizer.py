@@ -82,7 +82,7 @@ def _choose_homes(g: TrainGraph) -> TrainGraph:
         trial[cid] = dataclasses.replace(chunks[cid], state_home=StateHome.DEVICE)
         candidate = g.evolve(chunks=tuple(trial))
         need = node_need(candidate, step_at[cid]) if cid in step_at else 0
-        extra = state_bytes(trial[cid], g.settings.precision)
+        extra = state_bytes(trial[cid], g.settings.precision, g.settings.world)
         if static + extra + max(others, need, *step_need.values()) + reserve <= budget:
             chunks, static, step_need[cid] = trial, static + extra, need
     return g.evolve(chunks=tuple(chunks))

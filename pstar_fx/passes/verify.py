@@ -13,7 +13,10 @@ Checked at every stage (each check applies once the stage has what it is about):
   finds its chunk off the device
   with its gradient on the host; static + resident + live + workspace <= budget at every node, and the plan's
   predicted peak is that maximum.
-- collectives (one rank here): none are present, so their order is trivially identical on every rank.
+- collectives (more than one rank, from the shard stage on): every parameter buffer is brought in by all_gather,
+  never by a plain fetch; every trainable chunk is reduce-scattered exactly once, after the last write of any of its
+  gradients and before its optimizer step; no collective in a one-rank graph. The graph is the same on every rank,
+  so the order is too; the step compares `shard.collectives(g)` across ranks before its first run.
 """
 from __future__ import annotations
 
@@ -79,7 +82,44 @@ def verify(g: TrainGraph) -> TrainGraph:
         _check_steps(g)
     if g.plan is not None:
         _check_schedule(g)
+    _check_collectives(g, roles)
     return g
+
+
+def _check_collectives(g: TrainGraph, roles: list[Role]) -> None:
+    nodes = g.nodes
+    sharded = g.stage == "sharded"
+    if not sharded:
+        for i, n in enumerate(nodes):
+            if n.target in (ops.all_gather, ops.reduce_scatter):
+                _fail(g, i, f"a collective in a graph of stage '{g.stage}' (collectives come from the shard pass)")
+        return
+    if g.settings.world < 2:
+        _fail(g, None, "a sharded graph for a single rank")
+    last_write: dict[int, int] = {}
+    reduced: dict[int, int] = {}
+    for i, n in enumerate(nodes):
+        a = g.ann[n.name]
+        if n.target is ops.fetch and a.buf is BufKind.PARAM:
+            _fail(g, i, f"chunk {a.chunk}'s parameters are fetched without gathering the other ranks' shards")
+        if a.role is Role.WRITE_GRAD:
+            c = g.param(a.param).chunk
+            if c in reduced:
+                _fail(g, i, f"a gradient of chunk {c} is written after its reduce_scatter")
+            last_write[c] = i
+        elif a.role is Role.REDUCE_SCATTER:
+            if a.chunk in reduced:
+                _fail(g, i, f"chunk {a.chunk} is reduce-scattered twice")
+            if last_write.get(a.chunk) != i - 1:
+                _fail(g, i, f"reduce_scatter of chunk {a.chunk} does not follow its last gradient write")
+            reduced[a.chunk] = i
+        elif a.role is Role.OPTIMIZER_STEP and a.chunk not in reduced:
+            _fail(g, i, f"chunk {a.chunk} is stepped before its gradient is reduce-scattered")
+    for c in g.chunks:
+        if c.group is ChunkGroup.TRAINABLE and c.id not in reduced:
+            _fail(g, None, f"trainable chunk {c.id} is never reduce-scattered")
+        if c.capacity % g.settings.world:
+            _fail(g, None, f"chunk {c.id}'s capacity {c.capacity} is not divisible by {g.settings.world} ranks")
 
 
 def _check_chunks(g: TrainGraph) -> None:
@@ -152,7 +192,7 @@ def _check_schedule(g: TrainGraph) -> None:
             key = BufKey(a.chunk, a.buf)
             if key in resident:
                 _fail(g, i, f"{key} fetched while resident")
-            if n.target is ops.fetch and key not in host_has:
+            if n.target in (ops.fetch, ops.all_gather) and key not in host_has:
                 _fail(g, i, f"{key} fetched from a host copy that holds no data (use alloc)")
             if n.target is ops.alloc and key in host_has:
                 _fail(g, i, f"{key} allocated zeroed while its host copy holds data that is needed (use fetch)")

@@ -22,6 +22,13 @@ replaces host homes goes through one place: `flush` (write stale parameter slots
 slots stay resident) and `evict_all` (flush, then give every slot back); `param_value`, `load_params`,
 `state_parts` and `set_homes` call them, so readers never see a stale host value.
 
+Multi-GPU (`comm`, see comm.py): each rank's host homes, optimizer states and fp32 masters hold its shard of every
+chunk only; a device slot holds the whole chunk. A parameter fetch copies the shard into its place in the slot and
+all-gathers the rest (the collective's work handle is what the slot's first use waits for); a write-back writes the
+shard home. A gradient is written home whole before its reduce-scatter (accumulation evicting it mid-step) and as a
+shard after it (`reduced`). Collectives are issued in graph order by the executor's thread only, never by the host
+worker, so every rank issues them in the same order: a fetch that hangs on a pending host-side update waits for it.
+
 Host-side optimizer updates run on a worker thread (`updates`, see host_updates.py) while the executor goes on. A
 fetch of a chunk whose update is pending is issued by the worker right after that update (`then`), and the slot's
 first use waits for exactly it; a CPU access to host buffers (`before_host_write`, hence flush) first waits for the
@@ -34,8 +41,9 @@ from concurrent.futures import Future
 import torch
 
 from ..ir import BufKind, ChunkGroup, ChunkInfo, ParamInfo, Precision, StateHome
-from ..memory import BufKey, state_floats
+from ..memory import BufKey, shard_numel, state_floats
 from ..units import format_bytes
+from .comm import Comm
 from .host_updates import HostUpdates
 
 
@@ -109,7 +117,9 @@ class ChunkStore:
     """Chunk buffers on host and device, optimizer states, and module buffers, for one compiled model."""
 
     def __init__(self, chunks: tuple[ChunkInfo, ...], params: tuple[ParamInfo, ...], precision: Precision,
-                 device: torch.device, budget: int | None):
+                 device: torch.device, budget: int | None, comm: Comm | None = None):
+        self.comm = comm
+        self.world = 1 if comm is None else comm.world
         self.chunks = chunks
         self.params = {p.name: p for p in params}
         self.precision = precision
@@ -117,14 +127,16 @@ class ChunkStore:
         self.pool = DevicePool(device, budget)
         self.pin = device.type == "cuda"
         self.hostmem = HostMemory(self.pin)
-        self.host_param = [self.hostmem.zeros(c.capacity, c.dtype) for c in chunks]
-        self.host_grad: list[torch.Tensor | None] = [None] * len(chunks)
+        self.host_param = [self.hostmem.zeros(shard_numel(c, self.world), c.dtype) for c in chunks]
+        self.host_grad: list[torch.Tensor | None] = [None] * len(chunks)        # the (reduced) shard
+        self.host_grad_full: list[torch.Tensor | None] = [None] * len(chunks)   # sharded: before its reduction
+        self.reduced: set[int] = set()     # sharded: chunks whose gradient is reduce-scattered in this step
         self.slots: dict[BufKey, torch.Tensor] = {}
         self.state_home: list[StateHome | None] = [None] * len(chunks)
         self.states: list[torch.Tensor | None] = [None] * len(chunks)
         for c in chunks:
             if c.group is ChunkGroup.TRAINABLE:
-                self.states[c.id] = self.hostmem.zeros(state_floats(c, precision), torch.float32)
+                self.states[c.id] = self.hostmem.zeros(state_floats(c, precision, self.world), torch.float32)
                 self.state_home[c.id] = StateHome.HOST
         self.buffers: dict[str, torch.Tensor] = {}
         self.frozen_full: dict[str, torch.Tensor] = {}   # mixed precision: frozen parameters at full precision
@@ -145,12 +157,27 @@ class ChunkStore:
             p = self.params[name]
             c = self.chunks[p.chunk]
             flat = v.detach().reshape(-1)
-            self.host_param[c.id][p.offset:p.offset + p.numel].copy_(flat)
-            if self.precision.mixed and c.group is ChunkGroup.TRAINABLE:
-                self.master(c.id)[p.offset:p.offset + p.numel].copy_(flat)
-            elif self.precision.mixed:
+            lo, hi, src = self._own(c, p.offset, p.numel)
+            if lo < hi:
+                self.host_param[c.id][lo:hi].copy_(flat[src:src + hi - lo])
+                if self.precision.mixed and c.group is ChunkGroup.TRAINABLE:
+                    self.master(c.id)[lo:hi].copy_(flat[src:src + hi - lo])
+            if self.precision.mixed and c.group is not ChunkGroup.TRAINABLE:
                 # a frozen parameter has no master; keep its full-precision value for state_dict()
                 self.frozen_full[name] = v.detach().to("cpu", copy=True)
+
+    def _own(self, c: ChunkInfo, offset: int, numel: int) -> tuple[int, int, int]:
+        """The part of chunk elements [offset, offset + numel) this rank holds: (lo, hi) in its shard's coordinates
+        and where that part starts in the span (lo == hi: none of it)."""
+        s = shard_numel(c, self.world)
+        first = 0 if self.comm is None else self.comm.rank * s
+        lo, hi = max(offset, first), min(offset + numel, first + s)
+        return lo - first, max(lo, hi) - first, lo - offset
+
+    def full_chunk(self, t: torch.Tensor) -> torch.Tensor:
+        """A chunk-sized flat host buffer made whole from every rank's shard (collective); the buffer itself with
+        one rank."""
+        return t if self.comm is None else self.comm.gather_full(t, self.device)
 
     def load_buffers(self, values: dict[str, torch.Tensor]) -> None:
         for name, v in values.items():
@@ -163,23 +190,49 @@ class ChunkStore:
         """The full-precision value of a parameter (the fp32 master in mixed precision)."""
         if name in self.frozen_full:
             return self.frozen_full[name]
-        p = self.params[name]
-        c = self.chunks[p.chunk]
-        self.flush(c.id)
-        src = (self.master(c.id) if self.precision.mixed and c.group is ChunkGroup.TRAINABLE
-               else self.host_param[c.id])
-        return src[p.offset:p.offset + p.numel].view(p.shape)
+        return self.param_values([name])[name]
+
+    def param_values(self, names) -> dict[str, torch.Tensor]:
+        """Full-precision values of parameters (fp32 masters in mixed precision). Sharded, a collective: every rank
+        calls it with the same names (each chunk concerned is gathered once)."""
+        out = {n: self.frozen_full[n] for n in names if n in self.frozen_full}
+        by_chunk: dict[int, list[str]] = {}
+        for n in names:
+            if n not in out:
+                by_chunk.setdefault(self.params[n].chunk, []).append(n)
+        for cid in sorted(by_chunk):
+            c = self.chunks[cid]
+            self.flush(cid)
+            src = self.full_chunk(self.master(cid) if self.precision.mixed and c.group is ChunkGroup.TRAINABLE
+                                  else self.host_param[cid])
+            for n in by_chunk[cid]:
+                p = self.params[n]
+                out[n] = src[p.offset:p.offset + p.numel].view(p.shape)
+        return out
 
     # -- optimizer states --------------------------------------------------------------------------------------
     def state_parts(self, cid: int) -> dict[str, torch.Tensor]:
-        """Views into a chunk's state buffer: m, v, (master), step (0-d), for readers and writers outside a step:
-        first made current (see flush)."""
+        """A chunk's states, m, v, (master), step (0-d), for readers and writers outside a step: first made current
+        (see flush). With one rank, views into the state buffer; sharded, whole-chunk copies gathered from every
+        rank (a collective), which `put_state_parts` writes back."""
         self.flush(cid)
-        return self.parts(cid)
+        if self.comm is None:
+            return self.parts(cid)
+        parts = self.parts(cid)
+        return {k: v.clone() if k == "step" else self.full_chunk(v) for k, v in parts.items()}
+
+    def put_state_parts(self, cid: int, parts: dict[str, torch.Tensor]) -> None:
+        """After changing what state_parts returned: sharded, write this rank's shard of it back."""
+        if self.comm is None:
+            return
+        own = self.parts(cid)
+        for k, v in parts.items():
+            own[k].copy_(v if k == "step" else self.comm.shard(v))
 
     def parts(self, cid: int) -> dict[str, torch.Tensor]:
-        """state_parts without waiting: for the step itself, which orders its own work."""
-        cap = self.chunks[cid].capacity
+        """Views into the state buffer (of this rank's shard), without waiting: for the step, which orders its own
+        work."""
+        cap = shard_numel(self.chunks[cid], self.world)
         s = self.states[cid]
         parts = {"m": s[0:cap], "v": s[cap:2 * cap], "step": s[-1]}
         if self.precision.mixed:
@@ -213,10 +266,21 @@ class ChunkStore:
     def host(self, key: BufKey) -> torch.Tensor:
         if key.buf is BufKind.PARAM:
             return self.host_param[key.chunk]
+        c = self.chunks[key.chunk]
+        if self.world > 1 and key.chunk not in self.reduced:
+            if self.host_grad_full[key.chunk] is None:
+                self.host_grad_full[key.chunk] = self.hostmem.zeros(c.capacity, c.dtype)
+            return self.host_grad_full[key.chunk]
         if self.host_grad[key.chunk] is None:
-            c = self.chunks[key.chunk]
-            self.host_grad[key.chunk] = self.hostmem.zeros(c.capacity, c.dtype)
+            self.host_grad[key.chunk] = self.hostmem.zeros(shard_numel(c, self.world), c.dtype)
         return self.host_grad[key.chunk]
+
+    def _home_part(self, key: BufKey, slot: torch.Tensor) -> torch.Tensor:
+        """The part of a slot its host home holds: the whole slot, or (sharded) this rank's shard, except a
+        gradient not yet reduced, which goes home whole."""
+        if self.world == 1 or (key.buf is BufKind.GRAD and key.chunk not in self.reduced):
+            return slot
+        return self.comm.shard(slot)
 
     def slot(self, key: BufKey) -> torch.Tensor:
         """A resident chunk buffer, for use on the current (compute) stream. The first use after a fetch makes the
@@ -224,9 +288,16 @@ class ChunkStore:
         event = self._arriving.pop(key, None)
         if isinstance(event, Future):
             event = event.result()   # the fetch hangs on a host-side update: wait for exactly that one
-        if event is not None:
+        if isinstance(event, torch.cuda.Event):
             torch.cuda.current_stream(self.device).wait_event(event)
+        elif event is not None:
+            event.wait()             # a collective's work handle (CUDA: the compute stream waits for NCCL's)
         return self.slots[key]
+
+    def arriving(self, key: BufKey, work) -> None:
+        """A collective still writes into a resident slot: its first use waits for `work`."""
+        assert key not in self._arriving, key
+        self._arriving[key] = work
 
     def fetch(self, key: BufKey) -> None:
         assert key not in self.slots, key
@@ -234,9 +305,12 @@ class ChunkStore:
         slot = self.pool.take(c.capacity, c.dtype, what=f"chunk {c.id} {key.buf.value} buffer")
         self.slots[key] = slot
         host = self.host(key)
+        part = self._home_part(key, slot)
+        gather = self.world > 1 and key.buf is BufKind.PARAM
         if not self.pin:
             def copy():
-                slot.copy_(host)
+                part.copy_(host)
+                return self.comm.all_gather(slot) if gather else None
         else:
             # the slot's block comes from the compute stream's allocator pool: until the compute stream reaches
             # this point it may still be an activation, so the copy waits for it (and for a write-back into the
@@ -250,14 +324,23 @@ class ChunkStore:
                     self.h2d_stream.wait_event(ready)
                     if writing is not None:
                         self.h2d_stream.wait_event(writing)
-                    slot.copy_(host, non_blocking=True)
+                    part.copy_(host, non_blocking=True)
                     event = torch.cuda.Event()
                     event.record(self.h2d_stream)
+                    # NCCL's stream waits for the H2D stream, so the gather starts after the shard's copy
+                    work = self.comm.all_gather(slot) if gather else None
                 # the copy reads the host buffer asynchronously: the CPU must not write it until the copy is done
                 self._reading[key.chunk] = event
-                return event
-        # after the chunk's pending host-side update (issued by the worker when it is done), else now
-        arriving = self.updates.then(key.chunk, copy) if self.updates is not None else copy()
+                return event if work is None else work
+        if self.updates is None:
+            arriving = copy()
+        elif self.world > 1:
+            # collectives are issued in graph order by this thread only: wait for the chunk's pending update
+            self.updates.wait(key.chunk)
+            arriving = copy()
+        else:
+            # after the chunk's pending host-side update (issued by the worker when it is done), else now
+            arriving = self.updates.then(key.chunk, copy)
         if arriving is not None:
             self._arriving[key] = arriving
 
@@ -311,6 +394,7 @@ class ChunkStore:
         allow stale are written home. Returns the bytes moved (host to device, device to host): nothing in the steady
         state of one graph."""
         want = dict(carried)
+        self.reduced.clear()
         h2d = d2h = 0
         for key in sorted(self.slots.keys() - want.keys(), key=BufKey.order):
             stale = key in self.stale and key.buf is BufKind.PARAM
@@ -374,13 +458,14 @@ class ChunkStore:
     def _write_back(self, key: BufKey, slot: torch.Tensor) -> None:
         if self.updates is not None:
             self.updates.wait(key.chunk)   # the chunk's host buffers are the pending update's until it is done
+        part = self._home_part(key, slot)
         if not self.pin:
-            self.host(key).copy_(slot)
+            self.host(key).copy_(part)
             return
         compute = torch.cuda.current_stream(self.device)
         self.d2h_stream.wait_stream(compute)
         with torch.cuda.stream(self.d2h_stream):
-            self.host(key).copy_(slot, non_blocking=True)
+            self.host(key).copy_(part, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self.d2h_stream)
         compute.wait_event(event)

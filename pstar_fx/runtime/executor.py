@@ -75,6 +75,8 @@ class Runtime:
         self.params = {p.name: p for p in g.params}
         self.param_index = {p.name: i for i, p in enumerate(g.params)}
         self.found_inf: torch.Tensor | None = None
+        self.comm = store.comm          # None with one rank
+        # clipping: per parameter, the gradient's norm (one rank); per chunk, its shard's squared norm (sharded)
         self.norms: dict[int, torch.Tensor] | None = {} if g.settings.max_grad_norm is not None else None
         self.grad_norm: torch.Tensor | None = None
         self.clip_coef: torch.Tensor | None = None
@@ -105,8 +107,23 @@ class Runtime:
             # max and min propagate NaN and show inf: two reductions, no temporary the size of the gradient
             bad = ~torch.isfinite(dst.amax()) | ~torch.isfinite(dst.amin())
             self.found_inf |= bad
-        if self.norms is not None:
+        if self.norms is not None and self.comm is None:
             self.norms[self.param_index[name]] = torch.linalg.vector_norm(dst, dtype=torch.float32)
+
+    def reduce_scatter(self, chunk: int) -> None:
+        """Sharded: the chunk's final gradient, averaged over ranks, into this rank's shard (in place). Each rank
+        divides its own contribution first, so the sum is the mean without waiting for the collective."""
+        c = self.g.chunks[chunk]
+        key = BufKey(chunk, c.grad_buf())
+        slot = self.store.slot(key)
+        slot.div_(self.comm.world)
+        work = self.comm.reduce_scatter(slot)
+        self.store.reduced.add(chunk)
+        if self.norms is not None:
+            work.wait()
+            self.norms[chunk] = torch.linalg.vector_norm(self.comm.shard(slot), dtype=torch.float32).square()
+        else:
+            self.store.arriving(key, work)
 
     def fetch(self, chunk: int, buf: BufKind) -> None:
         self.store.fetch(BufKey(chunk, buf))
@@ -121,12 +138,34 @@ class Runtime:
             self.d2h += self.g.chunks[chunk].nbytes
 
     def commit(self) -> None:
+        if self.comm is not None:
+            self._commit_sharded()
+            return
         if self.found_inf is not None:
             self.skip = bool(self.found_inf.item())
         if self.norms is not None:
             # torch.nn.utils.clip_grad_norm_: the norm of the per-parameter norms, in parameter order
             norms = [self.norms[i] for i in sorted(self.norms)]
             total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
+            if self.scaler is not None:
+                total = total / self.scaler.scale
+            self.grad_norm = total
+            self.clip_coef = torch.clamp(self.g.settings.max_grad_norm / (total + 1e-6), max=1.0)
+        self.committed = True
+
+    def _commit_sharded(self) -> None:
+        """The commit across ranks, in one all-reduce (every rank issues it, whatever the settings): the count of
+        ranks that saw an inf or NaN gradient (fp16; they agree to skip) and the sum of every shard's squared
+        gradient norm (clipping: the global norm is its square root)."""
+        dev = self.store.device
+        bad = self.found_inf.float() if self.found_inf is not None else torch.zeros((), device=dev)
+        sq = (torch.stack([self.norms[c] for c in sorted(self.norms)]).sum() if self.norms
+              else torch.zeros((), device=dev))
+        both = self.comm.all_reduce(torch.stack([bad.to(dev), sq.to(dev)]))
+        if self.found_inf is not None:
+            self.skip = bool(both[0].item() > 0)
+        if self.norms is not None:
+            total = both[1].sqrt()
             if self.scaler is not None:
                 total = total / self.scaler.scale
             self.grad_norm = total
@@ -184,17 +223,26 @@ class Runtime:
         if c.state_home is StateHome.HOST:
             self._host_step(chunk, cfg, parts)
             return
-        param = st.slot(BufKey(chunk, BufKind.PARAM))
+        full = st.slot(BufKey(chunk, BufKind.PARAM))
         st.mark_written(BufKey(chunk, BufKind.PARAM))
         grad = st.slot(BufKey(chunk, c.grad_buf()))
         self.stepped.append(chunk)
+        param = full
+        if self.comm is not None:    # this rank's shard; the whole chunk is gathered again after the update
+            param, grad = self.comm.shard(full), self.comm.shard(grad)
+        self._device_step(chunk, cfg, parts, param, grad)
+        if self.comm is not None:
+            st.arriving(BufKey(chunk, BufKind.PARAM), self.comm.all_gather(full))
+
+    def _device_step(self, chunk: int, cfg, parts, param: torch.Tensor, grad: torch.Tensor) -> None:
+        st = self.store
         if not self.precision.mixed:
             if not self.skip:
                 if self.clip_coef is not None:
                     grad.mul_(self._coef_on(grad.device))
                 adam_step(cfg, param, grad, parts["m"], parts["v"], parts["step"])
             return
-        g32 = st.pool.take(c.capacity, torch.float32, what=f"step workspace of chunk {chunk}")
+        g32 = st.pool.take(param.numel(), torch.float32, what=f"step workspace of chunk {chunk}")
         try:
             if not self.skip:
                 g32.copy_(grad)

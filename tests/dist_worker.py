@@ -1,0 +1,97 @@
+"""One rank of a multi-process test (tests/test_distributed.py launches `world` of these, as torchrun would).
+
+Each rank trains a test case with pstar-fx on its slice of every global batch (gloo, CPU) and rank 0 writes the
+losses the step reported and the final state_dict to --out. With --fail-rank, that rank fails in the middle of
+step --fail-step (an error raised before a node of the graph, as a device fault would); the other ranks record the
+error they get (type and message) instead of hanging.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import os
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import pstar_fx as px  # noqa: E402
+from harness import HYPER  # noqa: E402
+from models import CASES_BY_NAME  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--case", required=True)
+    ap.add_argument("--batch", type=int, required=True, help="global batch size (split evenly over the ranks)")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--budget", default="none", help="none, tight, or bytes")
+    ap.add_argument("--chunk-size", type=int, default=None)
+    ap.add_argument("--precision", default="fp32")
+    ap.add_argument("--clip", type=float, default=None)
+    ap.add_argument("--accumulate", type=int, default=1)
+    ap.add_argument("--fail-rank", type=int, default=-1)
+    ap.add_argument("--fail-step", type=int, default=-1)
+    ap.add_argument("--timeout", type=float, default=60.0)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    base = CASES_BY_NAME[args.case]
+    case = base.__class__(base.name, base.build, base.loss_fn,
+                          functools.partial(base.make_batch, B=args.batch))
+    per = args.batch // world
+
+    def loss_fn(model, *batch):
+        return case.loss_fn(model, *batch)
+
+    def fail(i, node):
+        if i == len(step.final_graph.nodes) // 2:
+            raise RuntimeError(f"injected failure on rank {rank} at node {node.name}")
+
+    model = case.build_model()
+    budget = None
+
+    def compile_step(budget):
+        return px.compile(model, optimizer=px.AdamW(**HYPER), device_memory=budget, chunk_size=args.chunk_size,
+                          precision=args.precision, device="cpu", debug=True, max_grad_norm=args.clip,
+                          accumulate=args.accumulate)(loss_fn)
+
+    if args.budget == "tight":
+        budget = int(compile_step(None).min_device_memory(*_local(case.batch(0), rank, per)) * 1.05)
+    elif args.budget != "none":
+        budget = int(args.budget)
+    step = compile_step(budget)
+    result: dict = {"losses": [], "grad_norms": [], "budget": budget}
+    try:
+        for i in range(args.steps):
+            if rank == args.fail_rank and i == args.fail_step:
+                step._before_node = fail
+            loss = step(*_local(case.batch(i), rank, per))
+            result["losses"].append(loss.item())
+            result["grad_norms"].append(step.last_step.grad_norm)
+        sd = step.state_dict()                      # collective: every rank gathers the full values
+        g = step.final_graph
+        result.update(state_dict=sd, stage=g.stage, measured_peak=step.last_step.measured_peak,
+                      predicted_peak=g.plan.predicted_peak, gathered=g.plan.gathered_bytes,
+                      reduced=g.plan.reduced_bytes, states_on_device=step.summary().states_on_device,
+                      chunks=len(g.chunks), optimizer=step.optimizer.state_dict())
+    except Exception as e:  # noqa: BLE001 - recorded for the test
+        result["error"] = (type(e).__name__, str(e), traceback.format_exc())
+    torch.save(result, f"{args.out}.rank{rank}")
+    if "error" in result and rank == args.fail_rank:
+        sys.exit(3)       # as a failing training script would; the others must not hang
+    dist.destroy_process_group()
+
+
+def _local(batch, rank: int, per: int):
+    return tuple(t[rank * per:(rank + 1) * per] for t in batch)
+
+
+if __name__ == "__main__":
+    main()
