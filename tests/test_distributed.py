@@ -20,7 +20,7 @@ import time
 import pytest
 import torch
 
-from harness import HYPER, rel_err
+from harness import DEVICE, HYPER, rel_err
 from models import CASES_BY_NAME, assert_state_close
 
 HERE = os.path.dirname(__file__)
@@ -58,19 +58,20 @@ def launch(tmp_path, world: int, *args, timeout: float = 240) -> tuple[list[dict
     return results, [p.returncode for p in procs], wall
 
 
-def eager_reference(case_name: str, batch: int, steps: int, clip: float | None = None, world: int = 1):
+def eager_reference(case_name: str, batch: int, steps: int, clip: float | None = None, world: int = 1,
+                    device: str = "cpu"):
     """One process, the whole global batch (as `world` rank slices accumulated in rank order, see above),
     torch.optim.AdamW (and clip_grad_norm_)."""
     base = CASES_BY_NAME[case_name]
     case = base.__class__(base.name, base.build, base.loss_fn, functools.partial(base.make_batch, B=batch))
-    model = case.build_model()
+    model = case.build_model().to(device)
     opt = torch.optim.AdamW(model.parameters(), **HYPER)
     losses, norms = [], []
     per = batch // world
     for i in range(steps):
         loss, params = 0.0, [p for p in model.parameters() if p.requires_grad]
         for r in range(world):
-            part = case.loss_fn(model, *(t[r * per:(r + 1) * per] for t in case.batch(i)))
+            part = case.loss_fn(model, *(t[r * per:(r + 1) * per].to(device) for t in case.batch(i)))
             for p, gr in zip(params, torch.autograd.grad(part, params)):
                 p.grad = gr / world if p.grad is None else p.grad + gr / world
             loss = loss + part.detach() / world
@@ -79,7 +80,7 @@ def eager_reference(case_name: str, batch: int, steps: int, clip: float | None =
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
-    return losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return losses, norms, {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
 
 
 def check_equal(results, ref_losses, ref_sd, world):
@@ -122,6 +123,18 @@ def test_clipping_and_accumulation_across_ranks(tmp_path):
     check_equal(results, ref_losses, ref_sd, world)
     for res in results:
         assert rel_err(res["grad_norms"], ref_norms) <= 1e-6
+
+
+@pytest.mark.skipif(not (DEVICE == "cuda" and torch.cuda.device_count() >= 2), reason="needs 2 GPUs (NCCL)")
+@pytest.mark.parametrize("budget", ["none", "tight"])
+def test_data_parallel_on_two_gpus_with_nccl(tmp_path, budget):
+    """The same check over NCCL, one GPU per rank, against the same eager reference on one GPU."""
+    world, batch, steps = 2, 4, 3
+    results, codes, _ = launch(tmp_path, world, "--case", "hf_llama", "--batch", batch, "--steps", steps,
+                               "--budget", budget, "--chunk-size", 1024, "--device", "cuda")
+    assert codes == [0] * world
+    ref_losses, _, ref_sd = eager_reference("hf_llama", batch, steps, world=world, device="cuda")
+    check_equal(results, ref_losses, ref_sd, world)
 
 
 def test_a_failing_rank_makes_the_others_exit_with_a_clear_error(tmp_path):
