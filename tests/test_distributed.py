@@ -37,7 +37,8 @@ def launch(tmp_path, world: int, *args, timeout: float = 240) -> tuple[list[dict
     """Run `world` ranks of dist_worker.py; returns each rank's result, exit codes and the wall time."""
     out = str(tmp_path / "result")
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world),
-               OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), HERE]))
+               OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), HERE, os.environ.get("PYTHONPATH", "")]))
     t0 = time.monotonic()
     procs = [subprocess.Popen([sys.executable, WORKER, "--out", out, *map(str, args)],
                               env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
