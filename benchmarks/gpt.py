@@ -17,7 +17,7 @@ end the others):
 - pstar: px.compile(..., precision bf16, device_memory=each of --budgets), px.AdamW.
 With --gpus N (a list: 1,2), every system runs on N GPUs of this host, one process per GPU launched by torchrun, data
 parallel with --batch sequences per GPU: pstar-fx shards its chunks over the ranks (the default process group);
-fsdp2 shards per block with and without CPU offload (fsdp2 and fsdp2:offload; on one GPU only with offload, as above);
+fsdp2 shards per block with and without CPU offload (fsdp2 and fsdp2:offload; on one GPU only with offload);
 eager runs on one GPU only. Rows then show the GPUs, tokens/s over all GPUs, TFLOP/s per GPU, the host RSS summed
 over ranks, and for every system run at 1 and N GPUs the scaling efficiency: tokens/s on N / (N * tokens/s on 1).
 Per run: parameters, median step time over --steps steps after --warmup, TFLOP/s counted as 6*N*tokens + attention
@@ -273,7 +273,7 @@ def child(args) -> None:
         if system == "eager":
             r = run_eager(cfg, args, device, batch, checkpoint=variant == "ckpt")
         elif system == "fsdp2":
-            r = run_fsdp2(cfg, args, device, batch, offload=variant == "offload" or world() == 1)
+            r = run_fsdp2(cfg, args, device, batch, offload=variant == "offload")
         else:
             r = run_pstar(cfg, args, device, batch, variant)
     except torch.OutOfMemoryError as e:
@@ -491,7 +491,8 @@ def main():
             if system == "eager" and gpus > 1:
                 continue
             variants = {"eager": ["ckpt"] if args.checkpoint == "on" else ["plain"],
-                        "fsdp2": ["", "offload"] if gpus > 1 else [""], "pstar": args.budgets.split(",")}[system]
+                        "fsdp2": ["", "offload"] if gpus > 1 else ["offload"],
+                        "pstar": args.budgets.split(",")}[system]
             for v in variants:
                 label = f"{system}:{v}" if v else system
                 extra = ["--profile", args.profile] if system == "pstar" and args.profile and gpus == 1 else []
