@@ -37,6 +37,9 @@ def main() -> None:
     ap.add_argument("--fail-rank", type=int, default=-1)
     ap.add_argument("--fail-step", type=int, default=-1)
     ap.add_argument("--timeout", type=float, default=60.0)
+    ap.add_argument("--poison-rank", type=int, default=-1, help="this rank's inputs are scaled by 1e6 at --poison-step")
+    ap.add_argument("--poison-step", type=int, default=-1)
+    ap.add_argument("--eval", action="store_true", help="after training, evaluate each rank's first batch slice")
     ap.add_argument("--device", default="cpu", help="cpu (gloo) or cuda (NCCL, one GPU per rank)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -75,14 +78,25 @@ def main() -> None:
     elif args.budget != "none":
         budget = int(args.budget)
     step = compile_step(budget)
-    result: dict = {"losses": [], "grad_norms": [], "budget": budget}
+    result: dict = {"losses": [], "grad_norms": [], "skipped": [], "scale": [], "params": [], "budget": budget}
     try:
         for i in range(args.steps):
             if rank == args.fail_rank and i == args.fail_step:
                 step._before_node = fail
-            loss = step(*_local(case.batch(i), rank, per))
+            batch = _local(case.batch(i), rank, per)
+            if rank == args.poison_rank and i == args.poison_step:
+                batch = (batch[0] * 1e6,) + batch[1:]      # fp16 overflows in this rank's gradients only
+            loss = step(*batch)
             result["losses"].append(loss.item())
             result["grad_norms"].append(step.last_step.grad_norm)
+            result["skipped"].append(step.last_step.skipped)
+            result["scale"].append(step._scaler.scale if step._scaler is not None else None)
+            if args.poison_rank >= 0:
+                result["params"].append({k: v.cpu() for k, v in step.state_dict().items()})
+        if args.eval:
+            evaluate = px.compile(model, optimizer=None, precision=args.precision, device=device,
+                                  debug=True)(loss_fn)
+            result["eval_loss"] = evaluate(*_local(case.batch(0), rank, per)).item()
         sd = {k: v.cpu() for k, v in step.state_dict().items()}   # collective: every rank gathers the values
         g = step.final_graph
         result.update(state_dict=sd, stage=g.stage, measured_peak=step.last_step.measured_peak,

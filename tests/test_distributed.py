@@ -139,6 +139,42 @@ def test_data_parallel_on_two_gpus_with_nccl(tmp_path, budget):
     check_equal(results, ref_losses, ref_sd, world)
 
 
+def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path):
+    """Only rank 1's gradients overflow at step 1: every rank skips that step (parameters unchanged, bit for bit)
+    and halves its loss scale; the other steps update."""
+    world = 2
+    results, codes, _ = launch(tmp_path, world, "--case", "mlp_ce", "--batch", 4, "--steps", 3, "--precision", "fp16",
+                               "--poison-rank", 1, "--poison-step", 1, "--chunk-size", 512)
+    assert codes == [0] * world
+    for r, res in enumerate(results):
+        assert "error" not in res, f"rank {r}: {res['error'][2]}"
+        assert res["skipped"] == [False, True, False], (r, res["skipped"])
+        assert res["scale"][1] == res["scale"][0] / 2 == res["scale"][2]
+        before, skipped, after = res["params"]
+        assert all(torch.equal(before[k], skipped[k]) for k in before)
+        assert any(not torch.equal(skipped[k], after[k]) for k in before)
+
+
+def test_evaluation_shares_the_sharded_chunks(tmp_path):
+    """A forward-only function compiled on the trained model reads the training step's sharded chunks: each rank's
+    result is the trained model's loss on its own slice."""
+    world, batch = 2, 4
+    results, codes, _ = launch(tmp_path, world, "--case", "mlp_ce", "--batch", batch, "--steps", 2, "--eval",
+                               "--chunk-size", 512)
+    assert codes == [0] * world
+    _, _, ref_sd = eager_reference("mlp_ce", batch, 2, world=world)
+    base = CASES_BY_NAME["mlp_ce"]
+    model = base.build_model()
+    model.load_state_dict(ref_sd)
+    x, y = base.make_batch(0, torch.Generator().manual_seed(2024), B=batch)
+    for r, res in enumerate(results):
+        assert "error" not in res, f"rank {r}: {res['error'][2]}"
+        per = batch // world
+        with torch.no_grad():
+            want = base.loss_fn(model, x[r * per:(r + 1) * per], y[r * per:(r + 1) * per]).item()
+        assert abs(res["eval_loss"] - want) <= 1e-6 * abs(want), (r, res["eval_loss"], want)
+
+
 def test_a_failing_rank_makes_the_others_exit_with_a_clear_error(tmp_path):
     world = 2
     results, codes, wall = launch(tmp_path, world, "--case", "mlp_ce", "--batch", 4, "--steps", 3,
