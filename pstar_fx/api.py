@@ -362,6 +362,7 @@ class CompiledStep:
         """Restore parameter and buffer values (optimizer states are left as they are). When this step does not
         hold the model (before the first step, after sync_model(), or while another step holds it), the values go
         into the model itself, from which the next step takes them."""
+        self._fill_if_empty()
         ref = self._model.state_dict()
         missing = [k for k in ref if k not in state_dict]
         unexpected = [k for k in state_dict if k not in ref]

@@ -47,6 +47,7 @@ tensor.
 """
 from __future__ import annotations
 
+import functools
 import sys
 import threading
 import traceback
@@ -235,21 +236,18 @@ def _written(func, args, kwargs) -> list[torch.Tensor]:
     return out
 
 
-_GEN_OVERLOAD: dict = {}
-
-
+@functools.cache
 def _generator_overload(func):
     """The overload of a random op that takes a generator (randn.default -> randn.generator), or None."""
-    if func not in _GEN_OVERLOAD:
-        names = [a.name for a in func._schema.arguments]
-        found = func if "generator" in names else None
-        for name in func.overloadpacket.overloads() if found is None else ():
-            cand = getattr(func.overloadpacket, name)
-            cnames = [a.name for a in cand._schema.arguments]
-            if "generator" in cnames and [n for n in cnames if n != "generator"] == names:
-                found = cand
-        _GEN_OVERLOAD[func] = found
-    return _GEN_OVERLOAD[func]
+    names = [a.name for a in func._schema.arguments]
+    if "generator" in names:
+        return func
+    for name in func.overloadpacket.overloads():
+        cand = getattr(func.overloadpacket, name)
+        cnames = [a.name for a in cand._schema.arguments]
+        if "generator" in cnames and [n for n in cnames if n != "generator"] == names:
+            return cand
+    return None
 
 
 def _is_random(func) -> bool:
@@ -415,13 +413,16 @@ class init_empty:
         self._modules: weakref.WeakSet = weakref.WeakSet()
         thread = threading.get_ident()
 
-        def registered(module, name, tensor):
+        def registered(module, name, value):
             if threading.get_ident() == thread:
                 self._modules.add(module)
+                if isinstance(value, nn.Module):
+                    self._modules.add(value)
 
         reg = torch.nn.modules.module
         self._hooks = [reg.register_module_parameter_registration_hook(registered),
-                       reg.register_module_buffer_registration_hook(registered)]
+                       reg.register_module_buffer_registration_hook(registered),
+                       reg.register_module_module_registration_hook(registered)]
         self._constructors = _Construction(self._recorder)
         self._constructors.__enter__()
         self._recorder.__enter__()
@@ -453,9 +454,10 @@ def _stand_in(modules: list[nn.Module], recorder: _Recorder) -> None:
                     continue
                 slots.setdefault(id(t), []).append((mod, kind, name))
                 tensors[id(t)] = t
+    labels = _labels(modules)
     for key, t in tensors.items():
         mod, kind, name = slots[key][0]
-        stand_in = EmptyTensor(t, f"{type(mod).__name__}.{name}", recorder.rec, recorder.ref(t))
+        stand_in = EmptyTensor(t, labels.get(key, f"{type(mod).__name__}.{name}"), recorder.rec, recorder.ref(t))
         if isinstance(t, nn.Parameter):
             stand_in = nn.Parameter(stand_in, requires_grad=t.requires_grad)
         try:
@@ -464,6 +466,19 @@ def _stand_in(modules: list[nn.Module], recorder: _Recorder) -> None:
             for mod, kind, name in slots[key]:
                 getattr(mod, kind)[name] = stand_in
     del tensors
+
+
+def _labels(modules: list[nn.Module]) -> dict[int, str]:
+    """A name for each tensor of these modules, for messages: `GPT.h.0.attn.c_attn.weight`, from the outermost
+    module (one that no other of them contains)."""
+    inner = {id(c) for m in modules for c in m.children()}
+    labels: dict[int, str] = {}
+    for root in modules:
+        if id(root) not in inner:
+            for name, t in [*root.named_parameters(remove_duplicate=False),
+                            *root.named_buffers(remove_duplicate=False)]:
+                labels.setdefault(id(t), f"{type(root).__name__}.{name}")
+    return labels
 
 
 # -- replay -------------------------------------------------------------------------------------------------------

@@ -192,6 +192,19 @@ def test_sync_model_gives_real_tensors_back():
     step(*case.batch(2))                                      # and the step takes it back
 
 
+def test_load_state_dict_into_an_empty_model():
+    case = CASES_BY_NAME["gpt_tied"]
+    trained = case.build_model()
+    with torch.no_grad():
+        for p in trained.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    step = compiled(built_empty(case.build), case)
+    step.lower(*case.batch(0))
+    step.load_state_dict(trained.state_dict())
+    assert_equal_exactly(step.state_dict(), trained.state_dict())
+    step(*case.batch(0))
+
+
 def test_evaluation_of_an_empty_model():
     case = CASES_BY_NAME["gpt_tied"]
     x, _ = case.batch(0)
