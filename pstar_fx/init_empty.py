@@ -14,11 +14,14 @@ Recording (inside the block). Tensor constructors called without a device (`torc
 `arange`, `randn`, ...; not `torch.tensor` and `as_tensor`, whose data is given) make meta tensors (a
 TorchFunctionMode, like `torch.device("meta")`, which would also make `torch.tensor([])` a meta tensor, and then
 transformers skips its weight initialisation). A TorchDispatchMode records, in order, every aten op that involves a
-meta tensor: the creations, `nn.init`'s `normal_` / `uniform_` / `trunc_normal_`'s ops / `zero_` / `fill_`, `copy_`,
-`mul_`, out-of-place ops that compute buffers (rotary `inv_freq`), with each tensor argument as a view (shape,
-stride, offset, dtype) of a recorded storage, so `.data`, slices and `Parameter(...)` need no bookkeeping of their
-own. Random ops remember the CPU RNG state they would draw from: the global state at the first one, and again
-wherever it was set in between (`torch.manual_seed` inside the block). When the block ends, every parameter and buffer
+meta tensor: the creations, `nn.init`'s `normal_` / `uniform_` / `zero_` / `fill_`, `copy_`, `mul_`, out-of-place
+ops that compute buffers (rotary `inv_freq`), with each tensor argument as a view (shape, stride, offset, dtype) of a
+recorded storage, so `.data`, slices and `Parameter(...)` need no bookkeeping of their own. Some torch.nn.init
+functions skip meta tensors (torch 2.13: `trunc_normal_`, `orthogonal_`, `sparse_`, `dirac_`; their real paths depend
+on values: rejection sampling, QR): a torch.nn.init function that asks `tensor.is_meta` of a recorded tensor (seen by
+the same TorchFunctionMode) is recorded as one call, with its arguments, and called as it is at replay. Random ops
+remember the CPU RNG state they would draw from: the global state at the first one, and again wherever it was set in
+between (`torch.manual_seed` inside the block). When the block ends, every parameter and buffer
 of the modules that registered one in it, if it is such a meta tensor, is swapped in place
 (`torch.utils.swap_tensors`) for an `EmptyTensor`: shape, dtype, requires_grad, device cpu, no data, and its view of
 the recording. Using one eagerly raises `EmptyModelError`.
@@ -31,7 +34,9 @@ that parameter, in the dtype of its chunk's full-precision home (the chunk's hos
 mixed precision), is that home: its ops write in place there. Anything else (a buffer, an intermediate, a dead
 tensor, a parameter of another dtype) lives in a temporary freed after its last use; parameters in one are copied
 into their chunk then. So at most a few tensors exist beyond the chunks at a time, never the model. Random ops draw
-from a `torch.Generator` set to the recorded state.
+from a `torch.Generator` set to the recorded state; a torch.nn.init call recorded whole runs with the global CPU RNG
+set to that generator's state and restored right after (such a function may draw from the global generator whatever
+its arguments: `sparse_`'s `randperm` does).
 
 The global RNG: building on meta draws nothing, so after the block the global CPU RNG is where it was when the block
 began (or where a `torch.manual_seed` inside the block set it), not advanced as an eager build advances it; the replay
@@ -437,7 +442,8 @@ class init_empty:
                 h.remove()
         if exc_type is None:
             _stand_in(list(self._modules), self._recorder)
-        self._recorder.keep.clear()
+        self._recorder.keep.clear()            # storage keys may be reused from here on: forget them
+        self._recorder.sid.clear()
         self._recorder.last_call = None
         self._modules = weakref.WeakSet()
         return False
@@ -465,7 +471,6 @@ def _stand_in(modules: list[nn.Module], recorder: _Recorder) -> None:
         except RuntimeError:       # something else still refers to the meta tensor: replace it in its slots
             for mod, kind, name in slots[key]:
                 getattr(mod, kind)[name] = stand_in
-    del tensors
 
 
 def _labels(modules: list[nn.Module]) -> dict[int, str]:
