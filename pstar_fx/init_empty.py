@@ -64,7 +64,7 @@ import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._device import _device_constructors
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
-from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
+from torch.utils._pytree import tree_leaves, tree_map
 
 from .errors import PstarError
 
@@ -592,7 +592,7 @@ def _replay(rec: Recording, store, params: dict[str, _Ref], buffers: dict[str, _
             if step.rng_state is not None:
                 gen.set_state(step.rng_state)
             if not (step.undefined and all(sid in direct for _, sid in step.creates)):
-                args, kwargs = tree_map(lambda x: resolve(x, step), (step.args, step.kwargs))
+                args, kwargs = tree_map(functools.partial(resolve, step=step), (step.args, step.kwargs))
                 _run(step, args, kwargs, gen, rec, roots, direct)
             for sid in step.reads | step.writes | {sid for _, sid in step.creates}:
                 if last.get(sid) != i:

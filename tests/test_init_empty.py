@@ -19,7 +19,7 @@ from pstar_fx.init_empty import EmptyTensor
 from pstar_fx.ownership import HeldTensor
 
 from harness import DEVICE, HYPER, eager_run, fetch_counts, rel_err, tight_budget
-from models import CASES_BY_NAME, MODEL_SEED, GPT, assert_state_close, gpt_loss
+from models import CASES_BY_NAME, GPT, MODEL_SEED, assert_state_close
 
 INIT_CASES = ["gpt_tied", "hf_gpt2", "hf_llama", "cnn_bn"]
 
@@ -205,10 +205,14 @@ def test_load_state_dict_into_an_empty_model():
     step(*case.batch(0))
 
 
+def _logits(m, idx):
+    return m(idx)
+
+
 def test_evaluation_of_an_empty_model():
     case = CASES_BY_NAME["gpt_tied"]
     x, _ = case.batch(0)
-    fn = lambda m, idx: m(idx)                                 # noqa: E731
+    fn = _logits
     got = px.compile(built_empty(case.build), optimizer=None, device=DEVICE)(fn)(x)
     want = px.compile(case.build_model(), optimizer=None, device=DEVICE)(fn)(x)
     assert torch.equal(got, want)
@@ -316,7 +320,7 @@ def test_host_memory_growth_stays_below_the_model_size():
 def test_an_empty_model_used_eagerly_says_what_to_do():
     case = CASES_BY_NAME["gpt_tied"]
     model = built_empty(case.build)
-    x, y = case.batch(0)
+    x, _ = case.batch(0)
     with pytest.raises(px.EmptyModelError, match=r"built under px.init_empty\(\).*px.compile"):
         model(x)
     with pytest.raises(px.EmptyModelError, match="saved"):
@@ -371,8 +375,12 @@ def _bias_model(bias: torch.Tensor) -> nn.Linear:
     return lin
 
 
+def _square_loss(m, x):
+    return m(x).square().mean()
+
+
 def test_real_tensors_read_while_building():
-    loss = lambda m, x: m(x).square().mean()  # noqa: E731
+    loss = _square_loss
     x = torch.randn(2, 4, generator=torch.Generator().manual_seed(0))
     bias = torch.arange(4.0)
     step = px.compile(_bias_model(bias), optimizer=px.AdamW(lr=1e-3), device=DEVICE)(loss)
