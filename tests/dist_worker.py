@@ -40,6 +40,7 @@ def main() -> None:
     ap.add_argument("--poison-rank", type=int, default=-1, help="this rank's inputs are scaled by 1e6 at --poison-step")
     ap.add_argument("--poison-step", type=int, default=-1)
     ap.add_argument("--eval", action="store_true", help="after training, evaluate each rank's first batch slice")
+    ap.add_argument("--init-empty", action="store_true", help="build the model under px.init_empty()")
     ap.add_argument("--device", default="cpu", help="cpu (gloo) or cuda (NCCL, one GPU per rank)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -65,7 +66,15 @@ def main() -> None:
         if i == len(step.final_graph.nodes) // 2:
             raise RuntimeError(f"injected failure on rank {rank} at node {node.name}")
 
-    model = case.build_model()
+    if args.init_empty:
+        from models import MODEL_SEED
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(MODEL_SEED)
+            with px.init_empty():
+                model = case.build()
+        model.train()
+    else:
+        model = case.build_model()
     budget = None
 
     def compile_step(budget):

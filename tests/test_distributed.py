@@ -143,6 +143,18 @@ def test_data_parallel_on_two_gpus_with_nccl(tmp_path, budget):
     check_equal(results, ref_losses, ref_sd, world)
 
 
+def test_a_model_built_under_init_empty_trains_sharded(tmp_path):
+    """px.init_empty(): each rank replays the initialisation and keeps its shards; the run equals the eager one.
+    (Not the tied GPT: its attention key bias has a gradient of exact zero, whose rounding noise differs between
+    a batch and its halves and which Adam turns into steps of +-lr; FACTS.md.)"""
+    world, batch, steps = 2, 4, 2
+    results, codes, _ = launch(tmp_path, world, "--case", "hf_llama", "--batch", batch, "--steps", steps,
+                               "--init-empty", "--chunk-size", 1024)
+    assert codes == [0] * world
+    ref_losses, _, ref_sd = eager_reference("hf_llama", batch, steps, world=world)
+    check_equal(results, ref_losses, ref_sd, world)
+
+
 def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path):
     """Only rank 1's gradients overflow at step 1: every rank skips that step (parameters unchanged, bit for bit)
     and halves its loss scale; the other steps update."""
