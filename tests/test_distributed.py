@@ -85,11 +85,14 @@ def eager_reference(case_name: str, batch: int, steps: int, clip: float | None =
 
 
 def check_equal(results, ref_losses, ref_sd, world):
+    # gloo sums the ranks' shards in ring order, not rank order: with 4 or more ranks the reference's order differs,
+    # and Adam magnifies the last-bit difference (1.006e-6 measured at 4 ranks after three steps)
+    rtol = 1e-6 if world <= 3 else 3e-6
     for r, res in enumerate(results):
         assert "error" not in res, f"rank {r}: {res['error'][2]}"
         assert res["stage"] == "sharded"
-        assert rel_err(res["losses"], ref_losses) <= 1e-6, (r, res["losses"], ref_losses)
-        assert_state_close(res["state_dict"], ref_sd, rtol=1e-6)
+        assert rel_err(res["losses"], ref_losses) <= rtol, (r, res["losses"], ref_losses)
+        assert_state_close(res["state_dict"], ref_sd, rtol=rtol)
         assert res["measured_peak"] == res["predicted_peak"]
         if res["budget"] is not None:
             assert res["measured_peak"] <= res["budget"]
