@@ -92,9 +92,9 @@ def is_data_dependent(t: torch.Tensor) -> bool:
 
 @dataclass(frozen=True)
 class DataDependentSize:
-    """A size that depends on tensor values: its symbol as the printed shapes show it, its upper bound (None:
+    """A size that depends on tensor values: its symbol (printed shapes show it: u0), its upper bound (None:
     unbounded), and the node that first produces a tensor of that size (the op that decides it: nonzero, ...)."""
-    symbol: str
+    symbol: sympy.Symbol
     bound: int | None
     node: fx.Node
 
@@ -107,7 +107,7 @@ def data_dependent_sizes(nodes: list[fx.Node]) -> list[DataDependentSize]:
             for size in t.shape:
                 for sym in free_unbacked_symbols(size):
                     if sym not in seen:
-                        seen[sym] = DataDependentSize(str(sym), _bound(size.node.shape_env, sym), n)
+                        seen[sym] = DataDependentSize(sym, _bound(size.node.shape_env, sym), n)
     return list(seen.values())
 
 

@@ -148,15 +148,21 @@ def _explain(exc: BaseException, flat: "FlatBatch | None" = None, shape_env: Sha
     return UntraceableError(f"cannot trace the training step: {what}; {_where(frame)}")
 
 
+def _made_by(shape_env: ShapeEnv | None, sym) -> tuple[str, traceback.FrameSummary | None]:
+    """The op whose fake kernel created a data-dependent size symbol, and the user's line that called it (from the
+    stack the ShapeEnv keeps for every such symbol)."""
+    stack = shape_env.var_to_stack.get(sym) if shape_env is not None else None
+    frames = list(stack.summary()) if stack is not None else []
+    impl = [f.name for f in frames if f.filename.endswith(os.path.join("_subclasses", "fake_impls.py"))]
+    return (f"aten.{impl[-1]}" if impl else "an operation"), _user_frame(frames)
+
+
 def _explain_guard(exc: GuardOnDataDependentSymNode, shape_env: ShapeEnv | None) -> str:
     """Python code branched or looped on a data-dependent size: name the op that made the size and its line."""
     made = []
     for sym in sorted(exc.cond.free_symbols, key=str):
-        stack = shape_env.var_to_stack.get(sym) if shape_env is not None else None
-        frames = list(stack.summary()) if stack is not None else []
-        impl = [f.name for f in frames if f.filename.endswith(os.path.join("_subclasses", "fake_impls.py"))]
-        op = f"aten.{impl[-1]}" if impl else "an operation"
-        made.append(f"{sym} is the size of the result of {op} {_where(_user_frame(frames))}")
+        op, frame = _made_by(shape_env, sym)
+        made.append(f"{sym} is the size of the result of {op} {_where(frame)}")
     return (f"Python control flow (a loop over a tensor, `if`, int()) depends on a data-dependent size "
             f"({exc.cond}; {'; '.join(made)}); pstar-fx compiles one static graph: ops whose output size depends "
             "on values are supported (planned at their upper bound), Python code that branches or loops on that "
@@ -413,7 +419,7 @@ def trace_step(fn, model: nn.Module, batch: tuple, settings: Settings) -> TrainG
         raise
     except Exception as e:  # an unsupported construct deep inside torch: name it and the user's line
         raise _explain(e, flat, mode.shape_env) from e
-    _reject_unbounded(gm)
+    _reject_unbounded(gm, mode.shape_env)
 
     if settings.optimizer is not None:
         outputs = output_node(gm.graph).args[0]
@@ -453,14 +459,15 @@ def trace_step(fn, model: nn.Module, batch: tuple, settings: Settings) -> TrainG
                       output_spec=output_spec[0] if output_spec else None)
 
 
-def _reject_unbounded(gm: fx.GraphModule) -> None:
+def _reject_unbounded(gm: fx.GraphModule, shape_env: ShapeEnv) -> None:
     """Every data-dependent size must have a known upper bound: the plan reserves memory for it."""
     for d in data_dependent_sizes(list(gm.graph.nodes)):
         if d.bound is None:
             raise UntraceableError(
                 f"cannot trace the training step: operation {d.node.target} returns a size ({d.symbol}) that depends "
-                f"on tensor values and has no known upper bound {_stack_line(d.node)}; pstar-fx plans such sizes at "
-                "their upper bound, so give the op one (for example repeat_interleave's output_size)")
+                f"on tensor values and has no known upper bound {_where(_made_by(shape_env, d.symbol)[1])}; pstar-fx "
+                "plans such sizes at their upper bound, so give the op one (for example repeat_interleave's "
+                "output_size)")
 
 
 def _reject_param_mutation(gm: fx.GraphModule, ann, recorder: _InplaceRecorder) -> None:
