@@ -150,10 +150,13 @@ def test_eager_experts_accumulate_matches_eager():
     assert len(data_dependent_sizes(step.graphs["scheduled"].nodes)) == 2 * 2 * 4    # micro-batches x layers x experts
 
 
-def test_bound_is_tokens_times_top_k_as_the_plan_states():
-    case = _small(EAGER)
-    losses, _, step = compiled_run(case, 1)
-    g = step.graphs["scheduled"]
+@pytest.fixture(scope="module")
+def small_eager_step():
+    return compiled_run(_small(EAGER), 1)[2]
+
+
+def test_bound_is_tokens_times_top_k_as_the_plan_states(small_eager_step):
+    g = small_eager_step.graphs["scheduled"]
     bound = SMALL["B"] * SMALL["T"] * TOP_K
     sizes = data_dependent_sizes(g.nodes)
     assert len(sizes) == 8 and all(d.bound == bound for d in sizes)
@@ -175,11 +178,10 @@ def test_bound_is_tokens_times_top_k_as_the_plan_states():
     assert planned[(torch.ops.aten.mm.default, gate_up)] == {bound * gate_up * 4}
 
 
-def test_debug_check_is_exact_except_where_a_bounded_size_is_alive():
+def test_debug_check_is_exact_except_where_a_bounded_size_is_alive(small_eager_step):
     """debug=True compares measured with predicted bytes per node: equal, or at most the prediction while a storage of
     data-dependent size is alive. Checked here on made-up measurements, so that it can be seen to fail."""
-    _, _, step = compiled_run(_small(EAGER), 1)
-    g = step.graphs["scheduled"]
+    g = small_eager_step.graphs["scheduled"]
     a = [g.ann[n.name] for n in g.nodes]
     predicted = [g.plan.static_bytes + x.resident_bytes + x.live_bytes + x.workspace_bytes for x in a]
     loose = bounded_live(g.nodes)
