@@ -124,10 +124,14 @@ def bounded_live(nodes: list[fx.Node]) -> list[bool]:
                 start[k] = i
             if k in start:
                 end[k] = max(end.get(k, i), last[i])
-    out = [False] * len(nodes)
+    delta = [0] * (len(nodes) + 1)
     for k, s in start.items():
-        for i in range(s, end[k] + 1):
-            out[i] = True
+        delta[s] += 1
+        delta[end[k] + 1] -= 1
+    out, alive = [], 0
+    for d in delta[:-1]:
+        alive += d
+        out.append(alive > 0)
     return out
 
 
