@@ -14,6 +14,10 @@ tensors keep their own dtype, and the forward runs under `torch.autocast(device,
 makes (half for matmuls and convolutions, fp32 for losses, softmax and norms) are recorded as aten ops. The backward
 is differentiated outside autocast, as `loss.backward()` is in eager code.
 
+Ops whose output size depends on values (nonzero, boolean masks) are traced with a symbolic size of known range,
+planned at its upper bound (graph_utils); Python control flow on such a size cannot be one graph and is refused with
+the op and the line, except transformers' eager experts loop, traced as an equal loop over every expert (rewrites).
+
 The model is never left changed by tracing: its parameter and buffer slots are swapped for fake tensors only while
 the step runs, and every slot is put back (the same objects) whether the trace succeeds or fails.
 """

@@ -20,7 +20,7 @@ from pstar_fx.graph_utils import bounded_live, data_dependent_sizes
 from pstar_fx import rewrites
 from harness import (DEVICE, HYPER, EagerAdamW, check_tight_budget_matches_eager, compiled_run, eager_run,
                      fetch_counts, host_params, rel_err, tight_budget)
-from models import MOE_CASES, Case, assert_state_close, hf_loss, tiny_mixtral
+from models import MOE_CASES, Case, assert_state_close, tiny_mixtral
 
 STEPS = 4
 CASE = MOE_CASES[0]
