@@ -155,7 +155,7 @@ def _explain(exc: BaseException, flat: "FlatBatch | None" = None, shape_env: Sha
 def _made_by(shape_env: ShapeEnv | None, sym) -> tuple[str, traceback.FrameSummary | None]:
     """The op whose fake kernel created a data-dependent size symbol, and the user's line that called it (from the
     stack the ShapeEnv keeps for every such symbol)."""
-    stack = shape_env.var_to_stack.get(sym) if shape_env is not None else None
+    stack = getattr(shape_env, "var_to_stack", {}).get(sym)     # kept by torch for debugging: may be absent
     frames = list(stack.summary()) if stack is not None else []
     impl = [f.name for f in frames if f.filename.endswith(os.path.join("_subclasses", "fake_impls.py"))]
     return (f"aten.{impl[-1]}" if impl else "an operation"), _user_frame(frames)
