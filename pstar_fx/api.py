@@ -15,6 +15,7 @@ from . import checkpoint, timeline
 from .cache import TraceCache
 from .checks import warn_chunk_padding
 from .errors import CommitError, PstarError
+from .graph_utils import bounded_live
 from .init_empty import fill_chunks, is_empty
 from .ir import ChunkGroup, Precision, Role, Settings, StateHome, TrainGraph
 from .optim import OptimizerSpec
@@ -408,11 +409,13 @@ class CompiledStep:
 
 
 def _check_measured(g: TrainGraph, per_node: list[int]) -> None:
-    """debug=True: the device bytes measured after every node equal the plan's prediction for it."""
-    for n, measured in zip(g.nodes, per_node):
+    """debug=True: the device bytes measured after every node equal the plan's prediction for it; where a storage of
+    data-dependent size is alive, planned at its upper bound, they are at most the prediction (graph_utils)."""
+    bounded = bounded_live(g.nodes)
+    for n, measured, loose in zip(g.nodes, per_node, bounded):
         a = g.ann[n.name]
         predicted = g.plan.static_bytes + a.resident_bytes + a.live_bytes + a.workspace_bytes
-        if measured != predicted:
+        if measured != predicted and not (loose and measured <= predicted):
             raise AssertionError(f"pstar-fx plan mismatch at node {n.name}: measured {measured} device bytes, "
                                  f"the plan predicted {predicted}")
 

@@ -1,8 +1,19 @@
-"""Small graph helpers shared by the passes: op schema facts and storage identity of fake values."""
+"""Small graph helpers shared by the passes: op schema facts, storage identity and size of fake values.
+
+Data-dependent sizes. An op whose output size depends on tensor values (nonzero, boolean masking, unique) is traced
+with an unbacked SymInt for that size (`u0`, `u1`, ... in the printed shapes), whose value range the tracer's ShapeEnv
+knows (nonzero of n elements: 0..n). `storage_bytes` plans every storage of such a size at its upper bound, so the
+plan holds whatever the data; at run time the storage is at most that large (the executor measures it), so measured
+bytes are <= the plan at the nodes where one is alive (`bounded_live`) and equal elsewhere.
+"""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import sympy
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.utils._pytree import tree_leaves
 
 
@@ -56,8 +67,72 @@ def storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
+def _bound(shape_env, expr: sympy.Expr) -> int | None:
+    up = shape_env.bound_sympy(expr).upper
+    return int(up) if isinstance(up, sympy.Integer) else None
+
+
+def upper_bound(n: int | torch.SymInt) -> int | None:
+    """An int as it is; a data-dependent size: the largest value it can take, from the value ranges of its symbols
+    (None: no finite bound is known)."""
+    return n if isinstance(n, int) else _bound(n.node.shape_env, n.node.expr)
+
+
 def storage_bytes(t: torch.Tensor) -> int:
-    return t.untyped_storage().nbytes()
+    """The bytes of a tensor's storage; of a data-dependent size, its upper bound (see the module docstring)."""
+    nbytes = t.untyped_storage().nbytes()
+    bound = upper_bound(nbytes)
+    assert bound is not None, f"unbounded data-dependent storage size {nbytes} (the tracer refuses these)"
+    return bound
+
+
+def is_data_dependent(t: torch.Tensor) -> bool:
+    return not isinstance(t.untyped_storage().nbytes(), int)
+
+
+@dataclass(frozen=True)
+class DataDependentSize:
+    """A size that depends on tensor values: its symbol (printed shapes show it: u0), its upper bound (None:
+    unbounded), and the node that first produces a tensor of that size (the op that decides it: nonzero, ...)."""
+    symbol: sympy.Symbol
+    bound: int | None
+    node: fx.Node
+
+
+def data_dependent_sizes(nodes: list[fx.Node]) -> list[DataDependentSize]:
+    """Every data-dependent size of the graph's tensors once, in the order they first appear."""
+    seen: dict[sympy.Symbol, DataDependentSize] = {}
+    for n in nodes:
+        for t in tensors_of(n):
+            for size in t.shape:
+                for sym in free_unbacked_symbols(size):
+                    if sym not in seen:
+                        seen[sym] = DataDependentSize(sym, _bound(size.node.shape_env, sym), n)
+    return list(seen.values())
+
+
+def bounded_live(nodes: list[fx.Node]) -> list[bool]:
+    """Per node position: whether a storage of data-dependent size is alive while it runs (liveness's rule: from the
+    node that creates the storage to the last user of any value sharing it)."""
+    last = last_uses(nodes)
+    start: dict[int, int] = {}
+    end: dict[int, int] = {}
+    for i, n in enumerate(nodes):
+        for t in tensors_of(n):
+            k = storage_key(t)
+            if k not in start and is_data_dependent(t):
+                start[k] = i
+            if k in start:
+                end[k] = max(end.get(k, i), last[i])
+    delta = [0] * (len(nodes) + 1)
+    for k, s in start.items():
+        delta[s] += 1
+        delta[end[k] + 1] -= 1
+    out, alive = [], 0
+    for d in delta[:-1]:
+        alive += d
+        out.append(alive > 0)
+    return out
 
 
 def output_node(graph: fx.Graph) -> fx.Node:

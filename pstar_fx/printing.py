@@ -7,7 +7,7 @@ import torch
 import torch.fx as fx
 
 from .ir import Role, TrainGraph
-from .graph_utils import tensors_of
+from .graph_utils import data_dependent_sizes, tensors_of
 from .units import format_bytes
 
 
@@ -86,6 +86,11 @@ def format_graph(g: TrainGraph) -> str:
     cols = (f"{'#':>5s} {'phase':9s} {'node':24s}   {'op':60s} {'shape':18s} {'dtype':9s} "
             f"{'new bytes':>11s} {'live':>11s} {'resident':>11s}")
     body = [header(g), cols] + format_lines(g)
+    sizes = data_dependent_sizes(g.nodes)
+    if sizes:   # the shapes name them u0, u1, ...; bytes count them at their bound
+        body.append("# data-dependent sizes, planned at their upper bound (debug=True: measured <= predicted where "
+                    "one is alive):")
+        body += [f"#   {d.symbol} <= {d.bound}: {_target(d.node)} at node {d.node.name}" for d in sizes]
     if g.chunks:
         body.append("# chunks:")
         for c in g.chunks:

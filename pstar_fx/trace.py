@@ -14,6 +14,10 @@ tensors keep their own dtype, and the forward runs under `torch.autocast(device,
 makes (half for matmuls and convolutions, fp32 for losses, softmax and norms) are recorded as aten ops. The backward
 is differentiated outside autocast, as `loss.backward()` is in eager code.
 
+Ops whose output size depends on values (nonzero, boolean masks) are traced with a symbolic size of known range,
+planned at its upper bound (graph_utils); Python control flow on such a size cannot be one graph and is refused with
+the op and the line, except transformers' eager experts loop, traced as an equal loop over every expert (rewrites).
+
 The model is never left changed by tracing: its parameter and buffer slots are swapped for fake tensors only while
 the step runs, and every slot is put back (the same objects) whether the trace succeeds or fails.
 """
@@ -35,11 +39,12 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException,
                                            FakeTensorMode)
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, ShapeEnv
 from torch.overrides import TorchFunctionMode
 
-from . import fake_fixes, trace_hints
+from . import fake_fixes, rewrites, trace_hints
 from .errors import UntraceableError
-from .graph_utils import loss_seed, mutated_args, output_node, storage_key, tensors_of
+from .graph_utils import data_dependent_sizes, loss_seed, mutated_args, output_node, storage_key, tensors_of
 from .ir import BufferInfo, InputInfo, NodeAnn, ParamInfo, Phase, Role, Settings, TrainGraph, to_module
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
@@ -123,9 +128,12 @@ def _where(frame: traceback.FrameSummary | None) -> str:
     return f"at {frame.filename}:{frame.lineno} ({frame.line})"
 
 
-def _explain(exc: BaseException, flat: "FlatBatch | None" = None) -> UntraceableError:
+def _explain(exc: BaseException, flat: "FlatBatch | None" = None, shape_env: ShapeEnv | None = None
+             ) -> UntraceableError:
     frame = _user_frame(traceback.extract_tb(exc.__traceback__))
-    if isinstance(exc, DataDependentOutputException):
+    if isinstance(exc, GuardOnDataDependentSymNode):
+        what = _explain_guard(exc, shape_env)
+    elif isinstance(exc, DataDependentOutputException):
         what = (f"operation {exc.func} needs a tensor's value while tracing (for example .item(), .tolist(), or "
                 "Python control flow such as `if tensor > 0:`); pstar-fx compiles one static graph, so compute "
                 "it with tensor ops (torch.where) or move it outside the step")
@@ -142,6 +150,27 @@ def _explain(exc: BaseException, flat: "FlatBatch | None" = None) -> Untraceable
             what += (f" (batch tensor {doubles[0]} is float64: pstar-fx, like eager PyTorch, passes batch tensors in "
                      "their own dtype, so convert it to the model's dtype, e.g. x.float(), in or before the step)")
     return UntraceableError(f"cannot trace the training step: {what}; {_where(frame)}")
+
+
+def _made_by(shape_env: ShapeEnv | None, sym) -> tuple[str, traceback.FrameSummary | None]:
+    """The op whose fake kernel created a data-dependent size symbol, and the user's line that called it (from the
+    stack the ShapeEnv keeps for every such symbol)."""
+    stack = getattr(shape_env, "var_to_stack", {}).get(sym)     # kept by torch for debugging: may be absent
+    frames = list(stack.summary()) if stack is not None else []
+    impl = [f.name for f in frames if f.filename.endswith(os.path.join("_subclasses", "fake_impls.py"))]
+    return (f"aten.{impl[-1]}" if impl else "an operation"), _user_frame(frames)
+
+
+def _explain_guard(exc: GuardOnDataDependentSymNode, shape_env: ShapeEnv | None) -> str:
+    """Python code branched or looped on a data-dependent size: name the op that made the size and its line."""
+    made = []
+    for sym in sorted(exc.cond.free_symbols, key=str):
+        op, frame = _made_by(shape_env, sym)
+        made.append(f"{sym} is the size of the result of {op} {_where(frame)}")
+    return (f"Python control flow (a loop over a tensor, `if`, int()) depends on a data-dependent size "
+            f"({exc.cond}; {'; '.join(made)}); pstar-fx compiles one static graph: ops whose output size depends "
+            "on values are supported (planned at their upper bound), Python code that branches or loops on that "
+            "size is not. Loop over a fixed range instead (ops on empty selections are fine)")
 
 
 def _fake_like(mode: FakeTensorMode, shape, dtype, device) -> torch.Tensor:
@@ -291,7 +320,10 @@ def trace_step(fn, model: nn.Module, batch: tuple, settings: Settings) -> TrainG
         tables = ModelTables(tuple(dataclasses.replace(p, trainable=False) for p in tables.params), tables.buffers)
     wrapper = _StepModule(model, fn)
     device = settings.device
-    mode = FakeTensorMode(allow_non_fake_inputs=False)
+    # a ShapeEnv gives ops whose output size depends on values (nonzero, boolean masks) a symbolic size with a known
+    # range, planned at its upper bound (graph_utils); .item() stays untraceable (no scalar outputs)
+    mode = FakeTensorMode(allow_non_fake_inputs=False, static_shapes=True,
+                          shape_env=ShapeEnv(allow_scalar_outputs=False, allow_dynamic_output_shape_ops=True))
     fp16 = settings.precision.dtype is torch.float16
     half = settings.precision.dtype if settings.precision.mixed else None
 
@@ -384,13 +416,14 @@ def trace_step(fn, model: nn.Module, batch: tuple, settings: Settings) -> TrainG
 
     recorder = _InplaceRecorder()
     try:
-        with _model_restored(model), recorder, fake_fixes.FakeKernelFixes():
+        with _model_restored(model), recorder, fake_fixes.FakeKernelFixes(), rewrites.rewritten(model):
             gm = make_fx(traced if settings.optimizer is not None else forward_only, tracing_mode="fake",
                          record_stack_traces=True)(trainable, frozen, buffers, scale, *fake_batch)
     except UntraceableError:
         raise
     except Exception as e:  # an unsupported construct deep inside torch: name it and the user's line
-        raise _explain(e, flat) from e
+        raise _explain(e, flat, mode.shape_env) from e
+    _reject_unbounded(gm, mode.shape_env)
 
     if settings.optimizer is not None:
         outputs = output_node(gm.graph).args[0]
@@ -428,6 +461,17 @@ def trace_step(fn, model: nn.Module, batch: tuple, settings: Settings) -> TrainG
     return TrainGraph(gm=graph, stage="traced", made_by="trace_step", settings=settings, params=ordered,
                       buffers=tables.buffers, inputs=tuple(inputs), ann=ann, seconds=time.perf_counter() - t0,
                       output_spec=output_spec[0] if output_spec else None)
+
+
+def _reject_unbounded(gm: fx.GraphModule, shape_env: ShapeEnv) -> None:
+    """Every data-dependent size must have a known upper bound: the plan reserves memory for it."""
+    for d in data_dependent_sizes(list(gm.graph.nodes)):
+        if d.bound is None:
+            raise UntraceableError(
+                f"cannot trace the training step: operation {d.node.target} returns a size ({d.symbol}) that depends "
+                f"on tensor values and has no known upper bound {_where(_made_by(shape_env, d.symbol)[1])}; pstar-fx "
+                "plans such sizes at their upper bound, so give the op one (for example repeat_interleave's "
+                "output_size)")
 
 
 def _reject_param_mutation(gm: fx.GraphModule, ann, recorder: _InplaceRecorder) -> None:
