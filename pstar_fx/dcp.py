@@ -103,11 +103,11 @@ def _canonical(step) -> tuple[list[str], list[str]]:
     return params, buffers
 
 
-def _holds(step) -> bool:
+def holds(step) -> bool:
     return step._store is not None and all(holder(t) is step for t in model_tensors(step._model).values())
 
 
-def _value_source(st, name: str) -> torch.Tensor | None:
+def value_source(st, name: str) -> torch.Tensor | None:
     """The flat buffer of this rank's shard holding the parameter's full-precision value; None where it is kept
     whole (a frozen parameter in mixed precision: `frozen_full`)."""
     p = st.params[name]
@@ -167,11 +167,11 @@ def save_entries(step, model_values) -> dict:
     params, buffers = _canonical(step)
     out: dict = {META: _pack(_meta(step)),
                  f"rng.{0 if comm is None else comm.rank}": _pack(rng_state(step.settings.device))}
-    if _holds(step):
+    if holds(step):
         st.flush()
         for name in params:
             p = st.params[name]
-            src = _value_source(st, name)
+            src = value_source(st, name)
             if src is None:
                 out[f"model.{name}"] = st.frozen_full[name].detach().reshape(_shape(p.shape))
                 continue
@@ -360,7 +360,7 @@ def _read_pieces(step, path, params, buffers, stepped, small, meta) -> None:
     st = step._store
     comm = step._comm
     plan = _plan_states(st, stepped, small)
-    if not _holds(step):
+    if not holds(step):
         step._take_model()       # the chunks take the model (whole on every rank until now), then the values below
     _set_options(step.optimizer, meta["param_groups"])
     st.evict_all()
@@ -370,7 +370,7 @@ def _read_pieces(step, path, params, buffers, stepped, small, meta) -> None:
     whole: dict[str, torch.Tensor] = {}
     for name in params:
         p = st.params[name]
-        src = _value_source(st, name)
+        src = value_source(st, name)
         if src is None:
             whole[name] = entries[f"model.{name}"] = torch.empty(_shape(p.shape), dtype=torch.float32)
             continue

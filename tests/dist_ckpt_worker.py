@@ -22,7 +22,7 @@ SPEC.json is a list of runs, done in order in this process; each is a dict with
               the state dict read after that too
 Every rank writes OUT.rank{r}: {name: {"losses", "state" (step.state_dict(), gathered), "optimizer"
 (step.optimizer.state_dict()), "loaded_state" / "loaded_optimizer" (right after the load, when there is one),
-"saved", "loss_scale", "world"}}, or {"error": (type, message, traceback)}.
+"saved", "rank0_state" (step.state_dict(rank0_only=True)), "loss_scale", "world"}}, or {"error": (type, message, traceback)}.
 """
 from __future__ import annotations
 
@@ -80,6 +80,7 @@ def one_run(run: dict, rank: int, world: int) -> dict:
         out["losses"].append(step(*local(i)).item())
     save_at(run["stop"])
     out["state"] = step.state_dict()
+    out["rank0_state"] = step.state_dict(rank0_only=True)
     out["optimizer"] = step.optimizer.state_dict()
     out["loss_scale"] = step.loss_scale
     if run.get("optimizer_round_trip"):

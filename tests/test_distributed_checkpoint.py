@@ -243,6 +243,15 @@ def test_optimizer_state_dict_round_trip_across_ranks(runs):
     assert all(float(s["step"]) == N for s in opt.state.values())
 
 
+def test_state_dict_gathered_to_rank_0_only(runs):
+    """step.state_dict(rank0_only=True): rank 0 gets what every rank gets from step.state_dict(), the others {}."""
+    out, _ = runs
+    for tag in ("w2", "w3", "w2r"):
+        for name in out[tag][0]:
+            _equal_state(out[tag][0][name]["rank0_state"], out[tag][0][name]["state"], f"{tag} {name}")
+            assert all(res[name]["rank0_state"] == {} for res in out[tag][1:])
+
+
 # -- one process ----------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("ndim", [1, 2, 3, 4])
 def test_boxes_tile_exactly_the_range(ndim):
