@@ -167,8 +167,9 @@ def save_entries(step, model_values) -> dict:
     params, buffers = _canonical(step)
     out: dict = {META: _pack(_meta(step)),
                  f"rng.{0 if comm is None else comm.rank}": _pack(rng_state(step.settings.device))}
+    if st is not None:
+        st.flush()           # host homes current, pending host-side updates done
     if holds(step):
-        st.flush()
         for name in params:
             p = st.params[name]
             src = value_source(st, name)

@@ -1,5 +1,6 @@
 """One rank of a checkpoint test across world sizes (tests/test_distributed_checkpoint.py launches `world` of these,
-as torchrun would; with WORLD_SIZE=1 it runs as a plain process, with no process group).
+as torchrun would; with WORLD_SIZE=1 it runs as a plain process, with no process group). On the CPU with gloo;
+PSTAR_TEST_DEVICE=cuda: one GPU per rank with NCCL.
 
     python tests/dist_ckpt_worker.py SPEC.json OUT
 
@@ -43,6 +44,8 @@ import pstar_fx.checkpoint as ckpt  # noqa: E402
 from harness import HYPER  # noqa: E402
 from models import CASES_BY_NAME  # noqa: E402
 
+DEVICE = os.environ.get("PSTAR_TEST_DEVICE", "cpu")    # cuda: one GPU per rank (LOCAL_RANK), NCCL
+
 
 def _case(run: dict):
     base = CASES_BY_NAME[run["case"]]
@@ -60,7 +63,7 @@ def one_run(run: dict, rank: int, world: int) -> dict:
 
     model = case.build_model()
     step = px.compile(model, optimizer=px.AdamW(**HYPER), chunk_size=run["chunk_size"], precision=run["precision"],
-                      device="cpu", accumulate=units // world)(case.loss_fn)
+                      device=DEVICE, accumulate=units // world)(case.loss_fn)
     out: dict = {"world": world, "losses": [], "saved": {}}
 
     def save_at(i):
@@ -91,8 +94,10 @@ def one_run(run: dict, rank: int, world: int) -> dict:
 
 def main(spec_path: str, out_path: str) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    if DEVICE == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if world > 1:
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+        dist.init_process_group("nccl" if DEVICE == "cuda" else "gloo", timeout=datetime.timedelta(seconds=120))
     rank = dist.get_rank() if world > 1 else 0
     with open(spec_path) as f:
         runs = json.load(f)
