@@ -4,6 +4,7 @@ Train-step benchmark of a nanoGPT-style GPT: eager PyTorch, FSDP2 with CPU offlo
     python benchmarks/gpt.py --layers 24 --hidden 2048 --heads 16 --batch 8 --budgets none,20GiB
     python benchmarks/gpt.py --layers 20 --hidden 4096 --heads 32 --batch 4 --budgets 40GiB --profile prof/
     python benchmarks/gpt.py --device cpu --tiny             # a smoke run on the CPU
+    python benchmarks/gpt.py --layers 32 --hidden 4096 --heads 32 --batch 4 --gpus 1,2 --systems fsdp2,pstar
 
 The GPT: vocab 50304, tied head, sequence 2048 (--seq), no dropout, biases and LayerNorms as in nanoGPT, random
 tokens. Each system runs in its own child process (so memory figures are its own and an out-of-memory in one does not
@@ -14,6 +15,11 @@ end the others):
   MixedPrecisionPolicy (fp32 reductions), in a one-process group the script initialises itself (nccl on CUDA, gloo on
   the CPU, where offloading means nothing and is left out); fused AdamW on the host shards.
 - pstar: px.compile(..., precision bf16, device_memory=each of --budgets), px.AdamW.
+With --gpus N (a list: 1,2), every system runs on N GPUs of this host, one process per GPU launched by torchrun, data
+parallel with --batch sequences per GPU: pstar-fx shards its chunks over the ranks (the default process group);
+fsdp2 shards per block with and without CPU offload (fsdp2 and fsdp2:offload; on one GPU only with offload);
+eager runs on one GPU only. Rows then show the GPUs, tokens/s over all GPUs, TFLOP/s per GPU, the host RSS summed
+over ranks, and for every system run at 1 and N GPUs the scaling efficiency: tokens/s on N / (N * tokens/s on 1).
 Per run: parameters, median step time over --steps steps after --warmup, TFLOP/s counted as 6*N*tokens + attention
 (12 * layers * hidden * seq per token, as nanoGPT's MFU estimate; recompute not counted), peak device memory
 (torch.cuda.max_memory_allocated over the timed steps), peak host RSS, bytes moved each way per step, compile time,
@@ -181,17 +187,29 @@ def run_eager(cfg, args, device, batch, checkpoint: bool) -> dict:
     return dict(n=n_params(model), warm=warm, times=times, h2d=0, d2h=0, checkpoint=checkpoint)
 
 
-def run_fsdp2(cfg, args, device, batch) -> dict:
+def world() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def init_group(device) -> None:
+    """The process group: torchrun's (several GPUs), or a one-process group (FSDP2 on one GPU)."""
     import torch.distributed as dist
+    if dist.is_initialized():
+        return
+    if world() == 1:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
+    else:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+
+
+def run_fsdp2(cfg, args, device, batch, offload: bool = True) -> dict:
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    init_group(device)
     model = build(cfg, device)
     kw = dict(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
-    if device.type == "cuda":
+    if device.type == "cuda" and offload:
         kw["offload_policy"] = CPUOffloadPolicy(pin_memory=True)
     for block in model.h:
         fully_shard(block, **kw)
@@ -210,15 +228,16 @@ def run_fsdp2(cfg, args, device, batch) -> dict:
         return loss
 
     warm, times = timed_steps(step, device, args.warmup, args.steps)
-    dist.destroy_process_group()
     # estimated, not measured: with offload FSDP2 copies each fp32 shard to the device for forward and again for
-    # backward (reshard after forward), and each fp32 gradient back
-    moved = (8 * n, 4 * n) if device.type == "cuda" else (0, 0)
+    # backward (reshard after forward), and each fp32 gradient back (per rank: its shard)
+    moved = (8 * n // world(), 4 * n // world()) if device.type == "cuda" and offload else (0, 0)
     return dict(n=n, warm=warm, times=times, h2d=moved[0], d2h=moved[1], moved_estimated=True)
 
 
 def run_pstar(cfg, args, device, batch, budget: str) -> dict:
     import pstar_fx as px
+    if world() > 1:
+        init_group(device)          # px.compile shards over the default process group
     model = build(cfg, device, where="host")
     n = n_params(model)
     dm = None if budget == "none" else budget
@@ -241,7 +260,9 @@ def run_pstar(cfg, args, device, batch, budget: str) -> dict:
 def child(args) -> None:
     device = torch.device(args.device)
     if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())   # set_device and FSDP2 want an index
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)     # set_device, NCCL and FSDP2 want an index
     cfg = GPTConfig(vocab=args.vocab, seq=args.seq, layers=args.layers, hidden=args.hidden, heads=args.heads)
     g = torch.Generator().manual_seed(1)
     batch = tuple(torch.randint(0, cfg.vocab, (args.batch, cfg.seq), generator=g).to(device) for _ in range(2))
@@ -252,7 +273,7 @@ def child(args) -> None:
         if system == "eager":
             r = run_eager(cfg, args, device, batch, checkpoint=variant == "ckpt")
         elif system == "fsdp2":
-            r = run_fsdp2(cfg, args, device, batch)
+            r = run_fsdp2(cfg, args, device, batch, offload=variant == "offload")
         else:
             r = run_pstar(cfg, args, device, batch, variant)
     except torch.OutOfMemoryError as e:
@@ -261,7 +282,17 @@ def child(args) -> None:
         r = dict(error=type(e).__name__, detail=str(e).splitlines()[0][:300] if str(e) else "")
     r["peak_gpu"] = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     r["peak_rss"] = rss_peak()
-    print("RESULT " + json.dumps(r), flush=True)
+    r["gpus"] = world()
+    import torch.distributed as dist
+    if dist.is_initialized():
+        if world() > 1 and "error" not in r:
+            every = [None] * world()
+            dist.all_gather_object(every, (r["peak_rss"], r["peak_gpu"], max(r["times"])))
+            r["peak_rss"] = sum(e[0] for e in every)          # the host is shared: every rank's RSS
+            r["peak_gpu"] = max((e[1] for e in every if e[1] is not None), default=None)   # per GPU: the largest
+        dist.destroy_process_group()
+    if int(os.environ.get("RANK", "0")) == 0:
+        print("RESULT " + json.dumps(r), flush=True)
 
 # -----------------------------------------------------------------------------
 # profile of one step: time busy per stream, overlap, host-side time
@@ -370,10 +401,12 @@ def fmt_bytes(n) -> str:
     return f"{n / GiB:.2f} GiB" if n >= GiB / 10 else f"{n / 2 ** 20:.1f} MiB"
 
 
-def run_child(argv: list[str], label: str, timeout: float) -> dict:
+def run_child(argv: list[str], label: str, timeout: float, gpus: int = 1) -> dict:
     t0 = time.perf_counter()
+    launcher = [sys.executable] if gpus == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                   f"--nproc_per_node={gpus}"]
     try:
-        p = subprocess.run([sys.executable, os.path.abspath(__file__)] + argv, capture_output=True, text=True,
+        p = subprocess.run(launcher + [os.path.abspath(__file__)] + argv, capture_output=True, text=True,
                            timeout=timeout)
         out = p.stdout + p.stderr
     except subprocess.TimeoutExpired as e:
@@ -391,8 +424,10 @@ def row(label, cfg, args, r) -> dict:
         return dict(system=label, error=r["error"] + (": " + r.get("detail", "") if r.get("detail") else ""))
     med = statistics.median(r["times"])
     n = r["n"]
-    tflops = flops_per_step(n, cfg, args.batch) / med / 1e12
-    out = dict(system=label, params=f"{n / 1e9:.3f}B" if n >= 1e8 else f"{n / 1e6:.3f}M", step_s=round(med, 4),
+    tflops = flops_per_step(n, cfg, args.batch) / med / 1e12        # per GPU: each runs --batch sequences
+    gpus = r.get("gpus", 1)
+    out = dict(system=label, gpus=gpus, params=f"{n / 1e9:.3f}B" if n >= 1e8 else f"{n / 1e6:.3f}M",
+               step_s=round(med, 4), tokens_per_s=round(gpus * args.batch * cfg.seq / med),
                tflops=round(tflops, 1) if tflops >= 1 else float(f"{tflops:.3g}"),
                peak_gpu=fmt_bytes(r.get("peak_gpu")), peak_rss=fmt_bytes(r.get("peak_rss")),
                h2d=("~" if r.get("moved_estimated") else "") + fmt_bytes(r["h2d"]),
@@ -430,6 +465,7 @@ def main():
     ap.add_argument("--tiny", action="store_true", help="a tiny shape (2 x 64, 2 heads, 2 x 64 tokens, vocab 512)")
     ap.add_argument("--profile", default=None, metavar="DIR", help="torch.profiler trace of one pstar-fx step")
     ap.add_argument("--timeout", type=float, default=600, help="seconds per system run")
+    ap.add_argument("--gpus", default="1", help="GPUs per run, a comma-separated list (torchrun, data parallel)")
     ap.add_argument("--json", default=None, help="also write the rows (and the children's logs) to this file")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -450,19 +486,28 @@ def main():
           f"torch {torch.__version__}; TFLOP/s = (6*N*tokens + 12*layers*hidden*seq*tokens) / median step time",
           flush=True)
     rows, logs = [], {}
-    for system in args.systems.split(","):
-        variants = {"eager": ["ckpt"] if args.checkpoint == "on" else ["plain"],
-                    "fsdp2": [""], "pstar": args.budgets.split(",")}[system]
-        for v in variants:
-            label = f"{system}:{v}" if v else system
-            extra = ["--profile", args.profile] if system == "pstar" and args.profile else []
-            r = run_child(passthrough + extra + ["--child", label], label, args.timeout)
-            if system == "eager" and args.checkpoint == "auto" and r.get("error") == "out of memory":
-                label = "eager:ckpt"
-                r = run_child(passthrough + ["--child", label], label, args.timeout)
-            logs[label] = r.pop("log", "")
-            rows.append(row(label, cfg, args, r))
-            print(json.dumps(rows[-1]), flush=True)
+    for gpus in map(int, args.gpus.split(",")):
+        for system in args.systems.split(","):
+            if system == "eager" and gpus > 1:
+                continue
+            variants = {"eager": ["ckpt"] if args.checkpoint == "on" else ["plain"],
+                        "fsdp2": ["", "offload"] if gpus > 1 else ["offload"],
+                        "pstar": args.budgets.split(",")}[system]
+            for v in variants:
+                label = f"{system}:{v}" if v else system
+                extra = ["--profile", args.profile] if system == "pstar" and args.profile and gpus == 1 else []
+                r = run_child(passthrough + extra + ["--child", label], label, args.timeout, gpus)
+                if system == "eager" and args.checkpoint == "auto" and r.get("error") == "out of memory":
+                    label = "eager:ckpt"
+                    r = run_child(passthrough + ["--child", label], label, args.timeout)
+                logs[f"{label}@{gpus}"] = r.pop("log", "")
+                rows.append(row(label, cfg, args, r))
+                rows[-1]["gpus"] = gpus
+                print(json.dumps(rows[-1]), flush=True)
+    for r in rows:      # scaling efficiency: tokens/s on N GPUs / (N * tokens/s on one), same per-GPU batch
+        one = [o for o in rows if o["system"] == r["system"] and o["gpus"] == 1 and "tokens_per_s" in o]
+        if r["gpus"] > 1 and one and "tokens_per_s" in r:
+            r["scaling"] = round(r["tokens_per_s"] / (r["gpus"] * one[0]["tokens_per_s"]), 3)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(config=vars(args), rows=rows, logs=logs), f, indent=1)
@@ -470,8 +515,8 @@ def main():
 
 
 def print_table(rows):
-    cols = ["system", "params", "step_s", "tflops", "peak_gpu", "peak_rss", "h2d", "d2h", "compile_s",
-            "predicted_peak", "measured_peak"]
+    cols = ["system", "gpus", "params", "step_s", "tokens_per_s", "tflops", "scaling", "peak_gpu", "peak_rss",
+            "h2d", "d2h", "compile_s", "predicted_peak", "measured_peak"]
     print("\n| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
     for r in rows:
         if "error" in r:

@@ -1,10 +1,11 @@
 """pstar-fx: train models larger than the GPU by compiling the training step and planning every chunk move."""
-from .errors import BudgetError, CommitError, ModelHeldError, PstarError, UntraceableError
+from .errors import BudgetError, CommitError, DistributedError, ModelHeldError, PstarError, UntraceableError
 from .optim import Adam, AdamW
 from .api import compile, CompiledStep
+from .init_empty import EmptyModelError, init_empty
 from .ir import TrainGraph
 from .timeline import plot_memory
 
 __all__ = ["compile", "CompiledStep", "Adam", "AdamW", "BudgetError", "UntraceableError", "PstarError", "CommitError", "ModelHeldError",
-           "TrainGraph", "plot_memory"]
+           "DistributedError", "TrainGraph", "plot_memory", "init_empty", "EmptyModelError"]
 __version__ = "0.1.0"

@@ -15,6 +15,7 @@ from . import checkpoint, timeline
 from .cache import TraceCache
 from .checks import warn_chunk_padding
 from .errors import CommitError, PstarError
+from .init_empty import fill_chunks, is_empty
 from .ir import ChunkGroup, Precision, Role, Settings, StateHome, TrainGraph
 from .optim import OptimizerSpec
 from .optimizer import build as build_optimizer
@@ -185,16 +186,25 @@ class CompiledStep:
         if on_meta:
             raise ValueError(f"the model's tensors {on_meta[:3]}{'...' if len(on_meta) > 3 else ''} are on the "
                              "meta device: pstar-fx copies the model's values into its chunks at the first "
-                             "step, so give it a model with real values")
+                             "step, so give it a model with real values, or build it under px.init_empty()")
         named = dict(self._model.named_parameters())
-        self._store.load_params({p.name: named[p.name] for p in self._layout[0]})
-        self._store.load_buffers({b.name: tensors[b.name] for b in self._tables.buffers})
+        # a model built under px.init_empty() is initialised in the chunks themselves (see pstar_fx.init_empty)
+        params, buffers = fill_chunks(self._store, {p.name: named[p.name] for p in self._layout[0]},
+                                      {b.name: tensors[b.name] for b in self._tables.buffers})
+        self._store.load_params(params)
+        self._store.load_buffers(buffers)
         hold(self._model, self)
+
+    def _fill_if_empty(self) -> None:
+        """A model built under px.init_empty() gets its values in this step's chunks once the step has them."""
+        if self._store is not None and any(is_empty(t) for t in model_tensors(self._model).values()):
+            self._take_model()
 
     def sync_model(self) -> nn.Module:
         """Write the trained values (parameters at full precision, and buffers) back into the model and give it back
         to the user: it can be used, saved or edited eagerly. The next step copies it into the chunks again, so
         edits made in between are trained on. Returns the model."""
+        self._fill_if_empty()
         if self._store is None or not any(holder(t) is self for t in model_tensors(self._model).values()):
             return self._model
         values = {}
@@ -353,6 +363,7 @@ class CompiledStep:
         current values wherever they are (this step's chunks, another step's, or the model). With several ranks a
         collective (every rank calls it) that gathers every value on every rank; rank0_only: on rank 0 only (the
         others return {}), see pstar_fx.checkpoint.gather_state_dict."""
+        self._fill_if_empty()
         if rank0_only and self._comm is not None:
             return checkpoint.gather_state_dict(self)
         ref = self._model.state_dict()
@@ -375,6 +386,7 @@ class CompiledStep:
         """Restore parameter and buffer values (optimizer states are left as they are). When this step does not
         hold the model (before the first step, after sync_model(), or while another step holds it), the values go
         into the model itself, from which the next step takes them."""
+        self._fill_if_empty()
         ref = self._model.state_dict()
         missing = [k for k in ref if k not in state_dict]
         unexpected = [k for k in state_dict if k not in ref]

@@ -65,12 +65,14 @@ class CompiledEval(CompiledStep):
             settings = self.settings
             store, layout = self._own if self._own is not None else (None, None)
         traced = trace_step(self._fn, self._model, batch, settings)
-        passes = pipeline(chunk_size=settings.chunk_size, layout=layout, prefetch=self.prefetch, train=False)
+        passes = pipeline(chunk_size=settings.chunk_size, layout=layout, prefetch=self.prefetch, train=False,
+                          world=settings.world)
         stages = run_passes(traced, passes)
         final = stages[-1]
         if store is None:
             warn_chunk_padding(final)
-            store = ChunkStore(final.chunks, final.params, settings.precision, settings.device, settings.budget)
+            store = ChunkStore(final.chunks, final.params, settings.precision, settings.device, settings.budget,
+                               comm=self._comm)
             self._own = (store, (final.params, final.chunks, final.chunk_size))
         return _Compiled(stages={s.stage: s for s in stages}, executor=Executor(final, store))
 

@@ -37,11 +37,22 @@ def main() -> None:
     ap.add_argument("--fail-rank", type=int, default=-1)
     ap.add_argument("--fail-step", type=int, default=-1)
     ap.add_argument("--timeout", type=float, default=60.0)
+    ap.add_argument("--poison-rank", type=int, default=-1, help="this rank's inputs are scaled by 1e6 at --poison-step")
+    ap.add_argument("--poison-step", type=int, default=-1)
+    ap.add_argument("--eval", action="store_true", help="after training, evaluate each rank's first batch slice")
+    ap.add_argument("--device", default="cpu", help="cpu (gloo) or cuda (NCCL, one GPU per rank)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                            timeout=datetime.timedelta(seconds=args.timeout))
     rank, world = dist.get_rank(), dist.get_world_size()
+    global DEVICE
+    DEVICE = device
     base = CASES_BY_NAME[args.case]
     case = base.__class__(base.name, base.build, base.loss_fn,
                           functools.partial(base.make_batch, B=args.batch))
@@ -59,7 +70,7 @@ def main() -> None:
 
     def compile_step(budget):
         return px.compile(model, optimizer=px.AdamW(**HYPER), device_memory=budget, chunk_size=args.chunk_size,
-                          precision=args.precision, device="cpu", debug=True, max_grad_norm=args.clip,
+                          precision=args.precision, device=device, debug=True, max_grad_norm=args.clip,
                           accumulate=args.accumulate)(loss_fn)
 
     if args.budget == "tight":
@@ -67,15 +78,26 @@ def main() -> None:
     elif args.budget != "none":
         budget = int(args.budget)
     step = compile_step(budget)
-    result: dict = {"losses": [], "grad_norms": [], "budget": budget}
+    result: dict = {"losses": [], "grad_norms": [], "skipped": [], "scale": [], "params": [], "budget": budget}
     try:
         for i in range(args.steps):
             if rank == args.fail_rank and i == args.fail_step:
                 step._before_node = fail
-            loss = step(*_local(case.batch(i), rank, per))
+            batch = _local(case.batch(i), rank, per)
+            if rank == args.poison_rank and i == args.poison_step:
+                batch = (batch[0] * 1e6,) + batch[1:]      # fp16 overflows in this rank's gradients only
+            loss = step(*batch)
             result["losses"].append(loss.item())
             result["grad_norms"].append(step.last_step.grad_norm)
-        sd = step.state_dict()                      # collective: every rank gathers the full values
+            result["skipped"].append(step.last_step.skipped)
+            result["scale"].append(step._scaler.scale if step._scaler is not None else None)
+            if args.poison_rank >= 0:
+                result["params"].append({k: v.cpu() for k, v in step.state_dict().items()})
+        if args.eval:
+            evaluate = px.compile(model, optimizer=None, precision=args.precision, device=device,
+                                  debug=True)(loss_fn)
+            result["eval_loss"] = evaluate(*_local(case.batch(0), rank, per)).item()
+        sd = {k: v.cpu() for k, v in step.state_dict().items()}   # collective: every rank gathers the values
         g = step.final_graph
         result.update(state_dict=sd, stage=g.stage, measured_peak=step.last_step.measured_peak,
                       predicted_peak=g.plan.predicted_peak, gathered=g.plan.gathered_bytes,
@@ -90,7 +112,10 @@ def main() -> None:
 
 
 def _local(batch, rank: int, per: int):
-    return tuple(t[rank * per:(rank + 1) * per] for t in batch)
+    return tuple(t[rank * per:(rank + 1) * per].to(DEVICE) for t in batch)
+
+
+DEVICE = "cpu"
 
 
 if __name__ == "__main__":

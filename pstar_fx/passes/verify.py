@@ -116,7 +116,7 @@ def _check_collectives(g: TrainGraph, roles: list[Role]) -> None:
         elif a.role is Role.OPTIMIZER_STEP and a.chunk not in reduced:
             _fail(g, i, f"chunk {a.chunk} is stepped before its gradient is reduce-scattered")
     for c in g.chunks:
-        if c.group is ChunkGroup.TRAINABLE and c.id not in reduced:
+        if c.group is ChunkGroup.TRAINABLE and c.id not in reduced and g.settings.optimizer is not None:
             _fail(g, None, f"trainable chunk {c.id} is never reduce-scattered")
         if c.capacity % g.settings.world:
             _fail(g, None, f"chunk {c.id}'s capacity {c.capacity} is not divisible by {g.settings.world} ranks")

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Multi-GPU check and benchmark on nvidia-h200-x2 (2 H200s of one host). Stages (first argument, default all):
+#   tests  - the NCCL data-parallel equivalence tests (tests/test_distributed.py, 2 ranks, one GPU each)
+#   small  - 1.3B GPT on 1 and 2 GPUs, pstar-fx only (a quick look at scaling)
+#   scale  - 6.66B GPT on 1 and 2 GPUs: pstar-fx and FSDP2 (without and with CPU offload), scaling efficiency
+# Logs under $OUT. NCCL's NVLink multicast stays off (the machine's environment sets NCCL_NVLS_ENABLE=0).
+set -u
+out=${OUT:-h200x2_logs}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+stages=${1:-tests,small,scale}
+start=$(date +%s)
+nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$out/gpus.txt"
+if [[ $stages == *tests* ]]; then
+  PSTAR_TEST_DEVICE=cuda timeout 240 python3 -m pytest tests/test_distributed.py -k nccl -x -p no:logging 2>&1 \
+      | tail -40 | tee "$out/tests.txt"
+  echo "tests: $(( $(date +%s) - start )) s"
+fi
+if [[ $stages == *small* ]]; then
+  timeout 200 python3 benchmarks/gpt.py --timeout 90 --json "$out/g1b3.json" --layers 24 --hidden 2048 --heads 16 \
+      --batch 8 --gpus 1,2 --systems pstar --budgets none 2>&1 | grep -v '^{' | tee "$out/g1b3.txt"
+  echo "1.3B: $(( $(date +%s) - start )) s"
+fi
+if [[ $stages == *scale* ]]; then
+  timeout 420 python3 benchmarks/gpt.py --timeout 100 --json "$out/g6b.json" --layers 32 --hidden 4096 --heads 32 \
+      --batch 4 --gpus 1,2 --systems fsdp2,pstar --budgets none 2>&1 | grep -v '^{' | tee "$out/g6b.txt"
+  echo "6.66B: $(( $(date +%s) - start )) s"
+fi
