@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from . import dcp
+from .init_empty import is_empty
 from .ir import Role
 from .ownership import holder, model_tensors
 
@@ -197,6 +198,10 @@ def save(step, path, *, sharded: bool | None = None) -> None:
     docstring). sharded: None picks the sharded format with several ranks and plain files with one. Reads values
     only; the step's state is not changed. With several ranks, every rank calls it with the same path."""
     path = _norm(path)
+    step._fill_if_empty()        # a model built under px.init_empty() gets its values in the chunks, if they exist
+    if any(is_empty(t) for t in model_tensors(step._model).values()):
+        raise ValueError("step.save: the model was built under px.init_empty() and has no values until the step's "
+                         "chunks exist: call step.lower(*batch) (or run a step) first")
     comm = step._comm
     sharded = comm is not None if sharded is None else bool(sharded)
     rank0 = comm is None or comm.rank == 0
@@ -263,6 +268,10 @@ def load(step, path) -> None:
     optimizer until the chunks exist) and after a failed step (CommitError): every value is replaced, and the step
     may be called again. With several ranks, every rank calls it with the same path."""
     path = _norm(path)
+    if step._store is None and any(is_empty(t) for t in model_tensors(step._model).values()):
+        raise ValueError("step.load: the model was built under px.init_empty(), so its values will live in the "
+                         "step's chunks, which do not exist yet: call step.lower(*batch) (or run a step) first, "
+                         "then step.load")
     missing = _missing(path)
     if missing:
         parent = os.path.dirname(os.path.abspath(path))
@@ -296,7 +305,9 @@ def _apply(step, model_sd: dict, opt_sd: dict, meta: dict, path: str) -> None:
     # optimizer first: it checks everything before it changes anything, so a refused checkpoint changes nothing
     step.optimizer.load_state_dict(opt_sd)
     # model values: into the chunks when this step holds the model, else into the model, which the next step takes
-    # (another step holding the model gives it back first)
+    # (another step holding the model gives it back first); a model built under px.init_empty() has values only in
+    # the chunks, so the step takes it first
+    step._fill_if_empty()
     tensors = model_tensors(step._model).values()
     if step._store is not None and all(holder(t) is step for t in tensors):
         step.load_state_dict(model_sd)

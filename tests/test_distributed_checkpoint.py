@@ -333,3 +333,33 @@ def test_a_sharded_checkpoint_of_another_model_is_refused_and_changes_nothing(tm
         other.load(tmp_path / "c")
     _equal_state(other.state_dict(), before, "refused load")
     _equal_optimizer(other.optimizer.state_dict(), opt_before, "refused load")
+
+
+def test_a_model_built_under_init_empty_saves_and_loads_once_its_chunks_exist(tmp_path):
+    """The values of a px.init_empty() model exist only in the chunks: save and load need them (after step.lower or
+    a step) and say so before; then both formats carry them like any other."""
+    case = CASES_BY_NAME["gpt_tied"]
+
+    def empty_step():
+        with px.init_empty():
+            model = case.build()
+        return px.compile(model, optimizer=px.AdamW(**HYPER), chunk_size=2048, device="cpu")(case.loss_fn)
+
+    a = empty_step()
+    with pytest.raises(ValueError, match="init_empty"):
+        ckpt.save(a, tmp_path / "early", sharded=True)
+    a.lower(*case.batch(0))
+    a(*case.batch(0))                                    # trained: the values differ from a fresh replay's
+    ckpt.save(a, tmp_path / "sharded", sharded=True)
+    a.save(tmp_path / "plain")
+    want = a.state_dict()
+    want_loss = a(*case.batch(1)).item()
+    for name in ("sharded", "plain"):
+        b = empty_step()
+        with pytest.raises(ValueError, match="step.lower"):
+            b.load(tmp_path / name)
+        b.lower(*case.batch(0))
+        assert not torch.equal(b.state_dict()["wte.weight"], want["wte.weight"])
+        b.load(tmp_path / name)
+        _equal_state(b.state_dict(), want, name)
+        assert b(*case.batch(1)).item() == want_loss, name
