@@ -196,7 +196,8 @@ def _publish(path: str, tmp: str, old: str) -> None:
 def save(step, path, *, sharded: bool | None = None) -> None:
     """Write model values, optimizer state, loss scaler and RNG states to the directory `path` (see the module
     docstring). sharded: None picks the sharded format with several ranks and plain files with one. Reads values
-    only; the step's state is not changed. With several ranks, every rank calls it with the same path."""
+    only; the step's state is not changed (a model built under px.init_empty() is first taken into the chunks, as
+    step.state_dict() does). With several ranks, every rank calls it with the same path."""
     path = _norm(path)
     step._fill_if_empty()        # a model built under px.init_empty() gets its values in the chunks, if they exist
     if any(is_empty(t) for t in model_tensors(step._model).values()):
