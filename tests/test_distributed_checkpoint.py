@@ -283,19 +283,29 @@ def _step(precision="fp32", chunk_size=2048):
                       device="cpu")(case.loss_fn), case
 
 
-def test_one_process_writes_either_format_and_reads_both(tmp_path):
-    step, case = _step()
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_one_process_writes_either_format_and_reads_both(tmp_path, precision):
+    """Either format resumes bit for bit in one process, into another chunk size, with the fp16 loss scaler's
+    state (set to what overflows would have left) and the RNG state carried."""
+    step, case = _step(precision)
     for i in range(2):
         step(*case.batch(i))
+    if precision == "fp16":
+        step._scaler.scale, step._scaler.good_steps = 2.0 ** 9, 7
+    torch.manual_seed(123)
     ckpt.save(step, tmp_path / "sharded", sharded=True)
     step.save(tmp_path / "plain")
     assert sorted(os.listdir(tmp_path / "plain")) == sorted(ckpt.FILES)
     assert pdcp.MARKER in os.listdir(tmp_path / "sharded")
-    want = [step(*case.batch(i)).item() for i in (2, 3)]
+    want = [step(*case.batch(i)).item() for i in (2, 3)] + [torch.rand(()).item()]
     for name in ("sharded", "plain"):
-        again, _ = _step(chunk_size=1000)
+        again, _ = _step(precision, chunk_size=1000)
+        torch.manual_seed(0)
         again.load(tmp_path / name)
-        assert [again(*case.batch(i)).item() for i in (2, 3)] == want, name
+        if precision == "fp16":
+            assert (again._scaler.scale, again._scaler.good_steps) == (2.0 ** 9, 7), name
+        assert [again(*case.batch(i)).item() for i in (2, 3)] + [torch.rand(()).item()] == want, name
+        _equal_state(again.state_dict(), step.state_dict(), name)
     # a sharded checkpoint is replaced by the next save under its name, atomically
     ckpt.save(step, tmp_path / "sharded", sharded=True)
     assert sorted(os.listdir(tmp_path)) == ["plain", "sharded"]
