@@ -169,7 +169,8 @@ def _prepare(path: str) -> tuple[str, str]:
     if os.path.exists(path):
         if not os.path.isdir(path):
             raise ValueError(f"step.save: {path!r} exists and is not a directory; pass a directory name")
-        foreign = sorted(n for n in os.listdir(path) if n not in FILES and n != dcp.MARKER and not n.endswith(".distcp"))
+        foreign = sorted(n for n in os.listdir(path)
+                         if n not in FILES and n != dcp.MARKER and not n.endswith(".distcp"))
         if foreign:
             raise ValueError(f"step.save: {path!r} holds files that are not a pstar-fx checkpoint's "
                              f"({foreign[:3]}); save into a new or an old checkpoint directory, which is replaced "

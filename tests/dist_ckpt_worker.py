@@ -23,7 +23,8 @@ SPEC.json is a list of runs, done in order in this process; each is a dict with
               the state dict read after that too
 Every rank writes OUT.rank{r}: {name: {"losses", "state" (step.state_dict(), gathered), "optimizer"
 (step.optimizer.state_dict()), "loaded_state" / "loaded_optimizer" (right after the load, when there is one),
-"saved", "rank0_state" (step.state_dict(rank0_only=True)), "loss_scale", "world"}}, or {"error": (type, message, traceback)}.
+"saved", "rank0_state" (step.state_dict(rank0_only=True)), "loss_scale", "world"}},
+or {"error": (type, message, traceback)}.
 """
 from __future__ import annotations
 
