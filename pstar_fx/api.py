@@ -359,10 +359,14 @@ class CompiledStep:
         """Restore a checkpoint written by save(), before the first step or after a failed one too."""
         checkpoint.load(self, path)
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
+    def state_dict(self, *, rank0_only: bool = False) -> dict[str, torch.Tensor]:
         """Keys and shapes of model.state_dict(), full-precision values (fp32 masters in mixed precision): the
-        current values wherever they are (this step's chunks, another step's, or the model)."""
+        current values wherever they are (this step's chunks, another step's, or the model). With several ranks a
+        collective (every rank calls it) that gathers every value on every rank; rank0_only: on rank 0 only (the
+        others return {}), see pstar_fx.checkpoint.gather_state_dict."""
         self._fill_if_empty()
+        if rank0_only and self._comm is not None:
+            return checkpoint.gather_state_dict(self)
         ref = self._model.state_dict()
         out = {}
         holders = {holder(t) for t in model_tensors(self._model).values()}

@@ -174,6 +174,14 @@ class ChunkStore:
         lo, hi = max(offset, first), min(offset + numel, first + s)
         return lo - first, max(lo, hi) - first, lo - offset
 
+    def piece(self, name: str) -> tuple[int, int, int]:
+        """This rank's piece of parameter `name`: (start, stop, at): it holds elements [start, stop) of the flattened
+        parameter, at [at, at + stop - start) of its chunk's shard (host_param, the master and every state part).
+        start == stop: none of it. Sharded checkpoints (pstar_fx.dcp) read and write these pieces in place."""
+        p = self.params[name]
+        lo, hi, src = self._own(self.chunks[p.chunk], p.offset, p.numel)
+        return src, src + hi - lo, lo
+
     def full_chunk(self, t: torch.Tensor) -> torch.Tensor:
         """A chunk-sized flat host buffer made whole from every rank's shard (collective); the buffer itself with
         one rank."""
