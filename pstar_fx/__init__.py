@@ -3,8 +3,9 @@ from .errors import BudgetError, CommitError, ModelHeldError, PstarError, Untrac
 from .optim import Adam, AdamW
 from .api import compile, CompiledStep
 from .ir import TrainGraph
+from .planning import PlanReport, plan
 from .timeline import plot_memory
 
 __all__ = ["compile", "CompiledStep", "Adam", "AdamW", "BudgetError", "UntraceableError", "PstarError", "CommitError", "ModelHeldError",
-           "TrainGraph", "plot_memory"]
+           "TrainGraph", "plot_memory", "plan", "PlanReport"]
 __version__ = "0.1.0"
