@@ -6,7 +6,8 @@
 Runs on any machine (no GPU, no process group): the model is built on the meta device, the step traced and planned as
 each of the --world-size ranks would, and the cost model (pstar_fx/cost.py) estimates the step time. The GPT is
 nanoGPT's, as in benchmarks/gpt.py: vocab 50304 (--vocab), tied head, learned positions, biases and LayerNorms, no
-dropout, loss cross-entropy; --checkpoint wraps every block in torch.utils.checkpoint. --batch is per GPU.
+dropout, loss cross-entropy; --checkpoint wraps every block in torch.utils.checkpoint. --batch is per GPU. Exit
+status: 0 when the model fits, 1 when it does not.
 """
 from __future__ import annotations
 
@@ -130,6 +131,12 @@ def main(argv=None) -> planning.PlanReport:
     return report
 
 
+def run(argv=None) -> int:
+    """The console script (`pstar-fx-plan`, `python -m pstar_fx.plan`): exit status 0 when the model fits, 1 when
+    it does not."""
+    return 0 if main(argv).fits else 1
+
+
 class _CallableModule(types.ModuleType):
     """`import pstar_fx.plan` binds this module to the name `pstar_fx.plan`, where `px.plan` (the function) lives:
     calling the module calls the function, so both keep working."""
@@ -141,4 +148,4 @@ class _CallableModule(types.ModuleType):
 sys.modules[__name__].__class__ = _CallableModule
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run())

@@ -115,6 +115,8 @@ class PlanReport:
                             f"({format_bytes(self.host_bytes)} per GPU, "
                             f"{format_bytes(self.host_setup_bytes)} while setting up)"),
             ("verdict", "FITS" if self.fits else "DOES NOT FIT"),
+            ("not counted", f"the model's own values, {format_bytes(self.model_bytes)} per GPU process if "
+                            "materialised (px.compile copies a real model into its chunks)"),
         ]
         if self.fits_device:
             rows += [
