@@ -108,7 +108,7 @@ class StepCost:
     seconds: float                        # one step, in the steady state
     first_seconds: float                  # the first step: chunks carried in, nothing pending from before
     busy: Mapping[Lane, float]            # seconds each lane works during one steady-state step
-    flops: float                          # FLOPs of the graph's matmul, convolution and attention nodes, recompute included
+    flops: float                          # FLOPs of the matmul, convolution and attention nodes (recompute too)
     machine: Machine = field(repr=False, default=H200)
 
     @property
@@ -117,7 +117,7 @@ class StepCost:
         return max(self.busy, key=lambda k: (self.busy[k], k.value))
 
 
-# -- 1. per node ------------------------------------------------------------------------------------------------------
+# -- 1. per node -------------------------------------------------------------------------------------------------------
 
 def _val(a):
     return a.meta.get("val") if isinstance(a, fx.Node) else None
@@ -202,9 +202,10 @@ MATMUL_FLOPS: dict[object, Callable[[fx.Node], float]] = {
     **{op: _conv_backward for op in _ops("convolution_backward")},
 }
 ATTENTION_FLOPS: dict[object, Callable[[fx.Node], float]] = {
-    **{op: _attention for op in _ops("_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
-                                     "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
-                                     "_flash_attention_forward", "_efficient_attention_forward")},
+    **{op: _attention for op in _ops(
+        "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+        "_flash_attention_forward", "_efficient_attention_forward")},
     **{op: _attention_backward for op in _ops(
         "_scaled_dot_product_flash_attention_backward", "_scaled_dot_product_flash_attention_for_cpu_backward",
         "_scaled_dot_product_efficient_attention_backward", "_scaled_dot_product_cudnn_attention_backward",
@@ -248,7 +249,7 @@ def node_seconds(n: fx.Node, m: Machine = H200) -> float:
     return memory + m.kernel_s if moved else 0.0
 
 
-# -- 2. the lanes ---------------------------------------------------------------------------------------------------------
+# -- 2. the lanes ------------------------------------------------------------------------------------------------------
 
 class _Timeline:
     """One lane's busy intervals, in time order (a lane does one thing at a time, so they never overlap)."""

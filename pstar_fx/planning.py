@@ -246,6 +246,12 @@ def plan(model: nn.Module, loss_fn, *batch, world_size: int = 1, device_memory=N
     per_node = min(world_size, gpus_per_node or machine.gpus_per_node)
     machine = dataclasses.replace(machine, gpus_per_node=per_node)
     dev = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("px.plan(device='cuda'): this torch sees no CUDA device, and fake CUDA tensors need one to "
+                         "trace under autocast; leave device=None (or 'cpu') to trace for the CPU, whose plan is the "
+                         "same for transformers (see px.plan's docstring)")
+    if dev.type not in ("cuda", "cpu"):
+        raise ValueError(f"device must be 'cuda' or 'cpu' (or None), got {device!r}")
     meta_batch = _as_batch(batch)
     settings = Settings(precision=prec, device=dev, budget=budget, chunk_size=chunk_size,
                         optimizer=_layout(model, optimizer),

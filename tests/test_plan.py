@@ -170,6 +170,11 @@ def test_bad_arguments_say_what_to_change():
         _plan(case, case.batch(0), precision="int8")
     with pytest.raises(ValueError, match="cannot read"):
         _plan(case, case.batch(0), device_memory="lots")
+    if not torch.cuda.is_available():     # tracing for CUDA without it would abort the process: refused first
+        with pytest.raises(ValueError, match="sees no CUDA"):
+            _plan(case, case.batch(0), device="cuda")
+        _plan(case, case.batch(0), device=None)
+        assert not torch.cuda.is_initialized()
 
 
 # -- the command line -----------------------------------------------------------------------------------------------
@@ -201,14 +206,14 @@ def test_command_line_no_fit_and_px_plan_survive_importing_the_module(capsys):
 def test_command_line_gpt_is_the_benchmark_gpt():
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import gpt as bench
-    from pstar_fx import plan as cli
+    from pstar_fx.plan import GPT, GPTConfig, gpt_loss
     with torch.device("meta"):
         a = bench.GPT(bench.GPTConfig(vocab=256, seq=32, layers=2, hidden=64, heads=4))
-        b = cli.GPT(cli.GPTConfig(vocab=256, seq=32, layers=2, hidden=64, heads=4))
+        b = GPT(GPTConfig(vocab=256, seq=32, layers=2, hidden=64, heads=4))
     assert [(n, p.shape) for n, p in a.named_parameters()] == [(n, p.shape) for n, p in b.named_parameters()]
     batch = ((2, 32), torch.long)
     ra = px.plan(a, bench.gpt_loss, batch, batch, device="cpu", device_memory="1GB")
-    rb = px.plan(b, cli.gpt_loss, batch, batch, device="cpu", device_memory="1GB")
+    rb = px.plan(b, gpt_loss, batch, batch, device="cpu", device_memory="1GB")
     assert str(ra.graph) == str(rb.graph)
     # model FLOPs are the benchmark's formula: 6 N tokens + 12 layers hidden seq tokens
     n = bench.n_params(a)
@@ -254,9 +259,10 @@ def test_step_time_grows_when_moving_bytes_gets_slower(world, h2d, d2h, cpu, com
     as more bytes would) never gets faster, and the slowed lanes are busy at least as long."""
     g = _moving_graphs()[world - 1]
     fast = cost.estimate(g, H200)
+    duplex = max(h2d, d2h)
     slow_machine = dataclasses.replace(
-        H200, h2d_bytes=H200.h2d_bytes / h2d, d2h_bytes=H200.d2h_bytes / d2h,
-        duplex_bytes=H200.duplex_bytes / max(h2d, d2h), duplex_cpu_bytes=H200.duplex_cpu_bytes / max(h2d, d2h), cpu_adam=H200.cpu_adam / cpu,
+        H200, h2d_bytes=H200.h2d_bytes / h2d, d2h_bytes=H200.d2h_bytes / d2h, duplex_bytes=H200.duplex_bytes / duplex,
+        duplex_cpu_bytes=H200.duplex_cpu_bytes / duplex, cpu_adam=H200.cpu_adam / cpu,
         nvlink_bus_bytes=H200.nvlink_bus_bytes / comm, network_bus_bytes=H200.network_bus_bytes / comm)
     slow = cost.estimate(g, slow_machine)
     assert slow.seconds >= fast.seconds * (1 - 1e-9)
