@@ -115,8 +115,8 @@ class PlanReport:
                             f"({format_bytes(self.host_bytes)} per GPU, "
                             f"{format_bytes(self.host_setup_bytes)} while setting up)"),
             ("verdict", "FITS" if self.fits else "DOES NOT FIT"),
-            ("not counted", f"the model's own values, {format_bytes(self.model_bytes)} per GPU process if "
-                            "materialised (px.compile copies a real model into its chunks)"),
+            ("not counted", f"the model's own values: {format_bytes(self.model_bytes)} in each process if "
+                            "materialised (px.compile copies them in)"),
         ]
         if self.fits_device:
             rows += [
@@ -132,7 +132,7 @@ class PlanReport:
             busy = ", ".join(f"{k.value} {v:.3f}" for k, v in self.cost.busy.items() if v > 0)
             rows += [
                 ("step time", f"{self.cost.seconds:.3f} s estimated (first step {self.cost.first_seconds:.3f} s); "
-                              f"bound by {self.cost.bound.value}"),
+                              f"busiest lane: {self.cost.bound.value}"),
                 ("lanes busy (s)", busy),
                 ("speed", f"{self.tflops:.4g} TFLOP/s per GPU (6 x params x tokens + attention: "
                           f"{self.model_flops / 1e12:.4g} TFLOP per GPU per step), "
