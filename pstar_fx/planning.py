@@ -272,7 +272,7 @@ def plan(model: nn.Module, loss_fn, *batch, world_size: int = 1, device_memory=N
                   device_memory=budget, host_memory=host, model_bytes=model_bytes, trace_seconds=traced.seconds,
                   passes_seconds=passes_s, traced_on=dev.type)
     if final is None:
-        # no plan: the host figure assumes every state on the host and every gradient written back (an upper bound)
+        # no plan: the host figure is an estimate, every state on the host and every gradient written back
         params = sum(p.numel for p in traced.params if p.trainable)
         per = params / world_size
         state = (3 if prec.mixed else 2) * 4

@@ -86,6 +86,21 @@ def test_a_meta_model_plans_like_the_real_one():
     assert str(meta.graph) == str(real.graph)
     assert meta.peak_device == real.peak_device and meta.cost == real.cost
     assert all(p.is_meta for p in model.parameters()), "planning allocates nothing in the model"
+    # parameter groups of a meta model: chunks hold one group each, laid out as px.compile lays them out
+    grouped = px.plan(model, case.loss_fn, *case.batch(0), precision="fp32", chunk_size=CHUNK, device="cpu",
+                      optimizer=px.AdamW(_two_groups(model)))
+    real_model = case.build_model()
+    step = px.compile(real_model, optimizer=px.AdamW(_two_groups(real_model)), device="cpu", precision="fp32",
+                      chunk_size=CHUNK)(case.loss_fn)
+    step.lower(*case.batch(0))
+    layout = [(c.params, c.opt_group) for c in grouped.graph.chunks]
+    assert layout == [(c.params, c.opt_group) for c in step.final_graph.chunks]
+    assert {group for _, group in layout if group is not None} == {0, 1}
+
+
+def _two_groups(model):
+    return [{"params": [p for p in model.parameters() if p.dim() >= 2]},
+            {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
 
 
 # -- two gloo ranks: px.plan(world_size=2) is the plan each rank compiled and ran -------------------------------------
