@@ -419,7 +419,7 @@ def _simulate(g: TrainGraph, m: Machine, node_s: list[float], background, steps:
                 convert = numel * 12 / m.hbm_bytes if g.settings.precision.mixed else 0.0
                 t = max([compute_at] + [ready.get(k, 0.0) for k in keys])
                 done = sim._fixed(Lane.COMPUTE, t, numel / m.gpu_adam + convert + m.kernel_s)
-                if world > 1:                                   # the updated chunk is gathered again
+                if n.kwargs.get("gather", False):               # the updated chunk is gathered again
                     ready[BufKey(c.id, BufKind.PARAM)] = sim.collective(done, c.nbytes)
             elif a.role is Role.OPTIMIZER_STEP:
                 t = max(issue, reading.get(c.id, 0.0), *(home.get(BufKey(c.id, b), 0.0) for b in BufKind))

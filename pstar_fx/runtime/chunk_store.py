@@ -283,6 +283,12 @@ class ChunkStore:
             self.host_grad[key.chunk] = self.hostmem.zeros(shard_numel(c, self.world), c.dtype)
         return self.host_grad[key.chunk]
 
+    def home_bytes(self, key: BufKey) -> int:
+        """Bytes a fetch or write-back of this buffer moves between host and device (this rank's part)."""
+        c = self.chunks[key.chunk]
+        whole = self.world == 1 or (key.buf is BufKind.GRAD and key.chunk not in self.reduced)
+        return c.nbytes if whole else shard_numel(c, self.world) * c.dtype.itemsize
+
     def _home_part(self, key: BufKey, slot: torch.Tensor) -> torch.Tensor:
         """The part of a slot its host home holds: the whole slot, or (sharded) this rank's shard, except a
         gradient not yet reduced, which goes home whole."""
@@ -407,17 +413,17 @@ class ChunkStore:
         for key in sorted(self.slots.keys() - want.keys(), key=BufKey.order):
             stale = key in self.stale and key.buf is BufKind.PARAM
             self.release(key, writeback=stale)
-            d2h += self.chunks[key.chunk].nbytes if stale else 0
+            d2h += self.home_bytes(key) if stale else 0
         for key in sorted(want.keys() - self.slots.keys(), key=BufKey.order):
             self.fetch(key)
-            h2d += self.chunks[key.chunk].nbytes
+            h2d += self.home_bytes(key)
         # a slot stale on the host that this plan assumes current (another graph on the same chunks left it so:
         # a training step's resident parameters when an evaluation runs) is written home and stays resident
         for key in sorted((k for k in self.stale if not want.get(k, False)), key=BufKey.order):
             assert key.buf is BufKind.PARAM, f"{key}: a stale gradient slot outlived its step"
             self._write_back(key, self.slot(key))
             self.stale.discard(key)
-            d2h += self.chunks[key.chunk].nbytes
+            d2h += self.home_bytes(key)
         return h2d, d2h
 
     def restore_params_from_masters(self) -> None:
