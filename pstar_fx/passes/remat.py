@@ -123,7 +123,9 @@ def block_paths(names) -> dict[str, str | None]:
     return out
 
 
-def _random(n: fx.Node) -> bool:
+def draws_random(n: fx.Node) -> bool:
+    """The op draws random numbers: tagged nondeterministic_seeded, unless its only randomness is a dropout argument
+    that is 0."""
     tags = getattr(n.target, "tags", ())
     if torch.Tag.nondeterministic_seeded not in tags:
         return False
@@ -189,7 +191,7 @@ class _Graph:
         if n.target is operator.getitem:
             src = n.args[0]
             return isinstance(src, fx.Node) and self.recomputable(self.pos[src])
-        if not isinstance(n.target, torch._ops.OpOverload) or mutated_args(n) or _random(n):
+        if not isinstance(n.target, torch._ops.OpOverload) or mutated_args(n) or draws_random(n):
             return False
         if torch.Tag.nondeterministic_bitwise in n.target.tags:
             return False
@@ -200,16 +202,18 @@ class _Graph:
 
 
 def _windows(g: TrainGraph, nodes: list[fx.Node]) -> list[tuple[int, int]]:
-    """Per micro-batch: (first position, position of its loss seed); its forward nodes lie in between."""
+    """Per micro-batch: (first position, position of its loss seed); its forward nodes lie in between. A seed is a
+    backward node computed from forward values only (parameter reads placed in backward have no inputs)."""
     backward = {n for n in nodes if g.ann[n.name].phase is Phase.BACKWARD}
-    seeds = [i for i, n in enumerate(nodes) if n in backward and not any(a in backward for a in n.all_input_nodes)]
+    seeds = [i for i, n in enumerate(nodes) if n in backward and n.all_input_nodes
+             and not any(a in backward for a in n.all_input_nodes)]
     return [(0 if k == 0 else seeds[k - 1] + 1, s) for k, s in enumerate(seeds)]
 
 
-def find_segments(g: TrainGraph) -> tuple[Segment, ...]:
+def find_segments(g: TrainGraph, G: _Graph | None = None) -> tuple[Segment, ...]:
     """The candidate segments of a liveness-stage graph (see the module docstring); those with nothing to free are
     left out."""
-    G = _Graph(g)
+    G = G or _Graph(g)
     nodes, pos = G.nodes, G.pos
     blocks = block_paths(p.name for p in g.params)
     out: list[Segment] = []
@@ -311,54 +315,64 @@ def _segment(G: _Graph, sid: int, block, start: int, end: int, members: list[int
 
 @dataclass(frozen=True)
 class _Copies:
-    """What a segment's copies do to liveness, in positions relative to its block of copies (int) or of the input
-    graph (("orig", i))."""
-    size: int                                    # number of copies
-    override: tuple[tuple[int, int], ...]        # (storage, new last position) of the saved values' storages
-    extend: tuple[tuple[int, object], ...]       # (original storage, position it must live to)
-    new: tuple[tuple[int, object, int], ...]     # (first copy, last position, bytes) of each new storage
-    own: tuple[int, ...]                         # chunk-buffer bytes each copy needs
-    live_to: tuple[object, ...]                  # last position each copy's value is read at
+    """What a segment's copies do to liveness, as index arrays over the replay's storages. A position is relative to
+    the segment's block of copies (`*_rel`) or one of the input graph (`*_orig`), the other one -1."""
+    size: int                        # number of copies
+    own: torch.Tensor                # chunk-buffer bytes each copy needs
+    ov_idx: torch.Tensor             # storages of the saved values: now last read in forward,
+    ov_pos: torch.Tensor             # at this position
+    ex_idx: torch.Tensor             # original storages the copies read or view: alive at least
+    ex_rel: torch.Tensor             # until this position
+    ex_orig: torch.Tensor
+    new_first: torch.Tensor          # the copies' own storages: made by this copy,
+    new_rel: torch.Tensor            # last read here,
+    new_orig: torch.Tensor
+    new_size: torch.Tensor           # of this many bytes
 
 
-def _copies(G: _Graph, s: Segment, own: list[int]) -> _Copies:
+def _tensor(xs) -> torch.Tensor:
+    return torch.tensor(list(xs), dtype=torch.int64)
+
+
+def _split(p) -> tuple[int, int]:
+    """A position as (relative, original), the other one -1."""
+    return (-1, p[1]) if isinstance(p, tuple) else (p, -1)
+
+
+def _later(a, b):
+    """The later of two positions; an ("orig", i) position comes after every copy."""
+    if isinstance(a, tuple) != isinstance(b, tuple):
+        return a if isinstance(a, tuple) else b
+    return max(a, b)
+
+
+def _copies(G: _Graph, s: Segment, own: list[int], index: dict[int, int]) -> _Copies:
     nodes, pos = G.nodes, G.pos
     rpos = {i: j for j, i in enumerate(s.recompute)}
     values = set(s.values)
-    late = {i: max(pos[u] for u in nodes[i].users if pos[u] > s.seed and u.op != "output") for i in values}
     override = []
     for k in sorted({k for i in values for k in G.keys[i]}):
         reads = [pos[u] for i in G.sharers[k] for u in nodes[i].users if pos[u] < s.seed]
         override.append((k, max([G.sharers[k][0]] + reads)))
-    # each copy's last use: a later copy reading it, or (a saved value) its original's backward users
+    # each copy's last use: a later copy reading it, or (a saved value) its original's backward users, and the users
+    # of backward views of it (they will view the copy)
     last: list[object] = []
     for j, i in enumerate(s.recompute):
         if i in values:
-            last.append(("orig", late[i]))
+            ends = [pos[u] for u in nodes[i].users if pos[u] > s.seed and u.op != "output"]
+            ends += [G.last[m] for k in G.keys[i] for m in G.sharers[k] if m > s.seed]
+            last.append(("orig", max(ends)))
         else:
             last.append(max((rpos[pos[u]] for u in nodes[i].users if pos[u] in rpos), default=j))
     ckey: dict[tuple[int, int], object] = {}    # (copy, original storage) -> storage in the copy world
     extend: dict[int, object] = {}
     new: dict[object, list] = {}
-
-    def later(a, b):                           # an ("orig", i) position comes after every copy
-        if isinstance(a, tuple) != isinstance(b, tuple):
-            return a if isinstance(a, tuple) else b
-        return max(a, b)
-
-    # a backward view of a saved value will view its copy: it keeps the copy's storage alive as it kept the original
-    for j, i in enumerate(s.recompute):
-        if i in values:
-            for k in G.keys[i]:
-                bw = [G.last[m] for m in G.sharers[k] if m > s.seed]
-                if bw:
-                    last[j] = later(last[j], ("orig", max(bw)))
     for j, i in enumerate(s.recompute):
         ins = nodes[i].all_input_nodes
         for a in ins:                          # original values read: alive until this copy
             if pos[a] not in rpos:
                 for k in G.keys[pos[a]]:
-                    extend[k] = later(extend.get(k, j), j)
+                    extend[k] = _later(extend.get(k, j), j)
         for k in G.keys[i]:
             src = next((ckey[(rpos[pos[a]], k)] for a in ins if pos[a] in rpos and (rpos[pos[a]], k) in ckey), None)
             if src is None and any(pos[a] not in rpos and k in G.keys[pos[a]] for a in ins):
@@ -368,46 +382,43 @@ def _copies(G: _Graph, s: Segment, own: list[int]) -> _Copies:
                 new[src] = [j, last[j], G.size[k]]
             ckey[(j, k)] = src
             if isinstance(src, tuple):
-                new[src][1] = later(new[src][1], last[j])
+                new[src][1] = _later(new[src][1], last[j])
             else:
-                extend[k] = later(extend.get(k, j), last[j])
-    return _Copies(size=len(s.recompute), override=tuple(override), extend=tuple(sorted(extend.items())),
-                   new=tuple((a, b, c) for a, b, c in new.values()), own=tuple(own[i] for i in s.recompute),
-                   live_to=tuple(last))
+                extend[k] = _later(extend.get(k, j), last[j])
+    ex = sorted(extend.items())
+    return _Copies(
+        size=len(s.recompute), own=_tensor(own[i] for i in s.recompute),
+        ov_idx=_tensor(index[k] for k, _ in override), ov_pos=_tensor(p for _, p in override),
+        ex_idx=_tensor(index[k] for k, _ in ex), ex_rel=_tensor(_split(p)[0] for _, p in ex),
+        ex_orig=_tensor(_split(p)[1] for _, p in ex),
+        new_first=_tensor(f for f, _, _ in new.values()), new_rel=_tensor(_split(p)[0] for _, p, _ in new.values()),
+        new_orig=_tensor(_split(p)[1] for _, p, _ in new.values()), new_size=_tensor(b for _, _, b in new.values()))
 
 
 @dataclass(frozen=True)
 class _Figures:
     need: int                        # least budget any schedule of the graph fits
     excess: int                      # comfort bytes above the budget, summed over nodes
-    live: tuple[int, ...]            # live activation bytes per node of the rewritten graph
 
 
 class _Replay:
     """Liveness of the graph with a choice of segments recomputed, without building it (exact: the same rule as
-    liveness.analyze over the graph `apply` builds)."""
+    liveness.analyze over the graph `apply` builds), and the figures the choice is made by."""
 
-    def __init__(self, g: TrainGraph, G: _Graph, segments: tuple[Segment, ...], budget: int | None):
+    def __init__(self, g: TrainGraph, G: _Graph, budget: int | None):
         self.g, self.G = g, G
-        self.segments = {s.id: s for s in segments}
+        self.segments: dict[int, Segment] = {}
+        self.copies: dict[int, _Copies] = {}
         nodes = G.nodes
-        n = len(nodes)
-        self.n = n
-        lv = analyze(nodes, g.ann)
-        last = last_uses(nodes)
-        keys, start, end, size = [], [], [], []
-        for k, sharers in G.sharers.items():
-            keys.append(k)
-            start.append(sharers[0])
-            end.append(max(last[i] for i in sharers))
-            size.append(G.size[k])
+        n = self.n = len(nodes)
+        keys = list(G.sharers)
         self.index = {k: j for j, k in enumerate(keys)}
-        self.start = torch.tensor(start, dtype=torch.int64)
-        self.end = torch.tensor(end, dtype=torch.int64)
-        self.size = torch.tensor(size, dtype=torch.int64)
+        self.start = _tensor(G.sharers[k][0] for k in keys)
+        self.end = _tensor(max(G.last[i] for i in G.sharers[k]) for k in keys)
+        self.size = _tensor(G.size[k] for k in keys)
         needs = all_needs(g)
-        own = [x.workspace + sum(buf_bytes(g, k) for k in x.resident) for x in needs]
-        self.own = torch.tensor(own, dtype=torch.int64)
+        self.own_list = [x.workspace + sum(buf_bytes(g, k) for k in x.resident) for x in needs]
+        self.own = _tensor(self.own_list)
         # comfort: everything on the device; a gradient buffer from its chunk's first gradient write
         grads = [0] * n
         seen: set[int] = set()
@@ -418,7 +429,7 @@ class _Replay:
                 if c.id not in seen and not c.grad_inplace:
                     seen.add(c.id)
                     grads[i] += c.nbytes
-        self.grads = torch.tensor(grads, dtype=torch.int64).cumsum(0)
+        self.grads = _tensor(grads).cumsum(0)
         trainable = [c for c in g.chunks if c.group is ChunkGroup.TRAINABLE]
         prec = g.settings.precision
         host = g.evolve(chunks=tuple(dataclasses.replace(c, state_home=StateHome.HOST) if c in trainable else c
@@ -429,28 +440,30 @@ class _Replay:
         self.comfort_end = base + sum(c.nbytes for c in trainable if not c.grad_inplace) + max(
             (step_workspace(c, prec) for c in trainable), default=0)
         self.budget = budget
-        self.copies = {s.id: _copies(G, s, own) for s in segments}
-        f = self.figures(()).live
-        bad = [i for i in range(n) if f[i] != lv.live[i]]
-        assert not bad, ("the replay disagrees with liveness on the input graph", bad[:5], [(f[i], lv.live[i]) for i in bad[:5]])
+        assert self.live(()) == [g.ann[nd.name].live_bytes for nd in nodes], \
+            "remat's replay disagrees with liveness on the input graph"
+
+    def add(self, segments) -> None:
+        for s in segments:
+            self.segments[s.id] = s
+            self.copies[s.id] = _copies(self.G, s, self.own_list, self.index)
 
     def figures(self, chosen) -> _Figures:
-        starts, ends, sizes, own, grads = self.intervals(chosen)
-        total = own.numel()
-        delta = torch.zeros(total + 1, dtype=torch.int64)
-        delta.index_add_(0, starts, sizes)
-        delta.index_add_(0, ends + 1, -sizes)
-        live = delta.cumsum(0)[:total]
+        live, own, grads = self._profile(chosen)
         need = self.static_host + int((live + own).max())
         excess = 0
         if self.budget is not None:
             comfort = self.comfort_base + grads + live
             excess = int((comfort - self.budget).clamp(min=0).sum()) + max(0, self.comfort_end - self.budget)
-        return _Figures(need=need, excess=excess, live=tuple(live.tolist()))
+        return _Figures(need=need, excess=excess)
 
-    def intervals(self, chosen):
-        """Activation storages of the rewritten graph as (first, last position, bytes) arrays, and per node its
-        chunk-buffer bytes and (for comfort) its gradient-buffer bytes."""
+    def live(self, chosen) -> list[int]:
+        """Live activation bytes per node of the graph `apply` builds for the chosen segments."""
+        return self._profile(chosen)[0].tolist()
+
+    def _profile(self, chosen):
+        """Per node of the rewritten graph: live activation bytes, chunk-buffer bytes and (for comfort) gradient
+        bytes."""
         chosen = sorted(chosen, key=lambda sid: (self.segments[sid].at, sid))
         n = self.n
         ins = torch.zeros(n, dtype=torch.int64)
@@ -458,39 +471,43 @@ class _Replay:
             ins[self.segments[sid].at] += self.copies[sid].size
         E = torch.arange(n, dtype=torch.int64) + ins.cumsum(0)
         total = n + int(ins.sum())
-        base: dict[int, int] = {}
         behind: dict[int, int] = {}
+        base: dict[int, int] = {}
         for sid in reversed(chosen):          # blocks at one position: in id order, right before it
             at = self.segments[sid].at
             behind[at] = behind.get(at, 0) + self.copies[sid].size
             base[sid] = int(E[at]) - behind[at]
-
-        def where(sid, p) -> int:
-            return int(E[p[1]]) if isinstance(p, tuple) else base[sid] + p
-
-        start, end = E[self.start], E[self.end].clone()
-        add_start, add_end, add_size = [], [], []
+        start, end = E[self.start], E[self.end]
         own = torch.zeros(total, dtype=torch.int64)
         own[E] = self.own
         grads = torch.zeros(total, dtype=torch.int64)
         grads[E] = self.grads
+        starts, ends, sizes = [start], [], [self.size]
+        ov_idx, ov_pos, ex_idx, ex_pos = [], [], [], []
+
+        def at_(rel, orig, b):
+            return torch.where(orig >= 0, E[orig.clamp(min=0)], rel + b)
+
         for sid in chosen:
-            c, s = self.copies[sid], self.segments[sid]
-            for k, p in c.override:
-                end[self.index[k]] = int(E[p])
-            for k, p in c.extend:
-                j = self.index[k]
-                end[j] = max(int(end[j]), where(sid, p))
-            for first, last, nbytes in c.new:
-                add_start.append(base[sid] + first)
-                add_end.append(where(sid, last))
-                add_size.append(nbytes)
-            own[base[sid]:base[sid] + c.size] = torch.tensor(c.own, dtype=torch.int64)
-            grads[base[sid]:base[sid] + c.size] = self.grads[s.at - 1]
-        starts = torch.cat([start, torch.tensor(add_start, dtype=torch.int64)])
-        ends = torch.cat([end, torch.tensor(add_end, dtype=torch.int64)])
-        sizes = torch.cat([self.size, torch.tensor(add_size, dtype=torch.int64)])
-        return starts, ends, sizes, own, grads
+            c, b = self.copies[sid], base[sid]
+            ov_idx.append(c.ov_idx)
+            ov_pos.append(c.ov_pos)
+            ex_idx.append(c.ex_idx)
+            ex_pos.append(at_(c.ex_rel, c.ex_orig, b))
+            starts.append(c.new_first + b)
+            ends.append(at_(c.new_rel, c.new_orig, b))
+            sizes.append(c.new_size)
+            own[b:b + c.size] = c.own
+            grads[b:b + c.size] = self.grads[self.segments[sid].at - 1]
+        if chosen:
+            end = end.clone()
+            end[torch.cat(ov_idx)] = E[torch.cat(ov_pos)]
+            end.scatter_reduce_(0, torch.cat(ex_idx), torch.cat(ex_pos), "amax")
+        starts, ends, sizes = torch.cat(starts), torch.cat([end] + ends), torch.cat(sizes)
+        delta = torch.zeros(total + 1, dtype=torch.int64)
+        delta.index_add_(0, starts, sizes)
+        delta.index_add_(0, ends + 1, -sizes)
+        return delta.cumsum(0)[:total], own, grads
 
 
 # -- choosing -----------------------------------------------------------------------------------------------------
@@ -595,6 +612,8 @@ def _refresh_views(graph: fx.Graph, redirected: set[fx.Node]) -> None:
     evaluated again, in graph order."""
     stale: dict[fx.Node, set[int]] = {}           # node evaluated again -> its old storages
     for u in graph.nodes:
+        if u not in redirected and not any(a in stale for a in u.all_input_nodes):
+            continue
         if u.op != "call_function" or not tensors_of(u) or not (
                 isinstance(u.target, torch._ops.OpOverload) or u.target is operator.getitem):
             continue
@@ -627,19 +646,22 @@ def _grads_not_in_place_after_reads(g: TrainGraph) -> TrainGraph:
 
 def remat(g: TrainGraph, *, enabled: bool = True) -> TrainGraph:
     budget = g.settings.budget
+    unchanged = g.evolve(stage="remat", made_by="remat")
     if not enabled or budget is None or g.settings.optimizer is None:
-        why = "off" if not enabled else "unlimited budget" if budget is None else "forward only"
-        return g.evolve(stage="remat", made_by=f"remat ({why}: nothing recomputed)")
+        return unchanged
     G = _Graph(g)
-    segments = find_segments(g)
-    replay = _Replay(g, G, segments, budget)
+    replay = _Replay(g, G, budget)
+    if replay.figures(()).excess == 0:         # comfort fits: nothing would move
+        return unchanged
+    segments = find_segments(g, G)
+    replay.add(segments)
     chosen = choose(replay, segments, budget)
     if replay.figures(chosen).need > budget:
         chosen = least_need(replay, segments)
         if replay.figures(chosen).need > budget:
             raise _budget_error(apply(g, [s for s in segments if s.id in chosen]), budget)
     out = apply(g, [s for s in segments if s.id in chosen])
-    assert list(replay.figures(chosen).live) == [out.ann[n.name].live_bytes for n in out.nodes], \
+    assert replay.live(chosen) == [out.ann[n.name].live_bytes for n in out.nodes], \
         "remat's replay of liveness disagrees with liveness on the rewritten graph"
     return out.evolve(stage="remat", made_by="remat")
 
@@ -649,9 +671,12 @@ def least_need_graph(g: TrainGraph) -> TrainGraph:
     step compiles under with recomputation."""
     if g.settings.optimizer is None:
         return g
-    segments = find_segments(g)
-    replay = _Replay(g, _Graph(g), segments, None)
-    return apply(g, [s for s in segments if s.id in least_need(replay, segments)])
+    G = _Graph(g)
+    segments = find_segments(g, G)
+    replay = _Replay(g, G, None)
+    replay.add(segments)
+    chosen = least_need(replay, segments)
+    return apply(g, [s for s in segments if s.id in chosen])
 
 
 def _budget_error(g: TrainGraph, budget: int) -> BudgetError:
