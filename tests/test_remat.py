@@ -6,7 +6,6 @@ dropout included: random ops are never recomputed). At a budget the step fits wi
 """
 import dataclasses
 import functools
-import sys
 
 import pytest
 import torch
@@ -20,7 +19,6 @@ from pstar_fx.trace import trace_step
 from harness import HYPER, compiled_step, eager_run, rel_err
 from models import CASES_BY_NAME, GPT, Case, _gpt_batch, assert_state_close, gpt_loss
 
-remat_module = sys.modules["pstar_fx.passes.remat"]   # the package attribute `remat` is the pass function
 STEPS = 4
 CHUNK = 1024
 GPT_DROPOUT = Case("gpt_dropout", lambda: GPT(vocab=64, block_size=16, n_layer=2, n_head=2, n_embd=32, dropout=0.1),

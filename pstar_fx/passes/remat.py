@@ -53,7 +53,7 @@ from torch.utils._pytree import tree_leaves
 from .. import cost, ops
 from ..errors import BudgetError
 from ..graph_utils import last_uses, mutated_args, storage_bytes, storage_key, tensors_of
-from ..ir import ChunkGroup, NodeAnn, Phase, Role, StateHome, TrainGraph, copy_graph, to_module
+from ..ir import ChunkGroup, Phase, Role, StateHome, TrainGraph, copy_graph, to_module
 from ..memory import all_needs, buf_bytes, state_bytes, static_bytes, step_workspace
 from ..trace_hints import CHECKPOINT, _private_chains
 from ..units import format_bytes
@@ -65,10 +65,9 @@ aten = torch.ops.aten
 
 # ops tagged nondeterministic_seeded that draw random numbers only through a dropout argument: name of that argument
 _RANDOM_ONLY_WITH_DROPOUT = {
-    aten._scaled_dot_product_flash_attention_for_cpu.default: "dropout_p",
-    aten._scaled_dot_product_flash_attention.default: "dropout_p",
-    aten._scaled_dot_product_efficient_attention.default: "dropout_p",
-    aten._scaled_dot_product_cudnn_attention.default: "dropout_p",
+    getattr(aten, op).default: "dropout_p"
+    for op in ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+               "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention") if hasattr(aten, op)
 }
 
 
@@ -214,7 +213,7 @@ def find_segments(g: TrainGraph, G: _Graph | None = None) -> tuple[Segment, ...]
     """The candidate segments of a liveness-stage graph (see the module docstring); those with nothing to free are
     left out."""
     G = G or _Graph(g)
-    nodes, pos = G.nodes, G.pos
+    nodes = G.nodes
     blocks = block_paths(p.name for p in g.params)
     out: list[Segment] = []
     for lo, seed in _windows(g, nodes):
@@ -572,7 +571,7 @@ def apply(g: TrainGraph, segments) -> TrainGraph:
         anchor = env[old[s.at]]
         for i in s.recompute:
             n = old[i]
-            args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: copy[a] if a in copy else env[a])
+            args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a, copy=copy: copy.get(a) or env[a])
             with graph.inserting_before(anchor):
                 c = graph.create_node("call_function", n.target, args, kwargs, name=f"rc_{n.name}")
             if "stack_trace" in n.meta:
@@ -601,7 +600,7 @@ def _fake_value(n: fx.Node, c: fx.Node):
     args, kwargs = fx.node.map_arg((c.args, c.kwargs), lambda a: a.meta["val"])
     if n.target is operator.getitem:
         return operator.getitem(*args, **kwargs)
-    mode = next(t.fake_mode for t in tree_leaves(n.meta["val"]) if isinstance(t, torch.Tensor))
+    mode = next(t.fake_mode for t in tree_leaves((n.meta["val"], args, kwargs)) if isinstance(t, torch.Tensor))
     with mode:
         return n.target(*args, **kwargs)
 
