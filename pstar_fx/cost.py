@@ -448,3 +448,13 @@ def estimate(g: TrainGraph, machine: Machine = H200, *, steps: int = 3) -> StepC
     total = sum(flops(n) for n in g.nodes if g.ann[n.name].role is Role.COMPUTE)
     return StepCost(seconds=ends[-1] - ends[-2], first_seconds=ends[0], busy=MappingProxyType(busy), flops=total,
                     machine=machine)
+
+
+def seconds(n: fx.Node, m: Machine = H200) -> float:
+    """One node's estimated time on the compute device (the remat pass weighs recomputing with it)."""
+    return node_seconds(n, m)
+
+
+def copy_seconds(nbytes: int, m: Machine = H200) -> float:
+    """A host <-> device copy of nbytes, one way, alone on the link."""
+    return nbytes / m.h2d_bytes
