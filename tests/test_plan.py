@@ -298,5 +298,6 @@ def test_fewer_bytes_moved_take_less_time():
     assert moved == sorted(moved, reverse=True) and moved[0] > moved[-1] == 0
     assert seconds == sorted(seconds, reverse=True) and seconds[0] > seconds[-1]
     for r in reports:
-        assert r.cost.seconds >= r.cost.busy[Lane.COMPUTE] and r.cost.seconds >= r.cost.busy[Lane.HOST]
+        slack = 1 + 1e-9      # sums of the same times in another order differ in the last bit
+        assert r.cost.seconds * slack >= r.cost.busy[Lane.COMPUTE] and r.cost.seconds * slack >= r.cost.busy[Lane.HOST]
 
