@@ -7,7 +7,7 @@ answer comes from the plan and from the cost model (`pstar_fx.cost`).
 - Device: the plan compiles under `device_memory` (every rank's plan is the same), or the BudgetError says how many
   bytes the step needs at least. The peak and the bytes moved and communicated are the plan's, per rank.
 - Host: what the ChunkStore of one rank keeps in host memory (its shard of every chunk's parameter home, the gradient
-  homes the plan writes back, the optimizer states placed on the host; at set-up every state starts on the host),
+  homes the plan writes back, the optimizer states placed on the host; at set-up the same but gradient homes),
   times the ranks of a node, against `host_memory` per node.
 - Speed: `cost.estimate` on the final graph: one steady-state step, and TFLOP/s per GPU counted as
   6 x parameters x tokens + attention (12 x B x heads x Tq x Tk x head_dim per attention layer: nanoGPT's count,
@@ -50,7 +50,7 @@ class PlanReport:
     device_needed: int | None        # the step does not fit: the least budget it needs (BudgetError.needed)
     peak_device: int | None          # the plan's predicted peak
     host_bytes: int                  # one rank's host memory in the steady state
-    host_setup_bytes: int            # one rank's host memory while its store is set up (every state on the host)
+    host_setup_bytes: int            # one rank's host memory while its store is set up (no gradient homes yet)
     model_bytes: int                 # the model's own values, which each rank holds at its first step today
     h2d_bytes: int
     d2h_bytes: int
@@ -182,7 +182,8 @@ def host_bytes(g: TrainGraph) -> tuple[int, int]:
     """One rank's host memory for g's chunks, as the ChunkStore allocates it: (steady state, during set-up).
     Parameter homes (its shard of every chunk), gradient homes of the buffers the plan writes back (a shard after
     the reduce-scatter, the whole chunk before it), optimizer states placed on the host, and in mixed precision the
-    frozen parameters at full precision. At set-up every trainable chunk's states start on the host."""
+    frozen parameters at full precision. At set-up each chunk's states start where the plan puts them (gradient
+    homes come later, at the first write-back)."""
     w, prec = g.settings.world, g.settings.precision
     params = sum(shard_numel(c, w) * c.dtype.itemsize for c in g.chunks)
     grads: set[tuple[int, bool]] = set()     # (chunk, whole)
@@ -197,9 +198,8 @@ def host_bytes(g: TrainGraph) -> tuple[int, int]:
                for c, whole in grads)
     trainable = [c for c in g.chunks if c.group is ChunkGroup.TRAINABLE]
     on_host = sum(state_bytes(c, prec, w) for c in trainable if c.state_home is StateHome.HOST)
-    every = sum(state_bytes(c, prec, w) for c in trainable)
     frozen = sum(p.numel * p.dtype.itemsize for p in g.params if not p.trainable) if prec.mixed else 0
-    return params + grad + on_host + frozen, params + every + frozen
+    return params + grad + on_host + frozen, params + on_host + frozen
 
 
 def model_flops(g: TrainGraph, tokens: int) -> float:

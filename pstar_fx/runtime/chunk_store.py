@@ -108,6 +108,14 @@ class HostMemory:
         self._registered.append(t)
         return t
 
+    def free(self, t: torch.Tensor) -> None:
+        """Give back a buffer made by zeros() (unpinned first), so its memory is freed once unreferenced."""
+        for i, r in enumerate(self._registered):
+            if r is t:
+                torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+                del self._registered[i]
+                return
+
     def __del__(self):
         for t in getattr(self, "_registered", ()):
             torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
@@ -135,9 +143,15 @@ class ChunkStore:
         self.state_home: list[StateHome | None] = [None] * len(chunks)
         self.states: list[torch.Tensor | None] = [None] * len(chunks)
         for c in chunks:
+            # each chunk's states start where the first plan puts them: host memory holds only the host ones
             if c.group is ChunkGroup.TRAINABLE:
-                self.states[c.id] = self.hostmem.zeros(state_floats(c, precision, self.world), torch.float32)
-                self.state_home[c.id] = StateHome.HOST
+                floats = state_floats(c, precision, self.world)
+                if c.state_home is StateHome.DEVICE:
+                    self.states[c.id] = self.pool.take(floats, torch.float32, what=f"optimizer states of chunk {c.id}")
+                    self.states[c.id].zero_()
+                else:
+                    self.states[c.id] = self.hostmem.zeros(floats, torch.float32)
+                self.state_home[c.id] = c.state_home or StateHome.HOST
         self.buffers: dict[str, torch.Tensor] = {}
         self.frozen_full: dict[str, torch.Tensor] = {}   # mixed precision: frozen parameters at full precision
         self._reading: dict[int, "torch.cuda.Event"] = {}  # chunk -> event after the last copy from its host buffers
@@ -262,6 +276,7 @@ class ChunkStore:
             if c.state_home is StateHome.DEVICE:
                 new = self.pool.take(old.numel(), torch.float32, what=f"optimizer states of chunk {c.id}")
                 new.copy_(old)
+                self.hostmem.free(old)      # host memory holds only the states placed there
             else:
                 new = self.hostmem.zeros(old.numel(), torch.float32)
                 new.copy_(old)
