@@ -543,8 +543,9 @@ def test_cuda_manual_seed_inside_the_block_and_the_global_rngs():
 def test_cuda_replay_holds_a_few_tensors_on_the_device(precision):
     """A GPT of 59M parameters (236 MB in fp32; the largest tensor, wte, 32 MB): building it under
     px.init_empty(device="cuda") allocates nothing on the GPU, and initialising it at the first step raises the GPU's
-    allocated memory by at most two of its largest tensor beyond what the compiled step holds (the whole model
-    never is on the GPU); the values equal an eager CUDA build's."""
+    allocated memory beyond what the compiled step holds by at most its largest tensor and that tensor's bf16 copy
+    on its way to the chunk (the whole model never is on the GPU; nor are two of its tensors at once, such as the
+    tied lm_head's own dead initialisation and wte's); the values equal an eager CUDA build's."""
     build = functools.partial(GPT, vocab=8192, block_size=64, n_layer=4, n_head=8, n_embd=1024)
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
@@ -563,5 +564,5 @@ def test_cuda_replay_holds_a_few_tensors_on_the_device(precision):
     largest = max(p.numel() for p in model.parameters()) * 4
     total = sum(p.numel() for p in model.parameters()) * 4
     assert 2 * largest < total / 3
-    assert 0 < grew <= 2 * largest, (grew, largest, total)
+    assert largest <= grew <= 1.5 * largest + 2**20, (grew, largest, total)
     assert_equal_exactly(step.state_dict(), built_on_cuda(build, empty=False).state_dict())
