@@ -21,16 +21,17 @@ from .ir import ChunkGroup, Precision, Role, Settings, StateHome, TrainGraph
 from .optim import OptimizerSpec
 from .optimizer import build as build_optimizer
 from .ownership import hold, holder, model_tensors, release
-from .passes import collectives, pipeline, run_passes, schedule, shard
+from .passes import assign_chunks, canonicalize, collectives, liveness, pipeline, run_passes
 from .memory import state_bytes
 from .passes.place_optimizer import min_need, place_optimizer
+from .passes.remat import least_need_graph
 from .runtime.chunk_store import ChunkStore
 from .runtime.comm import Comm, default_comm
 from .runtime.executor import Executor, LossScaler, Runtime, StepStats
 from .trace import FlatBatch, flatten_batch, model_tables, trace_step
 from .units import format_bytes, parse_bytes
 
-STAGE_NAMES = ("traced", "canonical", "chunked", "liveness", "optimizer_placed", "scheduled")   # + "sharded"
+STAGE_NAMES = ("traced", "canonical", "chunked", "liveness", "remat", "optimizer_placed", "scheduled")  # + "sharded"
 
 
 def _resolve_device(device) -> torch.device:
@@ -107,7 +108,7 @@ class CompiledStep:
 
     def __init__(self, fn: Callable, model: nn.Module, optimizer: OptimizerSpec, *, device_memory=None,
                  precision: str | None = None, chunk_size: int | None = None, device=None, debug: bool = False,
-                 prefetch: int = 4, max_grad_norm: float | None = None, accumulate: int = 1):
+                 prefetch: int = 4, max_grad_norm: float | None = None, accumulate: int = 1, remat="auto"):
         if not isinstance(model, nn.Module):
             raise TypeError(f"px.compile: model must be a torch.nn.Module, got {type(model).__name__}")
         if optimizer is not None and not isinstance(optimizer, OptimizerSpec):
@@ -126,6 +127,10 @@ class CompiledStep:
             raise ValueError(f"max_grad_norm must be a positive finite number (or None), got {max_grad_norm!r}")
         if not isinstance(accumulate, int) or isinstance(accumulate, bool) or accumulate < 1:
             raise ValueError(f"accumulate must be a number of micro-batches >= 1, got {accumulate!r}")
+        if remat not in ("auto", True, False):
+            raise ValueError(f"remat must be 'auto' (recompute activations where the budget needs it) or False, "
+                             f"got {remat!r}")
+        self._remat = remat is not False
         self._fn = fn
         self._model = model
         dev = _resolve_device(device)
@@ -159,7 +164,7 @@ class CompiledStep:
     def _compile(self, batch) -> _Compiled:
         traced = trace_step(self._fn, self._model, batch, self.settings)
         passes = pipeline(chunk_size=self.settings.chunk_size, layout=self._layout, prefetch=self.prefetch,
-                          world=self.settings.world)
+                          remat=self._remat, world=self.settings.world)
         stages = run_passes(traced, passes)
         final = stages[-1]
         if self._comm is not None:
@@ -238,12 +243,15 @@ class CompiledStep:
 
     def min_device_memory(self, *batch) -> int:
         """The smallest device_memory (bytes) under which this step compiles for this batch's shapes, with this
-        chunk layout: every optimizer state on the host and only what each node itself needs on the device."""
+        chunk layout: every optimizer state on the host and only what each node itself needs on the device, with the
+        activations recomputed that lower it most (unless remat=False)."""
         traced = trace_step(self._fn, self._model, batch, self.settings)
         passes = [p for p in pipeline(chunk_size=self.settings.chunk_size, layout=self._layout, prefetch=0,
                                       world=self.settings.world)
-                  if getattr(p, "func", p) not in (place_optimizer, schedule, shard)]
+                  if getattr(p, "func", p) in (canonicalize, assign_chunks, liveness)]
         before = run_passes(traced, passes)[-1]
+        if self._remat:
+            before = least_need_graph(before)
         host_only = before.evolve(settings=dataclasses.replace(before.settings, budget=0))
         return min_need(place_optimizer(host_only))
 
@@ -359,10 +367,14 @@ class CompiledStep:
         """Restore a checkpoint written by save(), before the first step or after a failed one too."""
         checkpoint.load(self, path)
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
+    def state_dict(self, *, rank0_only: bool = False) -> dict[str, torch.Tensor]:
         """Keys and shapes of model.state_dict(), full-precision values (fp32 masters in mixed precision): the
-        current values wherever they are (this step's chunks, another step's, or the model)."""
+        current values wherever they are (this step's chunks, another step's, or the model). With several ranks a
+        collective (every rank calls it) that gathers every value on every rank; rank0_only: on rank 0 only (the
+        others return {}), see pstar_fx.checkpoint.gather_state_dict."""
         self._fill_if_empty()
+        if rank0_only and self._comm is not None:
+            return checkpoint.gather_state_dict(self)
         ref = self._model.state_dict()
         out = {}
         holders = {holder(t) for t in model_tensors(self._model).values()}
@@ -423,13 +435,15 @@ def _check_measured(g: TrainGraph, per_node: list[int]) -> None:
 def compile(model: nn.Module, *, optimizer: OptimizerSpec | None, device_memory: int | str | None = None,
             precision: str | None = None, chunk_size: int | None = None, device=None, debug: bool = False,
             prefetch: int = 4, max_grad_norm: float | None = None,
-            accumulate: int = 1) -> Callable[[Callable], CompiledStep]:
+            accumulate: int = 1, remat="auto") -> Callable[[Callable], CompiledStep]:
     """Compile `step(model, *batch) -> loss` into one training step that fits `device_memory`.
 
     Use as a decorator: `@px.compile(model, optimizer=px.AdamW(lr=3e-4))` over `def step(model, x, y): ...`;
     then `loss = step(x, y)` runs forward, backward and the optimizer update. With `optimizer=None` the function
     is compiled forward only (evaluation: no backward, no update) and returns what it returns; it reads the chunks
     of a training step compiled on the same model. See DESIGN.md for the contract.
+    `remat="auto"` recomputes forward activations in backward where the budget needs it (see passes/remat.py);
+    `remat=False` never does.
     """
     def wrap(fn: Callable) -> CompiledStep:
         if optimizer is None:
@@ -441,5 +455,5 @@ def compile(model: nn.Module, *, optimizer: OptimizerSpec | None, device_memory:
                                 device=device, debug=debug, prefetch=prefetch)
         return CompiledStep(fn, model, optimizer, device_memory=device_memory, precision=precision,
                             chunk_size=chunk_size, device=device, debug=debug, prefetch=prefetch,
-                            max_grad_norm=max_grad_norm, accumulate=accumulate)
+                            max_grad_norm=max_grad_norm, accumulate=accumulate, remat=remat)
     return wrap

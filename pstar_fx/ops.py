@@ -55,9 +55,10 @@ def commit(rt) -> None:
     rt.commit()
 
 
-def optimizer_step(rt, *, chunk: int) -> None:
-    """Adam/AdamW on one whole flat chunk, where its optimizer states live."""
-    rt.optimizer_step(chunk)
+def optimizer_step(rt, *, chunk: int, gather: bool = False) -> None:
+    """Adam/AdamW on one whole flat chunk (with several ranks: this rank's shard of it), where its optimizer states
+    live; `gather` (several ranks, device-side states): all-gather the updated chunk, which stays resident."""
+    rt.optimizer_step(chunk, gather)
 
 
 RUNTIME_OPS = (param_view, write_grad, fetch, all_gather, alloc, release, reduce_scatter, commit, optimizer_step)

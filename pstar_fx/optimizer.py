@@ -98,6 +98,7 @@ class _Live:
         """name -> torch's per-parameter state, read out of the store (parameters whose chunk has stepped)."""
         st = self._store
         out: dict[str, dict] = {}
+        read: dict[int, dict] = {}       # chunk -> its states, read once (with several ranks: gathered once)
         for t, name, g in self._index():
             if name in out or name not in st.params:
                 continue
@@ -105,7 +106,9 @@ class _Live:
             c = st.chunks[p.chunk]
             if c.group is not ChunkGroup.TRAINABLE:
                 continue
-            parts = st.state_parts(c.id)
+            if c.id not in read:
+                read[c.id] = st.state_parts(c.id)
+            parts = read[c.id]
             step = float(parts["step"].item())
             if step == 0:
                 continue

@@ -8,6 +8,7 @@ import torch.fx as fx
 
 from .ir import Role, TrainGraph
 from .graph_utils import data_dependent_sizes, tensors_of
+from .passes.remat import REMAT
 from .units import format_bytes
 
 
@@ -66,7 +67,8 @@ def format_lines(g: TrainGraph) -> list[str]:
         live = "-" if a.live_bytes is None else format_bytes(a.live_bytes)
         res = "-" if a.resident_bytes is None else format_bytes(a.resident_bytes)
         call = _call(g, n)
-        lines.append(f"{i:5d} {a.phase.value:9s} {n.name:24s} = {call:60s} {shape:18s} {dtype:9s} "
+        phase = "recompute" if REMAT in n.meta else a.phase.value     # a forward value computed again in backward
+        lines.append(f"{i:5d} {phase:9s} {n.name:24s} = {call:60s} {shape:18s} {dtype:9s} "
                      f"{format_bytes(a.bytes):>11s} {live:>11s} {res:>11s}")
     return lines
 

@@ -111,6 +111,7 @@ def main() -> None:
         result.update(state_dict=sd, stage=g.stage, measured_peak=step.last_step.measured_peak,
                       predicted_peak=g.plan.predicted_peak, gathered=g.plan.gathered_bytes,
                       reduced=g.plan.reduced_bytes, states_on_device=step.summary().states_on_device,
+                      h2d=(step.last_step.h2d_bytes, g.plan.h2d_bytes), d2h=(step.last_step.d2h_bytes, g.plan.d2h_bytes),
                       chunks=len(g.chunks), optimizer=step.optimizer.state_dict())
     except Exception as e:  # noqa: BLE001 - recorded for the test
         result["error"] = (type(e).__name__, str(e), traceback.format_exc())

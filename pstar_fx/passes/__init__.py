@@ -1,6 +1,6 @@
 """The pass pipeline: an explicit list of pure `TrainGraph -> TrainGraph` functions, each checked by the verifier.
 
-    canonicalize -> assign_chunks -> liveness -> place_optimizer -> schedule (-> shard, with more than one rank)
+    canonicalize -> assign_chunks -> liveness -> remat -> place_optimizer -> schedule (-> shard, with 2+ ranks)
 """
 from __future__ import annotations
 
@@ -12,19 +12,25 @@ from .assign_chunks import assign_chunks
 from .canonicalize import canonicalize
 from .liveness import liveness
 from .place_optimizer import place_optimizer
+from .remat import remat
 from .schedule import schedule
 from .shard import collectives, shard
 from .verify import VerificationError, verify
 
+_remat = remat              # pipeline's keyword `remat` shadows the pass
 
-def pipeline(*, chunk_size=None, layout=None, prefetch: int = 4, train: bool = True, world: int = 1):
+
+def pipeline(*, chunk_size=None, layout=None, prefetch: int = 4, train: bool = True, remat: bool = True,
+             world: int = 1):
     """The passes in order, with their settings bound as keyword arguments. A forward-only (evaluation) graph has
-    no optimizer to place: its "optimizer_placed" stage is the liveness stage passed through. With more than one
-    rank the shard pass follows the schedule."""
+    no optimizer to place: its "optimizer_placed" stage is the liveness stage passed through (and nothing to
+    recompute). remat=False: nothing is recomputed (the stage is passed through). With more than one rank the
+    shard pass follows the schedule."""
     return [
         canonicalize,
         functools.partial(assign_chunks, chunk_size=chunk_size, layout=layout),
         liveness,
+        functools.partial(_remat, enabled=remat),
         place_optimizer if train else _no_optimizer,
         functools.partial(schedule, prefetch=prefetch),
     ] + ([shard] if world > 1 else [])
@@ -46,6 +52,6 @@ def run_passes(g: TrainGraph, passes) -> list[TrainGraph]:
     return stages
 
 
-__all__ = ["assign_chunks", "canonicalize", "liveness", "place_optimizer", "schedule", "shard", "collectives",
-           "verify", "pipeline",
+__all__ = ["assign_chunks", "canonicalize", "liveness", "place_optimizer", "remat", "schedule", "shard",
+           "collectives", "verify", "pipeline",
            "run_passes", "VerificationError"]

@@ -214,7 +214,8 @@ def _budget_error(g: TrainGraph, lv, cap: float, first: fx.Node) -> BudgetError:
         f"{format_bytes(lv.live[i])} + its chunk buffers {format_bytes(sum(buf_bytes(g, k) for k in x.resident))} + "
         f"workspace {format_bytes(x.workspace)} + always-resident {format_bytes(static)} (module buffers and "
         f"constants; every optimizer state on the host). The first node that does not fit is {_describe(first)}. "
-        "Raise device_memory, or lower chunk_size or the batch size.",
+        "Raise device_memory, or lower chunk_size or the batch size (with remat=False: allow recomputing "
+        "activations, remat='auto').",
         node=g.nodes[i].name, needed=need, available=int(cap))
 
 

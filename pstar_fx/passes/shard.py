@@ -6,9 +6,10 @@ Invariant after (world > 1): every `fetch` of a parameter buffer is an `all_gath
 goes host -> device into its place in the slot, then the ranks gather the rest); every trainable chunk has exactly
 one `reduce_scatter(chunk)`, right after the last write of any of its gradients and before anything else touches
 the gradient buffer (its release, or its optimizer step); after it, each rank's shard of the buffer holds the mean
-over ranks, and only that shard is written home or stepped. A device-side `optimizer_step` updates the rank's shard
-and all-gathers the parameter buffer again, so a buffer resident on the device is always the whole current chunk
-and the schedule's residency (what is carried across steps) means what it means on one rank. The memory plan is the
+over ranks, and only that shard is written home or stepped. A device-side `optimizer_step` updates the rank's shard;
+if the schedule keeps the parameter buffer resident into the next step (it is carried), the step all-gathers it
+again (`gather=True`), so a buffer resident on the device is always the whole current chunk and the schedule's
+residency means what it means on one rank; a buffer released after its update only writes its shard home. The memory plan is the
 schedule's: a gathered buffer is a full chunk slot, counted from its all_gather; the optimizer states and the step
 workspace on the device are per shard. The plan also counts, per step, the chunk bytes gathered and reduced, and
 host <-> device bytes per rank (shards, except gradients written back before they are reduced: accumulation).
@@ -22,7 +23,7 @@ import dataclasses
 
 from .. import ops
 from ..ir import BufKind, ChunkGroup, NodeAnn, Phase, Role, StateHome, TrainGraph, copy_graph, to_module
-from ..memory import shard_numel
+from ..memory import BufKey, shard_numel
 from .schedule import annotate
 
 
@@ -33,6 +34,7 @@ def shard(g: TrainGraph) -> TrainGraph:
     graph, _ = copy_graph(g)
     ann = dict(g.ann)
     nodes = list(graph.nodes)
+    carried = {k for k, _ in g.plan.carried}
     last_write: dict[int, object] = {}
     for n in nodes:
         a = ann[n.name]
@@ -40,6 +42,9 @@ def shard(g: TrainGraph) -> TrainGraph:
             last_write[g.param(a.param).chunk] = n
         elif a.role is Role.FETCH and n.target is ops.fetch and a.buf is BufKind.PARAM:
             n.target = ops.all_gather
+        elif a.role is Role.OPTIMIZER_STEP and g.chunks[a.chunk].state_home is StateHome.DEVICE \
+                and BufKey(a.chunk, BufKind.PARAM) in carried:
+            n.kwargs = {**n.kwargs, "gather": True}
     for cid, w in sorted(last_write.items()):
         assert g.chunks[cid].group is ChunkGroup.TRAINABLE
         with graph.inserting_after(w):
@@ -75,8 +80,8 @@ def _traffic(g: TrainGraph):
         elif n.target is ops.release and n.kwargs["writeback"]:
             whole = a.buf is BufKind.GRAD and a.chunk not in reduced
             d2h += c.nbytes if whole else part
-        elif a.role is Role.OPTIMIZER_STEP and c.state_home is StateHome.DEVICE:
-            gathered += c.nbytes      # a device-side step gathers the updated chunk
+        elif a.role is Role.OPTIMIZER_STEP and n.kwargs.get("gather", False):
+            gathered += c.nbytes      # a device-side step gathers the updated chunk it keeps
     return dataclasses.replace(g.plan, h2d_bytes=h2d, d2h_bytes=d2h, gathered_bytes=gathered,
                                reduced_bytes=scattered)
 
@@ -93,6 +98,6 @@ def collectives(g: TrainGraph) -> tuple[tuple[str, int], ...]:
             out.append(("reduce_scatter", a.chunk))
         elif a.role is Role.COMMIT:
             out.append(("all_reduce", -1))
-        elif a.role is Role.OPTIMIZER_STEP and g.chunks[a.chunk].state_home is StateHome.DEVICE:
+        elif a.role is Role.OPTIMIZER_STEP and n.kwargs.get("gather", False):
             out.append(("all_gather", a.chunk))
     return tuple(out)

@@ -108,6 +108,14 @@ class HostMemory:
         self._registered.append(t)
         return t
 
+    def free(self, t: torch.Tensor) -> None:
+        """Give back a buffer made by zeros() (unpinned first), so its memory is freed once unreferenced."""
+        for i, r in enumerate(self._registered):
+            if r is t:
+                torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+                del self._registered[i]
+                return
+
     def __del__(self):
         for t in getattr(self, "_registered", ()):
             torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
@@ -135,9 +143,15 @@ class ChunkStore:
         self.state_home: list[StateHome | None] = [None] * len(chunks)
         self.states: list[torch.Tensor | None] = [None] * len(chunks)
         for c in chunks:
+            # each chunk's states start where the first plan puts them: host memory holds only the host ones
             if c.group is ChunkGroup.TRAINABLE:
-                self.states[c.id] = self.hostmem.zeros(state_floats(c, precision, self.world), torch.float32)
-                self.state_home[c.id] = StateHome.HOST
+                floats = state_floats(c, precision, self.world)
+                if c.state_home is StateHome.DEVICE:
+                    self.states[c.id] = self.pool.take(floats, torch.float32, what=f"optimizer states of chunk {c.id}")
+                    self.states[c.id].zero_()
+                else:
+                    self.states[c.id] = self.hostmem.zeros(floats, torch.float32)
+                self.state_home[c.id] = c.state_home or StateHome.HOST
         self.buffers: dict[str, torch.Tensor] = {}
         self.frozen_full: dict[str, torch.Tensor] = {}   # mixed precision: frozen parameters at full precision
         self._reading: dict[int, "torch.cuda.Event"] = {}  # chunk -> event after the last copy from its host buffers
@@ -173,6 +187,14 @@ class ChunkStore:
         first = 0 if self.comm is None else self.comm.rank * s
         lo, hi = max(offset, first), min(offset + numel, first + s)
         return lo - first, max(lo, hi) - first, lo - offset
+
+    def piece(self, name: str) -> tuple[int, int, int]:
+        """This rank's piece of parameter `name`: (start, stop, at): it holds elements [start, stop) of the flattened
+        parameter, at [at, at + stop - start) of its chunk's shard (host_param, the master and every state part).
+        start == stop: none of it. Sharded checkpoints (pstar_fx.dcp) read and write these pieces in place."""
+        p = self.params[name]
+        lo, hi, src = self._own(self.chunks[p.chunk], p.offset, p.numel)
+        return src, src + hi - lo, lo
 
     def full_chunk(self, t: torch.Tensor) -> torch.Tensor:
         """A chunk-sized flat host buffer made whole from every rank's shard (collective); the buffer itself with
@@ -254,6 +276,7 @@ class ChunkStore:
             if c.state_home is StateHome.DEVICE:
                 new = self.pool.take(old.numel(), torch.float32, what=f"optimizer states of chunk {c.id}")
                 new.copy_(old)
+                self.hostmem.free(old)      # host memory holds only the states placed there
             else:
                 new = self.hostmem.zeros(old.numel(), torch.float32)
                 new.copy_(old)
@@ -274,6 +297,12 @@ class ChunkStore:
         if self.host_grad[key.chunk] is None:
             self.host_grad[key.chunk] = self.hostmem.zeros(shard_numel(c, self.world), c.dtype)
         return self.host_grad[key.chunk]
+
+    def home_bytes(self, key: BufKey) -> int:
+        """Bytes a fetch or write-back of this buffer moves between host and device (this rank's part)."""
+        c = self.chunks[key.chunk]
+        whole = self.world == 1 or (key.buf is BufKind.GRAD and key.chunk not in self.reduced)
+        return c.nbytes if whole else shard_numel(c, self.world) * c.dtype.itemsize
 
     def _home_part(self, key: BufKey, slot: torch.Tensor) -> torch.Tensor:
         """The part of a slot its host home holds: the whole slot, or (sharded) this rank's shard, except a
@@ -399,17 +428,17 @@ class ChunkStore:
         for key in sorted(self.slots.keys() - want.keys(), key=BufKey.order):
             stale = key in self.stale and key.buf is BufKind.PARAM
             self.release(key, writeback=stale)
-            d2h += self.chunks[key.chunk].nbytes if stale else 0
+            d2h += self.home_bytes(key) if stale else 0
         for key in sorted(want.keys() - self.slots.keys(), key=BufKey.order):
             self.fetch(key)
-            h2d += self.chunks[key.chunk].nbytes
+            h2d += self.home_bytes(key)
         # a slot stale on the host that this plan assumes current (another graph on the same chunks left it so:
         # a training step's resident parameters when an evaluation runs) is written home and stays resident
         for key in sorted((k for k in self.stale if not want.get(k, False)), key=BufKey.order):
             assert key.buf is BufKind.PARAM, f"{key}: a stale gradient slot outlived its step"
             self._write_back(key, self.slot(key))
             self.stale.discard(key)
-            d2h += self.chunks[key.chunk].nbytes
+            d2h += self.home_bytes(key)
         return h2d, d2h
 
     def restore_params_from_masters(self) -> None:

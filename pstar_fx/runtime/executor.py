@@ -126,16 +126,16 @@ class Runtime:
             self.store.arriving(key, work)
 
     def fetch(self, chunk: int, buf: BufKind) -> None:
+        self.h2d += self.store.home_bytes(BufKey(chunk, buf))
         self.store.fetch(BufKey(chunk, buf))
-        self.h2d += self.g.chunks[chunk].nbytes
 
     def alloc(self, chunk: int, buf: BufKind) -> None:
         self.store.alloc(BufKey(chunk, buf))
 
     def release(self, chunk: int, buf: BufKind, writeback: bool) -> None:
-        self.store.release(BufKey(chunk, buf), writeback)
         if writeback:
-            self.d2h += self.g.chunks[chunk].nbytes
+            self.d2h += self.store.home_bytes(BufKey(chunk, buf))
+        self.store.release(BufKey(chunk, buf), writeback)
 
     def commit(self) -> None:
         if self.comm is not None:
@@ -215,7 +215,7 @@ class Runtime:
         else:
             st.updates.submit(chunk, update)
 
-    def optimizer_step(self, chunk: int) -> None:
+    def optimizer_step(self, chunk: int, gather: bool = False) -> None:
         c = self.g.chunks[chunk]
         cfg = self.cfg[c.opt_group]
         st = self.store
@@ -231,7 +231,7 @@ class Runtime:
         if self.comm is not None:    # this rank's shard; the whole chunk is gathered again after the update
             param, grad = self.comm.shard(full), self.comm.shard(grad)
         self._device_step(chunk, cfg, parts, param, grad)
-        if self.comm is not None:
+        if gather:
             st.arriving(BufKey(chunk, BufKind.PARAM), self.comm.all_gather(full))
 
     def _device_step(self, chunk: int, cfg, parts, param: torch.Tensor, grad: torch.Tensor) -> None:

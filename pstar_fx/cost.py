@@ -1,0 +1,460 @@
+"""cost: one training step's time on a machine, estimated from a scheduled (or sharded) TrainGraph.
+
+The model, in three parts.
+
+1. What each node costs on its own (`node_seconds`, per-op tables). Matmuls, convolutions and attention by their
+   FLOPs, from the fake shapes in `node.meta["val"]`, at the machine's matmul rate (attention at a fraction of it);
+   every other op by the bytes it reads and writes at the device's memory rate; views cost nothing. Each kernel adds
+   a fixed overhead. Inserted operations: a fetch is the chunk's bytes (a rank's shard, when sharded) at the
+   host->device rate, a write-back the same at device->host, an all-gather / reduce-scatter (w-1)/w of the chunk at
+   the collective bus rate plus a latency, a device-side Adam update the shard's elements at the GPU Adam rate, a
+   host-side one at the CPU Adam rate.
+
+2. Where it runs: six lanes, each doing one thing at a time: the compute stream, the host->device and device->host
+   copy streams, the NCCL stream, the CPU thread that runs host-side updates, and the executor's own thread, which
+   issues everything (a fixed Python cost per node; no GPU work starts before it is issued). Nodes are placed in graph
+   order; each starts when its lane is free and what it waits for is done, as the runtime orders them (`runtime/`):
+   - a node that reads a chunk buffer waits for the buffer's fetch or collective (its first use waits, not the fetch);
+   - a copy into the device waits for the compute stream to reach the fetch (its slot may still hold an activation),
+     for the write-back into the same host buffer, and for the chunk's pending host-side update;
+   - a write-back waits for the compute stream, and the compute stream then waits for the write-back (the runtime
+     keeps the plan's peak exact that way: ChunkStore.release);
+   - a reduce-scatter follows the last gradient write; with clipping the compute stream waits for it (the norm);
+   - a host-side update waits for its gradient's write-back and for the copies reading its host buffers, and with
+     clipping or fp16 for the commit (the clip coefficient, the overflow flag); the fetch that needs its result waits
+     for it (sharded: the executor's thread waits, since collectives are issued in graph order by that thread).
+   Steps repeat: what one step leaves pending (host-side updates, the fetches that follow them) delays the next, so
+   three steps are simulated and the step time is the last one's (the steady state; `first_seconds` is the first).
+
+3. Contention: copies and the CPU update share host memory (FACTS.md). A copy runs at its rate alone, at half the
+   both-ways rate while the other direction copies, and slower again while the CPU updates; a CPU update runs slower
+   while any copy runs. A rate depends on what the other lanes do at that moment, so the simulation runs twice: the
+   first pass charges overlap with what is already placed, the second with the whole first pass.
+
+Constants (`Machine`; `H200` is the default): measured on one H200 machine (FACTS.md, 2026-11-30) except those marked
+ASSUMED below, which wait for a measurement. One constant, the per-kernel overhead, was fitted to measured steps
+(see `Machine.kernel_s`); nothing else was fitted.
+"""
+from __future__ import annotations
+
+import bisect
+import enum
+import math
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Callable, Mapping
+
+import torch
+import torch.fx as fx
+
+from . import ops
+from .graph_utils import mutated_args, storage_key, tensors_of
+from .ir import BufKind, Role, StateHome, TrainGraph
+from .memory import BufKey, all_needs, shard_numel
+
+INF = float("inf")
+
+
+@dataclass(frozen=True)
+class Machine:
+    """Rates of one GPU, its share of the host, and the network between GPUs. Bytes and FLOPs per second."""
+    # measured on one H200 (FACTS.md)
+    matmul_flops: float = 752e12         # bf16 matmul 8192^3
+    hbm_bytes: float = 4.2e12            # device-to-device copy, bytes read + written per second
+    h2d_bytes: float = 55e9              # pinned host->device, alone
+    d2h_bytes: float = 55e9              # pinned device->host, alone
+    duplex_bytes: float = 88e9           # both directions at once, the two together
+    duplex_cpu_bytes: float = 74e9       # both directions at once while the CPU runs AdamW, the two together
+    cpu_adam: float = 4.1e9              # parameters per second, torch's fused CPU AdamW, fp32 (3.85-4.40 measured)
+    cpu_adam_mixed: float = 2.48e9       # the same with the bf16 gradient converted in, the bf16 parameter out
+    cpu_adam_under_copies: float = 2.7 / 4.1   # CPU AdamW's rate while copies run, as a fraction of its rate alone
+    gpu_adam: float = 123e9              # parameters per second, torch's fused AdamW on the GPU
+    # fitted (least squares) to the three compute-bound steps measured on the H200 (BENCHMARKS.md, issue 5):
+    # GPT 1.3B at 8 x 2048 tokens (pstar-fx unlimited 0.2997 s; model 0.290 s), 1.3B at 4 x 2048 (eager
+    # 0.149-0.154 s; model 0.169 s), 4.24B at 4 x 2048 (eager 0.417-0.426 s; model 0.412 s)
+    kernel_s: float = 20e-6              # per kernel, beyond its FLOPs or bytes (launch gaps, small-kernel tails)
+    # ASSUMED, not measured here
+    fp32_matmul_flops: float = 60e12     # fp32 without TF32 (torch's default): the H200 data sheet's 67, rounded down
+    attention_efficiency: float = 0.6    # flash attention's FLOP rate as a fraction of matmul_flops
+    host_node_s: float = 10e-6           # the executor's Python per node
+    nvlink_bus_bytes: float = 370e9      # NCCL all-gather / reduce-scatter bus bandwidth among the GPUs of one node
+    #                                      (NVLink 4 with NVSwitch; a typical nccl-tests figure for 8 H100/H200)
+    network_bus_bytes: float = 360e9     # the same across nodes: 8 x 400 Gb/s NICs per node, one per GPU
+    #                                      (rail-optimised; rings spread over the NICs), at 90% of line rate
+    collective_latency_s: float = 50e-6  # per collective, beyond its bytes
+    gpus_per_node: int = 8
+
+    def bus_bytes(self, world: int) -> float:
+        """NCCL bus bandwidth of a collective over `world` ranks (a ring: each rank sends (w-1)/w of the buffer)."""
+        return self.nvlink_bus_bytes if world <= self.gpus_per_node else min(self.nvlink_bus_bytes,
+                                                                              self.network_bus_bytes)
+
+
+H200 = Machine()
+
+
+class Lane(enum.Enum):
+    COMPUTE = "compute"      # the compute stream
+    H2D = "h2d"              # host -> device copies
+    D2H = "d2h"              # device -> host copies
+    COMM = "comm"            # collectives (NCCL's stream)
+    CPU = "cpu"              # host-side optimizer updates (the store's worker thread)
+    HOST = "host"            # the executor's thread: issues every node
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """The estimate for one steady-state step (and the first one)."""
+    seconds: float                        # one step, in the steady state
+    first_seconds: float                  # the first step: chunks carried in, nothing pending from before
+    busy: Mapping[Lane, float]            # seconds each lane works during one steady-state step
+    flops: float                          # FLOPs of the matmul, convolution and attention nodes (recompute too)
+    machine: Machine = field(repr=False, default=H200)
+
+    @property
+    def bound(self) -> Lane:
+        """The busiest lane: what a faster step would have to speed up first."""
+        return max(self.busy, key=lambda k: (self.busy[k], k.value))
+
+
+# -- 1. per node -------------------------------------------------------------------------------------------------------
+
+def _val(a):
+    return a.meta.get("val") if isinstance(a, fx.Node) else None
+
+
+def _arg(n: fx.Node, name: str, position: int):
+    """An argument by schema name (or position when the op has no schema)."""
+    schema = getattr(n.target, "_schema", None)
+    if schema is not None:
+        for i, a in enumerate(schema.arguments):
+            if a.name == name:
+                if i < len(n.args):
+                    return n.args[i]
+                return n.kwargs.get(name, a.default_value)
+    return n.args[position] if position < len(n.args) else n.kwargs.get(name)
+
+
+def _numel(shape) -> int:
+    return math.prod(int(s) for s in shape)
+
+
+def _mm(n):          # (M, K) @ (K, N)
+    a, b = _val(n.args[0]), _val(n.args[1])
+    return 2.0 * a.shape[0] * a.shape[1] * b.shape[1]
+
+
+def _addmm(n):       # bias + (M, K) @ (K, N)
+    a, b = _val(n.args[1]), _val(n.args[2])
+    return 2.0 * a.shape[0] * a.shape[1] * b.shape[1]
+
+
+def _bmm(n):         # (b, M, K) @ (b, K, N)
+    a, b = _val(n.args[0]), _val(n.args[1])
+    return 2.0 * a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2]
+
+
+def _baddbmm(n):
+    a, b = _val(n.args[1]), _val(n.args[2])
+    return 2.0 * a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2]
+
+
+def _conv(n):        # 2 x output elements x (input channels / groups) x kernel elements
+    out, w = _val(n), _val(n.args[1])
+    return 2.0 * out.numel() * w.shape[1] * _numel(w.shape[2:])
+
+
+def _conv_backward(n):   # grad_input and grad_weight each cost a forward, as output_mask asks
+    grad_out, w = _val(n.args[0]), _val(n.args[2])
+    mask = _arg(n, "output_mask", 10) or (True, True, False)
+    return 2.0 * grad_out.numel() * w.shape[1] * _numel(w.shape[2:]) * (int(mask[0]) + int(mask[1]))
+
+
+def _attention(n, factor: float = 1.0):
+    """Q K^T and P V: 4 B H Tq Tk D FLOPs forward, half of it with a causal mask (the kernels skip masked blocks)."""
+    q, k = _val(_arg(n, "query", 0)), _val(_arg(n, "key", 1))
+    flops = 4.0 * _numel(q.shape[:-1]) * k.shape[-2] * q.shape[-1]
+    return flops * factor * (0.5 if _arg(n, "is_causal", -1) else 1.0)
+
+
+def _attention_backward(n):   # flash backward: five matmuls of the forward's two (recomputes Q K^T)
+    return _attention(n, 2.5)
+
+
+def _ops(*names: str) -> list:
+    """The aten overloads that exist in this torch (names vary across versions and builds)."""
+    out = []
+    for name in names:
+        packet, _, overload = name.partition(".")
+        op = getattr(getattr(torch.ops.aten, packet, None), overload or "default", None)
+        if op is not None:
+            out.append(op)
+    return out
+
+
+# FLOPs of the compute-bound ops, keyed by op; attention ops are charged at attention_efficiency
+MATMUL_FLOPS: dict[object, Callable[[fx.Node], float]] = {
+    **{op: _mm for op in _ops("mm")},
+    **{op: _addmm for op in _ops("addmm")},
+    **{op: _bmm for op in _ops("bmm")},
+    **{op: _baddbmm for op in _ops("baddbmm")},
+    **{op: _conv for op in _ops("convolution", "_convolution")},
+    **{op: _conv_backward for op in _ops("convolution_backward")},
+}
+ATTENTION_FLOPS: dict[object, Callable[[fx.Node], float]] = {
+    **{op: _attention for op in _ops(
+        "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+        "_flash_attention_forward", "_efficient_attention_forward")},
+    **{op: _attention_backward for op in _ops(
+        "_scaled_dot_product_flash_attention_backward", "_scaled_dot_product_flash_attention_for_cpu_backward",
+        "_scaled_dot_product_efficient_attention_backward", "_scaled_dot_product_cudnn_attention_backward",
+        "_flash_attention_backward", "_efficient_attention_backward")},
+}
+FORWARD_ATTENTION = frozenset(op for op, rule in ATTENTION_FLOPS.items() if rule is _attention)
+
+
+def _tensor_bytes(t) -> int:
+    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+
+
+def _moved_bytes(n: fx.Node) -> int:
+    """Bytes an op reads and writes; 0 for a view (every output shares an input's storage and nothing is written)."""
+    outs = tensors_of(n)
+    ins = [t for a in n.all_input_nodes for t in tensors_of(a)]
+    if not mutated_args(n) and outs and {storage_key(t) for t in outs} <= {storage_key(t) for t in ins}:
+        return 0
+    return sum(map(_tensor_bytes, ins)) + sum(map(_tensor_bytes, outs))
+
+
+def flops(n: fx.Node) -> float:
+    """FLOPs of a matmul, convolution or attention node (0 for any other)."""
+    rule = MATMUL_FLOPS.get(n.target) or ATTENTION_FLOPS.get(n.target)
+    return rule(n) if rule is not None else 0.0
+
+
+def node_seconds(n: fx.Node, m: Machine = H200) -> float:
+    """Compute-stream time of one aten node of the user's program: FLOPs at the matmul rate (attention at a fraction
+    of it), or bytes at the memory rate, whichever is longer, plus a kernel's overhead; 0 for views."""
+    if n.op != "call_function":
+        return 0.0
+    moved = _moved_bytes(n)
+    memory = moved / m.hbm_bytes
+    if n.target in MATMUL_FLOPS:
+        half = any(getattr(_val(a), "dtype", None) in (torch.bfloat16, torch.float16) for a in n.all_input_nodes)
+        rate = m.matmul_flops if half else m.fp32_matmul_flops
+        return max(MATMUL_FLOPS[n.target](n) / rate, memory) + m.kernel_s
+    if n.target in ATTENTION_FLOPS:
+        return max(ATTENTION_FLOPS[n.target](n) / (m.matmul_flops * m.attention_efficiency), memory) + m.kernel_s
+    return memory + m.kernel_s if moved else 0.0
+
+
+# -- 2. the lanes ------------------------------------------------------------------------------------------------------
+
+class _Timeline:
+    """One lane's busy intervals, in time order (a lane does one thing at a time, so they never overlap)."""
+
+    def __init__(self):
+        self.starts: list[float] = []
+        self.ends: list[float] = []
+        self.step: list[int] = []
+
+    def add(self, start: float, end: float, step: int) -> None:
+        if end > start:
+            self.starts.append(start)
+            self.ends.append(end)
+            self.step.append(step)
+
+    def at(self, t: float) -> tuple[bool, float]:
+        """Whether the lane is busy at t, and when that next changes."""
+        i = bisect.bisect_right(self.starts, t) - 1
+        if i >= 0 and self.ends[i] > t:
+            return True, self.ends[i]
+        return False, self.starts[i + 1] if i + 1 < len(self.starts) else INF
+
+    def busy(self, step: int) -> float:
+        return sum(e - s for s, e, k in zip(self.starts, self.ends, self.step) if k == step)
+
+
+class _Sim:
+    """One simulation of `steps` consecutive steps of g. `background`: the lanes of an earlier pass, used for the
+    contention rates (None: the lanes of this pass, as far as they are placed)."""
+
+    def __init__(self, g: TrainGraph, m: Machine, background: dict[Lane, _Timeline] | None):
+        self.g, self.m = g, m
+        self.world = g.settings.world
+        self.lanes = {lane: _Timeline() for lane in Lane}
+        self.bg = background if background is not None else self.lanes
+        self.free = {lane: 0.0 for lane in Lane}
+        self.step = 0
+
+    # a piece of work whose rate depends on which other lanes are busy
+    def _run(self, lane: Lane, start: float, work: float, rate: Callable[[dict[Lane, bool]], float],
+             others: tuple[Lane, ...]) -> float:
+        t = max(start, self.free[lane])
+        begin = t
+        while work > 0:
+            states, change = {}, INF
+            for o in others:
+                busy, nxt = self.bg[o].at(t)
+                states[o] = busy
+                change = min(change, nxt)
+            r = rate(states)
+            if t + work / r <= change:
+                t += work / r
+                break
+            work -= r * (change - t)
+            t = change
+        self.lanes[lane].add(begin, t, self.step)
+        self.free[lane] = t
+        return t
+
+    def _fixed(self, lane: Lane, start: float, seconds: float) -> float:
+        t = max(start, self.free[lane])
+        self.lanes[lane].add(t, t + seconds, self.step)
+        self.free[lane] = t + seconds
+        return t + seconds
+
+    def copy(self, lane: Lane, start: float, nbytes: int) -> float:
+        m = self.m
+        alone, other = (m.h2d_bytes, Lane.D2H) if lane is Lane.H2D else (m.d2h_bytes, Lane.H2D)
+
+        def rate(busy):
+            r = min(alone, m.duplex_bytes / 2) if busy[other] else alone
+            return r * (m.duplex_cpu_bytes / m.duplex_bytes) if busy[Lane.CPU] else r
+        return self._run(lane, start, nbytes, rate, (other, Lane.CPU))
+
+    def cpu_update(self, start: float, params: int) -> float:
+        m = self.m
+        alone = m.cpu_adam_mixed if self.g.settings.precision.mixed else m.cpu_adam
+
+        def rate(busy):
+            return alone * (m.cpu_adam_under_copies if busy[Lane.H2D] or busy[Lane.D2H] else 1.0)
+        return self._run(Lane.CPU, start, params, rate, (Lane.H2D, Lane.D2H))
+
+    def collective(self, start: float, nbytes: int) -> float:
+        m = self.m
+        seconds = m.collective_latency_s + (self.world - 1) / self.world * nbytes / m.bus_bytes(self.world)
+        return self._fixed(Lane.COMM, start, seconds)
+
+
+def _shard_bytes(c, world: int) -> int:
+    return shard_numel(c, world) * c.dtype.itemsize
+
+
+def _simulate(g: TrainGraph, m: Machine, node_s: list[float], background, steps: int):
+    sim = _Sim(g, m, background)
+    nodes = g.nodes
+    needs = all_needs(g)
+    world = g.settings.world
+    waits_commit = g.settings.max_grad_norm is not None or g.settings.precision.dtype is torch.float16
+    ready: dict[BufKey, float] = {k: 0.0 for k, _ in (g.plan.carried if g.plan else ())}   # device contents
+    home: dict[BufKey, float] = {}       # host home written (a write-back done)
+    reading: dict[int, float] = {}       # the last copy that reads a chunk's host buffers done
+    updated: dict[int, float] = {}       # a chunk's host-side update done
+    reduced: set[int] = set()
+    free = sim.free
+    ends = []
+    for step in range(steps):
+        sim.step = step
+        reduced.clear()
+        commit_at = 0.0
+        for i, n in enumerate(nodes):
+            a = g.ann[n.name]
+            issue = sim._fixed(Lane.HOST, free[Lane.HOST], m.host_node_s)
+            if a.role is Role.COMPUTE or a.role is Role.PARAM_VIEW or a.role is Role.WRITE_GRAD:
+                # a chunk buffer's first use waits for what brings it (fetch, gather, reduce)
+                t = max([issue] + [ready.get(k, 0.0) for k in needs[i].resident])
+                seconds = node_s[i]
+                if a.role is Role.WRITE_GRAD:
+                    grad = _val(n.args[0])
+                    seconds = _tensor_bytes(grad) * (3 if n.kwargs.get("accumulate") else 2) / m.hbm_bytes + m.kernel_s
+                sim._fixed(Lane.COMPUTE, t, seconds)
+                continue
+            c = g.chunks[a.chunk] if a.chunk is not None else None
+            key = BufKey(a.chunk, a.buf) if a.buf is not None else None
+            compute_at = max(issue, free[Lane.COMPUTE])           # the compute stream reaches this point
+            if a.role is Role.FETCH and n.target is ops.alloc:
+                ready[key] = sim._fixed(Lane.COMPUTE, compute_at, c.nbytes / m.hbm_bytes + m.kernel_s)
+            elif a.role is Role.FETCH:
+                gather = n.target is ops.all_gather
+                after_update = updated.get(a.chunk, 0.0) if a.buf is BufKind.PARAM else 0.0
+                if world > 1:                 # the executor's thread waits for the update, then issues the gather
+                    free[Lane.HOST] = max(free[Lane.HOST], after_update)
+                    compute_at = max(compute_at, after_update)
+                part = _shard_bytes(c, world) if gather or (world > 1 and a.chunk in reduced) else c.nbytes
+                done = sim.copy(Lane.H2D, max(compute_at, home.get(key, 0.0), after_update), part)
+                reading[a.chunk] = done
+                ready[key] = sim.collective(done, c.nbytes) if gather else done
+            elif a.role is Role.RELEASE:
+                t = max(compute_at, ready.get(key, 0.0))          # a collective still writing it finishes first
+                if n.kwargs["writeback"]:
+                    whole = world == 1 or (a.buf is BufKind.GRAD and a.chunk not in reduced)
+                    free[Lane.HOST] = max(free[Lane.HOST], updated.get(a.chunk, 0.0))
+                    done = sim.copy(Lane.D2H, max(t, free[Lane.HOST]), c.nbytes if whole else _shard_bytes(c, world))
+                    home[key] = done
+                    free[Lane.COMPUTE] = max(free[Lane.COMPUTE], done)   # the compute stream waits for it
+                else:
+                    free[Lane.COMPUTE] = max(free[Lane.COMPUTE], t)
+                ready.pop(key, None)
+            elif a.role is Role.REDUCE_SCATTER:
+                gkey = BufKey(a.chunk, c.grad_buf())
+                divided = sim._fixed(Lane.COMPUTE, max(compute_at, ready.get(gkey, 0.0)),
+                                     2 * c.nbytes / m.hbm_bytes + m.kernel_s)
+                ready[gkey] = sim.collective(divided, c.nbytes)
+                reduced.add(a.chunk)
+                if g.settings.max_grad_norm is not None:   # the shard's norm: the compute stream waits for it
+                    free[Lane.COMPUTE] = max(free[Lane.COMPUTE], ready[gkey])
+            elif a.role is Role.COMMIT:
+                t = sim._fixed(Lane.COMPUTE, compute_at, m.kernel_s)
+                if world > 1:
+                    t = sim.collective(t, 8)
+                    free[Lane.COMPUTE] = max(free[Lane.COMPUTE], t)
+                if g.settings.precision.dtype is torch.float16:
+                    free[Lane.HOST] = max(free[Lane.HOST], t)      # the overflow flag is read on the host
+                commit_at = t
+            elif a.role is Role.OPTIMIZER_STEP and c.state_home is StateHome.DEVICE:
+                keys = [BufKey(c.id, b) for b in c.buffers()]
+                numel = shard_numel(c, world)
+                convert = numel * 12 / m.hbm_bytes if g.settings.precision.mixed else 0.0
+                t = max([compute_at] + [ready.get(k, 0.0) for k in keys])
+                done = sim._fixed(Lane.COMPUTE, t, numel / m.gpu_adam + convert + m.kernel_s)
+                if n.kwargs.get("gather", False):               # the updated chunk is gathered again
+                    ready[BufKey(c.id, BufKind.PARAM)] = sim.collective(done, c.nbytes)
+            elif a.role is Role.OPTIMIZER_STEP:
+                t = max(issue, reading.get(c.id, 0.0), *(home.get(BufKey(c.id, b), 0.0) for b in BufKind))
+                if waits_commit:
+                    t = max(t, commit_at)
+                updated[c.id] = sim.cpu_update(t, shard_numel(c, world))
+            elif a.role is Role.OUTPUT:
+                end = free[Lane.COMPUTE]
+                if world > 1:                                   # the loss, averaged over the ranks
+                    end = sim.collective(end, 4)
+                free[Lane.HOST] = max(free[Lane.HOST], end)      # the caller reads the loss
+                ends.append(end)
+    return sim, ends
+
+
+def estimate(g: TrainGraph, machine: Machine = H200, *, steps: int = 3) -> StepCost:
+    """The estimated time of one training step of a scheduled (or sharded) graph on `machine` (one rank's view:
+    every rank runs the same graph)."""
+    assert g.plan is not None, "the cost model reads a scheduled graph"
+    assert steps >= 2
+    node_s = [node_seconds(n, machine) if g.ann[n.name].role is Role.COMPUTE else 0.0 for n in g.nodes]
+    first, _ = _simulate(g, machine, node_s, None, steps)
+    sim, ends = _simulate(g, machine, node_s, first.lanes, steps)
+    last = steps - 1
+    busy = {lane: sim.lanes[lane].busy(last) for lane in Lane}
+    total = sum(flops(n) for n in g.nodes if g.ann[n.name].role is Role.COMPUTE)
+    return StepCost(seconds=ends[-1] - ends[-2], first_seconds=ends[0], busy=MappingProxyType(busy), flops=total,
+                    machine=machine)
+
+
+def seconds(n: fx.Node, m: Machine = H200) -> float:
+    """One node's estimated time on the compute device (the remat pass weighs recomputing with it)."""
+    return node_seconds(n, m)
+
+
+def copy_seconds(nbytes: int, m: Machine = H200) -> float:
+    """A host <-> device copy of nbytes, one way, alone on the link."""
+    return nbytes / m.h2d_bytes

@@ -1,0 +1,413 @@
+"""Sharded checkpoints through torch.distributed.checkpoint (DCP): with several ranks, each rank writes and reads only
+the pieces of parameters and optimizer states it owns, and a checkpoint saved at any world size loads at any other
+(DCP reshards). `pstar_fx.checkpoint` calls this; see its docstring for when.
+
+What is stored (DCP keys; values at their full precision, shapes as in the model):
+- "model.<name>": every parameter (the fp32 master in mixed precision) and persistent buffer, under its
+  `model.state_dict()` name (a tied parameter once, under its first name; a 0-d parameter as shape (1,));
+- "optim.<name>.exp_avg", "optim.<name>.exp_avg_sq" (fp32) and "optim.<name>.step" (0-d fp32): torch.optim.Adam's
+  state of each parameter that has one (its chunk has stepped);
+- "pstar_fx": an object: the format, the world size, the precision, the fp16 loss scaler and the optimizer's
+  param_groups in torch's format (options, and parameter indices as in `optimizer.state_dict()`);
+- "rng.<r>": rank r's RNG states (torch's CPU generator, and the CUDA one on CUDA).
+
+A parameter's piece. ZeRO sharding gives each rank an even slice of every chunk's elements, so a rank owns an element
+range [start, stop) of a flattened parameter (often empty, sometimes all of it), which DTensor's Shard(dim) cannot
+express. The range is stored as a ShardedTensor of the parameter's shape whose local shards are the boxes that
+tile that range (a contiguous range of a row-major tensor is at most 2 * ndim - 1 boxes: a partial row, whole rows,
+a partial row, recursively), each a view into the rank's chunk shard: saving copies nothing first, and loading
+writes straight into the chunk store. A rank that owns none of a parameter holds no shard of it. One rank (no
+process group) stores and loads plain tensors, the whole parameter. Replicated values (buffers, step counts) are
+plain tensors, which DCP writes once. Loading asks for this rank's boxes under the current layout (world size, chunk
+size); DCP reads the overlapping parts of the boxes that were saved, whatever world size saved them.
+
+ShardedTensor: `torch.distributed._shard.sharded_tensor.init_from_local_shards` (public, present from torch 2.0
+through 2.14) builds each one; torch marks the ShardedTensor class as deprecated in favour of DTensor (its
+`__torch_function__` and `reshard` warn) but DCP still saves and loads it, and DTensor has no uneven element-range
+sharding. It is a collective: every rank builds the same entries in the same order.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import math
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor import Shard, init_from_local_shards
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from .ir import ChunkGroup, Role
+from .ownership import holder, model_tensors
+
+FORMAT = 2
+META = "pstar_fx"
+MARKER = ".metadata"           # DCP's metadata file: a directory holding it is a DCP checkpoint
+
+
+# -- the geometry of a piece ------------------------------------------------------------------------------------------
+def boxes(shape: tuple[int, ...], start: int, stop: int) -> list[tuple[tuple[int, ...], tuple[int, ...], int]]:
+    """Elements [start, stop) of a row-major tensor of `shape` as boxes (offsets, sizes, first element), in order.
+    Each box is a contiguous run of those elements."""
+    if start >= stop:
+        return []
+    if len(shape) == 1:
+        return [((start,), (stop - start,), start)]
+    inner = math.prod(shape[1:])
+    first, last = -(-start // inner), stop // inner          # whole rows [first, last)
+
+    def in_row(row: int, a: int, b: int):
+        return [((row, *o), (1, *s), row * inner + f) for o, s, f in boxes(shape[1:], a, b)]
+
+    if first > last:                                         # inside one row
+        row = start // inner
+        return in_row(row, start - row * inner, stop - row * inner)
+    out = in_row(first - 1, start - (first - 1) * inner, inner) if start < first * inner else []
+    if first < last:
+        out.append(((first,) + (0,) * (len(shape) - 1), (last - first, *shape[1:]), first * inner))
+    if last * inner < stop:
+        out += in_row(last, 0, stop - last * inner)
+    return out
+
+
+def _shape(shape) -> tuple[int, ...]:
+    return tuple(shape) or (1,)      # a ShardedTensor has at least one dimension
+
+
+def _entry(comm, flat: torch.Tensor, start: int, stop: int, shape: tuple[int, ...]):
+    """The DCP value of elements [start, stop) of a parameter of `shape`, held by `flat` (its piece, in order):
+    views, no copies. One rank: the whole tensor. Sharded: a ShardedTensor (a collective)."""
+    shape = _shape(shape)
+    if comm is None:
+        assert (start, stop) == (0, math.prod(shape)), (start, stop, shape)
+        return flat.view(shape)
+    place = f"rank:{dist.get_rank()}/{flat.device}"
+    shards = [Shard(flat[f - start:f - start + math.prod(s)].view(s), ShardMetadata(list(o), list(s), place))
+              for o, s, f in boxes(shape, start, stop)]
+    return init_from_local_shards(shards, *shape, process_group=comm.group)
+
+
+# -- what a step holds, as DCP entries ---------------------------------------------------------------------------------
+def _canonical(step) -> tuple[list[str], list[str]]:
+    """Parameter and persistent-buffer names of the model's state dict, each tensor once (tied: the first name)."""
+    params, buffers = [], []
+    for key in step._model.state_dict():
+        kind, name = step._state_names[key]
+        names = params if kind is Role.PARAM else buffers
+        if name not in names:
+            names.append(name)
+    return params, buffers
+
+
+def holds(step) -> bool:
+    return step._store is not None and all(holder(t) is step for t in model_tensors(step._model).values())
+
+
+def value_source(st, name: str) -> torch.Tensor | None:
+    """The flat buffer of this rank's shard holding the parameter's full-precision value; None where it is kept
+    whole (a frozen parameter in mixed precision: `frozen_full`)."""
+    p = st.params[name]
+    if name in st.frozen_full:
+        return None
+    if st.precision.mixed and st.chunks[p.chunk].group is ChunkGroup.TRAINABLE:
+        return st.master(p.chunk)
+    return st.host_param[p.chunk]
+
+
+def _trainable(st) -> list[str]:
+    return [n for n, p in st.params.items() if st.chunks[p.chunk].group is ChunkGroup.TRAINABLE]
+
+
+def _param_groups(opt) -> list[dict]:
+    """torch.optim's param_groups as its state_dict() packs them (indices in group order), without reading state."""
+    out, index = [], {}
+    for g in opt.param_groups:
+        packed = {k: v for k, v in g.items() if k != "params"}
+        packed["params"] = [index.setdefault(id(t), len(index)) for t in g["params"]]
+        out.append(packed)
+    return out
+
+
+def _pack(obj) -> bytes:
+    """An object DCP stores as one opaque entry (it would flatten a dict into entries of its own); read back with
+    weights_only=True."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _unpack(data: bytes):
+    return torch.load(io.BytesIO(data), weights_only=True)
+
+
+def rng_state(device: torch.device) -> dict:
+    out = {"torch_cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        out["torch_cuda"] = torch.cuda.get_rng_state(device)
+    return out
+
+
+def _meta(step) -> dict:
+    scaler = step._scaler
+    comm = step._comm
+    return {"format": FORMAT, "world": 1 if comm is None else comm.world,
+            "precision": step.settings.precision.value, "device": step.settings.device.type,
+            "loss_scaler": None if scaler is None else dataclasses.asdict(scaler),
+            "param_groups": _param_groups(step.optimizer)}
+
+
+def save_entries(step, model_values) -> dict:
+    """The state dict DCP writes for this rank. `model_values()`: the model's full values (state_dict keys), read
+    only when this step does not hold the model (its values are then whole on every rank anyway)."""
+    comm, st = step._comm, step._store
+    params, buffers = _canonical(step)
+    out: dict = {META: _pack(_meta(step)),
+                 f"rng.{0 if comm is None else comm.rank}": _pack(rng_state(step.settings.device))}
+    if st is not None:
+        st.flush()           # host homes current, pending host-side updates done
+    if holds(step):
+        for name in params:
+            p = st.params[name]
+            src = value_source(st, name)
+            if src is None:
+                out[f"model.{name}"] = st.frozen_full[name].detach().reshape(_shape(p.shape))
+                continue
+            start, stop, at = st.piece(name)
+            out[f"model.{name}"] = _entry(comm, src[at:at + stop - start], start, stop, p.shape)
+        for name in buffers:
+            out[f"model.{name}"] = st.buffers[name]
+    else:
+        values = model_values()
+        for name in params + buffers:
+            out[f"model.{name}"] = values[name].reshape(_shape(values[name].shape)) if name in params else values[name]
+    if st is not None:
+        for name in _trainable(st):
+            p = st.params[name]
+            parts = st.parts(p.chunk)
+            step_count = parts["step"].detach().to("cpu", copy=True).reshape(())
+            if float(step_count) == 0:
+                continue
+            start, stop, at = st.piece(name)
+            out[f"optim.{name}.step"] = step_count
+            for key, part in (("exp_avg", "m"), ("exp_avg_sq", "v")):
+                out[f"optim.{name}.{key}"] = _entry(comm, parts[part][at:at + stop - start], start, stop, p.shape)
+    else:
+        sd = step.optimizer.state_dict()         # no store yet: the states loaded before it, whole
+        names = [n for _, n, _ in step.optimizer._index()]
+        for i, s in sd["state"].items():
+            out[f"optim.{names[i]}.step"] = torch.as_tensor(s["step"], dtype=torch.float32).reshape(())
+            for key in ("exp_avg", "exp_avg_sq"):
+                out[f"optim.{names[i]}.{key}"] = s[key].detach().float().reshape(_shape(s[key].shape))
+    return out
+
+
+def save(step, directory: str, model_values) -> None:
+    """Write this rank's entries into `directory` (every rank calls it; the directory is shared by all ranks).
+    `model_values()`: see save_entries."""
+    entries = save_entries(step, model_values)
+    writer = dcp.FileSystemWriter(directory, sync_files=True)
+    with _one_process(step):
+        dcp.save(entries, storage_writer=writer, process_group=None if step._comm is None else step._comm.group)
+
+
+@contextlib.contextmanager
+def _one_process(step):
+    """One rank without a process group: DCP runs in this process only and says so in a warning, which is how
+    pstar-fx uses it then; hide that one."""
+    with warnings.catch_warnings():
+        if step._comm is None:
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
+# -- loading ---------------------------------------------------------------------------------------------------------
+def read_metadata(path: str):
+    return dcp.FileSystemReader(path).read_metadata()
+
+
+def _load(step, entries: dict, path: str) -> None:
+    with _one_process(step):
+        dcp.load(entries, storage_reader=dcp.FileSystemReader(path),
+                 process_group=None if step._comm is None else step._comm.group)
+
+
+def _check(step, md, path: str) -> tuple[list[str], list[str], list[str]]:
+    """The checkpoint's keys and shapes against this model. Returns (params, buffers, params with optimizer state)."""
+    params, buffers = _canonical(step)
+    saved = md.state_dict_metadata
+    if META not in saved:
+        raise ValueError(f"step.load: {path!r} is a torch.distributed.checkpoint directory but not a pstar-fx "
+                         "checkpoint (no 'pstar_fx' entry)")
+    shapes = {n: _shape(t.shape) for n, t in step._model.state_dict().items()}
+    want = {f"model.{n}": shapes[n] for n in params + buffers}
+    have = {k: tuple(v.size) for k, v in saved.items() if k.startswith("model.")}
+    if set(have) != set(want) or any(have[k] != want[k] for k in want):
+        wrong = sorted(set(have) ^ set(want)) or [k for k in want if have[k] != want[k]]
+        raise ValueError(f"step.load: {path!r} was saved from another model: keys or shapes differ "
+                         f"({[k.removeprefix('model.') for k in wrong[:3]]})")
+    stepped = [n for n in params if f"optim.{n}.step" in saved]
+    for n in stepped:
+        for key in ("exp_avg", "exp_avg_sq"):
+            md_key = saved.get(f"optim.{n}.{key}")
+            if not isinstance(md_key, TensorStorageMetadata) or tuple(md_key.size) != shapes[n]:
+                raise ValueError(f"step.load: {path!r}: the optimizer state '{key}' of '{n}' is missing or has "
+                                 "another shape")
+    return params, buffers, stepped
+
+
+def _small(step, md, stepped: list[str], buffers: list[str], saved_world: int) -> dict:
+    """The small entries (this rank's RNG, step counts, buffers) as fresh values to load into. Rank r takes the RNG
+    states rank r % saved_world saved (the same rank's, at the same world size)."""
+    saved = md.state_dict_metadata
+    rank = 0 if step._comm is None else step._comm.rank
+    out: dict = {f"rng.{rank % saved_world}": None}
+    for n in stepped:
+        out[f"optim.{n}.step"] = torch.zeros((), dtype=torch.float32)
+    for n in buffers:
+        t = saved[f"model.{n}"]
+        out[f"model.{n}"] = torch.empty(tuple(t.size), dtype=t.properties.dtype)
+    return out
+
+
+def read(step, path: str) -> tuple[dict, dict, dict] | None:
+    """Load the checkpoint into this step's chunk store, each rank its own pieces, when the store exists (after a
+    step or `step.lower(*batch)`); returns None then. Before that, read it whole (plain tensors) and return
+    (model state dict, optimizer state dict in torch's format, meta as pstar_fx.checkpoint's) for the single-process
+    path to apply."""
+    md = read_metadata(path)
+    params, buffers, stepped = _check(step, md, path)
+    first = {META: None}
+    _load(step, first, path)
+    meta = _unpack(first[META]) if isinstance(first[META], bytes) else None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise ValueError(f"step.load: {path!r} is not a pstar-fx checkpoint of format {FORMAT}")
+    small = _small(step, md, stepped, buffers, meta["world"])
+    _load(step, small, path)
+    rng_key = next(k for k in small if k.startswith("rng."))
+    meta = dict(meta, rng=_unpack(small[rng_key]))
+    if step._store is None:
+        return _read_whole(step, md, path, params, small, stepped, meta)
+    _read_pieces(step, path, params, buffers, stepped, small, meta)
+    return None
+
+
+def _read_whole(step, md, path, params, small, stepped, meta):
+    saved = md.state_dict_metadata
+    whole = {f"model.{n}": torch.empty(tuple(saved[f"model.{n}"].size), dtype=saved[f"model.{n}"].properties.dtype)
+             for n in params}
+    for n in stepped:
+        for key in ("exp_avg", "exp_avg_sq"):
+            whole[f"optim.{n}.{key}"] = torch.empty(tuple(saved[f"optim.{n}.{key}"].size), dtype=torch.float32)
+    _load(step, whole, path)
+    ref = step._model.state_dict()
+    model_sd = {}
+    for key, like in ref.items():
+        _, name = step._state_names[key]
+        src = whole.get(f"model.{name}", small.get(f"model.{name}"))
+        model_sd[key] = src.view(like.shape)
+    state = {}
+    for i, (t, n, _) in enumerate(step.optimizer._index()):
+        if n in stepped:
+            state[i] = {"step": small[f"optim.{n}.step"].clone(),
+                        "exp_avg": whole[f"optim.{n}.exp_avg"].view(t.shape),
+                        "exp_avg_sq": whole[f"optim.{n}.exp_avg_sq"].view(t.shape)}
+    opt_sd = {"state": state, "param_groups": meta["param_groups"]}
+    return model_sd, opt_sd, meta
+
+
+def _plan_states(st, stepped: list[str], small: dict) -> dict[int, float]:
+    """Each trainable chunk's step count under this layout, checked as the optimizer checks a loaded state: a
+    chunk's parameters all have state with one step count, or none has."""
+    trainable = set(_trainable(st))
+    foreign = [n for n in stepped if n not in trainable]
+    if foreign:
+        raise ValueError(f"step.load: the checkpoint has optimizer state for {foreign[:3]}, which this compiled step "
+                         "does not train (frozen, not reached by the loss, or in no group)")
+    plan = {}
+    for c in st.chunks:
+        if c.group is not ChunkGroup.TRAINABLE:
+            continue
+        have = [n for n in c.params if n in stepped]
+        if have and len(have) != len(c.params):
+            raise ValueError(f"step.load: parameters {have[:3]} have optimizer state but "
+                             f"{[n for n in c.params if n not in stepped][:3]} of the same pstar-fx chunk have "
+                             "none; pstar-fx steps all parameters of a chunk together")
+        counts = {float(small[f"optim.{n}.step"]) for n in have}
+        if len(counts) > 1:
+            raise ValueError(f"step.load: parameters of one pstar-fx chunk have different step counts {counts}; "
+                             "pstar-fx steps all parameters of a chunk together (one count per chunk)")
+        plan[c.id] = counts.pop() if counts else 0.0
+    return plan
+
+
+def _set_options(opt, groups: list[dict]) -> None:
+    """The saved options into the live optimizer's param_groups, checked (as its load_state_dict does) before
+    anything else changes; restored if they are refused."""
+    old = opt.param_groups
+    try:
+        torch.optim.Optimizer.load_state_dict(opt, {"state": {}, "param_groups": groups})
+        opt.state.clear()
+        opt.configs()
+    except BaseException:
+        opt.param_groups = old
+        raise
+
+
+def _read_pieces(step, path, params, buffers, stepped, small, meta) -> None:
+    st = step._store
+    comm = step._comm
+    plan = _plan_states(st, stepped, small)
+    if not holds(step):
+        step._take_model()       # the chunks take the model (whole on every rank until now), then the values below
+    _set_options(step.optimizer, meta["param_groups"])
+    st.evict_all()
+    step._broken = (f"step.load({path!r}) failed while it was writing values into the step: load a checkpoint "
+                    "again before the next step")
+    entries: dict = {}
+    whole: dict[str, torch.Tensor] = {}
+    for name in params:
+        p = st.params[name]
+        src = value_source(st, name)
+        if src is None:
+            whole[name] = entries[f"model.{name}"] = torch.empty(_shape(p.shape), dtype=torch.float32)
+            continue
+        start, stop, at = st.piece(name)
+        entries[f"model.{name}"] = _entry(comm, src[at:at + stop - start], start, stop, p.shape)
+    for name in stepped:
+        p = st.params[name]
+        parts = st.parts(p.chunk)
+        start, stop, at = st.piece(name)
+        for key, part in (("exp_avg", "m"), ("exp_avg_sq", "v")):
+            entries[f"optim.{name}.{key}"] = _entry(comm, parts[part][at:at + stop - start], start, stop, p.shape)
+    for cid, count in plan.items():
+        parts = st.parts(cid)
+        if count == 0:
+            parts["m"].zero_()
+            parts["v"].zero_()
+        parts["step"].fill_(count)
+    _load(step, entries, path)
+    # mixed precision: the half-precision parameters are the masters rounded; frozen ones come from their whole value
+    st.restore_params_from_masters()
+    for name, v in whole.items():
+        p = st.params[name]
+        st.frozen_full[name] = v.view(p.shape)
+        start, stop, at = st.piece(name)
+        st.host_param[p.chunk][at:at + stop - start].copy_(v.reshape(-1)[start:stop])
+    st.load_buffers({n: small[f"model.{n}"] for n in buffers})
+    apply_meta(step, meta)
+    step._broken = None
+
+
+def apply_meta(step, meta: dict) -> None:
+    """The loss scaler and this rank's RNG states."""
+    if step._scaler is not None and meta["loss_scaler"] is not None:
+        for k, v in meta["loss_scaler"].items():
+            setattr(step._scaler, k, v)
+    rng = meta["rng"]
+    torch.set_rng_state(rng["torch_cpu"])
+    if "torch_cuda" in rng and step.settings.device.type == "cuda":
+        torch.cuda.set_rng_state(rng["torch_cuda"], step.settings.device)

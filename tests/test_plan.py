@@ -1,0 +1,303 @@
+"""px.plan and the cost model: a plan made without running (and without a process group) is the plan the compiled step
+makes and runs, on one rank and on two gloo ranks; fit / no-fit at budgets just above and below the need; the
+command line; the cost model's FLOP counts and its response to slower copies and collectives."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, strategies as st
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import pstar_fx as px
+from pstar_fx import cost
+from pstar_fx.cost import H200, Lane
+from harness import HYPER, tight_budget
+from models import CASES_BY_NAME
+from plan_worker import store_host_bytes
+from test_distributed import _free_port
+
+HERE = os.path.dirname(__file__)
+ROOT = os.path.dirname(HERE)
+CHUNK = 1024
+
+
+def _case(name: str, batch: int):
+    base = CASES_BY_NAME[name]
+    return base.__class__(base.name, base.build, base.loss_fn, functools.partial(base.make_batch, B=batch))
+
+
+def _plan(case, batch, **kw):
+    kw = dict(dict(precision="fp32", chunk_size=CHUNK, device="cpu"), **kw)
+    return px.plan(case.build_model(), case.loss_fn, *batch, **kw)
+
+
+def _compiled(case, budget, **kw):
+    return px.compile(case.build_model(), optimizer=px.AdamW(**HYPER), device_memory=budget, device="cpu",
+                      precision="fp32", chunk_size=CHUNK, debug=True, **kw)(case.loss_fn)
+
+
+# -- one rank: the plan is the compiled step's plan ------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["gpt_tied", "mlp_ce", "cnn_bn"])
+@pytest.mark.parametrize("budget", ["none", "tight"])
+def test_plan_is_the_compiled_steps_plan(name, budget):
+    case = _case(name, 4)
+    limit = None if budget == "none" else tight_budget(case, CHUNK)
+    step = _compiled(case, limit, max_grad_norm=1.0)
+    for i in range(2):
+        step(*case.batch(i))
+    p = step.final_graph.plan
+    # the batch given as meta tensors and as (shape, dtype) pairs: the same plan as from the real batch
+    real = case.batch(0)
+    as_meta = [torch.empty(t.shape, dtype=t.dtype, device="meta") for t in real]
+    as_pairs = [(tuple(t.shape), t.dtype) for t in real]
+    for batch in (real, as_meta, as_pairs):
+        rep = _plan(case, batch, device_memory=step.settings.budget, max_grad_norm=1.0)   # None: free memory
+        assert rep.fits and rep.traced_on == "cpu"
+        assert rep.peak_device == p.predicted_peak == step.last_step.measured_peak
+        assert (rep.h2d_bytes, rep.d2h_bytes) == (p.h2d_bytes, p.d2h_bytes)
+        assert (rep.h2d_bytes, rep.d2h_bytes) == (step.last_step.h2d_bytes, step.last_step.d2h_bytes)  # step 2
+        assert rep.host_bytes == store_host_bytes(step._store)
+        assert rep.chunks == len(step.final_graph.chunks)
+        assert rep.states_on_device == step.summary().states_on_device
+        assert str(rep.graph) == str(step.final_graph)
+    if budget == "tight":
+        assert p.h2d_bytes > 0 and rep.states_on_device < rep.trainable_chunks
+        assert rep.cost.busy[Lane.H2D] > 0 and rep.cost.busy[Lane.CPU] > 0
+    else:
+        assert p.h2d_bytes == 0 and rep.cost.busy[Lane.H2D] == 0
+
+
+def test_a_meta_model_plans_like_the_real_one():
+    case = _case("gpt_tied", 4)
+    real = _plan(case, case.batch(0), device_memory=200_000)
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = case.build_model()
+    meta = px.plan(model, case.loss_fn, *case.batch(0), device_memory=200_000, precision="fp32", chunk_size=CHUNK,
+                   device="cpu")
+    assert str(meta.graph) == str(real.graph)
+    assert meta.peak_device == real.peak_device and meta.cost == real.cost
+    assert all(p.is_meta for p in model.parameters()), "planning allocates nothing in the model"
+    # parameter groups of a meta model: chunks hold one group each, laid out as px.compile lays them out
+    grouped = px.plan(model, case.loss_fn, *case.batch(0), precision="fp32", chunk_size=CHUNK, device="cpu",
+                      optimizer=px.AdamW(_two_groups(model)))
+    real_model = case.build_model()
+    step = px.compile(real_model, optimizer=px.AdamW(_two_groups(real_model)), device="cpu", precision="fp32",
+                      chunk_size=CHUNK)(case.loss_fn)
+    step.lower(*case.batch(0))
+    layout = [(c.params, c.opt_group) for c in grouped.graph.chunks]
+    assert layout == [(c.params, c.opt_group) for c in step.final_graph.chunks]
+    assert {group for _, group in layout if group is not None} == {0, 1}
+
+
+def _two_groups(model):
+    return [{"params": [p for p in model.parameters() if p.dim() >= 2]},
+            {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
+
+
+# -- two gloo ranks: px.plan(world_size=2) is the plan each rank compiled and ran -------------------------------------
+
+def _launch(tmp_path, world: int, *args, timeout: float = 240) -> list[dict]:
+    out = str(tmp_path / "result")
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world),
+               OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([ROOT, HERE]))
+    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "plan_worker.py"), "--out", out, *map(str, args)],
+                              env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT) for r in range(world)]
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=timeout)[0].decode(errors="replace"))
+    finally:
+        for p in procs:
+            p.kill()
+    results = []
+    for r in range(world):
+        assert os.path.exists(f"{out}.rank{r}"), f"rank {r} wrote no result:\n{logs[r][-3000:]}"
+        results.append(torch.load(f"{out}.rank{r}", weights_only=False))
+    return results
+
+
+@pytest.mark.parametrize("budget", ["none", "tight"])
+def test_plan_for_two_ranks_is_what_a_gloo_run_plans_and_measures(tmp_path, budget):
+    world, batch = 2, 8
+    results = _launch(tmp_path, world, "--case", "gpt_tied", "--batch", batch, "--budget", budget,
+                      "--chunk-size", CHUNK, "--clip", 1.0)
+    case = _case("gpt_tied", batch)
+    local = tuple(t[:batch // world] for t in case.batch(0))
+    rep = _plan(case, local, world_size=world, device_memory=results[0]["budget"], max_grad_norm=1.0,
+                host_memory="1GB")
+    assert rep.graph.stage == "sharded" and rep.fits
+    for r in results:
+        assert r["stage"] == "sharded"
+        assert rep.peak_device == r["predicted_peak"] == r["measured_peak"]
+        assert (rep.h2d_bytes, rep.d2h_bytes, rep.gathered_bytes, rep.reduced_bytes) == (
+            r["h2d"], r["d2h"], r["gathered"], r["reduced"])
+        assert rep.host_bytes == r["host_bytes"]
+        assert (rep.chunks, rep.states_on_device) == (r["chunks"], r["states_on_device"])
+    assert rep.gathered_bytes > 0 and rep.reduced_bytes > 0 and rep.communicated_bytes > 0
+    assert rep.cost.busy[Lane.COMM] > 0
+    assert rep.host_per_node == world * max(rep.host_bytes, rep.host_setup_bytes)
+
+
+# -- fit / no fit ---------------------------------------------------------------------------------------------------
+
+def test_fit_decisions_just_above_and_below_the_need():
+    case = _case("gpt_tied", 4)
+    batch = case.batch(0)
+    probe = _plan(case, batch, device_memory=1)
+    need = probe.device_needed
+    assert not probe.fits_device and not probe.fits and probe.cost is None
+    step = _compiled(case, None)
+    assert need == step.min_device_memory(*batch)
+
+    below = _plan(case, batch, device_memory=need - 1)
+    assert not below.fits_device and below.device_needed == need
+    with pytest.raises(px.BudgetError):
+        _compiled(case, need - 1)(*batch)
+
+    at = _plan(case, batch, device_memory=need)
+    assert at.fits_device and at.peak_device <= need
+    run = _compiled(case, need)
+    run(*batch)
+    assert run.last_step.measured_peak == at.peak_device
+
+    host = at.host_per_node
+    assert _plan(case, batch, device_memory=need, host_memory=host).fits
+    short = _plan(case, batch, device_memory=need, host_memory=host - 1)
+    assert short.fits_host is False and not short.fits
+    assert "DOES NOT FIT" in str(short) and "DOES NOT FIT" in str(below)
+
+
+def test_bad_arguments_say_what_to_change():
+    case = _case("mlp_ce", 4)
+    with pytest.raises(ValueError, match="world_size"):
+        _plan(case, case.batch(0), world_size=0)
+    with pytest.raises(ValueError, match="precision"):
+        _plan(case, case.batch(0), precision="int8")
+    with pytest.raises(ValueError, match="cannot read"):
+        _plan(case, case.batch(0), device_memory="lots")
+    if not torch.cuda.is_available():     # tracing for CUDA without it would abort the process: refused first
+        with pytest.raises(ValueError, match="sees no CUDA"):
+            _plan(case, case.batch(0), device="cuda")
+        _plan(case, case.batch(0), device=None)
+        assert not torch.cuda.is_initialized()
+
+
+# -- the command line -----------------------------------------------------------------------------------------------
+
+GPT_ARGS = ["--layers", "2", "--d-model", "64", "--heads", "4", "--seq", "32", "--vocab", "256", "--batch", "2"]
+
+
+def test_command_line_prints_the_table():
+    cmd = [sys.executable, "-m", "pstar_fx.plan", *GPT_ARGS, "--world-size", "4", "--gpus-per-node", "2",
+           "--device-memory", "64MB", "--host-memory", "1GB", "--checkpoint"]
+    out = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    for line in ("verdict: FITS", "device memory: fits", "host memory: fits", "communicated:", "step time:",
+                 "TFLOP/s per GPU", "4 GPUs, 2 per node", "activation checkpointing"):
+        assert line in out.stdout, (line, out.stdout)
+
+
+def test_command_line_no_fit_and_px_plan_survive_importing_the_module(capsys):
+    from pstar_fx.plan import main, run
+    rep = main([*GPT_ARGS, "--device-memory", "10KB"])
+    assert not rep.fits_device and rep.device_needed > 10_000
+    assert "verdict: DOES NOT FIT" in capsys.readouterr().out
+    assert run([*GPT_ARGS, "--device-memory", "10KB"]) == 1     # the exit status says it
+    case = _case("mlp_ce", 4)
+    assert callable(px.plan) and px.plan(case.build_model(), case.loss_fn, *case.batch(0), device="cpu").fits
+
+
+def test_command_line_gpt_is_the_benchmark_gpt():
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import gpt as bench
+    from pstar_fx.plan import GPT, GPTConfig, gpt_loss
+    with torch.device("meta"):
+        a = bench.GPT(bench.GPTConfig(vocab=256, seq=32, layers=2, hidden=64, heads=4))
+        b = GPT(GPTConfig(vocab=256, seq=32, layers=2, hidden=64, heads=4))
+    assert [(n, p.shape) for n, p in a.named_parameters()] == [(n, p.shape) for n, p in b.named_parameters()]
+    batch = ((2, 32), torch.long)
+    ra = px.plan(a, bench.gpt_loss, batch, batch, device="cpu", device_memory="1GB")
+    rb = px.plan(b, gpt_loss, batch, batch, device="cpu", device_memory="1GB")
+    assert str(ra.graph) == str(rb.graph)
+    # model FLOPs are the benchmark's formula: 6 N tokens + 12 layers hidden seq tokens
+    n = bench.n_params(a)
+    assert ra.model_flops == bench.flops_per_step(n, bench.GPTConfig(256, 32, 2, 64, 4), 2)
+
+
+# -- the cost model -------------------------------------------------------------------------------------------------
+
+def _traced(fn, *shapes, dtype=torch.bfloat16):
+    gm = make_fx(fn, tracing_mode="fake")(*[torch.randn(s).to(dtype) for s in shapes])
+    return [n for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def test_matmul_and_attention_cost_by_their_flops():
+    (mm,) = _traced(lambda a, b: a @ b, (256, 512), (512, 128))
+    assert cost.flops(mm) == 2 * 256 * 512 * 128
+    moved = (256 * 512 + 512 * 128 + 256 * 128) * 2
+    assert cost.node_seconds(mm) == pytest.approx(max(2 * 256 * 512 * 128 / H200.matmul_flops,
+                                                      moved / H200.hbm_bytes) + H200.kernel_s)
+    B, H, T, D = 2, 4, 64, 32
+    nodes = _traced(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), *[(B, H, T, D)] * 3)
+    (att,) = [n for n in nodes if n.target in cost.ATTENTION_FLOPS]
+    assert cost.flops(att) == 4 * B * H * T * T * D / 2          # causal: half
+    (view,) = _traced(lambda a: a.view(-1), (8, 8))
+    assert cost.node_seconds(view) == 0.0                        # views move nothing
+    (add,) = _traced(lambda a, b: a + b, (1024,), (1024,))
+    assert cost.node_seconds(add) == pytest.approx(3 * 1024 * 2 / H200.hbm_bytes + H200.kernel_s)
+
+
+@functools.lru_cache(maxsize=None)
+def _moving_graphs():
+    """Scheduled graphs that move chunks both ways and update on the CPU: one rank, and two ranks (sharded)."""
+    case = _case("gpt_tied", 4)
+    batch = case.batch(0)
+    budget = tight_budget(case, CHUNK)
+    return tuple(_plan(case, batch, device_memory=budget, world_size=w, max_grad_norm=1.0).graph for w in (1, 2))
+
+
+@given(world=st.sampled_from([1, 2]), h2d=st.floats(1, 1e4), d2h=st.floats(1, 1e4), cpu=st.floats(1, 1e4),
+       comm=st.floats(1, 1e4))
+def test_step_time_grows_when_moving_bytes_gets_slower(world, h2d, d2h, cpu, comm):
+    """The same plan on a machine whose copies, CPU updates or collectives are slower (the same bytes take longer,
+    as more bytes would) never gets faster, and the slowed lanes are busy at least as long."""
+    g = _moving_graphs()[world - 1]
+    fast = cost.estimate(g, H200)
+    duplex = max(h2d, d2h)
+    slow_machine = dataclasses.replace(
+        H200, h2d_bytes=H200.h2d_bytes / h2d, d2h_bytes=H200.d2h_bytes / d2h, duplex_bytes=H200.duplex_bytes / duplex,
+        duplex_cpu_bytes=H200.duplex_cpu_bytes / duplex, cpu_adam=H200.cpu_adam / cpu,
+        nvlink_bus_bytes=H200.nvlink_bus_bytes / comm, network_bus_bytes=H200.network_bus_bytes / comm)
+    slow = cost.estimate(g, slow_machine)
+    assert slow.seconds >= fast.seconds * (1 - 1e-9)
+    for lane in (Lane.H2D, Lane.D2H, Lane.CPU, Lane.COMM):
+        assert slow.busy[lane] >= fast.busy[lane] * (1 - 1e-9)
+    assert slow.flops == fast.flops
+
+
+def test_fewer_bytes_moved_take_less_time():
+    """Budgets from tight to unlimited: the plan moves fewer bytes and updates fewer chunks on the CPU, and the
+    estimated step never gets slower; a step is never shorter than its compute or its issuing thread."""
+    case = _case("gpt_tied", 4)
+    batch = case.batch(0)
+    need = _plan(case, batch, device_memory=1).device_needed
+    reports = [_plan(case, batch, device_memory=b) for b in (need, int(need * 1.3), int(need * 2), None)]
+    moved = [r.h2d_bytes + r.d2h_bytes for r in reports]
+    seconds = [r.cost.seconds for r in reports]
+    assert moved == sorted(moved, reverse=True) and moved[0] > moved[-1] == 0
+    assert seconds == sorted(seconds, reverse=True) and seconds[0] > seconds[-1]
+    for r in reports:
+        slack = 1 + 1e-9      # sums of the same times in another order differ in the last bit
+        assert r.cost.seconds * slack >= r.cost.busy[Lane.COMPUTE] and r.cost.seconds * slack >= r.cost.busy[Lane.HOST]
+
