@@ -71,6 +71,7 @@ tensor.
 from __future__ import annotations
 
 import functools
+import itertools
 import sys
 import threading
 import traceback
@@ -750,7 +751,7 @@ def _replay_streamed(rec: Recording, store, params: dict[str, _Ref], buffers: di
     targets = _targets(params, buffers)
     homes = _homes(rec, store, targets)
     needed, last = _plan(rec, set(targets))
-    following = dict(zip(needed, needed[1:]))
+    following = dict(itertools.pairwise(needed))   # step -> the next step run
     later: dict[tuple[int, int], int] = {}        # (step, storage) -> the next step run that touches the storage
     seen: dict[int, int] = {}
     for i in reversed(needed):

@@ -531,9 +531,8 @@ def test_cuda_manual_seed_inside_the_block_and_the_global_rngs():
     assert_equal_exactly(step.state_dict(), eager.state_dict())
     assert torch.equal(torch.get_rng_state(), cpu_rng)              # the replay used its own generator
     assert torch.equal(torch.cuda.get_rng_state(), cuda_rng)
-    with pytest.raises(px.EmptyModelError, match="real CUDA tensor"):
-        with px.init_empty(device="cuda"):
-            torch.randn(3, device="cuda")                          # would move the CUDA generator the replay emulates
+    with pytest.raises(px.EmptyModelError, match="real CUDA tensor"), px.init_empty(device="cuda"):
+        torch.randn(3, device="cuda")                              # would move the CUDA generator the replay emulates
     with px.init_empty(device="cuda"):
         torch.randn(3, device="cpu")                               # the CPU generator is not replayed: allowed
 
