@@ -57,16 +57,16 @@ its chunk home if it is exactly one parameter) and brought back. So the GPU hold
 time, not the model; the values equal an eager build under `with torch.device("cuda"):` from the same seed, bit for
 bit (same kernels, same Philox offsets, on the same GPU), and a torch.nn.init call recorded whole runs with that GPU's
 global generator set to the replay's state, under `torch.device(device)`. Measured on an H200: a 1.3B GPT in 0.3 s,
-4.2B in 0.7 s (6 Gparam/s). After the block the GPU's RNG is where it was (or where a
-manual_seed in the block set it), not advanced as an eager CUDA build advances it; the CPU's is untouched, as by an
-eager CUDA build. The model's stand-ins still report device cpu (pstar-fx keeps the model on the host).
+4.2B in 0.7 s (6 Gparam/s). After the block the GPU's RNG is where it was (or where a manual_seed in the block set
+it), not advanced as an eager CUDA build advances it; the CPU's is untouched, as by an eager CUDA build. The model's
+stand-ins still report device cpu (pstar-fx keeps the model on the host).
 
 What cannot be recorded raises `EmptyModelError` naming the op and what to change: an op that needs a tensor's
 value (`.item()`, `nonzero`), a random op given an explicit `generator`, random numbers drawn on a real CPU tensor
-inside the block (a real CUDA tensor with device="cuda": they would move the global RNG the replay emulates), an in-place op on a real tensor with a meta
-operand, `set_` / `resize_`; at replay, a real tensor read while recording that was modified since, or a meta tensor
-made outside the block. A plain tensor attribute (not a parameter or buffer) made inside the block stays a meta
-tensor.
+inside the block (on a real CUDA tensor with device="cuda": they would move the global RNG the replay emulates), an
+in-place op on a real tensor with a meta operand, `set_` / `resize_`; at replay, a real tensor read while recording
+that was modified since, or a meta tensor made outside the block. A plain tensor attribute (not a parameter or
+buffer) made inside the block stays a meta tensor.
 """
 from __future__ import annotations
 
