@@ -4,6 +4,7 @@ Train-step benchmark of a nanoGPT-style GPT: eager PyTorch, FSDP2 with CPU offlo
     python benchmarks/gpt.py --layers 24 --hidden 2048 --heads 16 --batch 8 --budgets none,20GiB
     python benchmarks/gpt.py --layers 20 --hidden 4096 --heads 32 --batch 4 --budgets 40GiB --profile prof/
     python benchmarks/gpt.py --device cpu --tiny             # a smoke run on the CPU
+    python benchmarks/gpt.py --layers 48 --hidden 5120 --heads 40 --batch 4 --systems pstar --init-empty
     python benchmarks/gpt.py --layers 32 --hidden 4096 --heads 32 --batch 4 --gpus 1,2 --systems fsdp2,pstar
 
 The GPT: vocab 50304, tied head, sequence 2048 (--seq), no dropout, biases and LayerNorms as in nanoGPT, random
@@ -14,7 +15,10 @@ end the others):
 - fsdp2: `fully_shard` per block and at the root with CPUOffloadPolicy(pin_memory=True) and a bf16
   MixedPrecisionPolicy (fp32 reductions), in a one-process group the script initialises itself (nccl on CUDA, gloo on
   the CPU, where offloading means nothing and is left out); fused AdamW on the host shards.
-- pstar: px.compile(..., precision bf16, device_memory=each of --budgets), px.AdamW.
+- pstar: px.compile(..., precision bf16, device_memory=each of --budgets), px.AdamW. With --init-empty the model is
+  built under `px.init_empty(device=device)` after torch.manual_seed(0) (no memory; initialised on the device at the
+  first step, into the chunks) instead of on the device and moved to the host; the row's first_step_s is then the
+  first step's time with that initialisation in it.
 With --gpus N (a list: 1,2), every system runs on N GPUs of this host, one process per GPU launched by torchrun, data
 parallel with --batch sequences per GPU: pstar-fx shards its chunks over the ranks (the default process group);
 fsdp2 shards per block with and without CPU offload (fsdp2 and fsdp2:offload; on one GPU only with offload);
@@ -238,7 +242,12 @@ def run_pstar(cfg, args, device, batch, budget: str) -> dict:
     import pstar_fx as px
     if world() > 1:
         init_group(device)          # px.compile shards over the default process group
-    model = build(cfg, device, where="host")
+    if args.init_empty:
+        torch.manual_seed(0)
+        with px.init_empty(device=device):      # nothing allocated; the first step makes the values on the device
+            model = GPT(cfg)
+    else:
+        model = build(cfg, device, where="host")
     n = n_params(model)
     dm = None if budget == "none" else budget
     step = px.compile(model, optimizer=px.AdamW(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1),
@@ -250,6 +259,7 @@ def run_pstar(cfg, args, device, batch, budget: str) -> dict:
     s = step.summary()
     st = step.last_step
     out = dict(n=n, warm=warm, times=times, h2d=st.h2d_bytes, d2h=st.d2h_bytes, compile_s=compile_s,
+               init_empty=args.init_empty,
                predicted_peak=s.predicted_peak, measured_peak=st.measured_peak, chunks=s.chunks,
                states_on_device=f"{s.states_on_device}/{s.trainable_chunks}", nodes=s.nodes)
     if args.profile:
@@ -434,7 +444,9 @@ def row(label, cfg, args, r) -> dict:
                d2h=("~" if r.get("moved_estimated") else "") + fmt_bytes(r["d2h"]),
                first_steps_s=[round(t, 2) for t in r["warm"]])
     if "compile_s" in r:
-        out.update(compile_s=round(r["compile_s"], 2),
+        if r.get("init_empty"):
+            out["system"] += "+init_empty"
+        out.update(compile_s=round(r["compile_s"], 2), first_step_s=round(r["warm"][0], 2),
                    first_minus_steady_s=round(r["warm"][0] - med, 2),
                    predicted_peak=fmt_bytes(r["predicted_peak"]), measured_peak=fmt_bytes(r["measured_peak"]),
                    states_on_device=r["states_on_device"], chunks=r["chunks"], nodes=r["nodes"])
@@ -464,6 +476,8 @@ def main():
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--tiny", action="store_true", help="a tiny shape (2 x 64, 2 heads, 2 x 64 tokens, vocab 512)")
     ap.add_argument("--profile", default=None, metavar="DIR", help="torch.profiler trace of one pstar-fx step")
+    ap.add_argument("--init-empty", action="store_true",
+                    help="pstar-fx: build the model under px.init_empty(device=...), initialised at the first step")
     ap.add_argument("--timeout", type=float, default=600, help="seconds per system run")
     ap.add_argument("--gpus", default="1", help="GPUs per run, a comma-separated list (torchrun, data parallel)")
     ap.add_argument("--json", default=None, help="also write the rows (and the children's logs) to this file")
@@ -474,6 +488,7 @@ def main():
     if args.child:
         return child(args)
     assert args.steps >= 5, "the median is over at least 5 steps"
+    assert args.warmup >= 1 or not args.init_empty, "--init-empty reports the first step: --warmup 1 or more"
     cfg = GPTConfig(vocab=args.vocab, seq=args.seq, layers=args.layers, hidden=args.hidden, heads=args.heads)
     passthrough = ["--layers", str(args.layers), "--hidden", str(args.hidden), "--heads", str(args.heads),
                    "--batch", str(args.batch), "--seq", str(args.seq), "--vocab", str(args.vocab),
@@ -481,6 +496,8 @@ def main():
                    "--precision", args.precision]
     if args.chunk_size:
         passthrough += ["--chunk-size", str(args.chunk_size)]
+    if args.init_empty:
+        passthrough += ["--init-empty"]
     print(f"GPT {cfg}, batch {args.batch} x {args.seq} tokens, device {args.device}"
           f"{' (' + torch.cuda.get_device_name() + ')' if args.device.startswith('cuda') else ''}, "
           f"torch {torch.__version__}; TFLOP/s = (6*N*tokens + 12*layers*hidden*seq*tokens) / median step time",
@@ -516,7 +533,7 @@ def main():
 
 def print_table(rows):
     cols = ["system", "gpus", "params", "step_s", "tokens_per_s", "tflops", "scaling", "peak_gpu", "peak_rss",
-            "h2d", "d2h", "compile_s", "predicted_peak", "measured_peak"]
+            "h2d", "d2h", "compile_s", "first_step_s", "predicted_peak", "measured_peak"]
     print("\n| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
     for r in rows:
         if "error" in r:

@@ -3,6 +3,7 @@
 Every model here is built twice from the same RNG state: eagerly, and under px.init_empty(). The values pstar-fx makes
 in its chunks must equal the eager ones bit for bit, and training from them must equal training from the eager model
 (bit for bit against pstar-fx on the eager model, to 1e-6 against eager PyTorch), under unlimited and tight budgets."""
+import functools
 import math
 import os
 import subprocess
@@ -19,7 +20,7 @@ from pstar_fx.init_empty import EmptyTensor
 from pstar_fx.ownership import HeldTensor
 
 from harness import DEVICE, HYPER, eager_run, fetch_counts, rel_err, tight_budget
-from models import CASES_BY_NAME, GPT, MODEL_SEED, assert_state_close
+from models import CASES_BY_NAME, GPT, MODEL_SEED, assert_state_close, gpt_loss
 
 INIT_CASES = ["gpt_tied", "hf_gpt2", "hf_llama", "cnn_bn"]
 
@@ -409,3 +410,158 @@ def test_the_block_is_cheap_and_allocates_nothing():
     n = sum(p.numel() for p in model.parameters())
     assert n > 9e9 and math.isfinite(n)
     assert all(isinstance(p, EmptyTensor) for p in model.parameters())
+
+
+# -- px.init_empty(device="cuda"): the initialisation made on the GPU, storage by storage ------------------------
+ON_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="px.init_empty(device='cuda') needs a CUDA device")
+STREAMED_CASES = INIT_CASES + ["zoo"]
+
+
+def _case_parts(name):
+    """(build, loss_fn, batch(i)) of a test case, or of the Zoo."""
+    if name == "zoo":
+        gen = torch.Generator().manual_seed(0)
+        batch = (torch.randint(0, 10, (2, 5), generator=gen), torch.randint(0, 10, (2, 5), generator=gen))
+        return Zoo, zoo_loss, lambda i: batch
+    case = CASES_BY_NAME[name]
+    return case.build, case.loss_fn, case.batch
+
+
+def streamed_on_the_cpu(model):
+    """Make the model's recording replay as px.init_empty(device=...) does (storage by storage, each value dropped,
+    kept or parked on the host between its uses, and copied into its chunk after its last), but on the CPU: its
+    recorded RNG states are the CPU's, so the values must still equal an eager CPU build's."""
+    for t in [*model.parameters(), *model.buffers()]:
+        if isinstance(t, EmptyTensor):
+            t._pstar_recording.device = torch.device("cpu")
+    return model
+
+
+def _values_equal_after_sync(step, model, eager):
+    step.sync_model()
+    tensors = dict(model.named_parameters()) | dict(model.named_buffers())
+    want = dict(eager.named_parameters()) | dict(eager.named_buffers())
+    assert not any(isinstance(t, (EmptyTensor, HeldTensor)) for t in tensors.values())
+    assert_equal_exactly({k: t.detach() for k, t in tensors.items()}, {k: t.detach() for k, t in want.items()})
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("name", STREAMED_CASES)
+def test_the_streamed_replay_run_on_the_cpu_equals_eager(name, precision):
+    """The Zoo parks values between uses (a parameter that a later op reads) and drops dead ones (Linear's
+    kaiming_uniform_ replaced by trunc_normal_, a tied weight's own initialisation)."""
+    build, loss_fn, batch = _case_parts(name)
+    eager = built_eager(build)
+    model = streamed_on_the_cpu(built_empty(build))
+    step = px.compile(model, optimizer=px.AdamW(**HYPER), precision=precision, device=DEVICE)(loss_fn)
+    step.lower(*batch(0))
+    assert_equal_exactly(step.state_dict(), eager.state_dict())
+    _values_equal_after_sync(step, model, eager)
+
+
+def test_the_device_argument():
+    with pytest.raises(ValueError, match="CPU .*or on a CUDA device"):
+        px.init_empty(device="mps")
+    with px.init_empty(device="cpu") as block:           # the CPU: the in-place replay, as with no device
+        lin = nn.Linear(4, 4)
+    assert block._recorder.rec.device is None and isinstance(lin.weight, EmptyTensor)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            px.init_empty(device="cuda")
+
+
+def built_on_cuda(build, empty: bool, seed=MODEL_SEED):
+    """build() from torch.manual_seed(seed) on the current GPU: under px.init_empty(device="cuda"), or eagerly under
+    torch.device("cuda"); the caller's CPU and CUDA RNG states are left untouched."""
+    with torch.random.fork_rng(devices=[torch.cuda.current_device()]):
+        torch.manual_seed(seed)
+        if empty:
+            with px.init_empty(device="cuda"):
+                model = build()
+        else:
+            with torch.device("cuda"):
+                model = build()
+    return model.train()
+
+
+@ON_CUDA
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("name", STREAMED_CASES)
+def test_cuda_initial_values_equal_an_eager_cuda_build(name, precision):
+    build, loss_fn, batch = _case_parts(name)
+    eager = built_on_cuda(build, empty=False)
+    model = built_on_cuda(build, empty=True)
+    assert all(isinstance(p, EmptyTensor) for p in model.parameters())       # nothing was allocated
+    step = px.compile(model, optimizer=px.AdamW(**HYPER), precision=precision, device="cuda")(loss_fn)
+    step.lower(*batch(0))
+    assert_equal_exactly(step.state_dict(), eager.state_dict())
+    on_cpu = built_eager(build).state_dict()       # the CPU generator makes other values: the CUDA one was replayed
+    assert any(not torch.equal(v, eager.state_dict()[k].cpu()) for k, v in on_cpu.items() if v.is_floating_point())
+    # training from it equals pstar-fx training the eager CUDA model, bit for bit
+    ref = px.compile(eager, optimizer=px.AdamW(**HYPER), precision=precision, device="cuda")(loss_fn)
+    for i in range(2):
+        assert step(*batch(i)).item() == ref(*batch(i)).item()
+    assert_equal_exactly(step.state_dict(), ref.state_dict())
+    _values_equal_after_sync(step, model, ref.sync_model())
+
+
+class ReseededOnCuda(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        torch.manual_seed(99)              # seeds the CUDA generators too
+        self.b = nn.Linear(8, 8)
+        torch.cuda.manual_seed(7)          # this GPU's only
+        self.c = nn.Linear(8, 8)
+        nn.init.trunc_normal_(self.c.weight, std=0.1)    # a torch.nn.init call replayed whole, on the GPU
+
+
+def _chain_loss(m, x):
+    return m.c(m.b(m.a(x))).square().mean()
+
+
+@ON_CUDA
+def test_cuda_manual_seed_inside_the_block_and_the_global_rngs():
+    eager = built_on_cuda(ReseededOnCuda, empty=False)
+    model = built_on_cuda(ReseededOnCuda, empty=True)
+    step = px.compile(model, optimizer=px.AdamW(lr=1e-3), device="cuda")(_chain_loss)
+    torch.manual_seed(123)
+    cpu_rng, cuda_rng = torch.get_rng_state(), torch.cuda.get_rng_state()
+    step.lower(torch.randn(4, 8, generator=torch.Generator().manual_seed(0)))
+    assert_equal_exactly(step.state_dict(), eager.state_dict())
+    assert torch.equal(torch.get_rng_state(), cpu_rng)              # the replay used its own generator
+    assert torch.equal(torch.cuda.get_rng_state(), cuda_rng)
+    with pytest.raises(px.EmptyModelError, match="real CUDA tensor"), px.init_empty(device="cuda"):
+        torch.randn(3, device="cuda")                              # would move the CUDA generator the replay emulates
+    with px.init_empty(device="cuda"):
+        torch.randn(3, device="cpu")                               # the CPU generator is not replayed: allowed
+
+
+@ON_CUDA
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_cuda_replay_holds_a_few_tensors_on_the_device(precision):
+    """A GPT of 59M parameters (236 MB in fp32; the largest tensor, wte, 32 MB): building it under
+    px.init_empty(device="cuda") allocates nothing on the GPU, and initialising it at the first step raises the GPU's
+    allocated memory beyond what the compiled step holds by at most its largest tensor and that tensor's bf16 copy
+    on its way to the chunk (the whole model never is on the GPU; nor are two of its tensors at once, such as the
+    tied lm_head's own dead initialisation and wte's); the values equal an eager CUDA build's."""
+    build = functools.partial(GPT, vocab=8192, block_size=64, n_layer=4, n_head=8, n_embd=1024)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    model = built_on_cuda(build, empty=True)
+    assert torch.cuda.memory_allocated() == before
+    gen = torch.Generator().manual_seed(0)
+    batch = (torch.randint(0, 8192, (1, 16), generator=gen), torch.randint(0, 8192, (1, 16), generator=gen))
+    step = px.compile(model, optimizer=px.AdamW(**HYPER), precision=precision, device="cuda")(gpt_loss)
+    step.lower(*batch)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step._take_model()                     # what the first step does first: the initialisation
+    torch.cuda.synchronize()
+    grew = torch.cuda.max_memory_allocated() - base
+    largest = max(p.numel() for p in model.parameters()) * 4
+    total = sum(p.numel() for p in model.parameters()) * 4
+    assert 2 * largest < total / 3
+    assert largest <= grew <= 1.5 * largest + 2**20, (grew, largest, total)
+    assert_equal_exactly(step.state_dict(), built_on_cuda(build, empty=False).state_dict())

@@ -172,10 +172,10 @@ class ChunkStore:
             c = self.chunks[p.chunk]
             flat = v.detach().reshape(-1)
             lo, hi, src = self._own(c, p.offset, p.numel)
-            if lo < hi:
-                self.host_param[c.id][lo:hi].copy_(flat[src:src + hi - lo])
+            if lo < hi:   # (converted where the value is: from a GPU, only the converted part is copied)
+                self.host_param[c.id][lo:hi].copy_(flat[src:src + hi - lo].to(c.dtype))
                 if self.precision.mixed and c.group is ChunkGroup.TRAINABLE:
-                    self.master(c.id)[lo:hi].copy_(flat[src:src + hi - lo])
+                    self.master(c.id)[lo:hi].copy_(flat[src:src + hi - lo].to(torch.float32))
             if self.precision.mixed and c.group is not ChunkGroup.TRAINABLE:
                 # a frozen parameter has no master; keep its full-precision value for state_dict()
                 self.frozen_full[name] = v.detach().to("cpu", copy=True)
