@@ -624,15 +624,17 @@ def _targets(params: dict[str, _Ref], buffers: dict[str, _Ref]) -> dict[int, lis
     return targets
 
 
-def _homes(rec: Recording, store, targets) -> dict[int, torch.Tensor]:
+def _homes(rec: Recording, store, targets, *, cpu_only: bool) -> dict[int, torch.Tensor]:
     """The storages that are exactly one parameter, in the dtype of its chunk's full-precision home (the host chunk
-    in fp32, the fp32 master in mixed precision): that home, flat. One rank only (sharded, a home is a part)."""
+    in fp32, the fp32 master in mixed precision, which is on the device where the plan put its chunk's optimizer
+    states there): that home, flat; with cpu_only, only homes on the CPU. One rank only (sharded, a home is a part)."""
     homes = {}
     for sid, ts in targets.items():
         is_param, name, ref = ts[0]
         if store.world == 1 and len(ts) == 1 and is_param and _contiguous_whole(ref, rec.storages[sid]):
             home = store.param_value(name)
-            if home.dtype == ref.dtype and tuple(home.shape) == ref.shape:
+            if (home.dtype == ref.dtype and tuple(home.shape) == ref.shape
+                    and (home.device.type == "cpu" or not cpu_only)):
                 homes[sid] = home.reshape(-1)
     return homes
 
@@ -662,8 +664,9 @@ def _resolve(x, step: _Step, rec: Recording, roots: dict[int, torch.Tensor], dev
 def _replay(rec: Recording, store, params: dict[str, _Ref], buffers: dict[str, _Ref]) -> dict[str, torch.Tensor]:
     """Run the recording on the CPU: parameters into the store's chunks, buffers returned."""
     targets = _targets(params, buffers)
-    # (one rank: the chunk's home is the parameter's whole value; sharded, load_params keeps this rank's part)
-    roots: dict[int, torch.Tensor] = _homes(rec, store, targets)
+    # (one rank: the chunk's home is the parameter's whole value; sharded, load_params keeps this rank's part; a home
+    # on the device, an fp32 master where the plan put the states there, is written through a temporary too)
+    roots: dict[int, torch.Tensor] = _homes(rec, store, targets, cpu_only=True)
     direct: set[int] = set(roots)    # storages that are a parameter's chunk home itself
     needed, last = _plan(rec, set(targets))
     gen = torch.Generator()
@@ -749,7 +752,7 @@ def _replay_streamed(rec: Recording, store, params: dict[str, _Ref], buffers: di
     parameter's chunk home where it is exactly one parameter, else in a host temporary) and brought back."""
     device = rec.device
     targets = _targets(params, buffers)
-    homes = _homes(rec, store, targets)
+    homes = _homes(rec, store, targets, cpu_only=False)
     needed, last = _plan(rec, set(targets))
     following = dict(itertools.pairwise(needed))   # step -> the next step run
     later: dict[tuple[int, int], int] = {}        # (step, storage) -> the next step run that touches the storage
