@@ -55,6 +55,10 @@ def _work(q: "queue.SimpleQueue", shared: _Shared) -> None:
                 cfut.set_result(cont())
             except BaseException as e:  # noqa: BLE001
                 cfut.set_exception(e)
+        # drop this task's references before waiting for the next: a continuation's closure may reference the
+        # store, which must be collectable (its finalizer ends this thread) once the user drops the step
+        del task, fn, fut, conts
+        cont = cfut = None
 
 
 def _stop(q: "queue.SimpleQueue", thread: threading.Thread) -> None:
