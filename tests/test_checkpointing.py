@@ -39,20 +39,26 @@ def test_checkpointed_model_matches_eager_tight(case):
 @pytest.mark.parametrize("case", CHECKPOINT_CASES, ids=lambda c: c.name)
 def test_graph_holds_the_recompute_and_plans_less_memory(case):
     """The traced backward recomputes each region (both modes): more compute ops than the uncheckpointed model, less
-    planned peak; every recompute node names a forward twin with the same op."""
+    planned peak (with remat=False, which keeps the user's checkpoints as they are); every recompute node names a
+    forward twin with the same op. With remat (the default) at a budget where the activations fit, the checkpoints
+    are undone: the remat stage computes what the uncheckpointed model does, and plans its peak."""
     plain = CASES_BY_NAME[{"gpt": "gpt_tied", "hf_gpt2": "hf_gpt2", "hf_llama": "hf_llama"}[
         case.name.split("_gc")[0].split("_ckpt")[0]]]
     steps = {}
     for c in (plain, case):
-        s = compiled_step(c)
+        s = px.compile(c.build_model(), optimizer=px.AdamW(lr=1e-3), device="cpu", remat=False)(c.loss_fn)
         s(*c.batch(0))
         steps[c.name] = s
+    auto = compiled_step(case)
+    auto(*case.batch(0))
     g, g0 = steps[case.name].graphs["canonical"], steps[plain.name].graphs["canonical"]
     mm = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
     count = lambda gr: sum(n.target in mm for n in gr.nodes)
     assert count(g) > count(g0)
     assert (steps[case.name].graphs["scheduled"].plan.predicted_peak
             < steps[plain.name].graphs["scheduled"].plan.predicted_peak)
+    assert count(auto.graphs["remat"]) == count(g0) < count(auto.graphs["canonical"])
+    assert "user checkpoints undone" in auto.graphs["remat"].made_by
     by_name = {n.name: n for n in g.nodes}
     regions = checkpoint_regions(g)
     assert len(regions) == 2

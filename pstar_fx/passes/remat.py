@@ -643,10 +643,58 @@ def _grads_not_in_place_after_reads(g: TrainGraph) -> TrainGraph:
 
 # -- the pass -----------------------------------------------------------------------------------------------------
 
+def keep_forward_values(g: TrainGraph) -> TrainGraph:
+    """g with the user's activation checkpoints undone: each recompute node's users read its forward twin (the same op
+    on the same values, tagged by trace_hints) wherever the twin's storage is not written between the two, and the
+    recompute nodes left without users are dropped; liveness annotated. g itself when nothing changes."""
+    nodes = g.nodes
+    by_name = {n.name: n for n in nodes}
+    pos = {n: i for i, n in enumerate(nodes)}
+    writes: dict[object, list[int]] = {}
+    for i, n in enumerate(nodes):
+        for m in mutated_args(n):
+            for t in tensors_of(m):
+                writes.setdefault(storage_key(t), []).append(i)
+    graph, env = copy_graph(g)
+    changed = False
+    redirected: set[fx.Node] = set()
+    for n in nodes:
+        tag = n.meta.get(CHECKPOINT)
+        twin = by_name.get(tag.recompute_of) if tag is not None and tag.recompute_of is not None else None
+        if twin is None or not n.users:
+            continue
+        same = [(tuple(a.shape), a.dtype) for a in tensors_of(twin)] == [(tuple(b.shape), b.dtype)
+                                                                       for b in tensors_of(n)]
+        written = any(pos[twin] < w < pos[n] for t in tensors_of(twin) for w in writes.get(storage_key(t), ()))
+        if same and not written:
+            redirected |= set(env[n].users)
+            env[n].replace_all_uses_with(env[twin])
+            changed = True
+    if not changed:
+        return g
+    ann = dict(g.ann)
+    for node in reversed(list(graph.nodes)):
+        droppable = node.target is ops.param_view or node.target not in ops.RUNTIME_OPS
+        if node.op == "call_function" and droppable and not node.users and not mutated_args(node):
+            graph.erase_node(node)
+            ann.pop(node.name, None)
+    alive = set(graph.nodes)
+    _refresh_views(graph, redirected & alive)
+    out = g.evolve(gm=to_module(graph, g.gm), ann=ann)
+    return liveness(_grads_not_in_place_after_reads(out))
+
+
 def remat(g: TrainGraph, *, enabled: bool = True) -> TrainGraph:
     budget = g.settings.budget
     unchanged = g.evolve(stage="remat", made_by="remat")
-    if not enabled or budget is None or g.settings.optimizer is None:
+    if not enabled or g.settings.optimizer is None:
+        return unchanged      # remat=False: nothing recomputed beyond the user's own checkpoints, which stay
+    # the user's checkpoints are hints: where the step fits with their activations kept and nothing moving, keeping
+    # them is faster than recomputing; otherwise they stay and more may be recomputed below
+    kept = keep_forward_values(g)
+    if kept is not g and (budget is None or _Replay(kept, _Graph(kept), budget).figures(()).excess == 0):
+        return kept.evolve(stage="remat", made_by="remat (user checkpoints undone: the activations fit)")
+    if budget is None:
         return unchanged
     G = _Graph(g)
     replay = _Replay(g, G, budget)
