@@ -214,8 +214,17 @@ ATTENTION_FLOPS: dict[object, Callable[[fx.Node], float]] = {
 FORWARD_ATTENTION = frozenset(op for op, rule in ATTENTION_FLOPS.items() if rule is _attention)
 
 
+def _bounded(x) -> float:
+    """A number; a data-dependent one (a SymInt or SymFloat of a size only known when the step runs): its upper
+    bound, as the memory plan takes it (0 when unbounded: the tracer refuses those)."""
+    if isinstance(x, (torch.SymInt, torch.SymFloat)):
+        up = x.node.shape_env.bound_sympy(x.node.expr).upper
+        return float(up) if up.is_finite else 0.0
+    return float(x)
+
+
 def _tensor_bytes(t) -> int:
-    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+    return int(_bounded(t.numel())) * t.element_size() if isinstance(t, torch.Tensor) else 0
 
 
 def _moved_bytes(n: fx.Node) -> int:
@@ -230,7 +239,7 @@ def _moved_bytes(n: fx.Node) -> int:
 def flops(n: fx.Node) -> float:
     """FLOPs of a matmul, convolution or attention node (0 for any other)."""
     rule = MATMUL_FLOPS.get(n.target) or ATTENTION_FLOPS.get(n.target)
-    return rule(n) if rule is not None else 0.0
+    return _bounded(rule(n)) if rule is not None else 0.0
 
 
 def node_seconds(n: fx.Node, m: Machine = H200) -> float:
@@ -243,9 +252,9 @@ def node_seconds(n: fx.Node, m: Machine = H200) -> float:
     if n.target in MATMUL_FLOPS:
         half = any(getattr(_val(a), "dtype", None) in (torch.bfloat16, torch.float16) for a in n.all_input_nodes)
         rate = m.matmul_flops if half else m.fp32_matmul_flops
-        return max(MATMUL_FLOPS[n.target](n) / rate, memory) + m.kernel_s
+        return max(flops(n) / rate, memory) + m.kernel_s
     if n.target in ATTENTION_FLOPS:
-        return max(ATTENTION_FLOPS[n.target](n) / (m.matmul_flops * m.attention_efficiency), memory) + m.kernel_s
+        return max(flops(n) / (m.matmul_flops * m.attention_efficiency), memory) + m.kernel_s
     return memory + m.kernel_s if moved else 0.0
 
 
