@@ -12,51 +12,20 @@ from __future__ import annotations
 
 import functools
 import os
-import socket
-import subprocess
-import sys
-import time
 
 import pytest
 import torch
 
 from harness import DEVICE, HYPER, rel_err
 from models import CASES_BY_NAME, assert_state_close
-
-HERE = os.path.dirname(__file__)
-WORKER = os.path.join(HERE, "dist_worker.py")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from ranks import run_ranks
 
 
 def launch(tmp_path, world: int, *args, timeout: float = 240) -> tuple[list[dict], list[int], float]:
     """Run `world` ranks of dist_worker.py; returns each rank's result, exit codes and the wall time."""
     out = str(tmp_path / "result")
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world),
-               OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), HERE, os.environ.get("PYTHONPATH", "")]))
-    t0 = time.monotonic()
-    procs = [subprocess.Popen([sys.executable, WORKER, "--out", out, *map(str, args)],
-                              env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(world)]
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=timeout)[0].decode(errors="replace"))
-    finally:
-        for p in procs:
-            p.kill()
-    wall = time.monotonic() - t0
-    results = []
-    for r in range(world):
-        path = f"{out}.rank{r}"
-        assert os.path.exists(path), f"rank {r} wrote no result; its output:\n{logs[r][-3000:]}"
-        results.append(torch.load(path, weights_only=False))
-    return results, [p.returncode for p in procs], wall
+    r = run_ranks("dist_worker.py", ["--out", out, *args], world, out, timeout)
+    return r.results, r.codes, r.wall
 
 
 def eager_reference(case_name: str, batch: int, steps: int, clip: float | None = None, world: int = 1,

@@ -16,9 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -29,17 +26,10 @@ import pstar_fx.dcp as pdcp
 
 from harness import HYPER
 from models import CASES_BY_NAME
+from ranks import run_ranks
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-WORKER = os.path.join(HERE, "dist_ckpt_worker.py")
 K, N = 3, 5          # save before step K of N
 BASE = dict(case="gpt_tied", chunk_size=2048, batch=4, units=2)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(tmp, world: int, runs: list[dict], timeout: float = 400) -> list[dict]:
@@ -48,26 +38,11 @@ def launch(tmp, world: int, runs: list[dict], timeout: float = 400) -> list[dict
     spec, out = os.path.join(tmp, f"{tag}.json"), os.path.join(tmp, tag)
     with open(spec, "w") as f:
         json.dump(runs, f)
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world),
-               OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), HERE]))
-    procs = [subprocess.Popen([sys.executable, WORKER, spec, out], env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(world)]
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=timeout)[0].decode(errors="replace"))
-    finally:
-        for p in procs:
-            p.kill()
-    results = []
-    for r in range(world):
-        path = f"{out}.rank{r}"
-        assert os.path.exists(path), f"rank {r} wrote no result; its output:\n{logs[r][-3000:]}"
-        res = torch.load(path, weights_only=False)
+    ranks = run_ranks("dist_ckpt_worker.py", [spec, out], world, out, timeout)
+    for r, res in enumerate(ranks.results):
         assert "error" not in res, f"rank {r} of {world}: {res['error'][2]}"
-        assert procs[r].returncode == 0, logs[r][-3000:]
-        results.append(res)
-    return results
+        assert ranks.codes[r] == 0, ranks.logs[r][-3000:]
+    return ranks.results
 
 
 def _run(name, **kw):

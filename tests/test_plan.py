@@ -21,7 +21,7 @@ from pstar_fx.cost import H200, Lane
 from harness import HYPER, tight_budget
 from models import CASES_BY_NAME
 from plan_worker import store_host_bytes
-from test_distributed import _free_port
+from ranks import run_ranks
 
 HERE = os.path.dirname(__file__)
 ROOT = os.path.dirname(HERE)
@@ -107,23 +107,7 @@ def _two_groups(model):
 
 def _launch(tmp_path, world: int, *args, timeout: float = 240) -> list[dict]:
     out = str(tmp_path / "result")
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world),
-               OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([ROOT, HERE]))
-    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "plan_worker.py"), "--out", out, *map(str, args)],
-                              env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT) for r in range(world)]
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=timeout)[0].decode(errors="replace"))
-    finally:
-        for p in procs:
-            p.kill()
-    results = []
-    for r in range(world):
-        assert os.path.exists(f"{out}.rank{r}"), f"rank {r} wrote no result:\n{logs[r][-3000:]}"
-        results.append(torch.load(f"{out}.rank{r}", weights_only=False))
-    return results
+    return run_ranks("plan_worker.py", ["--out", out, *args], world, out, timeout).results
 
 
 @pytest.mark.parametrize("budget", ["none", "tight"])
