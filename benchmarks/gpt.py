@@ -18,7 +18,8 @@ end the others):
 - pstar: px.compile(..., precision bf16, device_memory=each of --budgets), px.AdamW. With --init-empty the model is
   built under `px.init_empty(device=device)` after torch.manual_seed(0) (no memory; initialised on the device at the
   first step, into the chunks) instead of on the device and moved to the host; the row's first_step_s is then the
-  first step's time with that initialisation in it.
+  first step's time with that initialisation in it. --checkpoint on builds it with per-block checkpoints, which the
+  remat pass keeps where the budget needs them (for the largest models: more device memory left for optimizer states).
 With --gpus N (a list: 1,2), every system runs on N GPUs of this host, one process per GPU launched by torchrun, data
 parallel with --batch sequences per GPU: pstar-fx shards its chunks over the ranks (the default process group);
 fsdp2 shards per block with and without CPU offload (fsdp2 and fsdp2:offload; on one GPU only with offload);
@@ -248,6 +249,7 @@ def run_pstar(cfg, args, device, batch, budget: str) -> dict:
             model = GPT(cfg)
     else:
         model = build(cfg, device, where="host")
+    model.checkpoint = args.checkpoint == "on"    # the user's per-block checkpoints (remat may undo them)
     n = n_params(model)
     dm = None if budget == "none" else budget
     step = px.compile(model, optimizer=px.AdamW(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1),
@@ -468,7 +470,8 @@ def main():
     ap.add_argument("--budgets", default="none", help="pstar-fx device_memory values, comma-separated ('none': "
                                                       "unlimited)")
     ap.add_argument("--checkpoint", choices=["auto", "on", "off"], default="auto",
-                    help="eager: per-block activation checkpointing (auto: only if it does not fit without)")
+                    help="eager: per-block activation checkpointing (auto: only if it does not fit without); "
+                         "pstar: on builds the model with the checkpoints (remat may undo them), else without")
     ap.add_argument("--precision", default="bf16", help="pstar-fx precision")
     ap.add_argument("--chunk-size", type=int, default=None, help="pstar-fx elements per chunk (default: its own)")
     ap.add_argument("--warmup", type=int, default=2)

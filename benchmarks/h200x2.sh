@@ -3,6 +3,8 @@
 #   tests  - the NCCL data-parallel equivalence tests (tests/test_distributed.py, 2 ranks, one GPU each)
 #   small  - 1.3B GPT on 1 and 2 GPUs, pstar-fx only (a quick look at scaling)
 #   scale  - 6.66B GPT on 1 and 2 GPUs: pstar-fx and FSDP2 (without and with CPU offload), scaling efficiency
+#   big    - the largest GPT on both GPUs and their host (57 x 7168, 35.5B; px.plan: 224 GiB host of 256), built with
+#            px.init_empty(device=cuda), per-block checkpoints, 1 sequence per GPU, a 134 GiB budget per GPU
 # Logs under $OUT. NCCL's NVLink multicast stays off (the machine's environment sets NCCL_NVLS_ENABLE=0).
 set -u
 out=${OUT:-h200x2_logs}
@@ -25,4 +27,15 @@ if [[ $stages == *scale* ]]; then
   timeout 420 python3 benchmarks/gpt.py --timeout 100 --json "$out/g6b.json" --layers 32 --hidden 4096 --heads 32 \
       --batch 4 --gpus 1,2 --systems fsdp2,pstar --budgets none 2>&1 | grep -v '^{' | tee "$out/g6b.txt"
   echo "6.66B: $(( $(date +%s) - start )) s"
+fi
+if [[ $stages == *big* ]]; then
+  free -g | tee "$out/free.txt"
+  (while sleep 5; do echo "$(( $(date +%s) - start )) s $(free -g | grep Mem)"; done) > "$out/mem.txt" &
+  mon=$!
+  timeout 560 python3 benchmarks/gpt.py --timeout 540 --json "$out/g35b.json" --layers ${BIG_LAYERS:-57} --hidden 7168 \
+      --heads 56 --batch 1 --gpus 2 --systems pstar --budgets 134GiB --checkpoint on --init-empty --warmup 1 --steps 5 \
+      2>&1 | grep -v '^{' | tee "$out/g35b.txt"
+  kill $mon
+  sort -k5 -n "$out/mem.txt" | tail -1 | sed 's/^/most host memory used (GiB, free -g): /'
+  echo "big: $(( $(date +%s) - start )) s"
 fi
