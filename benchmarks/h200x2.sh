@@ -29,8 +29,17 @@ if [[ $stages == *scale* ]]; then
   echo "6.66B: $(( $(date +%s) - start )) s"
 fi
 if [[ $stages == *big* ]]; then
-  free -g | tee "$out/free.txt"
-  (while sleep 5; do echo "$(( $(date +%s) - start )) s $(free -g | grep Mem)"; done) > "$out/mem.txt" &
+  free -g | tee "$out/free.txt"; ulimit -l
+  python3 -c "
+import torch; from pstar_fx.runtime.chunk_store import HostMemory
+h = HostMemory(True); t = h.zeros(1 << 28, torch.float32)
+print('1 GiB host buffer pinned by cudaHostRegister:', bool(h._registered))"
+  # the plan, traced for CUDA here: run the benchmark only if it says the model fits both memories
+  timeout 200 python3 -m pstar_fx.plan --layers ${BIG_LAYERS:-57} --d-model 7168 --heads 56 --batch 1 --checkpoint \
+      --world-size 2 --device-memory 134GiB --host-memory 236GiB 2>&1 | tee "$out/plan35b.txt" | tail -14
+  grep -q "verdict: FITS" "$out/plan35b.txt" || { echo "the plan says it does not fit: not run"; exit 1; }
+  (while sleep 5; do echo "$(( $(date +%s) - start )) s $(free -g | grep Mem) rss_gib: $(ps -C python3 -o rss= \
+      | awk '{printf "%.0f ", $1 / 1048576}')"; done) > "$out/mem.txt" &
   mon=$!
   timeout 560 python3 benchmarks/gpt.py --timeout 540 --json "$out/g35b.json" --layers ${BIG_LAYERS:-57} --hidden 7168 \
       --heads 56 --batch 1 --gpus 2 --systems pstar --budgets 134GiB --checkpoint on --init-empty --warmup 1 --steps 5 \
