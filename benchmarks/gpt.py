@@ -161,9 +161,17 @@ def rss_peak() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024   # Linux reports KiB
 
 
+def rss_now() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 def timed_steps(step_fn, device, warmup: int, steps: int) -> tuple[list[float], list[float]]:
     warm, times = [], []
     for i in range(warmup + steps):
+        if i < 3:
+            print(f"host memory of rank {os.environ.get('RANK', 0)} before step {i}: {rss_now() / 2**30:.2f} GiB",
+                  file=sys.stderr, flush=True)
         if i == warmup and device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         sync(device)
@@ -257,6 +265,10 @@ def run_pstar(cfg, args, device, batch, budget: str) -> dict:
     t0 = time.perf_counter()
     step.lower(*batch)                                       # trace + passes + chunk set-up
     compile_s = time.perf_counter() - t0
+    from pstar_fx.planning import host_bytes
+    print(f"host memory of rank {os.environ.get('RANK', 0)} after set-up: {rss_now() / 2**30:.2f} GiB; the plan's "
+          f"store: {host_bytes(step.final_graph)[1] / 2**30:.2f} GiB at set-up, "
+          f"{host_bytes(step.final_graph)[0] / 2**30:.2f} GiB in steps", file=sys.stderr, flush=True)
     warm, times = timed_steps(lambda: step(*batch), device, args.warmup, args.steps)
     s = step.summary()
     st = step.last_step
