@@ -268,7 +268,9 @@ def run_pstar(cfg, args, device, batch, budget: str) -> dict:
     from pstar_fx.planning import host_bytes
     print(f"host memory of rank {os.environ.get('RANK', 0)} after set-up: {rss_now() / 2**30:.2f} GiB; the plan's "
           f"store: {host_bytes(step.final_graph)[1] / 2**30:.2f} GiB at set-up, "
-          f"{host_bytes(step.final_graph)[0] / 2**30:.2f} GiB in steps", file=sys.stderr, flush=True)
+          f"{host_bytes(step.final_graph)[0] / 2**30:.2f} GiB in steps; cudaHostRegister refused "
+          f"{len(step._store.hostmem.fallbacks)} buffers {step._store.hostmem.fallbacks[:3]}", file=sys.stderr,
+          flush=True)
     warm, times = timed_steps(lambda: step(*batch), device, args.warmup, args.steps)
     s = step.summary()
     st = step.last_step
@@ -430,8 +432,11 @@ def run_child(argv: list[str], label: str, timeout: float, gpus: int = 1) -> dic
     launcher = [sys.executable] if gpus == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                    f"--nproc_per_node={gpus}"]
     try:
+        # torchrun sets OMP_NUM_THREADS=1 unless it is set: host-side optimizer steps want the cores of their GPU
+        env = dict(os.environ)
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // gpus)))
         p = subprocess.run(launcher + [os.path.abspath(__file__)] + argv, capture_output=True, text=True,
-                           timeout=timeout)
+                           timeout=timeout, env=env)
         out = p.stdout + p.stderr
     except subprocess.TimeoutExpired as e:
         out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")

@@ -98,12 +98,15 @@ class HostMemory:
     def __init__(self, pin: bool):
         self.pin = pin
         self._registered: list[torch.Tensor] = []
+        self.fallbacks: list[tuple[int, int]] = []   # (bytes, cudaError) of buffers cudaHostRegister refused
 
     def zeros(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         t = torch.zeros(numel, dtype=dtype)
         if not self.pin or numel == 0:
             return t
-        if int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), numel * dtype.itemsize, 0)) != 0:
+        err = int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), numel * dtype.itemsize, 0))
+        if err != 0:
+            self.fallbacks.append((numel * dtype.itemsize, err))
             return torch.zeros(numel, dtype=dtype, pin_memory=True)
         self._registered.append(t)
         return t
