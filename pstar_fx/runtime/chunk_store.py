@@ -36,6 +36,7 @@ pending updates of the chunks it touches.
 """
 from __future__ import annotations
 
+import warnings
 from concurrent.futures import Future
 
 import torch
@@ -93,7 +94,7 @@ class HostMemory:
 
     torch's pinned allocator (2.11) rounds every allocation up to a power of two, which wastes up to half of the host
     memory that offloading lives on; so an ordinary allocation of the exact size is pinned with cudaHostRegister
-    (falling back to torch's pinned allocator if that fails), and unregistered when the store goes away."""
+    (left pageable, with a warning, if that fails), and unregistered when the store goes away."""
 
     def __init__(self, pin: bool):
         self.pin = pin
@@ -106,8 +107,14 @@ class HostMemory:
             return t
         err = int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), numel * dtype.itemsize, 0))
         if err != 0:
+            # left pageable: its copies are slower, but torch's pinned allocator would round it up to a power of two
+            # (up to twice the host memory the plan counted)
+            if not self.fallbacks:
+                warnings.warn(f"cudaHostRegister refused a {numel * dtype.itemsize} B host buffer (cudaError {err}): "
+                              "it and any others refused stay pageable, so their copies are slower",
+                              ResourceWarning, stacklevel=2)
             self.fallbacks.append((numel * dtype.itemsize, err))
-            return torch.zeros(numel, dtype=dtype, pin_memory=True)
+            return t
         self._registered.append(t)
         return t
 
