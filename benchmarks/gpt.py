@@ -283,7 +283,27 @@ def run_pstar(cfg, args, device, batch, budget: str) -> dict:
     return out
 
 
+def watch(every: float) -> None:
+    """Print this process's host memory and where its main thread is, every `every` seconds (a daemon thread)."""
+    import threading
+    import traceback
+    main = threading.main_thread().ident
+
+    def loop():
+        t0 = time.perf_counter()
+        while True:
+            time.sleep(every)
+            stack = traceback.extract_stack(sys._current_frames()[main])
+            frames = [f for f in stack if "pstar_fx" in f.filename or f.filename.endswith("gpt.py")][-3:] + stack[-1:]
+            where = " < ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in reversed(frames))
+            print(f"watch rank {os.environ.get('RANK', 0)} {time.perf_counter() - t0:.0f}s: host "
+                  f"{rss_now() / 2**30:.1f} GiB, in {where}", file=sys.stderr, flush=True)
+    threading.Thread(target=loop, daemon=True).start()
+
+
 def child(args) -> None:
+    if args.watch:
+        watch(args.watch)
     device = torch.device(args.device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
@@ -500,6 +520,8 @@ def main():
                     help="pstar-fx: build the model under px.init_empty(device=...), initialised at the first step")
     ap.add_argument("--timeout", type=float, default=600, help="seconds per system run")
     ap.add_argument("--gpus", default="1", help="GPUs per run, a comma-separated list (torchrun, data parallel)")
+    ap.add_argument("--watch", type=float, default=0,
+                    help="every this many seconds, each process prints its host memory and where it is (diagnosis)")
     ap.add_argument("--json", default=None, help="also write the rows (and the children's logs) to this file")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -518,6 +540,8 @@ def main():
         passthrough += ["--chunk-size", str(args.chunk_size)]
     if args.init_empty:
         passthrough += ["--init-empty"]
+    if args.watch:
+        passthrough += ["--watch", str(args.watch)]
     print(f"GPT {cfg}, batch {args.batch} x {args.seq} tokens, device {args.device}"
           f"{' (' + torch.cuda.get_device_name() + ')' if args.device.startswith('cuda') else ''}, "
           f"torch {torch.__version__}; TFLOP/s = (6*N*tokens + 12*layers*hidden*seq*tokens) / median step time",

@@ -43,11 +43,11 @@ print('1 GiB host buffer pinned by cudaHostRegister:', bool(h._registered))"
   mon=$!
   timeout 560 python3 benchmarks/gpt.py --timeout 540 --json "$out/g35b.json" --layers ${BIG_LAYERS:-57} --hidden 7168 \
       --heads 56 --batch 1 --gpus 2 --systems pstar --budgets 134GiB --checkpoint on --init-empty --warmup 1 --steps 5 \
-      2>&1 | grep -v '^{' | tee "$out/g35b.txt"
+      --watch 4 2>&1 | grep -v '^{' | tee "$out/g35b.txt"
   kill $mon
   python3 -c "
 import json; d = json.load(open('$out/g35b.json'))
-print('\n'.join(l for v in d['logs'].values() for l in v.splitlines() if 'host memory' in l or 'Error' in l))"
+print('\n'.join(l for v in d['logs'].values() for l in v.splitlines() if 'host memory' in l or 'Error' in l or 'watch' in l))"
   sort -k5 -n "$out/mem.txt" | tail -1 | sed 's/^/most host memory used (GiB, free -g): /'
   echo "big: $(( $(date +%s) - start )) s"
 fi
