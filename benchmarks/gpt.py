@@ -262,6 +262,19 @@ def run_pstar(cfg, args, device, batch, budget: str) -> dict:
     dm = None if budget == "none" else budget
     step = px.compile(model, optimizer=px.AdamW(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1),
                       device_memory=dm, precision=args.precision, device=device, chunk_size=args.chunk_size)(gpt_loss)
+    if args.plan_only:       # the compiled step's own plan, without setting up its store
+        from pstar_fx.passes import pipeline, run_passes
+        from pstar_fx.planning import host_bytes
+        from pstar_fx.trace import trace_step
+        final = run_passes(trace_step(step._fn, model, batch, step.settings),
+                           pipeline(chunk_size=step.settings.chunk_size, prefetch=step.prefetch,
+                                    world=step.settings.world))[-1]
+        on_dev = sum(c.state_home is not None and c.state_home.value == "device" for c in final.chunks)
+        print(f"plan of rank {os.environ.get('RANK', 0)}: host {host_bytes(final)[1] / 2**30:.2f} GiB, states of "
+              f"{on_dev}/{len(final.chunks)} chunks on the device, peak {final.plan.predicted_peak / 2**30:.2f} GiB, "
+              f"budget {step.settings.budget}, device {step.settings.device}, world {step.settings.world}, "
+              f"groups {len(step.settings.optimizer.groups)}", file=sys.stderr, flush=True)
+        raise SystemExit(0)
     t0 = time.perf_counter()
     step.lower(*batch)                                       # trace + passes + chunk set-up
     compile_s = time.perf_counter() - t0
@@ -520,6 +533,8 @@ def main():
                     help="pstar-fx: build the model under px.init_empty(device=...), initialised at the first step")
     ap.add_argument("--timeout", type=float, default=600, help="seconds per system run")
     ap.add_argument("--gpus", default="1", help="GPUs per run, a comma-separated list (torchrun, data parallel)")
+    ap.add_argument("--plan-only", action="store_true",
+                    help="pstar: print the compiled step's plan (host memory, states on the device) and stop")
     ap.add_argument("--watch", type=float, default=0,
                     help="every this many seconds, each process prints its host memory and where it is (diagnosis)")
     ap.add_argument("--json", default=None, help="also write the rows (and the children's logs) to this file")
@@ -535,13 +550,15 @@ def main():
     passthrough = ["--layers", str(args.layers), "--hidden", str(args.hidden), "--heads", str(args.heads),
                    "--batch", str(args.batch), "--seq", str(args.seq), "--vocab", str(args.vocab),
                    "--warmup", str(args.warmup), "--steps", str(args.steps), "--device", args.device,
-                   "--precision", args.precision]
+                   "--precision", args.precision, "--checkpoint", args.checkpoint]
     if args.chunk_size:
         passthrough += ["--chunk-size", str(args.chunk_size)]
     if args.init_empty:
         passthrough += ["--init-empty"]
     if args.watch:
         passthrough += ["--watch", str(args.watch)]
+    if args.plan_only:
+        passthrough += ["--plan-only"]
     print(f"GPT {cfg}, batch {args.batch} x {args.seq} tokens, device {args.device}"
           f"{' (' + torch.cuda.get_device_name() + ')' if args.device.startswith('cuda') else ''}, "
           f"torch {torch.__version__}; TFLOP/s = (6*N*tokens + 12*layers*hidden*seq*tokens) / median step time",
