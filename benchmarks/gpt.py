@@ -167,6 +167,7 @@ def rss_now() -> int:
 
 
 def timed_steps(step_fn, device, warmup: int, steps: int) -> tuple[list[float], list[float]]:
+    """Times of the warm-up steps and of the timed steps; each step's loss goes to stderr (finite: it trained)."""
     warm, times = [], []
     for i in range(warmup + steps):
         if i < 3:
@@ -176,9 +177,11 @@ def timed_steps(step_fn, device, warmup: int, steps: int) -> tuple[list[float], 
             torch.cuda.reset_peak_memory_stats(device)
         sync(device)
         t0 = time.perf_counter()
-        step_fn()
+        loss = step_fn()
         sync(device)
         (warm if i < warmup else times).append(time.perf_counter() - t0)
+        if os.environ.get("RANK", "0") == "0" and isinstance(loss, torch.Tensor):
+            print(f"step {i}: loss {loss.item():.4f}", file=sys.stderr, flush=True)
     return warm, times
 
 

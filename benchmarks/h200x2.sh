@@ -38,16 +38,17 @@ print('1 GiB host buffer pinned by cudaHostRegister:', bool(h._registered))"
   timeout 200 python3 -m pstar_fx.plan --layers ${BIG_LAYERS:-57} --d-model 7168 --heads 56 --batch 1 --checkpoint \
       --world-size 2 --device-memory 134GiB --host-memory 236GiB 2>&1 | tee "$out/plan35b.txt" | tail -14
   grep -q "verdict: FITS" "$out/plan35b.txt" || { echo "the plan says it does not fit: not run"; exit 1; }
+  export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
   (while sleep 5; do echo "$(( $(date +%s) - start )) s $(free -g | grep Mem) rss_gib: $(ps -C python3 -o rss= \
       | awk '{printf "%.0f ", $1 / 1048576}')"; done) > "$out/mem.txt" &
   mon=$!
   timeout 560 python3 benchmarks/gpt.py --timeout 540 --json "$out/g35b.json" --layers ${BIG_LAYERS:-57} --hidden 7168 \
       --heads 56 --batch 1 --gpus 2 --systems pstar --budgets 134GiB --checkpoint on --init-empty --warmup 1 --steps 5 \
-      --watch 4 2>&1 | grep -v '^{' | tee "$out/g35b.txt"
+      2>&1 | grep -v '^{' | tee "$out/g35b.txt"
   kill $mon
   python3 -c "
 import json; d = json.load(open('$out/g35b.json'))
-print('\n'.join(l for v in d['logs'].values() for l in v.splitlines() if 'host memory' in l or 'Error' in l or 'watch' in l))"
+print('\n'.join(l for v in d['logs'].values() for l in v.splitlines() if 'host memory' in l or 'loss' in l or 'Error' in l))"
   sort -k5 -n "$out/mem.txt" | tail -1 | sed 's/^/most host memory used (GiB, free -g): /'
   echo "big: $(( $(date +%s) - start )) s"
 fi
