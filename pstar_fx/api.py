@@ -13,7 +13,7 @@ import torch.nn as nn
 
 from . import checkpoint, timeline
 from .cache import TraceCache
-from .checks import warn_chunk_padding
+from .checks import warn_chunk_padding, warn_host_threads
 from .errors import CommitError, PstarError
 from .graph_utils import bounded_live
 from .init_empty import fill_chunks, is_empty
@@ -171,6 +171,7 @@ class CompiledStep:
             self._comm.check_same(collectives(final), "the collectives of the compiled step")
         if self._store is None:
             warn_chunk_padding(final)
+            warn_host_threads(final)
             self._layout = (final.params, final.chunks, final.chunk_size)
             self._store = ChunkStore(final.chunks, final.params, self.settings.precision, self.settings.device,
                                      self.settings.budget, comm=self._comm)

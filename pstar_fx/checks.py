@@ -1,9 +1,12 @@
 """Warnings about settings that work but waste: checked once a graph is compiled."""
 from __future__ import annotations
 
+import os
 import warnings
 
-from .ir import ChunkGroup, TrainGraph
+import torch
+
+from .ir import ChunkGroup, StateHome, TrainGraph
 from .memory import state_bytes
 from .units import format_bytes
 
@@ -35,3 +38,17 @@ def warn_chunk_padding(g: TrainGraph) -> None:
             f"{sum(c.capacity for c in g.chunks)} elements: {format_bytes(wasted)} of the {format_bytes(total)} of "
             "model data (parameters, gradients, optimizer states) is padding. Use chunk_size=None (the size that "
             "wastes least) or a smaller chunk_size.", stacklevel=5)
+
+
+def warn_host_threads(g: TrainGraph) -> None:
+    """Optimizer steps of chunks whose states live on the host run on torch's CPU threads; torchrun sets
+    OMP_NUM_THREADS=1 unless it is set, which leaves them one core (measured: a 6.66B step on two H200s took 6.3 s,
+    CPU-bound, with most states on the host)."""
+    on_host = sum(c.group is ChunkGroup.TRAINABLE and c.state_home is StateHome.HOST for c in g.chunks)
+    cores = os.cpu_count() or 1
+    if on_host and torch.get_num_threads() == 1 and cores > 1:
+        warnings.warn(
+            f"pstar-fx: the optimizer states of {on_host} chunk(s) live on the host and their updates run on torch's "
+            f"CPU threads, but torch uses 1 thread here (torchrun sets OMP_NUM_THREADS=1 unless it is set) of "
+            f"{cores} cores. Set OMP_NUM_THREADS to the cores per process (e.g. {max(1, cores // g.settings.world)}) "
+            "or call torch.set_num_threads.", stacklevel=5)

@@ -379,6 +379,25 @@ def test_huge_chunk_size_warns_about_padding():
         quiet(torch.randn(2, 64))
 
 
+def test_one_cpu_thread_with_host_states_warns(monkeypatch):
+    """torchrun sets OMP_NUM_THREADS=1: host-side optimizer steps would run on one core of many."""
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        step = _compile(_six_k(), lambda m, x: m(x).pow(2).sum(), device_memory=40_000, chunk_size=2048)
+        with pytest.warns(UserWarning, match=r"live on the host.*1 thread.*OMP_NUM_THREADS"):
+            step(torch.randn(2, 64))
+        assert step.summary().states_on_device < step.summary().trainable_chunks
+        torch.set_num_threads(2)
+        quiet = _compile(_six_k(), lambda m, x: m(x).pow(2).sum(), device_memory=40_000, chunk_size=2048)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            quiet(torch.randn(2, 64))
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_float_chunk_size_is_rejected_with_the_int_to_write():
     with pytest.raises(ValueError, match=r"int.*write 20000000"):
         _compile(_six_k(), lambda m, x: m(x).sum(), chunk_size=2e7)
