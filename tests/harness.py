@@ -68,9 +68,12 @@ class EagerAdamW:
                 p.grad = None
 
 
-def check_tight_budget_matches_eager(case: Case, steps: int, chunk_size: int = 1024) -> None:
+def check_tight_budget_matches_eager(case: Case, steps: int, chunk_size: int = 1024, bounded_sizes: bool = False
+                                     ) -> None:
     """Under a budget just above the least feasible one (below half the model data): chunks are evicted and fetched
-    again, and losses and final values equal eager's to 1e-6; the measured peak is the plan's and within budget."""
+    again, and losses and final values equal eager's to 1e-6; the measured peak is the plan's and within budget.
+    bounded_sizes: the step has data-dependent sizes, planned at their upper bound, so the measured peak is at most
+    the plan's instead of equal to it."""
     budget = tight_budget(case, chunk_size)
     losses, sd, step = compiled_run(case, steps, budget=budget, chunk_size=chunk_size)
     ref_losses, ref_sd = eager_run(case, steps, host_params=host_params(step))
@@ -79,8 +82,9 @@ def check_tight_budget_matches_eager(case: Case, steps: int, chunk_size: int = 1
     assert max(fetch_counts(g).values()) >= 2, "no chunk was evicted and fetched again"
     assert rel_err(losses, ref_losses) <= 1e-6, (losses, ref_losses)
     assert_state_close(sd, ref_sd, rtol=1e-6)
-    assert step.last_step.measured_peak <= budget
-    assert step.last_step.measured_peak == g.plan.predicted_peak
+    assert step.last_step.measured_peak <= g.plan.predicted_peak <= budget
+    if not bounded_sizes:
+        assert step.last_step.measured_peak == g.plan.predicted_peak
 
 
 def compiled_step(case: Case, *, budget=None, chunk_size=None, precision="fp32", fused=None, hyper=HYPER,
