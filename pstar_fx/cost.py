@@ -50,7 +50,7 @@ import torch.fx as fx
 from . import ops
 from .graph_utils import mutated_args, storage_key, tensors_of
 from .ir import BufKind, Role, StateHome, TrainGraph
-from .memory import BufKey, all_needs, shard_numel
+from .memory import BufKey, all_needs, from_master, shard_numel
 
 INF = float("inf")
 
@@ -392,8 +392,11 @@ def _simulate(g: TrainGraph, m: Machine, node_s: list[float], background, steps:
                     free[Lane.HOST] = max(free[Lane.HOST], after_update)
                     compute_at = max(compute_at, after_update)
                 part = _shard_bytes(c, world) if gather or (world > 1 and a.chunk in reduced) else c.nbytes
-                done = sim.copy(Lane.H2D, max(compute_at, home.get(key, 0.0), after_update), part)
-                reading[a.chunk] = done
+                if from_master(g, a):         # cast from the fp32 master on the device (4 bytes read per element)
+                    done = sim._fixed(Lane.COMPUTE, compute_at, part * 3 / m.hbm_bytes + m.kernel_s)
+                else:
+                    done = sim.copy(Lane.H2D, max(compute_at, home.get(key, 0.0), after_update), part)
+                    reading[a.chunk] = done
                 ready[key] = sim.collective(done, c.nbytes) if gather else done
             elif a.role is Role.RELEASE:
                 t = max(compute_at, ready.get(key, 0.0))          # a collective still writing it finishes first

@@ -73,6 +73,12 @@ class StateHome(enum.Enum):
     HOST = "host"
 
 
+class ParamHome(enum.Enum):
+    """Where a chunk's parameters are kept while its PARAM buffer is not on the device."""
+    HOST = "host"        # a host buffer (this rank's shard of it): fetched host -> device, written back
+    MASTER = "master"    # mixed precision, states on the device: the fp32 master there; a fetch casts it (no copy)
+
+
 @dataclass(frozen=True)
 class ParamInfo:
     name: str                        # as in model.state_dict()
@@ -125,6 +131,7 @@ class ChunkInfo:
     grad_inplace: bool = False       # the gradient overwrites the parameter in the PARAM buffer
     state_home: StateHome | None = None   # where the optimizer states live (TRAINABLE only)
     opt_group: int | None = None     # TRAINABLE: the optimizer parameter group of every parameter in the chunk
+    param_home: ParamHome = ParamHome.HOST   # set by the schedule
 
     @property
     def nbytes(self) -> int:

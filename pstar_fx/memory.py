@@ -8,7 +8,7 @@ from typing import Callable, NamedTuple
 import torch
 import torch.fx as fx
 
-from .ir import BufKind, ChunkInfo, NodeAnn, Precision, Role, StateHome, TrainGraph
+from .ir import BufKind, ChunkInfo, NodeAnn, ParamHome, Precision, Role, StateHome, TrainGraph
 from .graph_utils import storage_key, tensors_of
 
 
@@ -114,6 +114,11 @@ def all_needs(g: TrainGraph) -> list[Needs]:
             x = Needs(reads=x.reads | held, writes=x.writes, workspace=x.workspace)
         out.append(x)
     return out
+
+
+def from_master(g: TrainGraph, a: NodeAnn) -> bool:
+    """A fetch (or all-gather) that casts the chunk's fp32 master on the device instead of copying a host home."""
+    return a.buf is BufKind.PARAM and g.chunks[a.chunk].param_home is ParamHome.MASTER
 
 
 def buf_bytes(g: TrainGraph, key: BufKey) -> int:

@@ -28,7 +28,7 @@ import torch.nn as nn
 
 from .cost import H200, FORWARD_ATTENTION, Machine, StepCost, estimate
 from .errors import BudgetError
-from .ir import BufKind, ChunkGroup, Precision, Role, Settings, StateHome, TrainGraph
+from .ir import BufKind, ChunkGroup, ParamHome, Precision, Role, Settings, StateHome, TrainGraph
 from .memory import shard_numel, state_bytes
 from .optim import OptimizerLayout, OptimizerSpec
 from .passes import pipeline, run_passes
@@ -180,12 +180,12 @@ def _tokens(batch: tuple) -> int:
 
 def host_bytes(g: TrainGraph) -> tuple[int, int]:
     """One rank's host memory for g's chunks, as the ChunkStore allocates it: (steady state, during set-up).
-    Parameter homes (its shard of every chunk), gradient homes of the buffers the plan writes back (a shard after
-    the reduce-scatter, the whole chunk before it), optimizer states placed on the host, and in mixed precision the
-    frozen parameters at full precision. At set-up each chunk's states start where the plan puts them (gradient
+    Parameter homes (its shard of each chunk whose home is on the host, not cast from a device master), gradient
+    homes of the buffers the plan writes back (a shard after the reduce-scatter, the whole chunk before it),
+    optimizer states placed on the host, and in mixed precision the frozen parameters at full precision. At set-up each chunk's states start where the plan puts them (gradient
     homes come later, at the first write-back)."""
     w, prec = g.settings.world, g.settings.precision
-    params = sum(shard_numel(c, w) * c.dtype.itemsize for c in g.chunks)
+    params = sum(shard_numel(c, w) * c.dtype.itemsize for c in g.chunks if c.param_home is ParamHome.HOST)
     grads: set[tuple[int, bool]] = set()     # (chunk, whole)
     reduced: set[int] = set()
     for n in g.nodes:

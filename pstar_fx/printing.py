@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from .ir import Role, TrainGraph
+from .ir import ParamHome, Role, TrainGraph
 from .graph_utils import data_dependent_sizes, tensors_of
 from .passes.remat import REMAT
 from .units import format_bytes
@@ -98,6 +98,7 @@ def format_graph(g: TrainGraph) -> str:
         for c in g.chunks:
             home = f", states on {c.state_home.value}" if c.state_home else ""
             inplace = ", grads in place" if c.grad_inplace else ""
+            cast = ", params cast from the master" if c.param_home is ParamHome.MASTER else ""
             body.append(f"#   chunk {c.id}: {c.group.value}, {c.capacity} x {str(c.dtype).replace('torch.', '')} "
-                        f"({format_bytes(c.nbytes)}, {c.used} used){home}{inplace}: {', '.join(c.params)}")
+                        f"({format_bytes(c.nbytes)}, {c.used} used){home}{inplace}{cast}: {', '.join(c.params)}")
     return "\n".join(body)

@@ -22,7 +22,7 @@ from .units import format_bytes
 
 
 class MoveKind(enum.Enum):
-    FETCH = "fetch"          # host -> device copy into a slot
+    FETCH = "fetch"          # host -> device copy into a slot (or a cast from the chunk's master on the device)
     ALLOC = "alloc"          # a zeroed slot, no copy (a gradient buffer before its first write)
     RELEASE = "release"      # the slot is freed (written back to the host first when `writeback`)
 

@@ -14,6 +14,13 @@ end, plus host-stepped chunks' parameters (fetched back after their update) whil
 evict before their first use (churn). At an unlimited budget every parameter buffer is carried and nothing moves.
 Fetches are then hoisted up to `prefetch` nodes earlier into free room only, so prefetching never adds evictions.
 A budget that some node cannot fit raises BudgetError before anything runs.
+
+Parameter homes (`ChunkInfo.param_home`, set here for training graphs): in mixed precision a chunk whose optimizer
+states live on the device keeps no host copy of its half-precision parameters (ParamHome.MASTER) unless the step
+writes its PARAM buffer home while that buffer holds gradients (in place, between the chunk's first gradient write
+and its optimizer step). Otherwise those parameters are always the fp32 master rounded, so a fetch casts the master
+on the device, and releases of the chunk's PARAM buffer write nothing back. A forward-only graph keeps the homes its
+chunks came with (those of the store it runs on).
 """
 from __future__ import annotations
 
@@ -24,11 +31,12 @@ import torch.fx as fx
 
 from .. import ops
 from ..errors import BudgetError
-from ..ir import BufKind, ChunkGroup, NodeAnn, Phase, Plan, Role, StateHome, TrainGraph, copy_graph, to_module
+from ..ir import (BufKind, ChunkGroup, NodeAnn, ParamHome, Phase, Plan, Role, StateHome, TrainGraph, copy_graph,
+                  to_module)
 from ..units import format_bytes
 from .liveness import analyze
 from ..graph_utils import output_node
-from ..memory import BufKey, all_needs, buf_bytes, static_bytes
+from ..memory import BufKey, all_needs, buf_bytes, from_master, static_bytes
 
 INF = float("inf")
 _SHRINK_ROUNDS = 6          # rounds that drop carried buffers the step would evict before using them
@@ -245,9 +253,42 @@ def _hoist(g, moves, profile, live, nd, static, cap, prefetch) -> list[Move]:
     return sorted(out, key=lambda m: (m.before, m.role is Role.FETCH, m.key.order()))
 
 
+def param_homes(g: TrainGraph, moves: list[Move]) -> dict[int, ParamHome]:
+    """Each chunk's parameter home under these moves (see the module docstring)."""
+    nodes = g.nodes
+    first_grad: dict[int, int] = {}
+    step_at: dict[int, int] = {}
+    for i, n in enumerate(nodes):
+        a = g.ann[n.name]
+        if a.role is Role.WRITE_GRAD:
+            first_grad.setdefault(g.chunk_of(a.param).id, i)
+        elif a.role is Role.OPTIMIZER_STEP:
+            step_at[a.chunk] = i
+    if not step_at:                    # forward only: the store's homes
+        return {c.id: c.param_home for c in g.chunks}
+    homes = {c.id: ParamHome.HOST for c in g.chunks}
+    if not g.settings.precision.mixed:
+        return homes
+    for c in g.chunks:
+        if c.group is not ChunkGroup.TRAINABLE or c.state_home is not StateHome.DEVICE:
+            continue
+        if c.grad_inplace and c.id in first_grad:
+            lo, hi = first_grad[c.id], step_at.get(c.id, len(nodes))
+            if any(m.role is Role.RELEASE and m.copy and m.key == BufKey(c.id, BufKind.PARAM) and lo < m.before <= hi
+                   for m in moves):
+                continue               # its gradients go home in its PARAM buffer: it keeps a host home
+        homes[c.id] = ParamHome.MASTER
+    return homes
+
+
 def schedule(g: TrainGraph, *, prefetch: int = 4) -> TrainGraph:
     budget = g.settings.budget
     moves, carried = plan_moves(g, budget, prefetch)
+    homes = param_homes(g, moves)
+    moves = [dataclasses.replace(m, copy=False)
+             if m.role is Role.RELEASE and m.key.buf is BufKind.PARAM and homes[m.key.chunk] is ParamHome.MASTER else m
+             for m in moves]
+    g = g.evolve(chunks=tuple(dataclasses.replace(c, param_home=homes[c.id]) for c in g.chunks))
     graph, env = copy_graph(g)
     old_nodes = g.nodes
     ann = dict(g.ann)
@@ -289,7 +330,7 @@ def annotate(g: TrainGraph, carried: tuple = ()) -> TrainGraph:
         if a.role is Role.FETCH:
             resident += g.chunks[a.chunk].nbytes
             fetches += 1
-            if n.target is ops.fetch:
+            if n.target is ops.fetch and not from_master(g, a):
                 h2d += g.chunks[a.chunk].nbytes
         shown = resident
         if a.role is Role.RELEASE:

@@ -23,7 +23,7 @@ import dataclasses
 
 from .. import ops
 from ..ir import BufKind, ChunkGroup, NodeAnn, Phase, Role, StateHome, TrainGraph, copy_graph, to_module
-from ..memory import BufKey, shard_numel
+from ..memory import BufKey, from_master, shard_numel
 from .schedule import annotate
 
 
@@ -73,10 +73,10 @@ def _traffic(g: TrainGraph):
         c = g.chunks[a.chunk]
         part = shard_numel(c, world) * c.dtype.itemsize
         if n.target is ops.all_gather:
-            h2d += part
+            h2d += 0 if from_master(g, a) else part
             gathered += c.nbytes
         elif n.target is ops.fetch:
-            h2d += part if a.chunk in reduced else c.nbytes
+            h2d += 0 if from_master(g, a) else part if a.chunk in reduced else c.nbytes
         elif n.target is ops.release and n.kwargs["writeback"]:
             whole = a.buf is BufKind.GRAD and a.chunk not in reduced
             d2h += c.nbytes if whole else part

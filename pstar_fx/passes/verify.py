@@ -21,7 +21,7 @@ Checked at every stage (each check applies once the stage has what it is about):
 from __future__ import annotations
 
 from .. import ops
-from ..ir import BufKind, ChunkGroup, Role, StateHome, TrainGraph
+from ..ir import BufKind, ChunkGroup, ParamHome, Role, StateHome, TrainGraph
 from .liveness import analyze
 from ..memory import BufKey, all_needs, buf_bytes, static_bytes
 
@@ -174,6 +174,12 @@ def _check_schedule(g: TrainGraph) -> None:
     start = dict(g.plan.carried)         # key -> host copy stale, at the start of every step
     resident: dict[BufKey, bool] = dict(start)    # key -> written on the device since its host copy was current
     host_has = {BufKey(c.id, BufKind.PARAM) for c in g.chunks}
+    holds_grads: set[int] = set()          # chunks whose PARAM buffer holds their gradients (in place)
+    for c in g.chunks:
+        if c.param_home is ParamHome.MASTER and not (g.settings.precision.mixed and c.group is ChunkGroup.TRAINABLE
+                                                     and c.state_home is StateHome.DEVICE):
+            _fail(g, None, f"chunk {c.id}'s parameters are cast from a device master, but it has none (only "
+                  "mixed precision, trainable, with its optimizer states on the device)")
     for k in start:
         if k.buf is not BufKind.PARAM:
             _fail(g, None, f"{k} is carried across steps, but only parameter buffers are")
@@ -204,7 +210,15 @@ def _check_schedule(g: TrainGraph) -> None:
             if key not in resident:
                 _fail(g, i, f"{key} released while not resident")
             dirty = resident.pop(key)
-            if dirty and n.kwargs["writeback"]:
+            master = g.chunks[key.chunk].param_home is ParamHome.MASTER and key.buf is BufKind.PARAM
+            if master and n.kwargs["writeback"]:
+                _fail(g, i, f"{key} is written back, but its parameters have no host home (cast from the master)")
+            elif master and dirty and key.chunk in holds_grads:
+                _fail(g, i, f"{key} holds gradients (in place) and is dropped: its parameters have no host home "
+                      "to take them")
+            elif master:
+                pass        # the master rounded, cast again at the next fetch
+            elif dirty and n.kwargs["writeback"]:
                 host_has.add(key)
             elif dirty:
                 needed_later = (key.buf is BufKind.PARAM or later_uses.get(key, 0) > 0
@@ -212,6 +226,10 @@ def _check_schedule(g: TrainGraph) -> None:
                 if needed_later:
                     _fail(g, i, f"{key} was written on the device and is dropped without write-back")
             used -= buf_bytes(g, key)
+        elif a.role is Role.WRITE_GRAD and g.chunk_of(a.param).grad_inplace:
+            holds_grads.add(g.chunk_of(a.param).id)
+        elif a.role is Role.OPTIMIZER_STEP and g.chunks[a.chunk].state_home is StateHome.DEVICE:
+            holds_grads.discard(a.chunk)
         elif a.role is Role.OPTIMIZER_STEP and g.chunks[a.chunk].state_home is StateHome.HOST:
             c = g.chunks[a.chunk]
             if any(BufKey(c.id, b) in resident for b in c.buffers()):

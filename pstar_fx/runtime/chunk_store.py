@@ -41,7 +41,7 @@ from concurrent.futures import Future
 
 import torch
 
-from ..ir import BufKind, ChunkGroup, ChunkInfo, ParamInfo, Precision, StateHome
+from ..ir import BufKind, ChunkGroup, ChunkInfo, ParamHome, ParamInfo, Precision, StateHome
 from ..memory import BufKey, shard_numel, state_floats
 from ..units import format_bytes
 from .comm import Comm
@@ -145,7 +145,11 @@ class ChunkStore:
         self.pool = DevicePool(device, budget)
         self.pin = device.type == "cuda"
         self.hostmem = HostMemory(self.pin)
-        self.host_param = [self.hostmem.zeros(shard_numel(c, self.world), c.dtype) for c in chunks]
+        # a chunk whose parameters are cast from its device master (ParamHome.MASTER) has no host home
+        self.param_home = [c.param_home for c in chunks]
+        self.host_param: list[torch.Tensor | None] = [
+            self.hostmem.zeros(shard_numel(c, self.world), c.dtype) if c.param_home is ParamHome.HOST else None
+            for c in chunks]
         self.host_grad: list[torch.Tensor | None] = [None] * len(chunks)        # the (reduced) shard
         self.host_grad_full: list[torch.Tensor | None] = [None] * len(chunks)   # sharded: before its reduction
         self.reduced: set[int] = set()     # sharded: chunks whose gradient is reduce-scattered in this step
@@ -183,7 +187,8 @@ class ChunkStore:
             flat = v.detach().reshape(-1)
             lo, hi, src = self._own(c, p.offset, p.numel)
             if lo < hi:   # (converted where the value is: from a GPU, only the converted part is copied)
-                self.host_param[c.id][lo:hi].copy_(flat[src:src + hi - lo].to(c.dtype))
+                if self.host_param[c.id] is not None:
+                    self.host_param[c.id][lo:hi].copy_(flat[src:src + hi - lo].to(c.dtype))
                 if self.precision.mixed and c.group is ChunkGroup.TRAINABLE:
                     self.master(c.id)[lo:hi].copy_(flat[src:src + hi - lo].to(torch.float32))
             if self.precision.mixed and c.group is not ChunkGroup.TRAINABLE:
@@ -277,7 +282,8 @@ class ChunkStore:
     def set_homes(self, chunks: tuple[ChunkInfo, ...]) -> None:
         """Move optimizer states to where this graph's plan put them. If any moves, every slot goes home first, so
         the new device states fit the budget next to what the new plan starts from (`enter` brings that in)."""
-        if any(c.group is ChunkGroup.TRAINABLE and c.state_home is not self.state_home[c.id] for c in chunks):
+        if any(c.group is ChunkGroup.TRAINABLE and c.state_home is not self.state_home[c.id]
+               or c.param_home is not self.param_home[c.id] for c in chunks):
             self.evict_all()
         for c in chunks:
             if c.group is not ChunkGroup.TRAINABLE or c.state_home is self.state_home[c.id]:
@@ -293,11 +299,27 @@ class ChunkStore:
                 self.pool.give(old)
             self.states[c.id] = new
             self.state_home[c.id] = c.state_home
+        for c in chunks:      # after the states: a host home made again is filled from the master, where it is now
+            if c.param_home is self.param_home[c.id]:
+                continue
+            if c.param_home is ParamHome.MASTER:
+                self.hostmem.free(self.host_param[c.id])
+                self.host_param[c.id] = None
+            else:
+                home = self.hostmem.zeros(shard_numel(c, self.world), c.dtype)
+                home.copy_(self.master(c.id))
+                self.host_param[c.id] = home
+            self.param_home[c.id] = c.param_home
         self.chunks = chunks
 
     # -- chunk buffers ----------------------------------------------------------------------------------------
+    def from_master(self, key: BufKey) -> bool:
+        """The buffer is the chunk's half-precision parameters, kept as its fp32 master on the device."""
+        return key.buf is BufKind.PARAM and self.param_home[key.chunk] is ParamHome.MASTER
+
     def host(self, key: BufKey) -> torch.Tensor:
         if key.buf is BufKind.PARAM:
+            assert self.host_param[key.chunk] is not None, f"{key}: its parameters have no host home (cast from the master)"
             return self.host_param[key.chunk]
         c = self.chunks[key.chunk]
         if self.world > 1 and key.chunk not in self.reduced:
@@ -311,6 +333,8 @@ class ChunkStore:
     def home_bytes(self, key: BufKey) -> int:
         """Bytes a fetch or write-back of this buffer moves between host and device (this rank's part)."""
         c = self.chunks[key.chunk]
+        if self.from_master(key):
+            return 0
         whole = self.world == 1 or (key.buf is BufKind.GRAD and key.chunk not in self.reduced)
         return c.nbytes if whole else shard_numel(c, self.world) * c.dtype.itemsize
 
@@ -343,9 +367,16 @@ class ChunkStore:
         c = self.chunks[key.chunk]
         slot = self.pool.take(c.capacity, c.dtype, what=f"chunk {c.id} {key.buf.value} buffer")
         self.slots[key] = slot
-        host = self.host(key)
         part = self._home_part(key, slot)
         gather = self.world > 1 and key.buf is BufKind.PARAM
+        if self.from_master(key):
+            # the master rounded, on the compute stream (which orders it after the master's last update); sharded,
+            # then gathered: collectives are issued by this thread in graph order
+            part.copy_(self.master(key.chunk))
+            if gather:
+                self._arriving[key] = self.comm.all_gather(slot)
+            return
+        host = self.host(key)
         if not self.pin:
             def copy():
                 part.copy_(host)
@@ -459,7 +490,7 @@ class ChunkStore:
             return
         self.before_host_write()
         for c in self.chunks:
-            if c.group is ChunkGroup.TRAINABLE:
+            if c.group is ChunkGroup.TRAINABLE and self.host_param[c.id] is not None:
                 self.host_param[c.id].copy_(self.master(c.id))
 
     def alloc(self, key: BufKey) -> None:
@@ -495,6 +526,8 @@ class ChunkStore:
         return [e for e in events if e is not None]
 
     def _write_back(self, key: BufKey, slot: torch.Tensor) -> None:
+        if self.from_master(key):
+            return     # the slot holds the master rounded (the schedule never evicts gradients held in it)
         if self.updates is not None:
             self.updates.wait(key.chunk)   # the chunk's host buffers are the pending update's until it is done
         part = self._home_part(key, slot)
