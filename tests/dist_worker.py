@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
+import importlib
 import os
 import sys
 import traceback
@@ -20,6 +21,8 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(__file__))
 
 import pstar_fx as px  # noqa: E402
+from pstar_fx import ops  # noqa: E402
+from pstar_fx.ir import ParamHome  # noqa: E402
 from harness import HYPER  # noqa: E402
 from models import CASES_BY_NAME  # noqa: E402
 
@@ -29,7 +32,9 @@ def main() -> None:
     ap.add_argument("--case", required=True)
     ap.add_argument("--batch", type=int, required=True, help="global batch size (split evenly over the ranks)")
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--budget", default="none", help="none, tight, or bytes")
+    ap.add_argument("--budget", default="none", help="none, tight, xF (F times the least budget), or bytes")
+    ap.add_argument("--host-param-homes", action="store_true",
+                    help="every chunk keeps a host parameter home (the reference for cast-from-master homes)")
     ap.add_argument("--chunk-size", type=int, default=None)
     ap.add_argument("--precision", default="fp32")
     ap.add_argument("--clip", type=float, default=None)
@@ -82,8 +87,12 @@ def main() -> None:
                           precision=args.precision, device=device, debug=True, max_grad_norm=args.clip,
                           accumulate=args.accumulate)(loss_fn)
 
-    if args.budget == "tight":
-        budget = int(compile_step(None).min_device_memory(*_local(case.batch(0), rank, per)) * 1.05)
+    if args.host_param_homes:
+        schedule_mod = importlib.import_module("pstar_fx.passes.schedule")
+        schedule_mod.param_homes = lambda g, moves: {c.id: ParamHome.HOST for c in g.chunks}
+    if args.budget == "tight" or args.budget.startswith("x"):
+        slack = 1.05 if args.budget == "tight" else float(args.budget[1:])
+        budget = int(compile_step(None).min_device_memory(*_local(case.batch(0), rank, per)) * slack)
     elif args.budget != "none":
         budget = int(args.budget)
     step = compile_step(budget)
@@ -112,7 +121,10 @@ def main() -> None:
                       predicted_peak=g.plan.predicted_peak, gathered=g.plan.gathered_bytes,
                       reduced=g.plan.reduced_bytes, states_on_device=step.summary().states_on_device,
                       h2d=(step.last_step.h2d_bytes, g.plan.h2d_bytes), d2h=(step.last_step.d2h_bytes, g.plan.d2h_bytes),
-                      chunks=len(g.chunks), optimizer=step.optimizer.state_dict())
+                      chunks=len(g.chunks), optimizer=step.optimizer.state_dict(),
+                      master_homes=sum(c.param_home is ParamHome.MASTER for c in g.chunks),
+                      cast_gathers=sum(1 for n in g.nodes if n.target is ops.all_gather
+                                       and g.chunks[g.ann[n.name].chunk].param_home is ParamHome.MASTER))
     except Exception as e:  # noqa: BLE001 - recorded for the test
         result["error"] = (type(e).__name__, str(e), traceback.format_exc())
     torch.save(result, f"{args.out}.rank{rank}")

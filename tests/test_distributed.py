@@ -128,6 +128,31 @@ def test_a_model_built_under_init_empty_trains_sharded(tmp_path):
     check_equal(results, ref_losses, ref_sd, world)
 
 
+@pytest.mark.parametrize("slack", ["x3.0", "x4.0"])
+def test_sharded_chunks_cast_from_their_masters_equal_host_homes(tmp_path, slack):
+    """bf16 at world size 2 under budgets that keep some states on the device and still evict those chunks: their
+    all-gathers start from the device master (no host home); losses, parameters and optimizer states equal those of
+    the same plan with host homes, bitwise, with fewer bytes moved host -> device."""
+    world, batch, steps = 2, 4, 3
+    args = ("--case", "hf_llama", "--batch", batch, "--steps", steps, "--precision", "bf16", "--budget", slack,
+            "--chunk-size", 1024)
+    (tmp_path / "cast").mkdir()
+    (tmp_path / "host").mkdir()
+    cast, codes, _ = launch(tmp_path / "cast", world, *args)
+    host, codes2, _ = launch(tmp_path / "host", world, *args, "--host-param-homes")
+    assert codes == [0] * world and codes2 == [0] * world
+    for r in range(world):
+        assert "error" not in cast[r] and "error" not in host[r], (cast[r].get("error"), host[r].get("error"))
+        assert cast[r]["master_homes"] > 0 and cast[r]["cast_gathers"] > 0, "master homes, gathered within a step"
+        assert host[r]["master_homes"] == 0
+        assert cast[r]["states_on_device"] == host[r]["states_on_device"]
+        assert cast[r]["losses"] == host[r]["losses"]
+        for k, v in host[r]["state_dict"].items():
+            assert torch.equal(cast[r]["state_dict"][k], v), k
+        assert cast[r]["h2d"][0] == cast[r]["h2d"][1] and cast[r]["h2d"][0] < host[r]["h2d"][0]
+        assert cast[r]["measured_peak"] == cast[r]["predicted_peak"]
+
+
 def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path):
     """Only rank 1's gradients overflow at step 1: every rank skips that step (parameters unchanged, bit for bit)
     and halves its loss scale; the other steps update."""
