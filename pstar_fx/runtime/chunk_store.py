@@ -319,7 +319,7 @@ class ChunkStore:
 
     def host(self, key: BufKey) -> torch.Tensor:
         if key.buf is BufKind.PARAM:
-            assert self.host_param[key.chunk] is not None, f"{key}: its parameters have no host home (cast from the master)"
+            assert self.host_param[key.chunk] is not None, f"{key}: no host home (cast from the master)"
             return self.host_param[key.chunk]
         c = self.chunks[key.chunk]
         if self.world > 1 and key.chunk not in self.reduced:
