@@ -265,26 +265,19 @@ def run_pstar(cfg, args, device, batch, budget: str) -> dict:
     dm = None if budget == "none" else budget
     step = px.compile(model, optimizer=px.AdamW(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1),
                       device_memory=dm, precision=args.precision, device=device, chunk_size=args.chunk_size)(gpt_loss)
-    if args.plan_only:       # the compiled step's own plan, without setting up its store
-        from pstar_fx.passes import pipeline, run_passes
-        from pstar_fx.planning import host_bytes
-        from pstar_fx.trace import trace_step
-        final = run_passes(trace_step(step._fn, model, batch, step.settings),
-                           pipeline(chunk_size=step.settings.chunk_size, prefetch=step.prefetch,
-                                    world=step.settings.world))[-1]
-        on_dev = sum(c.state_home is not None and c.state_home.value == "device" for c in final.chunks)
-        print(f"plan of rank {os.environ.get('RANK', 0)}: host {host_bytes(final)[1] / 2**30:.2f} GiB, states of "
-              f"{on_dev}/{len(final.chunks)} chunks on the device, peak {final.plan.predicted_peak / 2**30:.2f} GiB, "
-              f"budget {step.settings.budget}, device {step.settings.device}, world {step.settings.world}, "
-              f"groups {len(step.settings.optimizer.groups)}", file=sys.stderr, flush=True)
+    if args.plan_only:       # px.plan of this very step (model, optimizer, budget, ranks), without a store
+        report = px.plan(model, gpt_loss, *batch, world_size=world(), device_memory=dm, precision=args.precision,
+                         chunk_size=args.chunk_size, optimizer=px.AdamW(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1),
+                         device=device.type)
+        print(f"plan of rank {os.environ.get('RANK', 0)}:\n{report}", file=sys.stderr, flush=True)
         raise SystemExit(0)
     t0 = time.perf_counter()
     step.lower(*batch)                                       # trace + passes + chunk set-up
     compile_s = time.perf_counter() - t0
     from pstar_fx.planning import host_bytes
+    steady, setup = host_bytes(step.final_graph)
     print(f"host memory of rank {os.environ.get('RANK', 0)} after set-up: {rss_now() / 2**30:.2f} GiB; the plan's "
-          f"store: {host_bytes(step.final_graph)[1] / 2**30:.2f} GiB at set-up, "
-          f"{host_bytes(step.final_graph)[0] / 2**30:.2f} GiB in steps; cudaHostRegister refused "
+          f"store: {setup / 2**30:.2f} GiB at set-up, {steady / 2**30:.2f} GiB in steps; cudaHostRegister refused "
           f"{len(step._store.hostmem.fallbacks)} buffers {step._store.hostmem.fallbacks[:3]}", file=sys.stderr,
           flush=True)
     warm, times = timed_steps(lambda: step(*batch), device, args.warmup, args.steps)
