@@ -58,7 +58,7 @@ class CompiledEval(CompiledStep):
             # plan over the trainer's chunks as they are now: its layout, precision, budget and state homes
             params, chunks, size = trainer._layout
             store = trainer._store
-            chunks = tuple(dataclasses.replace(c, state_home=store.state_home[c.id], param_home=store.param_home[c.id])
+            chunks = tuple(dataclasses.replace(c, state_home=store.state_home[c.id], param_home=store.chunks[c.id].param_home)
                            for c in chunks)
             settings = dataclasses.replace(trainer.settings, optimizer=None, max_grad_norm=None, accumulate=1)
             layout = (params, chunks, size)

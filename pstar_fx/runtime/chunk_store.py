@@ -146,7 +146,6 @@ class ChunkStore:
         self.pin = device.type == "cuda"
         self.hostmem = HostMemory(self.pin)
         # a chunk whose parameters are cast from its device master (ParamHome.MASTER) has no host home
-        self.param_home = [c.param_home for c in chunks]
         self.host_param: list[torch.Tensor | None] = [
             self.hostmem.zeros(shard_numel(c, self.world), c.dtype) if c.param_home is ParamHome.HOST else None
             for c in chunks]
@@ -283,7 +282,7 @@ class ChunkStore:
         """Move optimizer states to where this graph's plan put them. If any moves, every slot goes home first, so
         the new device states fit the budget next to what the new plan starts from (`enter` brings that in)."""
         if any(c.group is ChunkGroup.TRAINABLE and c.state_home is not self.state_home[c.id]
-               or c.param_home is not self.param_home[c.id] for c in chunks):
+               or c.param_home is not self.chunks[c.id].param_home for c in chunks):
             self.evict_all()
         for c in chunks:
             if c.group is not ChunkGroup.TRAINABLE or c.state_home is self.state_home[c.id]:
@@ -300,7 +299,7 @@ class ChunkStore:
             self.states[c.id] = new
             self.state_home[c.id] = c.state_home
         for c in chunks:      # after the states: a host home made again is filled from the master, where it is now
-            if c.param_home is self.param_home[c.id]:
+            if c.param_home is self.chunks[c.id].param_home:
                 continue
             if c.param_home is ParamHome.MASTER:
                 self.hostmem.free(self.host_param[c.id])
@@ -309,13 +308,12 @@ class ChunkStore:
                 home = self.hostmem.zeros(shard_numel(c, self.world), c.dtype)
                 home.copy_(self.master(c.id))
                 self.host_param[c.id] = home
-            self.param_home[c.id] = c.param_home
         self.chunks = chunks
 
     # -- chunk buffers ----------------------------------------------------------------------------------------
     def from_master(self, key: BufKey) -> bool:
         """The buffer is the chunk's half-precision parameters, kept as its fp32 master on the device."""
-        return key.buf is BufKind.PARAM and self.param_home[key.chunk] is ParamHome.MASTER
+        return key.buf is BufKind.PARAM and self.chunks[key.chunk].param_home is ParamHome.MASTER
 
     def host(self, key: BufKey) -> torch.Tensor:
         if key.buf is BufKind.PARAM:
