@@ -28,12 +28,15 @@ over ranks, and for every system run at 1 and N GPUs the scaling efficiency: tok
 Per run: parameters, median step time over --steps steps after --warmup, TFLOP/s counted as 6*N*tokens + attention
 (12 * layers * hidden * seq per token, as nanoGPT's MFU estimate; recompute not counted), peak device memory
 (torch.cuda.max_memory_allocated over the timed steps), peak host RSS, bytes moved each way per step, compile time,
-and for pstar-fx the plan's predicted peak beside its measured one. --profile DIR writes a torch.profiler trace of one
+and for pstar-fx the plan's predicted peak beside its measured one and the seconds its CPU worker spends per step
+updating host-state chunks and waiting for their gradients. --accumulate K splits --batch into K micro-batches per
+step (one update; eager and FSDP2 call backward per micro-batch). --profile DIR writes a torch.profiler trace of one
 pstar-fx step per budget and prints where the step's time goes per stream (compute, H2D, D2H) and on the host.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gzip
 import json
 import math
@@ -185,19 +188,25 @@ def timed_steps(step_fn, device, warmup: int, steps: int) -> tuple[list[float], 
     return warm, times
 
 
+def micro_batches(batch, k: int):
+    """The step's batch as k micro-batches along dimension 0 (gradient accumulation), as px.compile(accumulate=k)."""
+    return zip(*(t.chunk(k) for t in batch))
+
+
 def run_eager(cfg, args, device, batch, checkpoint: bool) -> dict:
     model = build(cfg, device)
     model.checkpoint = checkpoint
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
-    x, y = batch
-
     def step():
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            loss = gpt_loss(model, x, y)
-        loss.backward()
+        total = 0.0
+        for x, y in micro_batches(batch, args.accumulate):
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                loss = gpt_loss(model, x, y) / args.accumulate
+            loss.backward()
+            total = total + loss.detach()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return loss
+        return total
 
     warm, times = timed_steps(step, device, args.warmup, args.steps)
     return dict(n=n_params(model), warm=warm, times=times, h2d=0, d2h=0, checkpoint=checkpoint)
@@ -234,14 +243,15 @@ def run_fsdp2(cfg, args, device, batch, offload: bool = True) -> dict:
     if device.type == "cuda":
         torch.cuda.empty_cache()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
-    x, y = batch
-
     def step():
-        loss = gpt_loss(model, x, y)
-        loss.backward()
+        total = 0.0
+        for x, y in micro_batches(batch, args.accumulate):
+            loss = gpt_loss(model, x, y) / args.accumulate
+            loss.backward()
+            total = total + loss.detach()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return loss
+        return total
 
     warm, times = timed_steps(step, device, args.warmup, args.steps)
     # estimated, not measured: with offload FSDP2 copies each fp32 shard to the device for forward and again for
@@ -264,10 +274,12 @@ def run_pstar(cfg, args, device, batch, budget: str) -> dict:
     n = n_params(model)
     dm = None if budget == "none" else budget
     step = px.compile(model, optimizer=px.AdamW(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1),
-                      device_memory=dm, precision=args.precision, device=device, chunk_size=args.chunk_size)(gpt_loss)
+                      device_memory=dm, precision=args.precision, device=device, chunk_size=args.chunk_size,
+                      accumulate=args.accumulate)(gpt_loss)
     if args.plan_only:       # px.plan of this very step (model, optimizer, budget, ranks), without a store
         report = px.plan(model, gpt_loss, *batch, world_size=world(), device_memory=dm, precision=args.precision,
-                         chunk_size=args.chunk_size, optimizer=px.AdamW(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1),
+                         chunk_size=args.chunk_size, accumulate=args.accumulate,
+                         optimizer=px.AdamW(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1),
                          device=device.type)
         print(f"plan of rank {os.environ.get('RANK', 0)}:\n{report}", file=sys.stderr, flush=True)
         raise SystemExit(0)
@@ -280,10 +292,25 @@ def run_pstar(cfg, args, device, batch, budget: str) -> dict:
           f"store: {setup / 2**30:.2f} GiB at set-up, {steady / 2**30:.2f} GiB in steps; cudaHostRegister refused "
           f"{len(step._store.hostmem.fallbacks)} buffers {step._store.hostmem.fallbacks[:3]}", file=sys.stderr,
           flush=True)
-    warm, times = timed_steps(lambda: step(*batch), device, args.warmup, args.steps)
+    calls, worker = [], []        # the CPU worker's time (pstar_fx.runtime.host_updates.WorkerTime) at the timed steps
+
+    def one():
+        calls.append(1)
+        if len(calls) == args.warmup + 1 and step._store.updates is not None:
+            worker.append(dataclasses.replace(step._store.updates.time))
+        return step(*batch)
+    warm, times = timed_steps(one, device, args.warmup, args.steps)
     s = step.summary()
     st = step.last_step
+    if worker and step._store.updates is not None:   # per timed step (the last step's updates may still be pending)
+        step._store.updates.wait_all()
+        now, then = step._store.updates.time, worker[0]
+        done = max(now.updates - then.updates, 1)        # the counts since, per update, times updates per step
+        per_step = s.trainable_chunks - s.states_on_device
+        worker = dict(updating_s=round((now.updating - then.updating) / done * per_step, 3),
+                      waiting_s=round((now.waiting - then.waiting) / done * per_step, 3), updates=per_step)
     out = dict(n=n, warm=warm, times=times, h2d=st.h2d_bytes, d2h=st.d2h_bytes, compile_s=compile_s,
+               cpu_worker_per_step=worker or None,
                init_empty=args.init_empty,
                predicted_peak=s.predicted_peak, measured_peak=st.measured_peak, chunks=s.chunks,
                states_on_device=f"{s.states_on_device}/{s.trainable_chunks}", nodes=s.nodes)
@@ -497,7 +524,8 @@ def row(label, cfg, args, r) -> dict:
         out.update(compile_s=round(r["compile_s"], 2), first_step_s=round(r["warm"][0], 2),
                    first_minus_steady_s=round(r["warm"][0] - med, 2),
                    predicted_peak=fmt_bytes(r["predicted_peak"]), measured_peak=fmt_bytes(r["measured_peak"]),
-                   states_on_device=r["states_on_device"], chunks=r["chunks"], nodes=r["nodes"])
+                   states_on_device=r["states_on_device"], chunks=r["chunks"], nodes=r["nodes"],
+                   cpu_worker_per_step=r.get("cpu_worker_per_step"))
     if "profile" in r:
         out["profile"] = r["profile"]
     return out
@@ -510,6 +538,8 @@ def main():
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--batch", type=int, default=8, help="sequences per step")
+    ap.add_argument("--accumulate", type=int, default=1,
+                    help="micro-batches per step: --batch is split into them, gradients accumulate, one update")
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--vocab", type=int, default=50304)
     ap.add_argument("--systems", default="eager,fsdp2,pstar", help="comma-separated: eager, fsdp2, pstar")
@@ -541,12 +571,14 @@ def main():
     if args.child:
         return child(args)
     assert args.steps >= 5, "the median is over at least 5 steps"
+    assert args.batch % args.accumulate == 0, "--batch must split evenly into --accumulate micro-batches"
     assert args.warmup >= 1 or not args.init_empty, "--init-empty reports the first step: --warmup 1 or more"
     cfg = GPTConfig(vocab=args.vocab, seq=args.seq, layers=args.layers, hidden=args.hidden, heads=args.heads)
     passthrough = ["--layers", str(args.layers), "--hidden", str(args.hidden), "--heads", str(args.heads),
                    "--batch", str(args.batch), "--seq", str(args.seq), "--vocab", str(args.vocab),
                    "--warmup", str(args.warmup), "--steps", str(args.steps), "--device", args.device,
-                   "--precision", args.precision, "--checkpoint", args.checkpoint]
+                   "--precision", args.precision, "--checkpoint", args.checkpoint,
+                   "--accumulate", str(args.accumulate)]
     if args.chunk_size:
         passthrough += ["--chunk-size", str(args.chunk_size)]
     if args.init_empty:
@@ -555,7 +587,8 @@ def main():
         passthrough += ["--watch", str(args.watch)]
     if args.plan_only:
         passthrough += ["--plan-only"]
-    print(f"GPT {cfg}, batch {args.batch} x {args.seq} tokens, device {args.device}"
+    print(f"GPT {cfg}, batch {args.batch} x {args.seq} tokens"
+          f"{f' in {args.accumulate} micro-batches' if args.accumulate > 1 else ''}, device {args.device}"
           f"{' (' + torch.cuda.get_device_name() + ')' if args.device.startswith('cuda') else ''}, "
           f"torch {torch.__version__}; TFLOP/s = (6*N*tokens + 12*layers*hidden*seq*tokens) / median step time",
           flush=True)

@@ -4,19 +4,26 @@ Invariant after: the graph has exactly one `commit()` node, placed after every n
 gradient write (the last node that can fail with the user's code or data), and every trainable chunk has exactly one
 `optimizer_step(chunk=c)`, after the commit. Before the commit nothing writes a parameter value or an optimizer
 state, so a step that fails there leaves every value as it was (the step is atomic); clipping by global norm and
-fp16 overflow checks, which need every gradient, are decided at the commit. Steps come in the order the next
-forward needs the chunks (first-use order, which is chunk order), so host-side updates can overlap the next step.
+fp16 overflow checks, which need every gradient, are decided at the commit.
 Every trainable chunk has a `state_home`: DEVICE for as many chunks as the budget allows while every node's minimum
-need still fits with room for two more chunk buffers, HOST for the rest.
+need still fits with room for two more chunk buffers, HOST for the rest. Device steps come first, in chunk order
+(the order the next forward needs them). Host steps, which the store's CPU worker runs one after another in graph
+order while the device goes on, come in the order `update_order` chooses from the cost model: each chunk's update
+can start once its gradient is final and written home (during backward, since the executor runs ahead of the
+device; at the commit when clipping or an fp16 overflow check must see every gradient first) and should end before
+the next forward reads the chunk; the order is the earliest-deadline-first list schedule of those windows.
 """
 from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 from .. import ops
-from ..ir import ChunkGroup, NodeAnn, Phase, Role, StateHome, TrainGraph, copy_graph, to_module
+from ..cost import H200, Machine, node_seconds
+from ..ir import BufKind, ChunkGroup, NodeAnn, Phase, Role, StateHome, TrainGraph, copy_graph, to_module
 from .liveness import analyze
-from ..memory import NO_NEEDS, all_needs, buf_bytes, needs, state_bytes, static_bytes
+from ..memory import NO_NEEDS, all_needs, buf_bytes, needs, shard_numel, state_bytes, static_bytes
 
 
 def min_need(g: TrainGraph) -> int:
@@ -31,6 +38,18 @@ def min_need(g: TrainGraph) -> int:
 
 
 def place_optimizer(g: TrainGraph) -> TrainGraph:
+    chunks = tuple(dataclasses.replace(c, state_home=StateHome.HOST) if c.group is ChunkGroup.TRAINABLE else c
+                   for c in g.chunks)
+    trainable = [c.id for c in chunks if c.group is ChunkGroup.TRAINABLE]
+    placed = _choose_homes(with_steps(g, trainable).evolve(chunks=chunks))
+    homes = placed.chunks
+    device = [cid for cid in trainable if homes[cid].state_home is StateHome.DEVICE]
+    ordered = with_steps(g, device + update_order(placed)).evolve(chunks=homes)
+    return ordered.evolve(stage="optimizer_placed", made_by="place_optimizer")
+
+
+def with_steps(g: TrainGraph, order: list[int]) -> TrainGraph:
+    """g with a commit after its program and one optimizer_step per chunk of `order`, in that order."""
     graph, _ = copy_graph(g)
     ann = dict(g.ann)
     program = [n for n in graph.nodes if ann[n.name].role in (Role.COMPUTE, Role.WRITE_GRAD)]
@@ -39,18 +58,56 @@ def place_optimizer(g: TrainGraph) -> TrainGraph:
         commit = graph.call_function(ops.commit, (), {})
     ann[commit.name] = NodeAnn(role=Role.COMMIT, phase=Phase.OPTIMIZER)
     after = commit
-    for c in g.chunks:
-        if c.group is not ChunkGroup.TRAINABLE:
-            continue
+    for cid in order:
         with graph.inserting_after(after):
-            after = graph.call_function(ops.optimizer_step, (), {"chunk": c.id})
-        ann[after.name] = NodeAnn(role=Role.OPTIMIZER_STEP, phase=Phase.OPTIMIZER, chunk=c.id)
+            after = graph.call_function(ops.optimizer_step, (), {"chunk": cid})
+        ann[after.name] = NodeAnn(role=Role.OPTIMIZER_STEP, phase=Phase.OPTIMIZER, chunk=cid)
+    return g.evolve(gm=to_module(graph, g.gm), ann=ann)
 
-    placed = g.evolve(gm=to_module(graph, g.gm), ann=ann,
-                      chunks=tuple(dataclasses.replace(c, state_home=StateHome.HOST)
-                                   if c.group is ChunkGroup.TRAINABLE else c for c in g.chunks))
-    placed = _choose_homes(placed)
-    return placed.evolve(stage="optimizer_placed", made_by="place_optimizer")
+
+def update_order(g: TrainGraph, machine: Machine = H200) -> list[int]:
+    """The host-stepped chunks of g (states placed) in the order the CPU should update them: non-preemptive
+    earliest-deadline-first over each update's window, from the cost model's node times. A chunk's update is
+    released when its last gradient write is done (at the commit, when the commit decides something every update
+    needs: a clip coefficient, an fp16 overflow); its deadline is the next step's first read of the chunk; it takes
+    its elements at the CPU Adam rate. With every release at the commit this is first-use order."""
+    host = [c.id for c in g.chunks if c.group is ChunkGroup.TRAINABLE and c.state_home is StateHome.HOST]
+    if len(host) < 2:
+        return host
+    nodes = g.nodes
+    nd = all_needs(g)
+    at, t = [], 0.0
+    for n in nodes:
+        if g.ann[n.name].role is Role.COMPUTE:
+            t += node_seconds(n, machine)
+        at.append(t)
+    step_s = t
+    release: dict[int, float] = {}
+    first_read: dict[int, float] = {}
+    for i, n in enumerate(nodes):
+        a = g.ann[n.name]
+        if a.role is Role.WRITE_GRAD:
+            release[g.chunk_of(a.param).id] = at[i]
+        elif a.role in (Role.COMPUTE, Role.PARAM_VIEW):
+            for k in nd[i].reads:
+                if k.buf is BufKind.PARAM:
+                    first_read.setdefault(k.chunk, at[i])
+    if g.settings.max_grad_norm is not None or g.settings.precision.dtype is torch.float16:
+        release = dict.fromkeys(release, step_s)
+    rate = machine.cpu_adam_mixed if g.settings.precision.mixed else machine.cpu_adam
+    world = g.settings.world
+    todo = {cid: (release.get(cid, step_s), step_s + first_read.get(cid, step_s), cid) for cid in host}
+    order, clock = [], 0.0
+    while todo:
+        ready = [cid for cid, (r, _, _) in todo.items() if r <= clock]
+        if not ready:
+            clock = min(r for r, _, _ in todo.values())
+            continue
+        cid = min(ready, key=lambda c: todo[c][1:])          # earliest deadline, then chunk order
+        del todo[cid]
+        order.append(cid)
+        clock += shard_numel(g.chunks[cid], world) / rate
+    return order
 
 
 def _choose_homes(g: TrainGraph) -> TrainGraph:

@@ -7,7 +7,8 @@ update and releases the GIL there, so one thread suffices and the executor's Pyt
 Per chunk: `submit(c, fn)` queues chunk c's update; `then(c, fn)` runs fn right after chunk c's pending update (on
 the worker) or at once (on the caller) when none is pending: a fetch of c's parameters hangs on it, so it waits for
 exactly that update; `wait(c)` / `wait_all()` block until c's (every) pending update is done. An update that fails
-is re-raised, as a CommitError (the step it belongs to had committed), by the next wait on it.
+is re-raised, as a CommitError (the step it belongs to had committed), by the next wait on it. `time` adds up
+where the worker's time went (the update functions report it): waiting for their inputs, and updating.
 
 The thread holds no reference to the ChunkStore (nor to this object): when this object is garbage-collected, a
 finalizer ends the thread.
@@ -18,9 +19,19 @@ import queue
 import threading
 import weakref
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Callable
 
 from ..errors import CommitError
+
+
+@dataclass
+class WorkerTime:
+    """Seconds the worker spent, summed over its life: waiting for an update's inputs (the gradient's copy home),
+    updating, and the number of updates. Written by the worker only."""
+    waiting: float = 0.0
+    updating: float = 0.0
+    updates: int = 0
 
 
 class _Shared:
@@ -74,6 +85,7 @@ class HostUpdates:
         self._shared = _Shared()
         self._thread: threading.Thread | None = None
         self._failed: list[Future] = []
+        self.time = WorkerTime()
 
     def _start(self) -> None:
         if self._thread is None:
