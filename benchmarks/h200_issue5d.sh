@@ -3,7 +3,7 @@
 #   check  - the CUDA tests of the runtime at this commit (parameter homes, residency, host updates, the training
 #            loop, evaluation); 1.3B and 6.66B: eager vs pstar-fx at the device's free memory
 #   big    - the 17.26B GPT (54 x 5120, 40 heads) with per-block checkpoints, 8 x 2048 tokens per step, built with
-#            px.init_empty(device=cuda), at a 134 GiB budget; its plan first (runs only if the host memory fits)
+#            px.init_empty(device=cuda), at a 137 GiB budget; its plan first (runs only if the host memory fits)
 # Logs under $OUT.
 set -u
 out=${OUT:-h200_logs}
@@ -28,9 +28,9 @@ if [[ $stages == *check* ]]; then
   echo "6.66B: $(( $(date +%s) - start )) s"
 fi
 if [[ $stages == *big* ]]; then
-  shape=(--layers 54 --hidden 5120 --heads 40 --batch 8 --checkpoint on --systems pstar --budgets 134GiB)
+  shape=(--layers 54 --hidden 5120 --heads 40 --batch 8 --checkpoint on --systems pstar --budgets 137GiB)
   timeout 150 python3 -m pstar_fx.plan --layers 54 --d-model 5120 --heads 40 --batch 8 --checkpoint \
-      --device-memory 134GiB --host-memory 116GiB 2>&1 | tee "$out/plan17b.txt"
+      --device-memory 137GiB --host-memory 118GiB 2>&1 | tee "$out/plan17b.txt"
   echo "plan: $(( $(date +%s) - start )) s"
   if grep -q "verdict: FITS" "$out/plan17b.txt"; then
     timeout 430 python3 benchmarks/gpt.py --timeout 420 --json "$out/g17b.json" "${shape[@]}" --init-empty \
