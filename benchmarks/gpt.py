@@ -30,7 +30,8 @@ Per run: parameters, median step time over --steps steps after --warmup, TFLOP/s
 (torch.cuda.max_memory_allocated over the timed steps), peak host RSS, bytes moved each way per step, compile time,
 and for pstar-fx the plan's predicted peak beside its measured one and the seconds its CPU worker spends per step
 updating host-state chunks and waiting for their gradients. --accumulate K splits --batch into K micro-batches per
-step (one update; eager and FSDP2 call backward per micro-batch). --profile DIR writes a torch.profiler trace of one
+step (one update; eager and FSDP2 call backward per micro-batch). --no-atomic compiles pstar-fx's step with
+atomic=False (host-side updates start during backward; see px.compile). --profile DIR writes a torch.profiler trace of one
 pstar-fx step per budget and prints where the step's time goes per stream (compute, H2D, D2H) and on the host.
 """
 from __future__ import annotations
@@ -275,10 +276,10 @@ def run_pstar(cfg, args, device, batch, budget: str) -> dict:
     dm = None if budget == "none" else budget
     step = px.compile(model, optimizer=px.AdamW(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1),
                       device_memory=dm, precision=args.precision, device=device, chunk_size=args.chunk_size,
-                      accumulate=args.accumulate)(gpt_loss)
+                      accumulate=args.accumulate, atomic=not args.no_atomic)(gpt_loss)
     if args.plan_only:       # px.plan of this very step (model, optimizer, budget, ranks), without a store
         report = px.plan(model, gpt_loss, *batch, world_size=world(), device_memory=dm, precision=args.precision,
-                         chunk_size=args.chunk_size, accumulate=args.accumulate,
+                         chunk_size=args.chunk_size, accumulate=args.accumulate, atomic=not args.no_atomic,
                          optimizer=px.AdamW(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1),
                          device=device.type)
         print(f"plan of rank {os.environ.get('RANK', 0)}:\n{report}", file=sys.stderr, flush=True)
@@ -311,7 +312,7 @@ def run_pstar(cfg, args, device, batch, budget: str) -> dict:
                       waiting_s=round((now.waiting - then.waiting) / done * per_step, 3), updates=per_step)
     out = dict(n=n, warm=warm, times=times, h2d=st.h2d_bytes, d2h=st.d2h_bytes, compile_s=compile_s,
                cpu_worker_per_step=worker or None,
-               init_empty=args.init_empty,
+               init_empty=args.init_empty, atomic=not args.no_atomic,
                predicted_peak=s.predicted_peak, measured_peak=st.measured_peak, chunks=s.chunks,
                states_on_device=f"{s.states_on_device}/{s.trainable_chunks}", nodes=s.nodes)
     if args.profile:
@@ -521,6 +522,8 @@ def row(label, cfg, args, r) -> dict:
     if "compile_s" in r:
         if r.get("init_empty"):
             out["system"] += "+init_empty"
+        if not r.get("atomic", True):
+            out["system"] += "+no_atomic"
         out.update(compile_s=round(r["compile_s"], 2), first_step_s=round(r["warm"][0], 2),
                    first_minus_steady_s=round(r["warm"][0] - med, 2),
                    predicted_peak=fmt_bytes(r["predicted_peak"]), measured_peak=fmt_bytes(r["measured_peak"]),
@@ -540,6 +543,8 @@ def main():
     ap.add_argument("--batch", type=int, default=8, help="sequences per step")
     ap.add_argument("--accumulate", type=int, default=1,
                     help="micro-batches per step: --batch is split into them, gradients accumulate, one update")
+    ap.add_argument("--no-atomic", action="store_true",
+                    help="pstar: px.compile(atomic=False): host-side updates start during backward")
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--vocab", type=int, default=50304)
     ap.add_argument("--systems", default="eager,fsdp2,pstar", help="comma-separated: eager, fsdp2, pstar")
@@ -587,6 +592,8 @@ def main():
         passthrough += ["--watch", str(args.watch)]
     if args.plan_only:
         passthrough += ["--plan-only"]
+    if args.no_atomic:
+        passthrough += ["--no-atomic"]
     print(f"GPT {cfg}, batch {args.batch} x {args.seq} tokens"
           f"{f' in {args.accumulate} micro-batches' if args.accumulate > 1 else ''}, device {args.device}"
           f"{' (' + torch.cuda.get_device_name() + ')' if args.device.startswith('cuda') else ''}, "

@@ -2,8 +2,9 @@
 # Issue 5 on one H200 (nvidia-h200: 16 cores, 128 GiB host), session 7. Stages (first argument, default all):
 #   check  - the CUDA tests of the runtime at this commit (parameter homes, residency, host updates, the training
 #            loop, evaluation); 1.3B and 6.66B: eager vs pstar-fx at the device's free memory
-#   big    - the 17.26B GPT (54 x 5120, 40 heads) with per-block checkpoints, 8 x 2048 tokens per step, built with
-#            px.init_empty(device=cuda), at a 137 GiB budget; its plan first (runs only if the host memory fits)
+#   big    - the CUDA tests of atomic=False; the 17.26B GPT (54 x 5120, 40 heads) with per-block checkpoints,
+#            8 x 2048 tokens per step, built with px.init_empty(device=cuda), at a 137 GiB budget, with atomic=False
+#            (profiled) and then atomic; its plan first (runs only if the host memory fits)
 # Logs under $OUT.
 set -u
 out=${OUT:-h200_logs}
@@ -28,19 +29,21 @@ if [[ $stages == *check* ]]; then
   echo "6.66B: $(( $(date +%s) - start )) s"
 fi
 if [[ $stages == *big* ]]; then
+  PSTAR_TEST_DEVICE=cuda timeout 100 python3 -m pytest tests/test_early_updates.py -q -p no:logging \
+      -p no:cacheprovider > "$out/tests_early_cuda.txt" 2>&1
+  echo "early-update tests rc $?"; tail -3 "$out/tests_early_cuda.txt"
   shape=(--layers 54 --hidden 5120 --heads 40 --batch 8 --checkpoint on --systems pstar --budgets 137GiB)
   timeout 150 python3 -m pstar_fx.plan --layers 54 --d-model 5120 --heads 40 --batch 8 --checkpoint \
-      --device-memory 137GiB --host-memory 118GiB 2>&1 | tee "$out/plan17b.txt"
+      --device-memory 137GiB --host-memory 118GiB --no-atomic 2>&1 | tee "$out/plan17b.txt"
   echo "plan: $(( $(date +%s) - start )) s"
   if grep -q "verdict: FITS" "$out/plan17b.txt"; then
-    timeout 430 python3 benchmarks/gpt.py --timeout 420 --json "$out/g17b.json" "${shape[@]}" --init-empty \
-        --warmup 1 --steps 5 --watch 30 --profile "$out/prof" 2>&1 | grep -v '^{' | tee "$out/g17b.txt"
-    python3 - "$out/g17b.json" <<'EOF'
-import json, sys
-d = json.load(open(sys.argv[1]))
-for k, v in d["logs"].items():
-    print(k, "\n".join(l for l in v.splitlines() if l.startswith(("step ", "host memory", "watch")))[-3000:])
-EOF
+    for variant in --no-atomic ""; do       # atomic=False (host-side updates during backward), then the default
+      name=g17b${variant:+_no_atomic}
+      timeout 300 python3 benchmarks/gpt.py --timeout 290 --json "$out/$name.json" "${shape[@]}" --init-empty \
+          --warmup 1 --steps 5 --watch 60 $variant ${variant:+--profile "$out/prof"} 2>&1 | grep -v '^{' \
+          | tee "$out/$name.txt"
+      python3 benchmarks/show_run.py "$out/$name.json"
+      echo "$name: $(( $(date +%s) - start )) s"
+    done
   fi
-  echo "17B: $(( $(date +%s) - start )) s"
 fi

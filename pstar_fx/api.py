@@ -108,7 +108,8 @@ class CompiledStep:
 
     def __init__(self, fn: Callable, model: nn.Module, optimizer: OptimizerSpec, *, device_memory=None,
                  precision: str | None = None, chunk_size: int | None = None, device=None, debug: bool = False,
-                 prefetch: int = 4, max_grad_norm: float | None = None, accumulate: int = 1, remat="auto"):
+                 prefetch: int = 4, max_grad_norm: float | None = None, accumulate: int = 1, remat="auto",
+                 atomic: bool = True):
         if not isinstance(model, nn.Module):
             raise TypeError(f"px.compile: model must be a torch.nn.Module, got {type(model).__name__}")
         if optimizer is not None and not isinstance(optimizer, OptimizerSpec):
@@ -130,6 +131,8 @@ class CompiledStep:
         if remat not in ("auto", True, False):
             raise ValueError(f"remat must be 'auto' (recompute activations where the budget needs it) or False, "
                              f"got {remat!r}")
+        if not isinstance(atomic, bool):
+            raise ValueError(f"atomic must be True or False, got {atomic!r}")
         self._remat = remat is not False
         self._fn = fn
         self._model = model
@@ -141,7 +144,11 @@ class CompiledStep:
                                  chunk_size=chunk_size,
                                  optimizer=self._optimizer.layout if self._optimizer is not None else None,
                                  max_grad_norm=None if max_grad_norm is None else float(max_grad_norm),
-                                 accumulate=accumulate, world=1 if self._comm is None else self._comm.world)
+                                 accumulate=accumulate, world=1 if self._comm is None else self._comm.world,
+                                 atomic=atomic)
+        if not atomic and self.settings.world > 1:
+            raise ValueError(f"atomic=False is not supported with more than one rank (this process group has "
+                             f"{self.settings.world}): leave atomic=True")
         self.debug = debug
         self.prefetch = prefetch
         self._cache: TraceCache[_Compiled] = TraceCache()
@@ -436,7 +443,7 @@ def _check_measured(g: TrainGraph, per_node: list[int]) -> None:
 def compile(model: nn.Module, *, optimizer: OptimizerSpec | None, device_memory: int | str | None = None,
             precision: str | None = None, chunk_size: int | None = None, device=None, debug: bool = False,
             prefetch: int = 4, max_grad_norm: float | None = None,
-            accumulate: int = 1, remat="auto") -> Callable[[Callable], CompiledStep]:
+            accumulate: int = 1, remat="auto", atomic: bool = True) -> Callable[[Callable], CompiledStep]:
     """Compile `step(model, *batch) -> loss` into one training step that fits `device_memory`.
 
     Use as a decorator: `@px.compile(model, optimizer=px.AdamW(lr=3e-4))` over `def step(model, x, y): ...`;
@@ -445,16 +452,21 @@ def compile(model: nn.Module, *, optimizer: OptimizerSpec | None, device_memory:
     of a training step compiled on the same model. See DESIGN.md for the contract.
     `remat="auto"` recomputes forward activations in backward where the budget needs it (see passes/remat.py);
     `remat=False` never does.
+    `atomic=False` lets the CPU start updating a chunk whose optimizer states live on the host as soon as the step
+    has finished with the chunk, during backward, instead of after the last gradient (the commit): faster when the
+    CPU's updates would otherwise delay the next forward. The cost: a step that fails after its first such update
+    raises px.CommitError and leaves the values half-updated (load a checkpoint to continue). Only where the commit
+    decides nothing the updates need (no max_grad_norm, not fp16; otherwise it changes nothing); one rank only.
     """
     def wrap(fn: Callable) -> CompiledStep:
         if optimizer is None:
-            if max_grad_norm is not None or accumulate != 1:
-                raise ValueError("max_grad_norm and accumulate belong to training steps; a forward-only function "
-                                 "(optimizer=None) takes neither")
+            if max_grad_norm is not None or accumulate != 1 or not atomic:
+                raise ValueError("max_grad_norm, accumulate and atomic belong to training steps; a forward-only "
+                                 "function (optimizer=None) takes none of them")
             from .evaluate import CompiledEval   # evaluate builds on this module
             return CompiledEval(fn, model, device_memory=device_memory, precision=precision, chunk_size=chunk_size,
                                 device=device, debug=debug, prefetch=prefetch)
         return CompiledStep(fn, model, optimizer, device_memory=device_memory, precision=precision,
                             chunk_size=chunk_size, device=device, debug=debug, prefetch=prefetch,
-                            max_grad_norm=max_grad_norm, accumulate=accumulate, remat=remat)
+                            max_grad_norm=max_grad_norm, accumulate=accumulate, remat=remat, atomic=atomic)
     return wrap

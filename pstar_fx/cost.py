@@ -12,7 +12,8 @@ The model, in three parts.
 
 2. Where it runs: six lanes, each doing one thing at a time: the compute stream, the host->device and device->host
    copy streams, the NCCL stream, the CPU thread that runs host-side updates, and the executor's own thread, which
-   issues everything (a fixed Python cost per node; no GPU work starts before it is issued). Nodes are placed in graph
+   issues everything (a fixed Python cost per node; no GPU work starts before it is issued, and it cannot issue a
+   kernel more than `launch_queue` kernels ahead of the compute stream). Nodes are placed in graph
    order; each starts when its lane is free and what it waits for is done, as the runtime orders them (`runtime/`):
    - a node that reads a chunk buffer waits for the buffer's fetch or collective (its first use waits, not the fetch);
    - a copy into the device waits for the compute stream to reach the fetch (its slot may still hold an activation),
@@ -77,6 +78,8 @@ class Machine:
     fp32_matmul_flops: float = 60e12     # fp32 without TF32 (torch's default): the H200 data sheet's 67, rounded down
     attention_efficiency: float = 0.6    # flash attention's FLOP rate as a fraction of matmul_flops
     host_node_s: float = 10e-6           # the executor's Python per node
+    launch_queue: int = 1024             # kernels the host may launch ahead of the compute stream before a launch
+    #                                      blocks (CUDA's queue of pending work; "Command Buffer Full" in a profile)
     nvlink_bus_bytes: float = 370e9      # NCCL all-gather / reduce-scatter bus bandwidth among the GPUs of one node
     #                                      (NVLink 4 with NVSwitch; a typical nccl-tests figure for 8 H100/H200)
     network_bus_bytes: float = 360e9     # the same across nodes: 8 x 400 Gb/s NICs per node, one per GPU
@@ -356,7 +359,7 @@ def _simulate(g: TrainGraph, m: Machine, node_s: list[float], background, steps:
     nodes = g.nodes
     needs = all_needs(g)
     world = g.settings.world
-    waits_commit = g.settings.max_grad_norm is not None or g.settings.precision.dtype is torch.float16
+    waits_commit = g.settings.commit_decides
     ready: dict[BufKey, float] = {k: 0.0 for k, _ in (g.plan.carried if g.plan else ())}   # device contents
     home: dict[BufKey, float] = {}       # host home written (a write-back done)
     reading: dict[int, float] = {}       # the last copy that reads a chunk's host buffers done
@@ -364,21 +367,27 @@ def _simulate(g: TrainGraph, m: Machine, node_s: list[float], background, steps:
     reduced: set[int] = set()
     free = sim.free
     ends = []
+    launched: list[float] = []           # end times of the compute stream's kernels, in launch order
     for step in range(steps):
         sim.step = step
         reduced.clear()
         commit_at = 0.0
         for i, n in enumerate(nodes):
             a = g.ann[n.name]
+            program = a.role is Role.COMPUTE or a.role is Role.PARAM_VIEW or a.role is Role.WRITE_GRAD
+            launches = node_s[i] > 0 or a.role is Role.WRITE_GRAD if program else True
+            if launches and len(launched) >= m.launch_queue:
+                free[Lane.HOST] = max(free[Lane.HOST], launched[-m.launch_queue])   # the launch queue is full
             issue = sim._fixed(Lane.HOST, free[Lane.HOST], m.host_node_s)
-            if a.role is Role.COMPUTE or a.role is Role.PARAM_VIEW or a.role is Role.WRITE_GRAD:
+            if program:
                 # a chunk buffer's first use waits for what brings it (fetch, gather, reduce)
                 t = max([issue] + [ready.get(k, 0.0) for k in needs[i].resident])
                 seconds = node_s[i]
                 if a.role is Role.WRITE_GRAD:
                     grad = _val(n.args[0])
                     seconds = _tensor_bytes(grad) * (3 if n.kwargs.get("accumulate") else 2) / m.hbm_bytes + m.kernel_s
-                sim._fixed(Lane.COMPUTE, t, seconds)
+                if seconds > 0:
+                    launched.append(sim._fixed(Lane.COMPUTE, t, seconds))
                 continue
             c = g.chunks[a.chunk] if a.chunk is not None else None
             key = BufKey(a.chunk, a.buf) if a.buf is not None else None

@@ -170,6 +170,17 @@ class Settings:
     max_grad_norm: float | None = None   # clip gradients by their global L2 norm before the update
     accumulate: int = 1              # micro-batches per step (the batch is split along dim 0)
     world: int = 1                   # ranks sharing the chunks (data parallel; each owns 1/world of every chunk)
+    atomic: bool = True              # False: host-side updates may start before the commit (place_optimizer)
+
+    @property
+    def commit_decides(self) -> bool:
+        """Every update needs something only the commit knows: the clip coefficient, the fp16 overflow flag."""
+        return self.max_grad_norm is not None or self.precision.dtype is torch.float16
+
+    @property
+    def early_updates(self) -> bool:
+        """Host-side steps come right after their chunk's last use, before the commit (atomic=False, one rank)."""
+        return not self.atomic and not self.commit_decides and self.world == 1
 
 
 @dataclass(frozen=True)

@@ -104,6 +104,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32"])
     ap.add_argument("--chunk-size", type=int, default=None, help="elements per chunk (default: chosen)")
     ap.add_argument("--max-grad-norm", type=float, default=None)
+    ap.add_argument("--no-atomic", action="store_true",
+                    help="px.compile(atomic=False): host-side updates may start during backward (one GPU)")
     ap.add_argument("--network-gbps", type=float, default=None,
                     help="NCCL bus bandwidth across nodes in GB/s (default: the cost model's assumption, "
                          f"{H200.network_bus_bytes / 1e9:.0f})")
@@ -124,7 +126,7 @@ def main(argv=None) -> planning.PlanReport:
     report = planning.plan(model, gpt_loss, tokens, tokens, world_size=args.world_size,
                            device_memory=args.device_memory, host_memory=args.host_memory, precision=args.precision,
                            chunk_size=args.chunk_size, accumulate=args.accumulate, max_grad_norm=args.max_grad_norm,
-                           gpus_per_node=args.gpus_per_node, machine=machine)
+                           gpus_per_node=args.gpus_per_node, machine=machine, atomic=not args.no_atomic)
     print(f"GPT {args.layers} layers x d={args.d_model}, {args.heads} heads, seq {args.seq}, vocab {args.vocab}"
           f"{', activation checkpointing' if args.checkpoint else ''}; batch {args.batch} per GPU")
     print(report)

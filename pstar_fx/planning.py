@@ -225,7 +225,7 @@ def plan(model: nn.Module, loss_fn, *batch, world_size: int = 1, device_memory=N
          precision: str = "bf16", chunk_size: int | None = None, accumulate: int = 1,
          max_grad_norm: float | None = None, optimizer: OptimizerSpec | None = None,
          gpus_per_node: int | None = None, machine: Machine = H200, tokens: int | None = None,
-         device=None, prefetch: int = 4) -> PlanReport:
+         device=None, prefetch: int = 4, atomic: bool = True) -> PlanReport:
     """Plan `loss_fn(model, *batch)` for `world_size` GPUs without running it (see the module docstring).
 
     batch: what ONE rank passes to the step (tensors, meta tensors, or (shape, dtype) pairs). device_memory: bytes
@@ -234,9 +234,12 @@ def plan(model: nn.Module, loss_fn, *batch, world_size: int = 1, device_memory=N
     (default: one group of every parameter). tokens: per rank per step (default: the first integer batch tensor's
     elements). device: the device type the step is traced for (default: "cuda" when torch sees one, else "cpu":
     a CPU-only torch cannot trace for CUDA, and the CPU trace differs only in the attention kernel's name and in
-    autocast's op lists, which keep the same memory for transformers)."""
+    autocast's op lists, which keep the same memory for transformers). atomic: as px.compile's."""
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size must be a number of GPUs >= 1, got {world_size!r}")
+    if not isinstance(atomic, bool) or (not atomic and world_size > 1):
+        raise ValueError(f"atomic must be True or False (False on one GPU only), got {atomic!r} with world_size "
+                         f"{world_size}")
     try:
         prec = Precision(precision)
     except ValueError:
@@ -256,7 +259,7 @@ def plan(model: nn.Module, loss_fn, *batch, world_size: int = 1, device_memory=N
     settings = Settings(precision=prec, device=dev, budget=budget, chunk_size=chunk_size,
                         optimizer=_layout(model, optimizer),
                         max_grad_norm=None if max_grad_norm is None else float(max_grad_norm),
-                        accumulate=accumulate, world=world_size)
+                        accumulate=accumulate, world=world_size, atomic=atomic)
     traced = trace_step(loss_fn, model, meta_batch, settings)
     t0 = time.perf_counter()
     needed = None

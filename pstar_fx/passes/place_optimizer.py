@@ -4,20 +4,24 @@ Invariant after: the graph has exactly one `commit()` node, placed after every n
 gradient write (the last node that can fail with the user's code or data), and every trainable chunk has exactly one
 `optimizer_step(chunk=c)`, after the commit. Before the commit nothing writes a parameter value or an optimizer
 state, so a step that fails there leaves every value as it was (the step is atomic); clipping by global norm and
-fp16 overflow checks, which need every gradient, are decided at the commit.
+fp16 overflow checks, which need every gradient, are decided at the commit. The one exception, asked for with
+`atomic=False` (Settings.atomic) on one rank where the commit decides nothing: host-side steps come right after the
+last node that uses their chunk, before the commit, so the CPU updates during backward; a step that fails after
+the first of them cannot be undone (the executor raises CommitError).
 Every trainable chunk has a `state_home`: DEVICE for as many chunks as the budget allows while every node's minimum
 need still fits with room for two more chunk buffers, HOST for the rest. Device steps come first, in chunk order
 (the order the next forward needs them). Host steps, which the store's CPU worker runs one after another in graph
 order while the device goes on, come in the order `update_order` chooses from the cost model: each chunk's update
-can start once its gradient is final and written home (during backward, since the executor runs ahead of the
-device; at the commit when clipping or an fp16 overflow check must see every gradient first) and should end before
+can start once its gradient is final and written home and the executor has issued its step (after the commit
+unless atomic=False; at the commit anyway when clipping or an fp16 overflow check must see every gradient) and
+should end before
 the next forward reads the chunk; the order is the earliest-deadline-first list schedule of those windows.
 """
 from __future__ import annotations
 
 import dataclasses
 
-import torch
+import torch.fx as fx
 
 from .. import ops
 from ..cost import H200, Machine, node_seconds
@@ -44,59 +48,91 @@ def place_optimizer(g: TrainGraph) -> TrainGraph:
     placed = _choose_homes(with_steps(g, trainable).evolve(chunks=chunks))
     homes = placed.chunks
     device = [cid for cid in trainable if homes[cid].state_home is StateHome.DEVICE]
-    ordered = with_steps(g, device + update_order(placed)).evolve(chunks=homes)
+    ordered = with_steps(g, device, update_order(placed), early=g.settings.early_updates).evolve(chunks=homes)
     return ordered.evolve(stage="optimizer_placed", made_by="place_optimizer")
 
 
-def with_steps(g: TrainGraph, order: list[int]) -> TrainGraph:
-    """g with a commit after its program and one optimizer_step per chunk of `order`, in that order."""
+def with_steps(g: TrainGraph, order: list[int], host: list[int] = (), early: bool = False) -> TrainGraph:
+    """g with a commit after its program and one optimizer_step per chunk: those of `order` after the commit, then
+    those of `host`, in that order; with `early`, each of `host` instead right after the last node that uses its
+    chunk and after the previous one of `host` (so the CPU worker, which takes them in graph order, gets each as
+    soon as the step is done with its chunk)."""
     graph, _ = copy_graph(g)
     ann = dict(g.ann)
-    program = [n for n in graph.nodes if ann[n.name].role in (Role.COMPUTE, Role.WRITE_GRAD)]
+    nodes = list(graph.nodes)
+    program = [n for n in nodes if ann[n.name].role in (Role.COMPUTE, Role.WRITE_GRAD)]
     assert program, "a training graph has at least the loss"
     with graph.inserting_after(program[-1]):
         commit = graph.call_function(ops.commit, (), {})
     ann[commit.name] = NodeAnn(role=Role.COMMIT, phase=Phase.OPTIMIZER)
-    after = commit
-    for cid in order:
+
+    def step_after(after: fx.Node, cid: int) -> fx.Node:
         with graph.inserting_after(after):
-            after = graph.call_function(ops.optimizer_step, (), {"chunk": cid})
-        ann[after.name] = NodeAnn(role=Role.OPTIMIZER_STEP, phase=Phase.OPTIMIZER, chunk=cid)
+            node = graph.call_function(ops.optimizer_step, (), {"chunk": cid})
+        ann[node.name] = NodeAnn(role=Role.OPTIMIZER_STEP, phase=Phase.OPTIMIZER, chunk=cid)
+        return node
+
+    after = commit
+    for cid in order + ([] if early else list(host)):
+        after = step_after(after, cid)
+    if early and host:
+        last_use: dict[int, int] = {}
+        for i, x in enumerate(all_needs(g)):
+            for k in x.resident:
+                last_use[k.chunk] = i
+        at: dict[int, fx.Node] = {}       # original position -> the last step inserted after it
+        pos = 0
+        for cid in host:
+            pos = max(pos, last_use[cid])
+            at[pos] = step_after(at.get(pos, nodes[pos]), cid)
     return g.evolve(gm=to_module(graph, g.gm), ann=ann)
 
 
 def update_order(g: TrainGraph, machine: Machine = H200) -> list[int]:
     """The host-stepped chunks of g (states placed) in the order the CPU should update them: non-preemptive
     earliest-deadline-first over each update's window, from the cost model's node times. A chunk's update is
-    released when its last gradient write is done (at the commit, when the commit decides something every update
-    needs: a clip coefficient, an fp16 overflow); its deadline is the next step's first read of the chunk; it takes
-    its elements at the CPU Adam rate. With every release at the commit this is first-use order."""
+    released when its gradient is final and the executor has issued its step: with atomic steps at the commit,
+    which the executor reaches once the device is within `machine.launch_queue` kernels of the end of backward
+    (or at the end, when the commit decides something every update needs: a clip coefficient, an fp16 overflow);
+    with early updates after the chunk's last use. Its deadline is the next step's first read of the chunk; it takes
+    its elements at the CPU Adam rate. With every release at one moment this is first-use order."""
     host = [c.id for c in g.chunks if c.group is ChunkGroup.TRAINABLE and c.state_home is StateHome.HOST]
     if len(host) < 2:
         return host
     nodes = g.nodes
     nd = all_needs(g)
-    at, t = [], 0.0
+    at, kernels, t = [], [], 0.0
     for n in nodes:
         if g.ann[n.name].role is Role.COMPUTE:
-            t += node_seconds(n, machine)
+            s = node_seconds(n, machine)
+            t += s
+            if s > 0:
+                kernels.append(t)
         at.append(t)
     step_s = t
-    release: dict[int, float] = {}
+    last_grad: dict[int, float] = {}
+    last_use: dict[int, float] = {}
     first_read: dict[int, float] = {}
     for i, n in enumerate(nodes):
         a = g.ann[n.name]
         if a.role is Role.WRITE_GRAD:
-            release[g.chunk_of(a.param).id] = at[i]
-        elif a.role in (Role.COMPUTE, Role.PARAM_VIEW):
+            last_grad[g.chunk_of(a.param).id] = at[i]
+        for k in nd[i].resident:
+            last_use[k.chunk] = at[i]
+        if a.role in (Role.COMPUTE, Role.PARAM_VIEW):
             for k in nd[i].reads:
                 if k.buf is BufKind.PARAM:
                     first_read.setdefault(k.chunk, at[i])
-    if g.settings.max_grad_norm is not None or g.settings.precision.dtype is torch.float16:
-        release = dict.fromkeys(release, step_s)
+    if g.settings.commit_decides:
+        release = dict.fromkeys(host, step_s)
+    elif g.settings.early_updates:
+        release = {cid: last_use.get(cid, step_s) for cid in host}
+    else:
+        commit = kernels[-machine.launch_queue - 1] if len(kernels) > machine.launch_queue else 0.0
+        release = {cid: max(last_grad.get(cid, step_s), commit) for cid in host}
     rate = machine.cpu_adam_mixed if g.settings.precision.mixed else machine.cpu_adam
     world = g.settings.world
-    todo = {cid: (release.get(cid, step_s), step_s + first_read.get(cid, step_s), cid) for cid in host}
+    todo = {cid: (release[cid], step_s + first_read.get(cid, step_s), cid) for cid in host}
     order, clock = [], 0.0
     while todo:
         ready = [cid for cid, (r, _, _) in todo.items() if r <= clock]

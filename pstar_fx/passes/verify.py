@@ -144,8 +144,15 @@ def _check_steps(g: TrainGraph) -> None:
     pos = {n: i for i, n in enumerate(nodes)}
     last_use: dict[int, int] = {}
     step_at: dict[int, int] = {}
+    committed = False
     for i, n in enumerate(nodes):
         a = g.ann[n.name]
+        if a.role is Role.COMMIT:
+            committed = True
+        elif a.role is Role.OPTIMIZER_STEP and not committed and not (
+                g.settings.early_updates and g.chunks[a.chunk].state_home is StateHome.HOST):
+            _fail(g, i, f"optimizer_step of chunk {a.chunk} before the commit (a failure there could not be undone; "
+                        "only host-side steps with atomic=False may come early)")
         if a.role in (Role.PARAM_VIEW, Role.WRITE_GRAD):
             c = g.param(a.param).chunk
             if c in step_at:

@@ -322,10 +322,12 @@ class Executor:
     def run(self, inputs: list[torch.Tensor], scale: torch.Tensor | None, rt: Runtime,
             trace_peaks: list[int] | None = None, before_node=None) -> tuple[list[torch.Tensor], int, bool]:
         """One step; returns the graph's outputs (a training step's: [loss]), the measured peak, and whether a
-        Ctrl-C arrived during the update. Atomic: if any node before the commit point fails (or is interrupted), every value is put back
-        as it was before the step and the error propagates; from the commit point on, a KeyboardInterrupt is held
-        until the step is complete, and the third result says whether one arrived (the caller raises it after its
-        own bookkeeping). `before_node(i, node)` is called before every node (fault injection in tests)."""
+        Ctrl-C arrived during the update. Atomic: if any node before the commit point fails (or is interrupted),
+        every value is put back as it was before the step and the error propagates; from the commit point on, a
+        KeyboardInterrupt is held until the step is complete, and the third result says whether one arrived (the
+        caller raises it after its own bookkeeping). With atomic=False a host-side step may come before the commit:
+        the step is then atomic up to the first step node only. `before_node(i, node)` is called before every node
+        (fault injection in tests)."""
         saved = {name: self.store.buffers[name].clone() for name in self.mutated_buffers}
         deferred = DeferredInterrupt()
         try:
@@ -338,9 +340,10 @@ class Executor:
             # before the commit no parameter slot was written except by in-place gradients (mixed precision, whose
             # host homes are rebuilt from the masters below): what goes home is what the step started from
             self.store.evict_all()
-            if rt.committed:
+            if rt.committed or rt.stepped:        # (stepped before the commit: host-side steps with atomic=False)
                 raise CommitError(
-                    f"pstar-fx: the step failed after its commit point ({type(e).__name__}: {e}), with "
+                    f"pstar-fx: the step failed after {'its commit point' if rt.committed else 'its first update'} "
+                    f"({type(e).__name__}: {e}), with "
                     f"{len(rt.stepped)} of {sum(1 for r in self.roles if r is Role.OPTIMIZER_STEP)} chunks "
                     "updated; the compiled step's values are no longer consistent. Load a checkpoint "
                     "(step.load(path) or step.load_state_dict(...)) to continue.") from e
@@ -406,7 +409,7 @@ class Executor:
                 role = self.roles[i]
                 if before_node is not None:
                     before_node(i, n)
-                if role is Role.COMMIT:
+                if role is Role.COMMIT or role is Role.OPTIMIZER_STEP:   # the first value written: hold Ctrl-C
                     deferred.start()
                 if n.op == "get_attr":
                     val = consts[n.target]
