@@ -287,6 +287,8 @@ def run_pstar(cfg, args, device, batch, budget: str) -> dict:
     t0 = time.perf_counter()
     step.lower(*batch)                                       # trace + passes + chunk set-up
     compile_s = time.perf_counter() - t0
+    if args.host_threads and step._store.updates is not None:   # the CPU worker's intra-op threads (an experiment)
+        step._store.updates.threads = args.host_threads
     from pstar_fx.planning import host_bytes
     steady, setup = host_bytes(step.final_graph)
     print(f"host memory of rank {os.environ.get('RANK', 0)} after set-up: {rss_now() / 2**30:.2f} GiB; the plan's "
@@ -312,7 +314,7 @@ def run_pstar(cfg, args, device, batch, budget: str) -> dict:
                       waiting_s=round((now.waiting - then.waiting) / done * per_step, 3), updates=per_step)
     out = dict(n=n, warm=warm, times=times, h2d=st.h2d_bytes, d2h=st.d2h_bytes, compile_s=compile_s,
                cpu_worker_per_step=worker or None,
-               init_empty=args.init_empty, atomic=not args.no_atomic,
+               init_empty=args.init_empty, atomic=not args.no_atomic, host_threads=args.host_threads,
                predicted_peak=s.predicted_peak, measured_peak=st.measured_peak, chunks=s.chunks,
                states_on_device=f"{s.states_on_device}/{s.trainable_chunks}", nodes=s.nodes)
     if args.profile:
@@ -524,6 +526,8 @@ def row(label, cfg, args, r) -> dict:
             out["system"] += "+init_empty"
         if not r.get("atomic", True):
             out["system"] += "+no_atomic"
+        if r.get("host_threads"):
+            out["system"] += f"+{r['host_threads']}threads"
         out.update(compile_s=round(r["compile_s"], 2), first_step_s=round(r["warm"][0], 2),
                    first_minus_steady_s=round(r["warm"][0] - med, 2),
                    predicted_peak=fmt_bytes(r["predicted_peak"]), measured_peak=fmt_bytes(r["measured_peak"]),
@@ -545,6 +549,8 @@ def main():
                     help="micro-batches per step: --batch is split into them, gradients accumulate, one update")
     ap.add_argument("--no-atomic", action="store_true",
                     help="pstar: px.compile(atomic=False): host-side updates start during backward")
+    ap.add_argument("--host-threads", type=int, default=0,
+                    help="pstar: intra-op threads of the CPU worker that runs host-side updates (default: pstar-fx's)")
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--vocab", type=int, default=50304)
     ap.add_argument("--systems", default="eager,fsdp2,pstar", help="comma-separated: eager, fsdp2, pstar")
@@ -594,6 +600,8 @@ def main():
         passthrough += ["--plan-only"]
     if args.no_atomic:
         passthrough += ["--no-atomic"]
+    if args.host_threads:
+        passthrough += ["--host-threads", str(args.host_threads)]
     print(f"GPT {cfg}, batch {args.batch} x {args.seq} tokens"
           f"{f' in {args.accumulate} micro-batches' if args.accumulate > 1 else ''}, device {args.device}"
           f"{' (' + torch.cuda.get_device_name() + ')' if args.device.startswith('cuda') else ''}, "

@@ -5,6 +5,7 @@
 #   big    - the CUDA tests of atomic=False; the 17.26B GPT (54 x 5120, 40 heads) with per-block checkpoints,
 #            8 x 2048 tokens per step, built with px.init_empty(device=cuda), at a 137 GiB budget, with atomic=False
 #            (profiled) and then atomic; its plan first (runs only if the host memory fits)
+#   threads - the 17.26B run with atomic=False and 14, then 12, intra-op threads for the CPU worker (of 16 cores)
 # Logs under $OUT.
 set -u
 out=${OUT:-h200_logs}
@@ -27,6 +28,15 @@ if [[ $stages == *check* ]]; then
   timeout 200 python3 benchmarks/gpt.py --timeout 180 --json "$out/g6b7.json" --layers 32 --hidden 4096 --heads 32 \
       --batch 4 --systems eager,pstar --budgets none 2>&1 | grep -v '^{' | tee "$out/g6b7.txt"
   echo "6.66B: $(( $(date +%s) - start )) s"
+fi
+if [[ $stages == *threads* ]]; then     # atomic=False at 17.26B with fewer intra-op threads for the CPU worker
+  shape=(--layers 54 --hidden 5120 --heads 40 --batch 8 --checkpoint on --systems pstar --budgets 137GiB)
+  for threads in 14 12; do
+    timeout 240 python3 benchmarks/gpt.py --timeout 230 --json "$out/g17b_t$threads.json" "${shape[@]}" \
+        --init-empty --warmup 1 --steps 5 --no-atomic --host-threads $threads 2>&1 | grep -v '^{' | tail -3
+    python3 benchmarks/show_run.py "$out/g17b_t$threads.json" | head -1
+    echo "threads $threads: $(( $(date +%s) - start )) s"
+  done
 fi
 if [[ $stages == *big* ]]; then
   PSTAR_TEST_DEVICE=cuda timeout 100 python3 -m pytest tests/test_early_updates.py -q -p no:logging \

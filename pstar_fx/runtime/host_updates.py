@@ -22,6 +22,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
+
 from ..errors import CommitError
 
 
@@ -43,7 +45,9 @@ class _Shared:
         self.after: dict[int, list[tuple[Callable, Future]]] = {}  # chunk -> continuations of its pending update
 
 
-def _work(q: "queue.SimpleQueue", shared: _Shared) -> None:
+def _work(q: "queue.SimpleQueue", shared: _Shared, threads: int | None) -> None:
+    if threads is not None:
+        torch.set_num_threads(threads)     # this thread's own OpenMP team; the executor's thread keeps its own
     while True:
         task = q.get()
         if task is None:
@@ -80,7 +84,11 @@ def _stop(q: "queue.SimpleQueue", thread: threading.Thread) -> None:
 
 
 class HostUpdates:
-    def __init__(self):
+    """threads: the worker's intra-op threads for torch's CPU kernels (None: torch's default, every core). Set it
+    before the first update."""
+
+    def __init__(self, threads: int | None = None):
+        self.threads = threads
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._shared = _Shared()
         self._thread: threading.Thread | None = None
@@ -89,7 +97,7 @@ class HostUpdates:
 
     def _start(self) -> None:
         if self._thread is None:
-            self._thread = threading.Thread(target=_work, args=(self._q, self._shared), daemon=True,
+            self._thread = threading.Thread(target=_work, args=(self._q, self._shared, self.threads), daemon=True,
                                             name="pstar-fx host updates")
             self._thread.start()
             weakref.finalize(self, _stop, self._q, self._thread)   # also at interpreter exit, before daemons die
