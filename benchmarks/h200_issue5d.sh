@@ -6,6 +6,7 @@
 #            8 x 2048 tokens per step, built with px.init_empty(device=cuda), at a 137 GiB budget, with atomic=False
 #            (profiled) and then atomic; its plan first (runs only if the host memory fits)
 #   threads - the 17.26B run with atomic=False and 14, then 12, intra-op threads for the CPU worker (of 16 cores)
+#   final   - the 17.26B run at pstar-fx's default worker threads: atomic=False (profiled), then atomic
 # Logs under $OUT.
 set -u
 out=${OUT:-h200_logs}
@@ -36,6 +37,16 @@ if [[ $stages == *threads* ]]; then     # atomic=False at 17.26B with fewer intr
         --init-empty --warmup 1 --steps 5 --no-atomic --host-threads $threads 2>&1 | grep -v '^{' | tail -3
     python3 benchmarks/show_run.py "$out/g17b_t$threads.json" | head -1
     echo "threads $threads: $(( $(date +%s) - start )) s"
+  done
+fi
+if [[ $stages == *final* ]]; then      # the library's default worker threads (cores - 2): atomic=False, then atomic
+  shape=(--layers 54 --hidden 5120 --heads 40 --batch 8 --checkpoint on --systems pstar --budgets 137GiB)
+  for variant in --no-atomic ""; do
+    name=g17b_final${variant:+_no_atomic}
+    timeout 250 python3 benchmarks/gpt.py --timeout 240 --json "$out/$name.json" "${shape[@]}" --init-empty \
+        --warmup 1 --steps 5 $variant ${variant:+--profile "$out/prof"} 2>&1 | grep -v '^{' | tail -3
+    python3 benchmarks/show_run.py "$out/$name.json" | head -1
+    echo "$name: $(( $(date +%s) - start )) s"
   done
 fi
 if [[ $stages == *big* ]]; then

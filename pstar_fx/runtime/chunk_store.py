@@ -131,6 +131,17 @@ class HostMemory:
             torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
 
 
+def worker_threads(device: torch.device) -> int | None:
+    """Intra-op threads for the CPU worker's updates beside a GPU: every core but two, which the executor's thread
+    (launching kernels, spinning while the launch queue is full) and the CUDA driver's copies keep busy. An OpenMP
+    team as large as the machine stalls on whichever of its threads those two push off a core: on the H200 machine
+    (16 cores) a 17B step took 5.5 s with 16 threads, 4.6 s with 14 (BENCHMARKS.md). None (torch's default) on the
+    CPU, where the executor computes on those cores itself."""
+    if device.type != "cuda":
+        return None
+    return max(1, torch.get_num_threads() - 2)
+
+
 class ChunkStore:
     """Chunk buffers on host and device, optimizer states, and module buffers, for one compiled model."""
 
@@ -171,7 +182,8 @@ class ChunkStore:
         self._writing: dict[BufKey, "torch.cuda.Event"] = {}  # host buffer -> event after the write-back into it
         self._arriving: dict[BufKey, "torch.cuda.Event"] = {}  # slot -> its fetch's event, until compute waits on it
         self.stale: set[BufKey] = set()   # resident slots written on the device since their host home was current
-        self.updates: HostUpdates | None = HostUpdates()   # None: host-side updates run inline (tests compare)
+        # None: host-side updates run inline (tests compare)
+        self.updates: HostUpdates | None = HostUpdates(threads=worker_threads(device))
         self.h2d_stream = torch.cuda.Stream(device) if self.pin else None
         self.d2h_stream = torch.cuda.Stream(device) if self.pin else None
 
