@@ -29,14 +29,18 @@ def eager_run(case: Case, steps: int, *, fused: bool | None = None, hyper=HYPER,
     torch's fused AdamW; fused=False with the single-tensor implementation.
 
     host_params: parameters whose AdamW update runs on the CPU, on fp32 copies, as pstar-fx does for chunks whose
-    optimizer states it placed on the host (ZeRO-Offload style). On a GPU this matters: torch's CPU and CUDA AdamW
-    kernels round differently in the last bit, and Adam turns last-bit differences on near-zero gradients (a
+    optimizer states it placed on the host (ZeRO-Offload style); or a list with one such collection per step, when
+    the placement changes between steps (a retrace with another plan). On a GPU this matters: torch's CPU and CUDA
+    AdamW kernels round differently in the last bit, and Adam turns last-bit differences on near-zero gradients (a
     transformer's key bias) into visible ones. On the CPU both are the same kernel."""
+    per_step = isinstance(host_params, list) and all(isinstance(h, (set, frozenset)) for h in host_params)
     model = case.build_model().to(DEVICE)
     kw = dict(fused=True) if fused is None else dict(foreach=False)
-    opt = EagerAdamW(model, host_params, **hyper, **kw)
+    opt = EagerAdamW(model, host_params[0] if per_step else host_params, **hyper, **kw)
     losses = []
     for i in range(steps):
+        if per_step:
+            opt.place(host_params[i])
         loss = case.loss_fn(model, *[x.to(DEVICE) for x in case.batch(i)])
         loss.backward()
         opt.step()
@@ -47,14 +51,39 @@ def eager_run(case: Case, steps: int, *, fused: bool | None = None, hyper=HYPER,
 class EagerAdamW:
     """torch.optim.AdamW over a model, with the parameters named in host_params updated on the CPU on fp32 copies,
     as pstar-fx does for chunks whose optimizer states live on the host (see eager_run). step() also zeroes the
-    gradients."""
+    gradients; place() moves parameters (with their optimizer states) between the two."""
 
     def __init__(self, model, host_params=(), **options):
-        self.on_device = [p for n, p in model.named_parameters() if n not in host_params]
-        self.offloaded = [(p, p.detach().cpu().clone()) for n, p in model.named_parameters() if n in host_params]
-        self.opts = [torch.optim.AdamW(self.on_device, **options)] if self.on_device else []
+        self.params = dict(model.named_parameters())
+        self.options = options
+        self.host = None
+        self.opts, self.on_device, self.offloaded = [], [], []
+        self.place(host_params)
+
+    def place(self, host_params) -> None:
+        host = frozenset(host_params)
+        if host == self.host:
+            return
+        states = {}       # name -> its optimizer state, from the optimizers of the previous placement
+        if self.host is not None:
+            updated = {id(p): n for n, p in self.params.items() if n not in self.host}
+            updated.update({id(c): n for n, p in self.params.items() for q, c in self.offloaded if q is p})
+            for opt in self.opts:
+                for q, st in opt.state.items():
+                    states[updated[id(q)]] = st
+        self.host = host
+        self.on_device = [p for n, p in self.params.items() if n not in host]
+        self.offloaded = [(p, p.detach().cpu().clone()) for n, p in self.params.items() if n in host]
+        self.opts = [torch.optim.AdamW(self.on_device, **self.options)] if self.on_device else []
         if self.offloaded:
-            self.opts.append(torch.optim.AdamW([c for _, c in self.offloaded], **options))
+            self.opts.append(torch.optim.AdamW([c for _, c in self.offloaded], **self.options))
+        names = {id(p): n for n, p in self.params.items()}
+        for p in self.on_device:
+            if names[id(p)] in states:
+                self.opts[0].state[p] = {k: v.to(p.device) for k, v in states[names[id(p)]].items()}
+        for p, c in self.offloaded:
+            if names[id(p)] in states:
+                self.opts[-1].state[c] = {k: v.to("cpu") for k, v in states[names[id(p)]].items()}
 
     def step(self) -> None:
         for p, c in self.offloaded:
