@@ -250,5 +250,13 @@ def copy_graph(g: TrainGraph) -> tuple[fx.Graph, dict[fx.Node, fx.Node]]:
 
 
 def to_module(graph: fx.Graph, root: torch.nn.Module) -> fx.GraphModule:
-    """A GraphModule for graph; tensor constants that get_attr nodes name are taken from root."""
-    return fx.GraphModule(root, graph)
+    """A GraphModule for graph; tensor constants that get_attr nodes name are taken from root. Its Python code is
+    generated only when something asks for it (torch's lazy GraphModule, where this torch has one): the executor
+    walks the nodes, and generating code for a largest model's graph (16k nodes) took about a second per pass."""
+    return _GraphModule(root, graph)
+
+
+try:      # torch >= 2.3; a private name, so fall back to the eager class if it ever moves
+    from torch.fx._lazy_graph_module import _LazyGraphModule as _GraphModule
+except ImportError:                     # pragma: no cover
+    _GraphModule = fx.GraphModule
