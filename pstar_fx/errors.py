@@ -28,7 +28,8 @@ class BudgetError(PstarError):
 
 class CommitError(PstarError):
     """A step failed after its commit point, while applying the update (a device fault or a bug: nothing of the
-    user's runs there). Some chunks were updated and others not, so the compiled step refuses further use until its
+    user's runs there), or, with px.compile(atomic=False), after its first host-side update began. Some chunks were
+    updated and others not, so the compiled step refuses further use until its
     values are loaded again (`step.load(...)` or `step.load_state_dict(...)`)."""
 
 

@@ -1,8 +1,9 @@
 """Host-side optimizer updates on a CPU thread of their own, off the executor's critical path.
 
 One worker thread per ChunkStore runs the updates of chunks whose optimizer states live on the host, in the order
-they were submitted (the order the next forward needs the chunks). Torch's fused CPU Adam uses every core inside one
-update and releases the GIL there, so one thread suffices and the executor's Python keeps running beside it.
+they were submitted (graph order, which place_optimizer chose from the cost model). Torch's fused CPU Adam uses the
+worker's threads (`threads`) inside one update and releases the GIL there, so one worker suffices and the
+executor's Python keeps running beside it.
 
 Per chunk: `submit(c, fn)` queues chunk c's update; `then(c, fn)` runs fn right after chunk c's pending update (on
 the worker) or at once (on the caller) when none is pending: a fetch of c's parameters hangs on it, so it waits for
