@@ -40,96 +40,24 @@ import argparse
 import dataclasses
 import gzip
 import json
-import math
 import os
 import resource
 import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 GiB = 2 ** 30
 
 # -----------------------------------------------------------------------------
-# model: nanoGPT without dropout
+# model: nanoGPT without dropout, the GPT that `python -m pstar_fx.plan` plans
 
-
-@dataclass
-class GPTConfig:
-    vocab: int
-    seq: int
-    layers: int
-    hidden: int
-    heads: int
-
-
-class Attention(nn.Module):
-    def __init__(self, cfg: GPTConfig):
-        super().__init__()
-        self.heads = cfg.heads
-        self.c_attn = nn.Linear(cfg.hidden, 3 * cfg.hidden)
-        self.c_proj = nn.Linear(cfg.hidden, cfg.hidden)
-
-    def forward(self, x):
-        B, T, C = x.shape
-        q, k, v = self.c_attn(x).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
-
-
-class Block(nn.Module):
-    def __init__(self, cfg: GPTConfig):
-        super().__init__()
-        self.ln_1 = nn.LayerNorm(cfg.hidden)
-        self.attn = Attention(cfg)
-        self.ln_2 = nn.LayerNorm(cfg.hidden)
-        self.c_fc = nn.Linear(cfg.hidden, 4 * cfg.hidden)
-        self.c_proj = nn.Linear(4 * cfg.hidden, cfg.hidden)
-
-    def forward(self, x):
-        x = x + self.attn(self.ln_1(x))
-        return x + self.c_proj(F.gelu(self.c_fc(self.ln_2(x))))
-
-
-class GPT(nn.Module):
-    def __init__(self, cfg: GPTConfig):
-        super().__init__()
-        self.wte = nn.Embedding(cfg.vocab, cfg.hidden)
-        self.wpe = nn.Embedding(cfg.seq, cfg.hidden)
-        self.h = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
-        self.ln_f = nn.LayerNorm(cfg.hidden)
-        self.lm_head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
-        self.lm_head.weight = self.wte.weight   # tied
-        self.checkpoint = False
-        for name, p in self.named_parameters():
-            if p.dim() >= 2:
-                std = 0.02 / math.sqrt(2 * cfg.layers) if name.endswith("c_proj.weight") else 0.02
-                nn.init.normal_(p, mean=0.0, std=std)
-            elif name.endswith("bias"):
-                nn.init.zeros_(p)
-
-    def forward(self, idx):
-        B, T = idx.shape
-        x = self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))   # (B, T, C)
-        for block in self.h:
-            if self.checkpoint:
-                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
-            else:
-                x = block(x)
-        return self.lm_head(self.ln_f(x))
-
-
-def gpt_loss(model, idx, targets):
-    logits = model(idx)   # (B, T, vocab)
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+from pstar_fx.plan import GPT, GPTConfig, gpt_loss  # noqa: E402  (after ROOT is on the path)
 
 
 def n_params(model) -> int:

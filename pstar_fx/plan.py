@@ -12,6 +12,7 @@ status: 0 when the model fits, 1 when it does not.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import types
 from dataclasses import dataclass
@@ -71,7 +72,13 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.hidden)
         self.lm_head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
         self.lm_head.weight = self.wte.weight   # tied
-        self.checkpoint = checkpoint
+        self.checkpoint = checkpoint            # per-block activation checkpointing (torch.utils.checkpoint)
+        for name, p in self.named_parameters():   # nanoGPT's initialisation (nothing is allocated on "meta")
+            if p.dim() >= 2:
+                std = 0.02 / math.sqrt(2 * cfg.layers) if name.endswith("c_proj.weight") else 0.02
+                nn.init.normal_(p, mean=0.0, std=std)
+            elif name.endswith("bias"):
+                nn.init.zeros_(p)
 
     def forward(self, idx):
         B, T = idx.shape

@@ -14,8 +14,8 @@ need still fits with room for two more chunk buffers, HOST for the rest. Device 
 order while the device goes on, come in the order `update_order` chooses from the cost model: each chunk's update
 can start once its gradient is final and written home and the executor has issued its step (after the commit
 unless atomic=False; at the commit anyway when clipping or an fp16 overflow check must see every gradient) and
-should end before
-the next forward reads the chunk; the order is the earliest-deadline-first list schedule of those windows.
+should end before the next forward reads the chunk; the order is the earliest-deadline-first list schedule of those
+windows.
 """
 from __future__ import annotations
 
