@@ -122,21 +122,28 @@ def micro_batches(batch, k: int):
     return zip(*(t.chunk(k) for t in batch))
 
 
-def run_eager(cfg, args, device, batch, checkpoint: bool) -> dict:
-    model = build(cfg, device)
-    model.checkpoint = checkpoint
+def torch_step(model, batch, accumulate: int, autocast: str | None):
+    """One training step of plain torch (eager, FSDP2): fused AdamW, backward per micro-batch, bf16 autocast on the
+    device type `autocast` (None: none). Returns the mean loss."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+
     def step():
         total = 0.0
-        for x, y in micro_batches(batch, args.accumulate):
-            with torch.autocast(device.type, dtype=torch.bfloat16):
-                loss = gpt_loss(model, x, y) / args.accumulate
+        for x, y in micro_batches(batch, accumulate):
+            with torch.autocast(autocast or "cpu", dtype=torch.bfloat16, enabled=autocast is not None):
+                loss = gpt_loss(model, x, y) / accumulate
             loss.backward()
             total = total + loss.detach()
         opt.step()
         opt.zero_grad(set_to_none=True)
         return total
+    return step
 
+
+def run_eager(cfg, args, device, batch, checkpoint: bool) -> dict:
+    model = build(cfg, device)
+    model.checkpoint = checkpoint
+    step = torch_step(model, batch, args.accumulate, autocast=device.type)
     warm, times = timed_steps(step, device, args.warmup, args.steps)
     return dict(n=n_params(model), warm=warm, times=times, h2d=0, d2h=0, checkpoint=checkpoint)
 
@@ -171,17 +178,7 @@ def run_fsdp2(cfg, args, device, batch, offload: bool = True) -> dict:
     n = n_params(model)
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
-    def step():
-        total = 0.0
-        for x, y in micro_batches(batch, args.accumulate):
-            loss = gpt_loss(model, x, y) / args.accumulate
-            loss.backward()
-            total = total + loss.detach()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return total
-
+    step = torch_step(model, batch, args.accumulate, autocast=None)     # the policy casts
     warm, times = timed_steps(step, device, args.warmup, args.steps)
     # estimated, not measured: with offload FSDP2 copies each fp32 shard to the device for forward and again for
     # backward (reshard after forward), and each fp32 gradient back (per rank: its shard)
