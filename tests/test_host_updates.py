@@ -118,3 +118,23 @@ def test_worker_thread_ends_with_its_step():
     gc.collect()
     thread.join(timeout=10)
     assert not thread.is_alive()
+
+
+def test_the_worker_runs_with_its_own_thread_count():
+    """HostUpdates(threads=n): torch's kernels on the worker use n intra-op threads, and the caller keeps its own;
+    the worker's time counters add up its updates."""
+    from pstar_fx.runtime.host_updates import HostUpdates
+    mine = torch.get_num_threads()
+    want = 1 if mine > 1 else 2          # not the caller's count
+    updates = HostUpdates(threads=want)
+    seen = []
+    updates.submit(0, lambda: seen.append(torch.get_num_threads()))
+    updates.wait_all()
+    assert seen == [want] and torch.get_num_threads() == mine
+    step = _make("bf16")
+    for i in range(2):
+        step(*CASE.batch(i))
+    step._store.updates.wait_all()
+    spent = step._store.updates.time
+    host = sum(1 for c in step.final_graph.chunks if c.state_home is not None and c.state_home.value == "host")
+    assert host > 0 and spent.updates == 2 * host and spent.updating > 0

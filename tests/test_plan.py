@@ -346,3 +346,28 @@ def test_update_order_is_not_slower_than_chunk_order(cpu_slower):
     if cpu_slower == 1000:
         assert chosen.busy[Lane.CPU] > chosen.busy[Lane.COMPUTE]
         assert chosen.seconds < 0.9 * chunk_order.seconds
+
+
+@given(queue=st.integers(1, 4096), world=st.sampled_from([1, 2]))
+def test_a_shorter_launch_queue_never_makes_a_step_faster(queue, world):
+    """The executor may run at most `launch_queue` kernels ahead of the compute stream: a shorter queue holds it back
+    more (never less), and the compute lane's work is the same."""
+    g = _moving_graphs()[world - 1]
+    free = cost.estimate(g, dataclasses.replace(H200, launch_queue=10 ** 9))
+    held = cost.estimate(g, dataclasses.replace(H200, launch_queue=queue))
+    assert held.seconds >= free.seconds * (1 - 1e-9)
+    assert held.busy[Lane.COMPUTE] == pytest.approx(free.busy[Lane.COMPUTE])
+
+
+def test_a_queue_of_one_kernel_serialises_issuing_and_compute():
+    """With room for one kernel, the executor issues each kernel only after the previous one ran: the step takes at
+    least the compute stream's work plus the executor's time for every kernel. With an unbounded queue the same
+    plan (compute-bound here) takes less than that."""
+    g = _moving_graphs()[0]
+    slow = dataclasses.replace(H200, kernel_s=3e-4, host_node_s=2e-5)     # kernels outlast issuing them
+    kernels = sum(1 for n in g.nodes if g.ann[n.name].role is Role.COMPUTE and cost.node_seconds(n, slow) > 0)
+    one = cost.estimate(g, dataclasses.replace(slow, launch_queue=1))
+    free = cost.estimate(g, dataclasses.replace(slow, launch_queue=10 ** 9))
+    serial = one.busy[Lane.COMPUTE] + kernels * slow.host_node_s
+    assert one.seconds >= serial * (1 - 1e-9)
+    assert free.seconds < serial
