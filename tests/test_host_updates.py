@@ -32,7 +32,7 @@ def _slow(step, seconds=0.02):
     """Make every host-side update take a while longer, so that steps return with updates still pending."""
     updates = step._store.updates
     submit = updates.submit
-    updates.submit = lambda chunk, fn: submit(chunk, lambda: (time.sleep(seconds), fn())[1])
+    updates.submit = lambda chunk, fn, after=(): submit(chunk, lambda: (time.sleep(seconds), fn())[1], after=after)
 
 
 def _everything(step) -> dict:

@@ -6,8 +6,6 @@ it holds. The largest such total is the step's measured peak, comparable to the 
 """
 from __future__ import annotations
 
-import time
-
 from dataclasses import dataclass
 
 import torch
@@ -205,24 +203,19 @@ class Runtime:
         master = parts["master"] if self.precision.mixed else None
         skip = self.skip
 
+        waits = events + ([coef_ready] if coef_ready is not None else [])
+
         def update() -> None:
-            t0 = time.perf_counter()
-            for e in events + ([coef_ready] if coef_ready is not None else []):
-                e.synchronize()
-            t1 = time.perf_counter()
             host_step(cfg, param, grad, parts["m"], parts["v"], parts["step"], master=master, inv_scale=inv_scale,
                       coef=coef, skip=skip)
-            if st.updates is not None:
-                spent = st.updates.time
-                spent.waiting += t1 - t0
-                spent.updating += time.perf_counter() - t1
-                spent.updates += 1
 
         self.stepped.append(chunk)
         if st.updates is None:
+            for e in waits:
+                e.synchronize()
             update()
         else:
-            st.updates.submit(chunk, update)
+            st.updates.submit(chunk, update, after=waits)
 
     def optimizer_step(self, chunk: int, gather: bool = False) -> None:
         c = self.g.chunks[chunk]

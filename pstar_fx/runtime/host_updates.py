@@ -5,11 +5,12 @@ they were submitted (graph order, which place_optimizer chose from the cost mode
 worker's threads (`threads`) inside one update and releases the GIL there, so one worker suffices and the
 executor's Python keeps running beside it.
 
-Per chunk: `submit(c, fn)` queues chunk c's update; `then(c, fn)` runs fn right after chunk c's pending update (on
+Per chunk: `submit(c, fn, after=events)` queues chunk c's update, which the worker starts once those (CUDA) events
+are done; `then(c, fn)` runs fn right after chunk c's pending update (on
 the worker) or at once (on the caller) when none is pending: a fetch of c's parameters hangs on it, so it waits for
 exactly that update; `wait(c)` / `wait_all()` block until c's (every) pending update is done. An update that fails
 is re-raised, as a CommitError (the step it belongs to had committed), by the next wait on it. `time` adds up
-where the worker's time went (the update functions report it): waiting for their inputs, and updating.
+where the worker's time went: waiting for the updates' events, and updating.
 
 The thread holds no reference to the ChunkStore (nor to this object): when this object is garbage-collected, a
 finalizer ends the thread.
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -30,8 +32,8 @@ from ..errors import CommitError
 
 @dataclass
 class WorkerTime:
-    """Seconds the worker spent, summed over its life: waiting for an update's inputs (the gradient's copy home),
-    updating, and the number of updates. Written by the worker only."""
+    """Seconds the worker spent, summed over its life: waiting for an update's events (its gradient's copy home),
+    updating, and the number of updates."""
     waiting: float = 0.0
     updating: float = 0.0
     updates: int = 0
@@ -44,6 +46,7 @@ class _Shared:
         self.lock = threading.Lock()
         self.pending: dict[int, Future] = {}                       # chunk -> its latest queued update
         self.after: dict[int, list[tuple[Callable, Future]]] = {}  # chunk -> continuations of its pending update
+        self.time = WorkerTime()                                   # written by the worker only
 
 
 def _work(q: "queue.SimpleQueue", shared: _Shared, threads: int | None) -> None:
@@ -53,9 +56,16 @@ def _work(q: "queue.SimpleQueue", shared: _Shared, threads: int | None) -> None:
         task = q.get()
         if task is None:
             return
-        chunk, fn, fut = task
+        chunk, fn, after, fut = task
         try:
+            t0 = time.perf_counter()
+            for event in after:
+                event.synchronize()
+            t1 = time.perf_counter()
             fn()
+            shared.time.waiting += t1 - t0
+            shared.time.updating += time.perf_counter() - t1
+            shared.time.updates += 1
             fut.set_result(None)
         except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the chunk
             fut.set_exception(e)
@@ -73,7 +83,7 @@ def _work(q: "queue.SimpleQueue", shared: _Shared, threads: int | None) -> None:
                 cfut.set_exception(e)
         # drop this task's references before waiting for the next: a continuation's closure may reference the
         # store, which must be collectable (its finalizer ends this thread) once the user drops the step
-        del task, fn, fut, conts
+        del task, fn, after, fut, conts
         cont = cfut = None
 
 
@@ -94,7 +104,6 @@ class HostUpdates:
         self._shared = _Shared()
         self._thread: threading.Thread | None = None
         self._failed: list[Future] = []
-        self.time = WorkerTime()
 
     def _start(self) -> None:
         if self._thread is None:
@@ -103,13 +112,17 @@ class HostUpdates:
             self._thread.start()
             weakref.finalize(self, _stop, self._q, self._thread)   # also at interpreter exit, before daemons die
 
-    def submit(self, chunk: int, fn: Callable[[], None]) -> Future:
+    @property
+    def time(self) -> WorkerTime:
+        return self._shared.time
+
+    def submit(self, chunk: int, fn: Callable[[], None], after=()) -> Future:
         self._start()
         fut: Future = Future()
         with self._shared.lock:
             assert chunk not in self._shared.pending, f"chunk {chunk} already has an update pending"
             self._shared.pending[chunk] = fut
-        self._q.put((chunk, fn, fut))
+        self._q.put((chunk, fn, tuple(after), fut))
         return fut
 
     def then(self, chunk: int, fn: Callable):
