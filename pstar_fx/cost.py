@@ -375,7 +375,7 @@ def _simulate(g: TrainGraph, m: Machine, node_s: list[float], background, steps:
         for i, n in enumerate(nodes):
             a = g.ann[n.name]
             program = a.role is Role.COMPUTE or a.role is Role.PARAM_VIEW or a.role is Role.WRITE_GRAD
-            launches = node_s[i] > 0 or a.role is Role.WRITE_GRAD if program else True
+            launches = (node_s[i] > 0 or a.role is Role.WRITE_GRAD) if program else True
             if launches and len(launched) >= m.launch_queue:
                 free[Lane.HOST] = max(free[Lane.HOST], launched[-m.launch_queue])   # the launch queue is full
             issue = sim._fixed(Lane.HOST, free[Lane.HOST], m.host_node_s)

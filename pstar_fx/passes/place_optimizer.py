@@ -76,16 +76,18 @@ def with_steps(g: TrainGraph, order: list[int], host: list[int] = (), early: boo
     for cid in order + ([] if early else list(host)):
         after = step_after(after, cid)
     if early and host:
-        last_use: dict[int, int] = {}
-        for i, x in enumerate(all_needs(g)):
-            for k in x.resident:
-                last_use[k.chunk] = i
+        last_use = _last_use(all_needs(g))
         at: dict[int, fx.Node] = {}       # original position -> the last step inserted after it
         pos = 0
         for cid in host:
             pos = max(pos, last_use[cid])
             at[pos] = step_after(at.get(pos, nodes[pos]), cid)
     return g.evolve(gm=to_module(graph, g.gm), ann=ann)
+
+
+def _last_use(nd) -> dict[int, int]:
+    """Each chunk's last node position that has one of its buffers resident, from all_needs."""
+    return {k.chunk: i for i, x in enumerate(nd) for k in x.resident}
 
 
 def update_order(g: TrainGraph, machine: Machine = H200) -> list[int]:
@@ -111,14 +113,11 @@ def update_order(g: TrainGraph, machine: Machine = H200) -> list[int]:
         at.append(t)
     step_s = t
     last_grad: dict[int, float] = {}
-    last_use: dict[int, float] = {}
     first_read: dict[int, float] = {}
     for i, n in enumerate(nodes):
         a = g.ann[n.name]
         if a.role is Role.WRITE_GRAD:
             last_grad[g.chunk_of(a.param).id] = at[i]
-        for k in nd[i].resident:
-            last_use[k.chunk] = at[i]
         if a.role in (Role.COMPUTE, Role.PARAM_VIEW):
             for k in nd[i].reads:
                 if k.buf is BufKind.PARAM:
@@ -126,7 +125,8 @@ def update_order(g: TrainGraph, machine: Machine = H200) -> list[int]:
     if g.settings.commit_decides:
         release = dict.fromkeys(host, step_s)
     elif g.settings.early_updates:
-        release = {cid: last_use.get(cid, step_s) for cid in host}
+        last_use = _last_use(nd)
+        release = {cid: at[last_use[cid]] if cid in last_use else step_s for cid in host}
     else:
         commit = kernels[-machine.launch_queue - 1] if len(kernels) > machine.launch_queue else 0.0
         release = {cid: max(last_grad.get(cid, step_s), commit) for cid in host}
