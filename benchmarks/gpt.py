@@ -98,8 +98,9 @@ def rss_now() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def timed_steps(step_fn, device, warmup: int, steps: int) -> tuple[list[float], list[float]]:
-    """Times of the warm-up steps and of the timed steps; each step's loss goes to stderr (finite: it trained)."""
+def timed_steps(step_fn, device, warmup: int, steps: int, at_timed=None) -> tuple[list[float], list[float]]:
+    """Times of the warm-up steps and of the timed steps; each step's loss goes to stderr (finite: it trained).
+    at_timed() is called once, before the first timed step."""
     warm, times = [], []
     for i in range(warmup + steps):
         if i < 3:
@@ -107,6 +108,8 @@ def timed_steps(step_fn, device, warmup: int, steps: int) -> tuple[list[float], 
                   file=sys.stderr, flush=True)
         if i == warmup and device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
+        if i == warmup and at_timed is not None:
+            at_timed()
         sync(device)
         t0 = time.perf_counter()
         loss = step_fn()
@@ -199,14 +202,13 @@ def run_pstar(cfg, args, device, batch, budget: str) -> dict:
     model.checkpoint = args.checkpoint == "on"    # the user's per-block checkpoints (remat may undo them)
     n = n_params(model)
     dm = None if budget == "none" else budget
-    step = px.compile(model, optimizer=px.AdamW(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1),
-                      device_memory=dm, precision=args.precision, device=device, chunk_size=args.chunk_size,
-                      accumulate=args.accumulate, atomic=not args.no_atomic)(gpt_loss)
+    opt = px.AdamW(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
+    step = px.compile(model, optimizer=opt, device_memory=dm, precision=args.precision, device=device,
+                      chunk_size=args.chunk_size, accumulate=args.accumulate, atomic=not args.no_atomic)(gpt_loss)
     if args.plan_only:       # px.plan of this very step (model, optimizer, budget, ranks), without a store
         report = px.plan(model, gpt_loss, *batch, world_size=world(), device_memory=dm, precision=args.precision,
                          chunk_size=args.chunk_size, accumulate=args.accumulate, atomic=not args.no_atomic,
-                         optimizer=px.AdamW(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1),
-                         device=device.type)
+                         optimizer=opt, device=device.type)
         print(f"plan of rank {os.environ.get('RANK', 0)}:\n{report}", file=sys.stderr, flush=True)
         raise SystemExit(0)
     t0 = time.perf_counter()
@@ -220,25 +222,23 @@ def run_pstar(cfg, args, device, batch, budget: str) -> dict:
           f"store: {setup / 2**30:.2f} GiB at set-up, {steady / 2**30:.2f} GiB in steps; cudaHostRegister refused "
           f"{len(step._store.hostmem.fallbacks)} buffers {step._store.hostmem.fallbacks[:3]}", file=sys.stderr,
           flush=True)
-    calls, worker = [], []        # the CPU worker's time (pstar_fx.runtime.host_updates.WorkerTime) at the timed steps
+    updates = step._store.updates            # the CPU worker (None: updates run inline)
+    start = []                               # its WorkerTime when the timed steps begin
 
-    def one():
-        calls.append(1)
-        if len(calls) == args.warmup + 1 and step._store.updates is not None:
-            worker.append(dataclasses.replace(step._store.updates.time))
-        return step(*batch)
-    warm, times = timed_steps(one, device, args.warmup, args.steps)
+    warm, times = timed_steps(lambda: step(*batch), device, args.warmup, args.steps,
+                              at_timed=lambda: start.append(dataclasses.replace(updates.time)) if updates else None)
     s = step.summary()
     st = step.last_step
-    if worker and step._store.updates is not None:   # per timed step (the last step's updates may still be pending)
-        step._store.updates.wait_all()
-        now, then = step._store.updates.time, worker[0]
-        done = max(now.updates - then.updates, 1)        # the counts since, per update, times updates per step
+    worker = None
+    if start:          # per timed step: since the timed steps began, per update, times updates per step
+        updates.wait_all()                   # the last step's updates may still be pending
+        now, then = updates.time, start[0]
+        done = max(now.updates - then.updates, 1)
         per_step = s.trainable_chunks - s.states_on_device
         worker = dict(updating_s=round((now.updating - then.updating) / done * per_step, 3),
                       waiting_s=round((now.waiting - then.waiting) / done * per_step, 3), updates=per_step)
     out = dict(n=n, warm=warm, times=times, h2d=st.h2d_bytes, d2h=st.d2h_bytes, compile_s=compile_s,
-               cpu_worker_per_step=worker or None,
+               cpu_worker_per_step=worker,
                init_empty=args.init_empty, atomic=not args.no_atomic, host_threads=args.host_threads,
                predicted_peak=s.predicted_peak, measured_peak=st.measured_peak, chunks=s.chunks,
                states_on_device=f"{s.states_on_device}/{s.trainable_chunks}", nodes=s.nodes)
