@@ -33,6 +33,13 @@ updating host-state chunks and waiting for their gradients. --accumulate K split
 step (one update; eager and FSDP2 call backward per micro-batch). --no-atomic compiles pstar-fx's step with
 atomic=False (host-side updates start during backward; see px.compile). --profile DIR writes a torch.profiler trace of one
 pstar-fx step per budget and prints where the step's time goes per stream (compute, H2D, D2H) and on the host.
+
+The largest GPT each system trains: --largest 32,40,48 runs every system (and pstar-fx budget) at each of these layer
+counts in turn (same hidden size, heads and batch), stopping at the first that fails (out of GPU memory, out of host
+memory: the child is killed, or any error), and prints per system the largest that trained, with its row, and the
+first that did not, with its error:
+
+    python benchmarks/gpt.py --hidden 4096 --heads 32 --batch 4 --systems eager,fsdp2 --largest 32,40,48
 """
 from __future__ import annotations
 
@@ -500,6 +507,8 @@ def main():
     ap.add_argument("--watch", type=float, default=0,
                     help="every this many seconds, each process prints its host memory and where it is (diagnosis)")
     ap.add_argument("--json", default=None, help="also write the rows (and the children's logs) to this file")
+    ap.add_argument("--largest", default=None, metavar="L1,L2,...",
+                    help="find the largest GPT each system trains: these layer counts in turn, up to the first failure")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.tiny:
@@ -533,6 +542,8 @@ def main():
           f"torch {torch.__version__}; TFLOP/s = (6*N*tokens + 12*layers*hidden*seq*tokens) / median step time",
           flush=True)
     rows, logs = [], {}
+    if args.largest:
+        return largest(args, passthrough)
     for gpus in map(int, args.gpus.split(",")):
         for system in args.systems.split(","):
             if system == "eager" and gpus > 1:
@@ -559,6 +570,44 @@ def main():
         with open(args.json, "w") as f:
             json.dump(dict(config=vars(args), rows=rows, logs=logs), f, indent=1)
     print_table(rows)
+
+
+def largest(args, passthrough: list[str]) -> None:
+    """--largest: per system (and pstar-fx budget), the layer counts in increasing order until the first failure."""
+    counts = sorted(int(x) for x in args.largest.split(","))
+    rows, logs, found = [], {}, []
+    at = passthrough.index("--layers") + 1
+    for system in args.systems.split(","):
+        variants = {"eager": ["ckpt" if args.checkpoint == "on" else "plain"], "fsdp2": ["offload"],
+                    "pstar": args.budgets.split(",")}[system]
+        for v in variants:
+            label, best, failed = f"{system}:{v}", None, None
+            for layers in counts:
+                argv = list(passthrough)
+                argv[at] = str(layers)
+                cfg = GPTConfig(vocab=args.vocab, seq=args.seq, layers=layers, hidden=args.hidden, heads=args.heads)
+                r = run_child(argv + ["--child", label], label, args.timeout)
+                if system == "eager" and args.checkpoint == "auto" and r.get("error") == "out of memory":
+                    r = run_child(argv + ["--child", "eager:ckpt"], "eager:ckpt", args.timeout)
+                logs[f"{label}@{layers}L"] = r.pop("log", "")
+                rows.append(dict(row(label, cfg, args, r), layers=layers))
+                print(json.dumps(rows[-1]), flush=True)
+                if "error" in r:
+                    failed = rows[-1]
+                    break
+                best = rows[-1]
+            found.append((label, best, failed))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(config=vars(args), rows=rows, logs=logs), f, indent=1)
+    print_table(rows)
+    print("\n| system | largest that trained | step | TFLOP/s | peak GPU | peak host RSS | first that did not |\n"
+          "|---|---|---|---|---|---|---|")
+    for label, best, failed in found:
+        ok = (f"{best['params']} ({best['layers']} layers) | {best['step_s']} s | {best['tflops']} | {best['peak_gpu']} "
+              f"| {best['peak_rss']}" if best else "none of those tried | - | - | - | -")
+        bad = f"{failed['layers']} layers: {failed['error'][:120]}" if failed else "all trained"
+        print(f"| {label} | {ok} | {bad} |")
 
 
 def print_table(rows):

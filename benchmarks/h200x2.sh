@@ -31,7 +31,7 @@ fi
 if [[ $stages == *big* ]]; then
   free -g | tee "$out/free.txt"; ulimit -l
   python3 -c "
-import torch; from pstar_fx.runtime.chunk_store import HostMemory
+import torch; from pstar_fx.runtime.host_memory import HostMemory
 h = HostMemory(True); t = h.zeros(1 << 28, torch.float32)
 print('1 GiB host buffer pinned by cudaHostRegister:', bool(h._registered))"
   # the plan, traced for CUDA here: run the benchmark only if it says the model fits both memories

@@ -59,7 +59,12 @@ def loss_seed(graph: fx.Graph, loss: fx.Node) -> fx.Node | None:
 
 def tensors_of(node: fx.Node) -> list[torch.Tensor]:
     """The (fake) tensors a node produces, from node.meta["val"]."""
-    return [t for t in tree_leaves(node.meta.get("val")) if isinstance(t, torch.Tensor)]
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):      # the common case, without a pytree walk
+        return [val]
+    if val is None:
+        return []
+    return [t for t in tree_leaves(val) if isinstance(t, torch.Tensor)]
 
 
 def storage_key(t: torch.Tensor) -> int:

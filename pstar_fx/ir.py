@@ -7,6 +7,7 @@ A `TrainGraph` is immutable: passes build a new one with `TrainGraph.evolve`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import enum
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -224,11 +225,12 @@ class TrainGraph:
     def nodes(self) -> list[fx.Node]:
         return list(self.gm.graph.nodes)
 
+    @functools.cached_property
+    def _param_index(self) -> dict[str, ParamInfo]:
+        return {p.name: p for p in self.params}
+
     def param(self, name: str) -> ParamInfo:
-        for p in self.params:
-            if p.name == name:
-                return p
-        raise KeyError(name)
+        return self._param_index[name]
 
     def chunk_of(self, param: str) -> ChunkInfo:
         return self.chunks[self.param(param).chunk]

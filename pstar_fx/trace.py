@@ -25,9 +25,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import inspect
 import operator
 import os
+import sys
 import time
 import traceback
 from dataclasses import dataclass
@@ -96,15 +98,32 @@ class _StepModule(nn.Module):
         return self._fn(self.m, *batch)
 
 
+@functools.lru_cache(maxsize=4096)
+def _is_user_file(filename: str) -> bool:
+    """Whether a source file is the user's: outside torch, pstar-fx, contextlib and functools (a pure function of
+    the name, memoised: it runs for every in-place call while tracing)."""
+    f = os.path.abspath(filename)
+    return not (f.startswith(_TORCH_DIR) or f.startswith(_OUR_DIR) or "/contextlib.py" in f or "/functools.py" in f)
+
+
 def _user_frame(tb_frames) -> traceback.FrameSummary | None:
     """The innermost frame outside torch and pstar-fx: the user's source line."""
     user = None
     for fr in tb_frames:
-        f = os.path.abspath(fr.filename)
-        if not (f.startswith(_TORCH_DIR) or f.startswith(_OUR_DIR) or "/contextlib.py" in f
-                or "/functools.py" in f):
+        if _is_user_file(fr.filename):
             user = fr
     return user
+
+
+def _calling_user_frame() -> traceback.FrameSummary | None:
+    """_user_frame of the current stack, without extracting it: the first user frame walking outwards, its source
+    line read only when shown."""
+    f = sys._getframe(1)
+    while f is not None:
+        if _is_user_file(f.f_code.co_filename):
+            return traceback.FrameSummary(f.f_code.co_filename, f.f_lineno, f.f_code.co_name, lookup_line=False)
+        f = f.f_back
+    return None
 
 
 class _InplaceRecorder(TorchFunctionMode):
@@ -118,7 +137,7 @@ class _InplaceRecorder(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         if name.endswith("_") and not name.startswith("_") or name in ("__iadd__", "__isub__", "__imul__",
                                                                        "__itruediv__", "copy_"):
-            self.calls.append((name, _user_frame(traceback.extract_stack()[:-1])))
+            self.calls.append((name, _calling_user_frame()))
         return func(*args, **(kwargs or {}))
 
 

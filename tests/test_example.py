@@ -44,3 +44,17 @@ def test_train_gpt_example_resumes_exactly(tmp_path):
     assert set(first) == {"0", "13", "19"} and set(second) == {"26", "39"}
     for k in ("0", "13", "26", "39"):
         assert (first.get(k) or second.get(k)) == whole[k], (k, whole, first, second)
+
+
+def test_benchmark_finds_the_largest_gpt_each_system_trains():
+    """benchmarks/gpt.py --largest tries the layer counts in turn per system and stops at the first failure: eager
+    trains both tiny GPTs; pstar-fx at a budget below any plan's need trains none, and says why."""
+    out = subprocess.run([sys.executable, "benchmarks/gpt.py", "--device", "cpu", "--tiny", "--systems", "eager,pstar",
+                          "--budgets", "600KiB", "--largest", "1,2", "--warmup", "1", "--steps", "5"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = {line.split("|")[1].strip(): line for line in out.stdout.splitlines()
+               if line.startswith("| eager:") and "largest" not in line and "layers)" in line
+               or line.startswith("| pstar:600KiB | none")}
+    assert "(2 layers)" in summary["eager:plain"] and "all trained" in summary["eager:plain"], out.stdout
+    assert "1 layers: BudgetError" in summary["pstar:600KiB"], out.stdout

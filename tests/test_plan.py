@@ -18,9 +18,10 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import pstar_fx as px
 from pstar_fx import cost
 from pstar_fx.cost import H200, Lane
-from pstar_fx.ir import Role, StateHome
+from pstar_fx.ir import ChunkGroup, Role, StateHome
 from pstar_fx.passes import verify
-from pstar_fx.passes.place_optimizer import update_order, with_steps
+from pstar_fx.passes.place_optimizer import (_choose_homes, _fewer_states, _placed, device_priority, place_optimizer,
+                                            update_order, with_steps)
 from pstar_fx.passes.schedule import schedule
 from harness import HYPER, tight_budget
 from models import CASES_BY_NAME
@@ -346,6 +347,51 @@ def test_update_order_is_not_slower_than_chunk_order(cpu_slower):
     if cpu_slower == 1000:
         assert chosen.busy[Lane.CPU] > chosen.busy[Lane.COMPUTE]
         assert chosen.seconds < 0.9 * chunk_order.seconds
+
+
+def _all_host(before):
+    chunks = tuple(dataclasses.replace(c, state_home=StateHome.HOST) if c.group is ChunkGroup.TRAINABLE else c
+                   for c in before.chunks)
+    trainable = [c.id for c in chunks if c.group is ChunkGroup.TRAINABLE]
+    return with_steps(before, trainable).evolve(chunks=chunks), trainable
+
+
+def test_the_embedding_ranks_first_for_the_device():
+    """The tied embedding is read first in the forward and its gradient is final last in the backward: its update
+    window on the CPU is the tightest, so its states are the first the device holds."""
+    _, before = _placed_and_before(None)
+    all_host, trainable = _all_host(before)
+    ranked = device_priority(all_host)
+    assert sorted(ranked) == trainable
+    assert ranked[0] == before.param("wte.weight").chunk
+    assert ranked != trainable           # not chunk order
+
+
+@pytest.mark.parametrize("cpu_slower", [1, 100, 1000])
+def test_state_placement_is_not_slower_than_chunk_order(cpu_slower):
+    """The cost model's placement of optimizer states (ranked by window slack, fewer device states where the CPU
+    has room) gives an estimated step no longer than the greedy fill in chunk order, on machines whose CPU is as
+    fast as the H200 host's and 100 and 1000 times slower."""
+    _, before = _placed_and_before(None)
+    m = dataclasses.replace(H200, matmul_flops=H200.matmul_flops / 1e4, fp32_matmul_flops=H200.fp32_matmul_flops / 1e4,
+                            hbm_bytes=H200.hbm_bytes / 1e4, cpu_adam_mixed=H200.cpu_adam_mixed / cpu_slower,
+                            host_node_s=1e-8)
+    all_host, trainable = _all_host(before)
+    chosen = schedule(place_optimizer(before, m))
+    in_chunk_order = schedule(_placed(before, all_host, _choose_homes(all_host, trainable).chunks, m))
+    for g in (chosen, in_chunk_order):
+        verify(g)
+        assert sum(c.state_home is StateHome.DEVICE for c in g.chunks) < len(trainable)
+    assert cost.estimate(chosen, m).seconds <= cost.estimate(in_chunk_order, m).seconds * 1.001
+    # with the CPU's updates shorter than the compute, placements with fewer device states are estimated too and the
+    # fastest is kept; with them longer (CPU-bound), the fullest placement is kept without comparing
+    ranked = device_priority(all_host, m)
+    most = _choose_homes(all_host, ranked)
+    fewer = _fewer_states(most, ranked, m)
+    compared = [cost.estimate(schedule(_placed(before, all_host, homes, m)), m).seconds
+                for homes in [most.chunks] + fewer]
+    assert bool(fewer) == (cpu_slower < 1000)
+    assert cost.estimate(chosen, m).seconds == min(compared)
 
 
 @given(queue=st.integers(1, 4096), world=st.sampled_from([1, 2]))

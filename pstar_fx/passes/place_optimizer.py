@@ -8,14 +8,18 @@ fp16 overflow checks, which need every gradient, are decided at the commit. The 
 `atomic=False` (Settings.atomic) on one rank where the commit decides nothing: host-side steps come right after the
 last node that uses their chunk, before the commit, so the CPU updates during backward; a step that fails after
 the first of them cannot be undone (the executor raises CommitError).
-Every trainable chunk has a `state_home`: DEVICE for as many chunks as the budget allows while every node's minimum
-need still fits with room for two more chunk buffers, HOST for the rest. Device steps come first, in chunk order
-(the order the next forward needs them). Host steps, which the store's CPU worker runs one after another in graph
-order while the device goes on, come in the order `update_order` chooses from the cost model: each chunk's update
-can start once its gradient is final and written home and the executor has issued its step (after the commit
-unless atomic=False; at the commit anyway when clipping or an fp16 overflow check must see every gradient) and
-should end before the next forward reads the chunk; the order is the earliest-deadline-first list schedule of those
-windows.
+Every trainable chunk has a `state_home`, chosen from the cost model (`cost.py`): chunks are ranked by the slack of
+their update window on the CPU (the time between the chunk's gradient being final and its next read, less the
+update's own time at the CPU Adam rate; the tightest first, the embedding and first layers in practice), and go to
+the device in that order while every node's minimum need still fits with room for two more chunk buffers. Where the
+CPU's updates would take less than the device's compute even so, fewer device states may give a faster step (the
+freed memory keeps parameters resident instead of fetching them again): then placements with fewer are scheduled and
+estimated too, and the fastest is kept. Device steps come first, in chunk order (the order the next forward needs
+them). Host steps, which the store's CPU worker runs one after another in graph order while the device goes on, come
+in the order `update_order` chooses from the cost model: each chunk's update can start once its gradient is final
+and written home and the executor has issued its step (after the commit unless atomic=False; at the commit anyway
+when clipping or an fp16 overflow check must see every gradient) and should end before the next forward reads the
+chunk; the order is the earliest-deadline-first list schedule of those windows.
 """
 from __future__ import annotations
 
@@ -24,9 +28,11 @@ import dataclasses
 import torch.fx as fx
 
 from .. import ops
-from ..cost import H200, Machine, node_seconds
+from ..cost import H200, Machine, estimate, node_seconds
+from ..errors import BudgetError
 from ..ir import BufKind, ChunkGroup, NodeAnn, Phase, Role, StateHome, TrainGraph, copy_graph, to_module
 from .liveness import analyze
+from .schedule import schedule
 from ..memory import NO_NEEDS, all_needs, buf_bytes, needs, shard_numel, state_bytes, static_bytes
 
 
@@ -41,15 +47,56 @@ def min_need(g: TrainGraph) -> int:
     return static_bytes(g) + worst
 
 
-def place_optimizer(g: TrainGraph) -> TrainGraph:
+def place_optimizer(g: TrainGraph, machine: Machine = H200) -> TrainGraph:
     chunks = tuple(dataclasses.replace(c, state_home=StateHome.HOST) if c.group is ChunkGroup.TRAINABLE else c
                    for c in g.chunks)
     trainable = [c.id for c in chunks if c.group is ChunkGroup.TRAINABLE]
-    placed = _choose_homes(with_steps(g, trainable).evolve(chunks=chunks))
-    homes = placed.chunks
-    device = [cid for cid in trainable if homes[cid].state_home is StateHome.DEVICE]
-    ordered = with_steps(g, device, update_order(placed), early=g.settings.early_updates).evolve(chunks=homes)
-    return ordered.evolve(stage="optimizer_placed", made_by="place_optimizer")
+    all_host = with_steps(g, trainable).evolve(chunks=chunks)   # every step after the commit: for the windows
+    ranked = device_priority(all_host, machine)
+    most = _choose_homes(all_host, ranked)
+    best = _placed(g, all_host, most.chunks, machine)
+    fewer = _fewer_states(most, ranked, machine)
+    if fewer:
+        best_s = estimate(schedule(best), machine).seconds
+        for homes in fewer:
+            candidate = _placed(g, all_host, homes, machine)
+            try:
+                seconds = estimate(schedule(candidate), machine).seconds
+            except BudgetError:
+                continue
+            if seconds < best_s:
+                best, best_s = candidate, seconds
+    return best.evolve(stage="optimizer_placed", made_by="place_optimizer")
+
+
+def _placed(g: TrainGraph, all_host: TrainGraph, homes: tuple, machine: Machine) -> TrainGraph:
+    """g with its optimizer steps for these state homes: device steps in chunk order, host ones in update order
+    (computed on `all_host`, g with every step after the commit: the order reads the windows, not the steps)."""
+    device = [c.id for c in homes if c.group is ChunkGroup.TRAINABLE and c.state_home is StateHome.DEVICE]
+    host = update_order(all_host.evolve(chunks=homes), machine)
+    return with_steps(g, device, host, early=g.settings.early_updates).evolve(chunks=homes)
+
+
+def _fewer_states(most: TrainGraph, ranked: list[int], machine: Machine) -> list[tuple]:
+    """Placements to compare with the fullest one: none when every state fits on the device (nothing to make room
+    for) or when the CPU's updates already take as long as the device's compute (fewer device states would only
+    add to them); otherwise the fullest with its last 1, 2 and 4 device-placed chunks (in rank order) moved back
+    to the host."""
+    host_elems = sum(shard_numel(c, most.settings.world) for c in most.chunks
+                     if c.group is ChunkGroup.TRAINABLE and c.state_home is StateHome.HOST)
+    on_device = [cid for cid in ranked if most.chunks[cid].state_home is StateHome.DEVICE]
+    if not on_device or host_elems == 0:
+        return []
+    compute = sum(node_seconds(n, machine) for n in most.nodes if most.ann[n.name].role is Role.COMPUTE)
+    if host_elems / _cpu_rate(most, machine) >= compute:
+        return []
+    out = []
+    for back in sorted({min(b, len(on_device)) for b in (1, 2, 4)}):
+        chunks = list(most.chunks)
+        for cid in on_device[-back:]:
+            chunks[cid] = dataclasses.replace(chunks[cid], state_home=StateHome.HOST)
+        out.append(tuple(chunks))
+    return out
 
 
 def with_steps(g: TrainGraph, order: list[int], host: list[int] = (), early: bool = False) -> TrainGraph:
@@ -90,17 +137,13 @@ def _last_use(nd) -> dict[int, int]:
     return {k.chunk: i for i, x in enumerate(nd) for k in x.resident}
 
 
-def update_order(g: TrainGraph, machine: Machine = H200) -> list[int]:
-    """The host-stepped chunks of g (states placed) in the order the CPU should update them: non-preemptive
-    earliest-deadline-first over each update's window, from the cost model's node times. A chunk's update is
-    released when its gradient is final and the executor has issued its step: with atomic steps at the commit,
-    which the executor reaches once the device is within `machine.launch_queue` kernels of the end of backward
-    (or at the end, when the commit decides something every update needs: a clip coefficient, an fp16 overflow);
-    with early updates after the chunk's last use. Its deadline is the next step's first read of the chunk; it takes
-    its elements at the CPU Adam rate. With every release at one moment this is first-use order."""
-    host = [c.id for c in g.chunks if c.group is ChunkGroup.TRAINABLE and c.state_home is StateHome.HOST]
-    if len(host) < 2:
-        return host
+def _windows(g: TrainGraph, host: list[int], machine: Machine) -> dict[int, tuple[float, float, float]]:
+    """Each host-stepped chunk's update window on the CPU, from the cost model's node times: (release, deadline,
+    duration). Released when its gradient is final and the executor has issued its step: with atomic steps at the
+    commit, which the executor reaches once the device is within `machine.launch_queue` kernels of the end of
+    backward (or at the end, when the commit decides something every update needs: a clip coefficient, an fp16
+    overflow); with early updates after the chunk's last use. Due at the next step's first read of the chunk.
+    Taking its elements at the CPU Adam rate."""
     nodes = g.nodes
     nd = all_needs(g)
     at, kernels, t = [], [], 0.0
@@ -130,25 +173,49 @@ def update_order(g: TrainGraph, machine: Machine = H200) -> list[int]:
     else:
         commit = kernels[-machine.launch_queue - 1] if len(kernels) > machine.launch_queue else 0.0
         release = {cid: max(last_grad.get(cid, step_s), commit) for cid in host}
-    rate = machine.cpu_adam_mixed if g.settings.precision.mixed else machine.cpu_adam
+    rate = _cpu_rate(g, machine)
     world = g.settings.world
-    todo = {cid: (release[cid], step_s + first_read.get(cid, step_s), cid) for cid in host}
+    return {cid: (release[cid], step_s + first_read.get(cid, step_s), shard_numel(g.chunks[cid], world) / rate)
+            for cid in host}
+
+
+def _cpu_rate(g: TrainGraph, machine: Machine) -> float:
+    """Elements per second the CPU updates."""
+    return machine.cpu_adam_mixed if g.settings.precision.mixed else machine.cpu_adam
+
+
+def device_priority(g: TrainGraph, machine: Machine = H200) -> list[int]:
+    """The trainable chunks of g (its steps in any order), the one whose states the device should hold first: the
+    least slack in its update window as a host-stepped chunk (deadline - release - duration, `_windows`), then chunk
+    order. A chunk with little slack is the one the CPU would make the step wait for."""
+    trainable = [c.id for c in g.chunks if c.group is ChunkGroup.TRAINABLE]
+    win = _windows(g, trainable, machine)
+    return sorted(trainable, key=lambda c: (win[c][1] - win[c][0] - win[c][2], c))
+
+
+def update_order(g: TrainGraph, machine: Machine = H200) -> list[int]:
+    """The host-stepped chunks of g (states placed) in the order the CPU should update them: non-preemptive
+    earliest-deadline-first over each update's window (`_windows`). With every release at one moment this is
+    first-use order."""
+    host = [c.id for c in g.chunks if c.group is ChunkGroup.TRAINABLE and c.state_home is StateHome.HOST]
+    if len(host) < 2:
+        return host
+    todo = {cid: (r, d, cid, u) for cid, (r, d, u) in _windows(g, host, machine).items()}
     order, clock = [], 0.0
     while todo:
-        ready = [cid for cid, (r, _, _) in todo.items() if r <= clock]
+        ready = [cid for cid, (r, _, _, _) in todo.items() if r <= clock]
         if not ready:
-            clock = min(r for r, _, _ in todo.values())
+            clock = min(r for r, _, _, _ in todo.values())
             continue
-        cid = min(ready, key=lambda c: todo[c][1:])          # earliest deadline, then chunk order
-        del todo[cid]
+        cid = min(ready, key=lambda c: todo[c][1:3])          # earliest deadline, then chunk order
+        clock += todo.pop(cid)[3]
         order.append(cid)
-        clock += shard_numel(g.chunks[cid], world) / rate
     return order
 
 
-def _choose_homes(g: TrainGraph) -> TrainGraph:
-    """Greedy in chunk order: a chunk's states go to the device while min_need + two chunk buffers fit the budget.
-    Only a chunk's own step node changes need with its home, so the other nodes' needs are computed once."""
+def _choose_homes(g: TrainGraph, ranked: list[int]) -> TrainGraph:
+    """Greedy in `ranked` order: a chunk's states go to the device while min_need + two chunk buffers fit the
+    budget. Only a chunk's own step node changes need with its home, so the other nodes' needs are computed once."""
     budget = g.settings.budget
     chunks = list(g.chunks)
     trainable = [c.id for c in chunks if c.group is ChunkGroup.TRAINABLE]
@@ -170,7 +237,7 @@ def _choose_homes(g: TrainGraph) -> TrainGraph:
     step_need = {cid: node_need(g, i) for cid, i in step_at.items()}
     static = static_bytes(g)
     reserve = 2 * max((c.nbytes for c in chunks), default=0)
-    for cid in trainable:
+    for cid in ranked:
         trial = list(chunks)
         trial[cid] = dataclasses.replace(chunks[cid], state_home=StateHome.DEVICE)
         candidate = g.evolve(chunks=tuple(trial))

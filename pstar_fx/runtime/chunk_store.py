@@ -4,7 +4,8 @@ The device pool hands out chunk-sized slots and permanent allocations (module bu
 counts each byte against the budget: an allocation past the budget raises. A released slot's memory goes back to
 torch's allocator at once, so what the pool counts is what it holds. The host side holds
 each chunk's home copy of its parameters (pinned on CUDA machines: pageable copies are much slower), gradient homes
-made on first write-back, and the optimizer states placed on the host.
+made at set-up for host-stepped chunks and on first write-back for the others, and the optimizer states placed on the host (pageable: only the CPU touches them); see
+host_memory.py for how they are made.
 
 On CUDA, copies run on two streams of their own, host->device (H2D) and device->host (D2H), ordered with events only
 (no device-wide synchronize; the CPU waits only before it touches a host buffer a copy still reads or writes):
@@ -36,7 +37,6 @@ pending updates of the chunks it touches.
 """
 from __future__ import annotations
 
-import warnings
 from concurrent.futures import Future
 
 import torch
@@ -45,6 +45,7 @@ from ..ir import BufKind, ChunkGroup, ChunkInfo, ParamHome, ParamInfo, Precision
 from ..memory import BufKey, shard_numel, state_floats
 from ..units import format_bytes
 from .comm import Comm
+from .host_memory import HostMemory
 from .host_updates import HostUpdates
 
 
@@ -87,48 +88,6 @@ class DevicePool:
 
     def owns(self, t: torch.Tensor) -> bool:
         return t.untyped_storage().data_ptr() in self.storages
-
-
-class HostMemory:
-    """Host buffers for one ChunkStore, page-locked on CUDA machines.
-
-    torch's pinned allocator (2.11) rounds every allocation up to a power of two, which wastes up to half of the host
-    memory that offloading lives on; so an ordinary allocation of the exact size is pinned with cudaHostRegister
-    (left pageable, with a warning, if that fails), and unregistered when the store goes away."""
-
-    def __init__(self, pin: bool):
-        self.pin = pin
-        self._registered: list[torch.Tensor] = []
-        self.fallbacks: list[tuple[int, int]] = []   # (bytes, cudaError) of buffers cudaHostRegister refused
-
-    def zeros(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        t = torch.zeros(numel, dtype=dtype)
-        if not self.pin or numel == 0:
-            return t
-        err = int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), numel * dtype.itemsize, 0))
-        if err != 0:
-            # left pageable: its copies are slower, but torch's pinned allocator would round it up to a power of two
-            # (up to twice the host memory the plan counted)
-            if not self.fallbacks:
-                warnings.warn(f"cudaHostRegister refused a {numel * dtype.itemsize} B host buffer (cudaError {err}): "
-                              "it and any others refused stay pageable, so their copies are slower",
-                              ResourceWarning, stacklevel=2)
-            self.fallbacks.append((numel * dtype.itemsize, err))
-            return t
-        self._registered.append(t)
-        return t
-
-    def free(self, t: torch.Tensor) -> None:
-        """Give back a buffer made by zeros() (unpinned first), so its memory is freed once unreferenced."""
-        for i, r in enumerate(self._registered):
-            if r is t:
-                torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
-                del self._registered[i]
-                return
-
-    def __del__(self):
-        for t in getattr(self, "_registered", ()):
-            torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
 
 
 def worker_threads(device: torch.device) -> int | None:
@@ -174,7 +133,11 @@ class ChunkStore:
                     self.states[c.id] = self.pool.take(floats, torch.float32, what=f"optimizer states of chunk {c.id}")
                     self.states[c.id].zero_()
                 else:
-                    self.states[c.id] = self.hostmem.zeros(floats, torch.float32)
+                    self.states[c.id] = self.hostmem.zeros(floats, torch.float32, copied=False)
+                    if c.grad_buf() is BufKind.GRAD:
+                        # a host-stepped chunk's gradient goes home every step: its home is set up now, not in
+                        # the first step's backward (where making it would hold up the write-backs)
+                        self.host_grad[c.id] = self.hostmem.zeros(shard_numel(c, self.world), c.dtype)
                 self.state_home[c.id] = c.state_home or StateHome.HOST
         self.buffers: dict[str, torch.Tensor] = {}
         self.frozen_full: dict[str, torch.Tensor] = {}   # mixed precision: frozen parameters at full precision
@@ -305,7 +268,7 @@ class ChunkStore:
                 new.copy_(old)
                 self.hostmem.free(old)      # host memory holds only the states placed there
             else:
-                new = self.hostmem.zeros(old.numel(), torch.float32)
+                new = self.hostmem.zeros(old.numel(), torch.float32, copied=False)
                 new.copy_(old)
                 self.pool.give(old)
             self.states[c.id] = new

@@ -1,0 +1,80 @@
+"""HostMemory: the host buffers of one ChunkStore (parameter and gradient homes, host-side optimizer states).
+
+Three measured facts (BENCHMARKS.md, "Setting up host memory") shape how a buffer is made:
+- Copies need page-locked memory (pageable copies run at 6-7 GB/s instead of 55). torch's pinned allocator (2.11)
+  rounds every allocation up to a power of two, wasting up to half of the host memory offloading lives on, so an
+  ordinary allocation of the exact size is pinned with cudaHostRegister (left pageable, with a warning, if that
+  fails) and unregistered when the buffer is given back. Only buffers that copies read or write are pinned: the
+  optimizer states on the host are read and written by the CPU only.
+- Most of setting up is the kernel faulting pages in (zeroing them) and pinning them. A buffer is an anonymous
+  mapping (zero by definition, so nothing is written to zero it) advised to use transparent huge pages, then touched
+  on torch's intra-op threads, so that set-up faults 2 MiB pages in parallel and the first step faults nothing.
+- Small buffers come from torch's allocator (a mapping per buffer would cost more than it saves).
+"""
+from __future__ import annotations
+
+import mmap
+import warnings
+
+import torch
+
+# below this size a buffer comes from torch's allocator
+MAPPED_MIN_BYTES = 1 << 21
+
+
+def zeroed(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A zero host tensor whose pages are all present: an anonymous mapping (transparent huge pages where the
+    kernel allows them) touched on torch's intra-op threads, or torch.zeros below MAPPED_MIN_BYTES. The mapping is
+    unmapped when the tensor (which holds it) is freed."""
+    nbytes = numel * dtype.itemsize
+    if nbytes < MAPPED_MIN_BYTES:
+        return torch.zeros(numel, dtype=dtype)
+    m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            m.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:      # a kernel without transparent huge pages: 4 KiB pages, same values
+            pass
+    t = torch.frombuffer(m, dtype=dtype, count=numel)
+    t.zero_()        # already zero: this faults every page in, on torch's threads, here rather than in a step
+    return t
+
+
+class HostMemory:
+    """Host buffers for one ChunkStore; `pin`: page-lock the buffers copies use (CUDA machines)."""
+
+    def __init__(self, pin: bool):
+        self.pin = pin
+        self._registered: list[torch.Tensor] = []
+        self.fallbacks: list[tuple[int, int]] = []   # (bytes, cudaError) of buffers cudaHostRegister refused
+
+    def zeros(self, numel: int, dtype: torch.dtype, copied: bool = True) -> torch.Tensor:
+        """A zero host buffer; page-locked when this memory pins and `copied` (host<->device copies use it)."""
+        t = zeroed(numel, dtype)
+        if not self.pin or not copied or numel == 0:
+            return t
+        err = int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), numel * dtype.itemsize, 0))
+        if err != 0:
+            # left pageable: its copies are slower, but torch's pinned allocator would round it up to a power of two
+            # (up to twice the host memory the plan counted)
+            if not self.fallbacks:
+                warnings.warn(f"cudaHostRegister refused a {numel * dtype.itemsize} B host buffer (cudaError {err}): "
+                              "it and any others refused stay pageable, so their copies are slower",
+                              ResourceWarning, stacklevel=2)
+            self.fallbacks.append((numel * dtype.itemsize, err))
+            return t
+        self._registered.append(t)
+        return t
+
+    def free(self, t: torch.Tensor) -> None:
+        """Give back a buffer made by zeros() (unpinned first, if pinned), so its memory is freed once
+        unreferenced."""
+        for i, r in enumerate(self._registered):
+            if r is t:
+                torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+                del self._registered[i]
+                return
+
+    def __del__(self):
+        for t in getattr(self, "_registered", ()):
+            torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
