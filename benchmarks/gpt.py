@@ -14,7 +14,8 @@ end the others):
   per-block activation checkpointing (torch.utils.checkpoint) when it runs out of memory without; on / off force it.
 - fsdp2: `fully_shard` per block and at the root with CPUOffloadPolicy(pin_memory=True) and a bf16
   MixedPrecisionPolicy (fp32 reductions), in a one-process group the script initialises itself (nccl on CUDA, gloo on
-  the CPU, where offloading means nothing and is left out); fused AdamW on the host shards.
+  the CPU, where offloading means nothing and is left out); fused AdamW on the host shards. Per-block activation
+  checkpointing with --checkpoint on only.
 - pstar: px.compile(..., precision bf16, device_memory=each of --budgets), px.AdamW. With --init-empty the model is
   built under `px.init_empty(device=device)` after torch.manual_seed(0) (no memory; initialised on the device at the
   first step, into the chunks) instead of on the device and moved to the host; the row's first_step_s is then the
@@ -179,6 +180,7 @@ def run_fsdp2(cfg, args, device, batch, offload: bool = True) -> dict:
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
     init_group(device)
     model = build(cfg, device)
+    model.checkpoint = args.checkpoint == "on"      # per-block checkpoints only when asked (auto: without)
     kw = dict(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
     if device.type == "cuda" and offload:
         kw["offload_policy"] = CPUOffloadPolicy(pin_memory=True)
