@@ -11,10 +11,10 @@ the first of them cannot be undone (the executor raises CommitError).
 Every trainable chunk has a `state_home`, chosen from the cost model (`cost.py`): chunks are ranked by the slack of
 their update window on the CPU (the time between the chunk's gradient being final and its next read, less the
 update's own time at the CPU Adam rate; the tightest first, the embedding and first layers in practice), and go to
-the device in that order while every node's minimum need still fits with room for two more chunk buffers. Where the
-CPU's updates would take less than the device's compute even so, fewer device states may give a faster step (the
-freed memory keeps parameters resident instead of fetching them again): then placements with fewer are scheduled and
-estimated too, and the fastest is kept. Device steps come first, in chunk order (the order the next forward needs
+the device in that order while every node's minimum need still fits with room for two more chunk buffers. Where
+copies bound that placement's step and the CPU's updates would take less than the device's compute, fewer device
+states may give a faster step (the freed memory keeps parameters resident instead of fetching them again): then
+placements with fewer are scheduled and estimated too, and the fastest is kept. Device steps come first, in chunk order (the order the next forward needs
 them). Host steps, which the store's CPU worker runs one after another in graph order while the device goes on, come
 in the order `update_order` chooses from the cost model: each chunk's update can start once its gradient is final
 and written home and the executor has issued its step (after the commit unless atomic=False; at the commit anyway
@@ -28,7 +28,7 @@ import dataclasses
 import torch.fx as fx
 
 from .. import ops
-from ..cost import H200, Machine, estimate, node_seconds
+from ..cost import H200, Lane, Machine, estimate, node_seconds
 from ..errors import BudgetError
 from ..ir import BufKind, ChunkGroup, NodeAnn, Phase, Role, StateHome, TrainGraph, copy_graph, to_module
 from .liveness import analyze
@@ -56,8 +56,9 @@ def place_optimizer(g: TrainGraph, machine: Machine = H200) -> TrainGraph:
     most = _choose_homes(all_host, ranked)
     best = _placed(g, all_host, most.chunks, machine)
     fewer = _fewer_states(most, ranked, machine)
-    if fewer:
-        best_s = estimate(schedule(best), machine).seconds
+    fullest = estimate(schedule(best), machine) if fewer else None
+    if fullest is not None and fullest.bound in (Lane.H2D, Lane.D2H):
+        best_s = fullest.seconds
         for homes in fewer:
             candidate = _placed(g, all_host, homes, machine)
             try:
@@ -78,9 +79,9 @@ def _placed(g: TrainGraph, all_host: TrainGraph, homes: tuple, machine: Machine)
 
 
 def _fewer_states(most: TrainGraph, ranked: list[int], machine: Machine) -> list[tuple]:
-    """Placements to compare with the fullest one: none when every state fits on the device (nothing to make room
-    for) or when the CPU's updates already take as long as the device's compute (fewer device states would only
-    add to them); otherwise the fullest with its last 1, 2 and 4 device-placed chunks (in rank order) moved back
+    """Placements to compare with the fullest one (which place_optimizer compares only when copies bound its step):
+    none when every state fits on the device (nothing to make room for) or when the CPU's updates already take as
+    long as the device's compute (fewer device states would only add to them); otherwise the fullest with its last 1, 2 and 4 device-placed chunks (in rank order) moved back
     to the host."""
     host_elems = sum(shard_numel(c, most.settings.world) for c in most.chunks
                      if c.group is ChunkGroup.TRAINABLE and c.state_home is StateHome.HOST)
