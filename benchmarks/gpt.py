@@ -106,9 +106,20 @@ def rss_now() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def timed_steps(step_fn, device, warmup: int, steps: int, at_timed=None) -> tuple[list[float], list[float]]:
+def allocator_counts(device) -> dict:
+    """The CUDA caching allocator's cumulative counts of device allocations and frees (cudaMalloc / cudaFree, or
+    mapping and unmapping with expandable segments) and of retries after a failed allocation (which free the cache)."""
+    if device.type != "cuda":
+        return {}
+    s = torch.cuda.memory_stats(device)
+    return {k: s.get(k, 0) for k in ("num_device_alloc", "num_device_free", "num_alloc_retries")}
+
+
+def timed_steps(step_fn, device, warmup: int, steps: int, at_timed=None, per_step=None
+                ) -> tuple[list[float], list[float]]:
     """Times of the warm-up steps and of the timed steps; each step's loss goes to stderr (finite: it trained).
-    at_timed() is called once, before the first timed step."""
+    at_timed() is called once, before the first timed step; per_step (a list), when given, receives after every
+    step the allocator's counts (allocator_counts) with anything `at_timed`'s owner adds."""
     warm, times = [], []
     for i in range(warmup + steps):
         if i < 3:
@@ -123,6 +134,8 @@ def timed_steps(step_fn, device, warmup: int, steps: int, at_timed=None) -> tupl
         loss = step_fn()
         sync(device)
         (warm if i < warmup else times).append(time.perf_counter() - t0)
+        if per_step is not None:
+            per_step.append(allocator_counts(device))
         if os.environ.get("RANK", "0") == "0" and isinstance(loss, torch.Tensor):
             print(f"step {i}: loss {loss.item():.4f}", file=sys.stderr, flush=True)
     return warm, times
@@ -234,8 +247,19 @@ def run_pstar(cfg, args, device, batch, budget: str) -> dict:
     updates = step._store.updates            # the CPU worker (None: updates run inline)
     start = []                               # its WorkerTime when the timed steps begin
 
-    warm, times = timed_steps(lambda: step(*batch), device, args.warmup, args.steps,
+    per_step = []                            # after each step: allocator counts, the worker's time so far
+
+    def one_step():
+        loss = step(*batch)
+        if updates is not None:
+            w = updates.time
+            per_step_worker.append(dict(updating_s=round(w.updating, 3), waiting_s=round(w.waiting, 3),
+                                        updates=w.updates))
+        return loss
+    per_step_worker = []
+    warm, times = timed_steps(one_step, device, args.warmup, args.steps, per_step=per_step,
                               at_timed=lambda: start.append(dataclasses.replace(updates.time)) if updates else None)
+    per_step = [dict(a, **w) for a, w in zip(per_step, per_step_worker)] if per_step_worker else per_step
     s = step.summary()
     st = step.last_step
     worker = None
@@ -247,7 +271,7 @@ def run_pstar(cfg, args, device, batch, budget: str) -> dict:
         worker = dict(updating_s=round((now.updating - then.updating) / done * per_step, 3),
                       waiting_s=round((now.waiting - then.waiting) / done * per_step, 3), updates=per_step)
     out = dict(n=n, warm=warm, times=times, h2d=st.h2d_bytes, d2h=st.d2h_bytes, compile_s=compile_s,
-               cpu_worker_per_step=worker,
+               cpu_worker_per_step=worker, per_step=per_step,
                init_empty=args.init_empty, atomic=not args.no_atomic, host_threads=args.host_threads,
                predicted_peak=s.predicted_peak, measured_peak=st.measured_peak, chunks=s.chunks,
                states_on_device=f"{s.states_on_device}/{s.trainable_chunks}", nodes=s.nodes)
@@ -467,6 +491,8 @@ def row(label, cfg, args, r) -> dict:
                    predicted_peak=fmt_bytes(r["predicted_peak"]), measured_peak=fmt_bytes(r["measured_peak"]),
                    states_on_device=r["states_on_device"], chunks=r["chunks"], nodes=r["nodes"],
                    cpu_worker_per_step=r.get("cpu_worker_per_step"))
+    if r.get("per_step"):
+        out["per_step"] = r["per_step"]
     if "profile" in r:
         out["profile"] = r["profile"]
     return out
