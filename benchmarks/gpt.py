@@ -234,8 +234,12 @@ def run_pstar(cfg, args, device, batch, budget: str) -> dict:
         print(f"plan of rank {os.environ.get('RANK', 0)}:\n{report}", file=sys.stderr, flush=True)
         raise SystemExit(0)
     t0 = time.perf_counter()
-    step.lower(*batch)                                       # trace + passes + chunk set-up
+    stages = step.lower(*batch)                              # trace + passes + chunk set-up
     compile_s = time.perf_counter() - t0
+    trace_s = stages["traced"].seconds
+    passes_s = sum(g.seconds for name, g in stages.items() if name != "traced")
+    compile_parts = dict(trace_s=round(trace_s, 2), passes_s=round(passes_s, 2),
+                         rest_s=round(compile_s - trace_s - passes_s, 2))   # verifying, the store's set-up
     if args.host_threads and step._store.updates is not None:   # the CPU worker's intra-op threads (an experiment)
         step._store.updates.threads = args.host_threads
     from pstar_fx.planning import host_bytes
@@ -247,7 +251,7 @@ def run_pstar(cfg, args, device, batch, budget: str) -> dict:
     updates = step._store.updates            # the CPU worker (None: updates run inline)
     start = []                               # its WorkerTime when the timed steps begin
 
-    per_step = []                            # after each step: allocator counts, the worker's time so far
+    steps_log = []                           # after each step: allocator counts, the worker's time so far
 
     def one_step():
         loss = step(*batch)
@@ -257,9 +261,9 @@ def run_pstar(cfg, args, device, batch, budget: str) -> dict:
                                         updates=w.updates))
         return loss
     per_step_worker = []
-    warm, times = timed_steps(one_step, device, args.warmup, args.steps, per_step=per_step,
+    warm, times = timed_steps(one_step, device, args.warmup, args.steps, per_step=steps_log,
                               at_timed=lambda: start.append(dataclasses.replace(updates.time)) if updates else None)
-    per_step = [dict(a, **w) for a, w in zip(per_step, per_step_worker)] if per_step_worker else per_step
+    steps_log = [dict(a, **w) for a, w in zip(steps_log, per_step_worker)] if per_step_worker else steps_log
     s = step.summary()
     st = step.last_step
     worker = None
@@ -271,7 +275,7 @@ def run_pstar(cfg, args, device, batch, budget: str) -> dict:
         worker = dict(updating_s=round((now.updating - then.updating) / done * per_step, 3),
                       waiting_s=round((now.waiting - then.waiting) / done * per_step, 3), updates=per_step)
     out = dict(n=n, warm=warm, times=times, h2d=st.h2d_bytes, d2h=st.d2h_bytes, compile_s=compile_s,
-               cpu_worker_per_step=worker, per_step=per_step,
+               cpu_worker_per_step=worker, per_step=steps_log, compile_parts=compile_parts,
                init_empty=args.init_empty, atomic=not args.no_atomic, host_threads=args.host_threads,
                predicted_peak=s.predicted_peak, measured_peak=st.measured_peak, chunks=s.chunks,
                states_on_device=f"{s.states_on_device}/{s.trainable_chunks}", nodes=s.nodes)
@@ -491,8 +495,9 @@ def row(label, cfg, args, r) -> dict:
                    predicted_peak=fmt_bytes(r["predicted_peak"]), measured_peak=fmt_bytes(r["measured_peak"]),
                    states_on_device=r["states_on_device"], chunks=r["chunks"], nodes=r["nodes"],
                    cpu_worker_per_step=r.get("cpu_worker_per_step"))
-    if r.get("per_step"):
-        out["per_step"] = r["per_step"]
+    for k in ("compile_parts", "per_step"):
+        if r.get(k):
+            out[k] = r[k]
     if "profile" in r:
         out["profile"] = r["profile"]
     return out
