@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import optree
 import torch
 import torch.fx as fx
+import torch.fx.traceback as fx_traceback
 import torch.nn as nn
 from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException,
                                            FakeTensorMode)
@@ -126,19 +127,47 @@ def _calling_user_frame() -> traceback.FrameSummary | None:
     return None
 
 
-class _InplaceRecorder(TorchFunctionMode):
-    """Remembers the user's source line of each in-place call, to name it if it turns out to mutate a parameter."""
+# Where the nodes' source lines come from. make_fx(record_stack_traces=True) extracts and formats the whole Python
+# stack for every node (about 3 s of a 13 s trace at 17B); the user's innermost frame, which is all the error
+# messages show, is found much more cheaply by _SourceRecorder at every torch-level call and handed to the nodes
+# the call makes through torch.fx.traceback's preserved node meta (where this torch has it).
+_CHEAP_SOURCES = all(hasattr(fx_traceback, f) for f in ("preserve_node_meta", "set_stack_trace", "get_current_meta"))
+
+
+class _SourceRecorder(TorchFunctionMode):
+    """At every torch-level call while tracing: the user's source line becomes the stack trace of the nodes the call
+    makes (none outside the user's code: the backward's nodes); and the line of each in-place call is remembered,
+    to name it if it turns out to mutate a parameter."""
 
     def __init__(self):
         super().__init__()
         self.calls: list[tuple[str, traceback.FrameSummary | None]] = []
+        self._formatted: dict[tuple[str, int], list[str]] = {}
+        self._current: tuple[str, int] | None = None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", "")
+        frame = _calling_user_frame()
+        if _CHEAP_SOURCES:
+            self.set_source(frame)
         if name.endswith("_") and not name.startswith("_") or name in ("__iadd__", "__isub__", "__imul__",
                                                                        "__itruediv__", "copy_"):
-            self.calls.append((name, _calling_user_frame()))
+            self.calls.append((name, frame))
         return func(*args, **(kwargs or {}))
+
+    def set_source(self, frame: traceback.FrameSummary | None) -> None:
+        """Nodes made from now on carry this frame as their stack trace (none: no stack trace)."""
+        key = None if frame is None else (frame.filename, frame.lineno)
+        if key == self._current:
+            return
+        self._current = key
+        if key is None:
+            fx_traceback.get_current_meta().pop("stack_trace", None)   # (set_stack_trace([]) clears only in newer torch)
+            return
+        lines = self._formatted.get(key)
+        if lines is None:
+            lines = self._formatted[key] = traceback.format_list([frame])
+        fx_traceback.set_stack_trace(lines)
 
 
 def _where(frame: traceback.FrameSummary | None) -> str:
@@ -393,6 +422,8 @@ def trace_step(fn, model: nn.Module, batch: tuple, settings: Settings) -> TrainG
                     "loss.backward() raises here too); check requires_grad and that the loss uses the model's output")
             seeded = out / micro if micro > 1 else out       # eager accumulation: (loss / K).backward() per micro-batch
             seeded = seeded * scale_args[0] if scale_args else seeded
+            if _CHEAP_SOURCES:
+                recorder.set_source(None)      # the backward's nodes come from the engine, not from a user's line
             grads = trace_hints.gradients(seeded, list(leaves.values()))
         return out, list(grads)
 
@@ -433,11 +464,12 @@ def trace_step(fn, model: nn.Module, batch: tuple, settings: Settings) -> TrainG
             total = total + loss_k
         return [total / micro] + losses + all_grads
 
-    recorder = _InplaceRecorder()
+    recorder = _SourceRecorder()
+    sources = fx_traceback.preserve_node_meta() if _CHEAP_SOURCES else contextlib.nullcontext()
     try:
-        with _model_restored(model), recorder, fake_fixes.FakeKernelFixes(), rewrites.rewritten(model):
+        with _model_restored(model), sources, recorder, fake_fixes.FakeKernelFixes(), rewrites.rewritten(model):
             gm = make_fx(traced if settings.optimizer is not None else forward_only, tracing_mode="fake",
-                         record_stack_traces=True)(trainable, frozen, buffers, scale, *fake_batch)
+                         record_stack_traces=not _CHEAP_SOURCES)(trainable, frozen, buffers, scale, *fake_batch)
     except UntraceableError:
         raise
     except Exception as e:  # an unsupported construct deep inside torch: name it and the user's line
@@ -493,7 +525,7 @@ def _reject_unbounded(gm: fx.GraphModule, shape_env: ShapeEnv) -> None:
                 "output_size)")
 
 
-def _reject_param_mutation(gm: fx.GraphModule, ann, recorder: _InplaceRecorder) -> None:
+def _reject_param_mutation(gm: fx.GraphModule, ann, recorder: _SourceRecorder) -> None:
     """In-place updates of parameters cannot be compiled: pstar-fx owns the parameters and only its optimizer writes
     them. Follow views back to the placeholder and name the op and the user's line."""
     base: dict[fx.Node, fx.Node] = {}

@@ -1,4 +1,6 @@
 """The public surface: arguments, their validation, Adam (L2) and AdamW options, the accounted device pool."""
+import inspect
+
 import pytest
 import torch
 import torch.nn as nn
@@ -135,9 +137,11 @@ def test_a_failing_step_names_the_node_and_leaves_the_step_usable():
     """Integer inputs into a Linear trace (fake kernels do not check dtypes) but fail when run."""
     torch.manual_seed(0)
     model = nn.Linear(3, 2)
+    line = inspect.currentframe().f_lineno + 1
     step = px.compile(model, optimizer=px.AdamW(), device="cpu", device_memory="1MiB")(lambda m, x: m(x).sum())
-    with pytest.raises(RuntimeError, match="failed at node"):
+    with pytest.raises(RuntimeError, match="failed at node") as e:
         step(torch.ones(4, 3, dtype=torch.long))
+    assert f'test_api.py", line {line}' in str(e.value)       # the user's source line of the failing node
     assert step._store.pool.in_use == step.graphs["scheduled"].plan.static_bytes   # nothing left on the device
     assert step(torch.randn(4, 3)).dim() == 0
 

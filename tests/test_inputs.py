@@ -410,8 +410,9 @@ def test_float64_input_keeps_its_dtype_like_eager():
     which says what to do. A step that converts it itself trains like eager."""
     torch.manual_seed(0)
     x64, y = torch.randn(3, 4, dtype=torch.float64), torch.randn(3, 2)
-    with pytest.raises(px.UntraceableError, match=r"float64.*x\.float\(\)"):
+    with pytest.raises(px.UntraceableError, match=r"float64.*x\.float\(\)") as e:
         _compile(TwoNames(), _mse)(x64, y)
+    assert 'test_inputs.py", line' in str(e.value)       # the user's line that meets the float64 tensor
     model, ref = TwoNames(), TwoNames()
     ref.load_state_dict(model.state_dict())
     step = _compile(model, lambda m, x, y: _mse(m, x.float(), y))
