@@ -234,12 +234,11 @@ def run_pstar(cfg, args, device, batch, budget: str) -> dict:
         print(f"plan of rank {os.environ.get('RANK', 0)}:\n{report}", file=sys.stderr, flush=True)
         raise SystemExit(0)
     t0 = time.perf_counter()
-    stages = step.lower(*batch)                              # trace + passes + chunk set-up
+    step.lower(*batch)                                       # trace + passes + chunk set-up
     compile_s = time.perf_counter() - t0
-    trace_s = stages["traced"].seconds
-    passes_s = sum(g.seconds for name, g in stages.items() if name != "traced")
-    compile_parts = dict(trace_s=round(trace_s, 2), passes_s=round(passes_s, 2),
-                         rest_s=round(compile_s - trace_s - passes_s, 2))   # verifying, the store's set-up
+    trace_s, passes_s, setup_s = step.summary().compile_seconds
+    compile_parts = dict(trace_s=round(trace_s, 2), passes_s=round(passes_s, 2), setup_s=round(setup_s, 2),
+                         rest_s=round(compile_s - trace_s - passes_s - setup_s, 2))   # verifying each stage
     if args.host_threads and step._store.updates is not None:   # the CPU worker's intra-op threads (an experiment)
         step._store.updates.threads = args.host_threads
     from pstar_fx.planning import host_bytes

@@ -25,7 +25,8 @@ from .passes import assign_chunks, canonicalize, collectives, liveness, pipeline
 from .memory import state_bytes
 from .passes.place_optimizer import min_need, place_optimizer
 from .passes.remat import least_need_graph
-from .runtime.chunk_store import ChunkStore
+from .runtime.chunk_store import ChunkStore, host_buffer_specs
+from .runtime.host_memory import HostMemory
 from .runtime.comm import Comm, default_comm
 from .runtime.executor import Executor, LossScaler, Runtime, StepStats
 from .trace import FlatBatch, flatten_batch, model_tables, trace_step
@@ -80,6 +81,7 @@ class Summary:
     h2d_bytes: int
     d2h_bytes: int
     nodes: int
+    compile_seconds: tuple[float, float, float] = (0.0, 0.0, 0.0)   # trace, passes, set-up (store and executor)
 
     def __str__(self) -> str:
         rows = [
@@ -93,6 +95,7 @@ class Summary:
             ("moved per step", f"{format_bytes(self.h2d_bytes)} host->device, "
                                f"{format_bytes(self.d2h_bytes)} device->host"),
             ("graph", f"{self.nodes} nodes"),
+            ("compiled in", "{:.1f} s trace + {:.1f} s passes + {:.1f} s set-up".format(*self.compile_seconds)),
         ]
         return "\n".join(f"{k:>17s}: {v}" for k, v in rows)
 
@@ -101,6 +104,7 @@ class Summary:
 class _Compiled:
     stages: dict[str, TrainGraph]
     executor: Executor
+    setup_seconds: float = 0.0       # the store (on the first compile) and the executor
 
 
 class CompiledStep:
@@ -172,19 +176,36 @@ class CompiledStep:
         traced = trace_step(self._fn, self._model, batch, self.settings)
         passes = pipeline(chunk_size=self.settings.chunk_size, layout=self._layout, prefetch=self.prefetch,
                           remat=self._remat, world=self.settings.world)
-        stages = run_passes(traced, passes)
+        hostmem: HostMemory | None = None
+
+        def set_up_early(stage: TrainGraph) -> None:
+            # the first compile's host buffers are known once the optimizer is placed: make them while the
+            # schedule pass runs
+            nonlocal hostmem
+            if stage.stage == "optimizer_placed" and self._store is None and self._optimizer is not None:
+                hostmem = HostMemory(pin=self.settings.device.type == "cuda")
+                hostmem.reserve(host_buffer_specs(stage.chunks, self.settings.precision, self.settings.world))
+        try:
+            stages = run_passes(traced, passes, after=set_up_early)
+        except BaseException:
+            if hostmem is not None:
+                hostmem.cancel()
+            raise
         final = stages[-1]
         if self._comm is not None:
             self._comm.check_same(collectives(final), "the collectives of the compiled step")
+        t0 = time.perf_counter()
         if self._store is None:
             warn_chunk_padding(final)
             warn_host_threads(final)
             self._layout = (final.params, final.chunks, final.chunk_size)
             self._store = ChunkStore(final.chunks, final.params, self.settings.precision, self.settings.device,
-                                     self.settings.budget, comm=self._comm)
+                                     self.settings.budget, comm=self._comm, hostmem=hostmem)
             if self._optimizer is not None:
                 self._optimizer.attach(self._store)
-        return _Compiled(stages={s.stage: s for s in stages}, executor=Executor(final, self._store))
+        executor = Executor(final, self._store)
+        return _Compiled(stages={s.stage: s for s in stages}, executor=executor,
+                         setup_seconds=time.perf_counter() - t0)
 
     def _take_model(self) -> None:
         """Make the chunks hold the model's current values. If this step holds the model already, nothing to do;
@@ -359,7 +380,10 @@ class CompiledStep:
             states_on_device=sum(c.state_home is StateHome.DEVICE for c in trainable), trainable_chunks=len(trainable),
             predicted_peak=g.plan.predicted_peak,
             measured_peak=None if self._last_stats is None else self._last_stats.measured_peak,
-            h2d_bytes=g.plan.h2d_bytes, d2h_bytes=g.plan.d2h_bytes, nodes=len(g.nodes))
+            h2d_bytes=g.plan.h2d_bytes, d2h_bytes=g.plan.d2h_bytes, nodes=len(g.nodes),
+            compile_seconds=(self._latest.stages["traced"].seconds,
+                             sum(st.seconds for name, st in self._latest.stages.items() if name != "traced"),
+                             self._latest.setup_seconds))
 
     def memory_timeline(self) -> list[timeline.Row]:
         """Per node of the latest compiled step: predicted device bytes by kind, chunk moves, and the bytes measured

@@ -41,14 +41,18 @@ def _no_optimizer(g: TrainGraph) -> TrainGraph:
     return g.evolve(stage="optimizer_placed", made_by="no optimizer (forward only)")
 
 
-def run_passes(g: TrainGraph, passes) -> list[TrainGraph]:
-    """Run each pass, stamp its output with the time it took, verify it; return every stage, the input first."""
+def run_passes(g: TrainGraph, passes, after=None) -> list[TrainGraph]:
+    """Run each pass, stamp its output with the time it took, verify it; return every stage, the input first.
+    `after(stage)`, when given, sees each verified stage as soon as it is made (the compiler starts setting up host
+    memory once the optimizer is placed)."""
     stages = [verify(g)]
     for p in passes:
         t0 = time.perf_counter()
         out = p(stages[-1])
         out = out.evolve(seconds=time.perf_counter() - t0)
         stages.append(verify(out))
+        if after is not None:
+            after(stages[-1])
     return stages
 
 

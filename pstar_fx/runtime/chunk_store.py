@@ -45,7 +45,7 @@ from ..ir import BufKind, ChunkGroup, ChunkInfo, ParamHome, ParamInfo, Precision
 from ..memory import BufKey, shard_numel, state_floats
 from ..units import format_bytes
 from .comm import Comm
-from .host_memory import HostMemory
+from .host_memory import BufferSpec, HostMemory
 from .host_updates import HostUpdates
 
 
@@ -90,6 +90,23 @@ class DevicePool:
         return t.untyped_storage().data_ptr() in self.storages
 
 
+def host_buffer_specs(chunks: tuple[ChunkInfo, ...], precision: Precision, world: int) -> list[BufferSpec]:
+    """The host buffers a ChunkStore over these (optimizer-placed) chunks will make whatever the schedule decides:
+    every chunk's parameter home except those of chunks stepped on the device (whose home the schedule chooses), and
+    the optimizer states and gradient homes of host-stepped chunks. Largest first, so the set-up thread starts on
+    the bulk."""
+    specs = []
+    for c in chunks:
+        host_stepped = c.group is ChunkGroup.TRAINABLE and c.state_home is not StateHome.DEVICE
+        if c.group is not ChunkGroup.TRAINABLE or host_stepped:
+            specs.append(BufferSpec(("param", c.id), shard_numel(c, world), c.dtype, True))
+        if host_stepped:
+            specs.append(BufferSpec(("states", c.id), state_floats(c, precision, world), torch.float32, False))
+            if c.grad_buf() is BufKind.GRAD:
+                specs.append(BufferSpec(("grad", c.id), shard_numel(c, world), c.dtype, True))
+    return sorted(specs, key=lambda s: -s.numel * s.dtype.itemsize)
+
+
 def worker_threads(device: torch.device) -> int | None:
     """Intra-op threads for the CPU worker's updates beside a GPU: every core but two, which the executor's thread
     (launching kernels, spinning while the launch queue is full) and the CUDA driver's copies keep busy. An OpenMP
@@ -105,7 +122,9 @@ class ChunkStore:
     """Chunk buffers on host and device, optimizer states, and module buffers, for one compiled model."""
 
     def __init__(self, chunks: tuple[ChunkInfo, ...], params: tuple[ParamInfo, ...], precision: Precision,
-                 device: torch.device, budget: int | None, comm: Comm | None = None):
+                 device: torch.device, budget: int | None, comm: Comm | None = None,
+                 hostmem: HostMemory | None = None):
+        """hostmem: host memory with buffers already reserved (host_buffer_specs), or None to make them here."""
         self.comm = comm
         self.world = 1 if comm is None else comm.world
         self.chunks = chunks
@@ -114,11 +133,11 @@ class ChunkStore:
         self.device = device
         self.pool = DevicePool(device, budget)
         self.pin = device.type == "cuda"
-        self.hostmem = HostMemory(self.pin)
+        self.hostmem = hostmem if hostmem is not None else HostMemory(self.pin)
         # a chunk whose parameters are cast from its device master (ParamHome.MASTER) has no host home
         self.host_param: list[torch.Tensor | None] = [
-            self.hostmem.zeros(shard_numel(c, self.world), c.dtype) if c.param_home is ParamHome.HOST else None
-            for c in chunks]
+            self.hostmem.zeros(shard_numel(c, self.world), c.dtype, key=("param", c.id))
+            if c.param_home is ParamHome.HOST else None for c in chunks]
         self.host_grad: list[torch.Tensor | None] = [None] * len(chunks)        # the (reduced) shard
         self.host_grad_full: list[torch.Tensor | None] = [None] * len(chunks)   # sharded: before its reduction
         self.reduced: set[int] = set()     # sharded: chunks whose gradient is reduce-scattered in this step
@@ -133,11 +152,13 @@ class ChunkStore:
                     self.states[c.id] = self.pool.take(floats, torch.float32, what=f"optimizer states of chunk {c.id}")
                     self.states[c.id].zero_()
                 else:
-                    self.states[c.id] = self.hostmem.zeros(floats, torch.float32, copied=False)
+                    self.states[c.id] = self.hostmem.zeros(floats, torch.float32, copied=False,
+                                                           key=("states", c.id))
                     if c.grad_buf() is BufKind.GRAD:
                         # a host-stepped chunk's gradient goes home every step: its home is set up now, not in
                         # the first step's backward (where making it would hold up the write-backs)
-                        self.host_grad[c.id] = self.hostmem.zeros(shard_numel(c, self.world), c.dtype)
+                        self.host_grad[c.id] = self.hostmem.zeros(shard_numel(c, self.world), c.dtype,
+                                                                  key=("grad", c.id))
                 self.state_home[c.id] = c.state_home or StateHome.HOST
         self.buffers: dict[str, torch.Tensor] = {}
         self.frozen_full: dict[str, torch.Tensor] = {}   # mixed precision: frozen parameters at full precision
@@ -147,6 +168,7 @@ class ChunkStore:
         self.stale: set[BufKey] = set()   # resident slots written on the device since their host home was current
         # None: host-side updates run inline (tests compare)
         self.updates: HostUpdates | None = HostUpdates(threads=worker_threads(device))
+        self.hostmem.release_unclaimed()
         self.h2d_stream = torch.cuda.Stream(device) if self.pin else None
         self.d2h_stream = torch.cuda.Stream(device) if self.pin else None
 

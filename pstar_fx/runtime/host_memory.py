@@ -10,11 +10,16 @@ Three measured facts (BENCHMARKS.md, "Setting up host memory") shape how a buffe
   mapping (zero by definition, so nothing is written to zero it) advised to use transparent huge pages, then touched
   on torch's intra-op threads, so that set-up faults 2 MiB pages in parallel and the first step faults nothing.
 - Small buffers come from torch's allocator (a mapping per buffer would cost more than it saves).
+Most host bytes are known once the optimizer is placed (the host-stepped chunks' states, gradient and parameter
+homes), before the schedule pass runs: `reserve` makes those buffers on a thread of its own meanwhile (touching and
+pinning release the GIL), and `zeros(..., key=)` takes a reserved buffer instead of making one.
 """
 from __future__ import annotations
 
 import mmap
+import threading
 import warnings
+from dataclasses import dataclass
 
 import torch
 
@@ -40,6 +45,15 @@ def zeroed(numel: int, dtype: torch.dtype) -> torch.Tensor:
     return t
 
 
+@dataclass(frozen=True)
+class BufferSpec:
+    """A host buffer to make: its key (what the ChunkStore asks for it by), size, dtype, and whether copies use it."""
+    key: tuple
+    numel: int
+    dtype: torch.dtype
+    copied: bool
+
+
 class HostMemory:
     """Host buffers for one ChunkStore; `pin`: page-lock the buffers copies use (CUDA machines)."""
 
@@ -47,9 +61,66 @@ class HostMemory:
         self.pin = pin
         self._registered: list[torch.Tensor] = []
         self.fallbacks: list[tuple[int, int]] = []   # (bytes, cudaError) of buffers cudaHostRegister refused
+        self._reserved: dict[tuple, tuple[BufferSpec, torch.Tensor]] = {}
+        self._reserving: threading.Thread | None = None
+        self._reserve_error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._cancelled = False
+        self.taken = 0          # reserved buffers handed out by zeros(key=)
 
-    def zeros(self, numel: int, dtype: torch.dtype, copied: bool = True) -> torch.Tensor:
-        """A zero host buffer; page-locked when this memory pins and `copied` (host<->device copies use it)."""
+    def reserve(self, specs: list[BufferSpec]) -> None:
+        """Start making these buffers on a thread of their own; zeros(key=) takes them (waiting for the thread)."""
+        assert self._reserving is None, "one reservation per HostMemory"
+
+        def make():
+            try:
+                for spec in specs:
+                    if self._cancelled:
+                        return
+                    t = self._make(spec.numel, spec.dtype, spec.copied)
+                    with self._lock:
+                        self._reserved[spec.key] = (spec, t)
+            except BaseException as e:  # noqa: BLE001 - re-raised by the caller's next zeros()
+                self._reserve_error = e
+
+        self._reserving = threading.Thread(target=make, name="pstar-fx host set-up", daemon=True)
+        self._reserving.start()
+
+    def _join(self) -> None:
+        if self._reserving is not None:
+            self._reserving.join()
+            if self._reserve_error is not None:
+                e, self._reserve_error = self._reserve_error, None
+                raise e
+
+    def cancel(self) -> None:
+        """Stop a reservation (compiling failed): the thread makes no more buffers; those made are given back."""
+        self._cancelled = True
+        self.release_unclaimed()
+
+    def release_unclaimed(self) -> None:
+        """Give back the reserved buffers nobody took (the schedule kept fewer host homes than reserved)."""
+        self._join()
+        with self._lock:
+            left, self._reserved = list(self._reserved.values()), {}
+        for _, t in left:
+            self.free(t)
+
+    def zeros(self, numel: int, dtype: torch.dtype, copied: bool = True, key: tuple | None = None) -> torch.Tensor:
+        """A zero host buffer; page-locked when this memory pins and `copied` (host<->device copies use it). With a
+        key that was reserved (and matches), the reserved buffer."""
+        if key is not None and self._reserving is not None:
+            self._join()
+            with self._lock:
+                spec, t = self._reserved.pop(key, (None, None))
+            if spec is not None:
+                if (spec.numel, spec.dtype, spec.copied) == (numel, dtype, copied):
+                    self.taken += 1
+                    return t
+                self.free(t)
+        return self._make(numel, dtype, copied)
+
+    def _make(self, numel: int, dtype: torch.dtype, copied: bool) -> torch.Tensor:
         t = zeroed(numel, dtype)
         if not self.pin or not copied or numel == 0:
             return t
@@ -61,20 +132,25 @@ class HostMemory:
                 warnings.warn(f"cudaHostRegister refused a {numel * dtype.itemsize} B host buffer (cudaError {err}): "
                               "it and any others refused stay pageable, so their copies are slower",
                               ResourceWarning, stacklevel=2)
-            self.fallbacks.append((numel * dtype.itemsize, err))
+            with self._lock:
+                self.fallbacks.append((numel * dtype.itemsize, err))
             return t
-        self._registered.append(t)
+        with self._lock:
+            self._registered.append(t)
         return t
 
     def free(self, t: torch.Tensor) -> None:
         """Give back a buffer made by zeros() (unpinned first, if pinned), so its memory is freed once
         unreferenced."""
-        for i, r in enumerate(self._registered):
-            if r is t:
-                torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
-                del self._registered[i]
-                return
+        with self._lock:
+            for i, r in enumerate(self._registered):
+                if r is t:
+                    torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+                    del self._registered[i]
+                    return
 
     def __del__(self):
+        if getattr(self, "_reserving", None) is not None:
+            self._reserving.join()
         for t in getattr(self, "_registered", ()):
             torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
