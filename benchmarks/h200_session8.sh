@@ -9,6 +9,7 @@
 #   tests  - the CUDA tests of the runtime
 #   largest - benchmarks/gpt.py --largest for eager and FSDP2 offload at d=4096 (32, 40, 48 layers)
 #   mid    - 6.66B (32 x 4096, 4 x 2048 tokens): FSDP2 CPU offload and pstar-fx at one commit
+#   final  - CPU tests of tracing under the machine's torch, CUDA tests of the store, 17.26B atomic=False
 # Logs under $OUT.
 set -u
 out=${OUT:-h200_logs}
@@ -62,4 +63,18 @@ if [[ $stages == *mid* ]]; then        # 6.66B: FSDP2 offload (no checkpoints: i
   timeout 300 python3 benchmarks/gpt.py --timeout 200 --json "$out/g6b7.json" --layers 32 --hidden 4096 \
       --heads 32 --batch 4 --checkpoint off --systems fsdp2,pstar --budgets none 2>&1 | grep -v '^{' | tail -5
   echo "6.66B: $(( $(date +%s) - start )) s"
+fi
+if [[ $stages == *final* ]]; then      # the session's last commit: CPU tests of tracing under this torch, CUDA tests of
+  # the store's host memory, then 17B atomic=False (compile time and the second step)
+  timeout 150 python3 -m pytest tests/test_trace.py tests/test_inputs.py tests/test_api.py tests/test_host_memory.py \
+      -q -p no:logging -p no:cacheprovider > "$out/tests_trace_cpu.txt" 2>&1
+  echo "CPU trace tests rc $?"; tail -2 "$out/tests_trace_cpu.txt"
+  PSTAR_TEST_DEVICE=cuda timeout 150 python3 -m pytest tests/test_cuda_runtime.py tests/test_host_updates.py \
+      tests/test_param_homes.py -q -p no:logging -p no:cacheprovider > "$out/tests_cuda_final.txt" 2>&1
+  echo "CUDA tests rc $?"; tail -2 "$out/tests_cuda_final.txt"
+  echo "tests: $(( $(date +%s) - start )) s"
+  timeout 250 python3 benchmarks/gpt.py --timeout 240 --json "$out/g17b_final.json" "${shape17[@]}" \
+      --warmup 1 --steps 5 --no-atomic 2>&1 | grep -v '^{' | tail -3
+  python3 benchmarks/show_run.py "$out/g17b_final.json" | head -1
+  echo "17B final: $(( $(date +%s) - start )) s"
 fi
