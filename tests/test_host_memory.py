@@ -36,10 +36,24 @@ def test_reserved_buffers_are_taken_by_key_and_the_rest_given_back():
     assert not mem._reserved
 
 
+def test_reserved_buffers_do_not_overlap():
+    mem = HostMemory(pin=False)
+    specs = [BufferSpec(("param", i), 1000 + 37 * i, torch.bfloat16 if i % 2 else torch.float32, i % 3 > 0)
+             for i in range(12)]
+    mem.reserve(specs)
+    bufs = [mem.zeros(sp.numel, sp.dtype, copied=sp.copied, key=sp.key) for sp in specs]
+    assert mem.taken == len(specs)
+    for i, b in enumerate(bufs):
+        b.fill_(i + 1)
+    for i, b in enumerate(bufs):
+        assert (b == i + 1).all() and b.numel() == specs[i].numel and b.dtype is specs[i].dtype
+        assert b.data_ptr() % 64 == 0          # (a page of its own within its arena)
+
+
 def test_a_failed_reservation_raises_where_its_buffers_are_asked_for():
     mem = HostMemory(pin=False)
-    mem.reserve([BufferSpec(("param", 0), -1, torch.float32, True)])     # a negative size fails on the thread
-    with pytest.raises(RuntimeError):
+    mem.reserve([BufferSpec(("param", 0), -(1 << 40), torch.float32, True)])   # a negative size fails on the thread
+    with pytest.raises((RuntimeError, ValueError, OverflowError)):
         mem.zeros(4, torch.float32, key=("param", 0))
 
 

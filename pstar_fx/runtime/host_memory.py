@@ -25,6 +25,7 @@ import torch
 
 # below this size a buffer comes from torch's allocator
 MAPPED_MIN_BYTES = 1 << 21
+_PAGE = 4096         # reserved buffers start on a page of their own
 
 
 def zeroed(numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -69,17 +70,30 @@ class HostMemory:
         self.taken = 0          # reserved buffers handed out by zeros(key=)
 
     def reserve(self, specs: list[BufferSpec]) -> None:
-        """Start making these buffers on a thread of their own; zeros(key=) takes them (waiting for the thread)."""
+        """Start making these buffers on a thread of their own; zeros(key=) takes them (waiting for the thread).
+
+        The thread makes two arenas, one for the buffers copies use (pinned once, as a whole) and one for the rest,
+        each one mapping touched in one call, and hands out page-aligned views of them: it needs the GIL only a few
+        times, so the schedule pass (pure Python) and it do not take turns (a buffer at a time, that cost more than
+        the overlap saved). A view given back (free) returns no memory until its arena's last view goes; the
+        reservation is what the store takes, so nothing is left over in practice."""
         assert self._reserving is None, "one reservation per HostMemory"
 
         def make():
             try:
-                for spec in specs:
-                    if self._cancelled:
-                        return
-                    t = self._make(spec.numel, spec.dtype, spec.copied)
+                for copied in (True, False):
+                    group = [sp for sp in specs if sp.copied == copied]
+                    offsets, total = [], 0
+                    for sp in group:
+                        offsets.append(total)
+                        total += -(-sp.numel * sp.dtype.itemsize // _PAGE) * _PAGE
+                    if self._cancelled or not group:
+                        continue
+                    arena = self._make(total, torch.uint8, copied)
+                    views = {sp.key: (sp, arena[o:o + sp.numel * sp.dtype.itemsize].view(sp.dtype))
+                             for sp, o in zip(group, offsets)}
                     with self._lock:
-                        self._reserved[spec.key] = (spec, t)
+                        self._reserved.update(views)
             except BaseException as e:  # noqa: BLE001 - re-raised by the caller's next zeros()
                 self._reserve_error = e
 
@@ -94,7 +108,7 @@ class HostMemory:
                 raise e
 
     def cancel(self) -> None:
-        """Stop a reservation (compiling failed): the thread makes no more buffers; those made are given back."""
+        """Stop a reservation (compiling failed): the thread makes no more arenas; those made are given back."""
         self._cancelled = True
         self.release_unclaimed()
 
