@@ -10,6 +10,7 @@
 #   largest - benchmarks/gpt.py --largest for eager and FSDP2 offload at d=4096 (32, 40, 48 layers)
 #   mid    - 6.66B (32 x 4096, 4 x 2048 tokens): FSDP2 CPU offload and pstar-fx at one commit
 #   final  - CPU tests of tracing under the machine's torch, CUDA tests of the store, 17.26B atomic=False
+#   last   - 17.26B atomic=False again (after a change to host set-up), then a cProfile of planning it
 # Logs under $OUT.
 set -u
 out=${OUT:-h200_logs}
@@ -77,4 +78,14 @@ if [[ $stages == *final* ]]; then      # the session's last commit: CPU tests of
       --warmup 1 --steps 5 --no-atomic 2>&1 | grep -v '^{' | tail -3
   python3 benchmarks/show_run.py "$out/g17b_final.json" | head -1
   echo "17B final: $(( $(date +%s) - start )) s"
+fi
+if [[ $stages == *last* ]]; then       # 17B atomic=False at the arena commit; then where the trace's time goes here
+  timeout 230 python3 benchmarks/gpt.py --timeout 220 --json "$out/g17b_last.json" "${shape17[@]}" \
+      --warmup 1 --steps 5 --no-atomic 2>&1 | grep -v '^{' | tail -3
+  python3 benchmarks/show_run.py "$out/g17b_last.json" | head -1
+  echo "17B last: $(( $(date +%s) - start )) s"
+  timeout 100 python3 -m cProfile -o "$out/plan17b.prof" -m pstar_fx.plan --layers 54 --d-model 5120 --heads 40 \
+      --batch 8 --checkpoint --device-memory 137GiB --no-atomic > "$out/plan17b_profiled.txt" 2>&1
+  python3 -c "import pstats; pstats.Stats('$out/plan17b.prof').sort_stats('tottime').print_stats(25)" \
+      > "$out/plan17b_top.txt" 2>&1; tail -1 "$out/plan17b_profiled.txt"
 fi
