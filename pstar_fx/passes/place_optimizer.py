@@ -14,7 +14,8 @@ update's own time at the CPU Adam rate; the tightest first, the embedding and fi
 the device in that order while every node's minimum need still fits with room for two more chunk buffers. Where
 copies bound that placement's step and the CPU's updates would take less than the device's compute, fewer device
 states may give a faster step (the freed memory keeps parameters resident instead of fetching them again): then
-placements with fewer are scheduled and estimated too, and the fastest is kept. Device steps come first, in chunk order (the order the next forward needs
+placements with fewer are scheduled (with the schedule pass's default prefetch, one rank's view) and estimated too,
+and the fastest is kept. Device steps come first, in chunk order (the order the next forward needs
 them). Host steps, which the store's CPU worker runs one after another in graph order while the device goes on, come
 in the order `update_order` chooses from the cost model: each chunk's update can start once its gradient is final
 and written home and the executor has issued its step (after the commit unless atomic=False; at the commit anyway
