@@ -424,3 +424,27 @@ def test_a_queue_of_one_kernel_serialises_issuing_and_compute():
     serial = one.busy[Lane.COMPUTE] + kernels * slow.host_node_s
     assert one.seconds >= serial * (1 - 1e-9)
     assert free.seconds < serial
+
+
+@pytest.mark.parametrize("atomic", [True, False])
+def test_steps_moved_into_place_are_what_with_steps_inserts(atomic):
+    """place_optimizer moves the step nodes of its own all-host graph into place instead of copying the graph again:
+    the roles and chunks of every node, in order, are those with_steps builds from the pass's input."""
+    _, before = _placed_and_before(None)
+    before = before.evolve(settings=dataclasses.replace(before.settings, atomic=atomic))
+    all_host, trainable = _all_host(before)
+    homes = _choose_homes(all_host, device_priority(all_host)).chunks
+    moved = _placed(before, all_host, homes, H200, reuse=True)
+    fresh_all_host, _ = _all_host(before)
+    inserted = _placed(before, fresh_all_host, homes, H200)
+    verify(moved.evolve(stage="optimizer_placed"))
+
+    def shape(g):
+        return [(g.ann[n.name].role, g.ann[n.name].chunk, n.name if g.ann[n.name].role is Role.COMPUTE else None)
+                for n in g.nodes]
+    assert shape(moved) == shape(inserted)
+    steps = [g.ann[n.name].chunk for g in (moved,) for n in g.nodes if g.ann[n.name].role is Role.OPTIMIZER_STEP]
+    assert sorted(steps) == trainable
+    if not atomic:       # host steps come before the commit
+        roles = [moved.ann[n.name].role for n in moved.nodes]
+        assert roles.index(Role.OPTIMIZER_STEP) < roles.index(Role.COMMIT)
