@@ -120,8 +120,8 @@ def _arranged(g: TrainGraph, all_host: TrainGraph, order: list[int], host: list[
 def _fewer_states(most: TrainGraph, ranked: list[int], machine: Machine) -> list[tuple]:
     """Placements to compare with the fullest one (which place_optimizer compares only when copies bound its step):
     none when every state fits on the device (nothing to make room for) or when the CPU's updates already take as
-    long as the device's compute (fewer device states would only add to them); otherwise the fullest with its last 1, 2 and 4 device-placed chunks (in rank order) moved back
-    to the host."""
+    long as the device's compute (fewer device states would only add to them); otherwise the fullest with its last
+    1, 2 and 4 device-placed chunks (in rank order) moved back to the host."""
     host_elems = sum(shard_numel(c, most.settings.world) for c in most.chunks
                      if c.group is ChunkGroup.TRAINABLE and c.state_home is StateHome.HOST)
     on_device = [cid for cid in ranked if most.chunks[cid].state_home is StateHome.DEVICE]

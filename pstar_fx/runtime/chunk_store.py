@@ -4,8 +4,8 @@ The device pool hands out chunk-sized slots and permanent allocations (module bu
 counts each byte against the budget: an allocation past the budget raises. A released slot's memory goes back to
 torch's allocator at once, so what the pool counts is what it holds. The host side holds
 each chunk's home copy of its parameters (pinned on CUDA machines: pageable copies are much slower), gradient homes
-made at set-up for host-stepped chunks and on first write-back for the others, and the optimizer states placed on the host (pageable: only the CPU touches them); see
-host_memory.py for how they are made.
+made at set-up for host-stepped chunks and on first write-back for the others, and the optimizer states placed on
+the host (pageable: only the CPU touches them); see host_memory.py for how they are made.
 
 On CUDA, copies run on two streams of their own, host->device (H2D) and device->host (D2H), ordered with events only
 (no device-wide synchronize; the CPU waits only before it touches a host buffer a copy still reads or writes):
@@ -93,8 +93,7 @@ class DevicePool:
 def host_buffer_specs(chunks: tuple[ChunkInfo, ...], precision: Precision, world: int) -> list[BufferSpec]:
     """The host buffers a ChunkStore over these (optimizer-placed) chunks will make whatever the schedule decides:
     every chunk's parameter home except those of chunks stepped on the device (whose home the schedule chooses), and
-    the optimizer states and gradient homes of host-stepped chunks. Largest first, so the set-up thread starts on
-    the bulk."""
+    the optimizer states and gradient homes of host-stepped chunks."""
     specs = []
     for c in chunks:
         host_stepped = c.group is ChunkGroup.TRAINABLE and c.state_home is not StateHome.DEVICE
@@ -104,7 +103,7 @@ def host_buffer_specs(chunks: tuple[ChunkInfo, ...], precision: Precision, world
             specs.append(BufferSpec(("states", c.id), state_floats(c, precision, world), torch.float32, False))
             if c.grad_buf() is BufKind.GRAD:
                 specs.append(BufferSpec(("grad", c.id), shard_numel(c, world), c.dtype, True))
-    return sorted(specs, key=lambda s: -s.numel * s.dtype.itemsize)
+    return specs
 
 
 def worker_threads(device: torch.device) -> int | None:
