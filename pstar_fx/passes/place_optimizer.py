@@ -101,19 +101,11 @@ def _arranged(g: TrainGraph, all_host: TrainGraph, order: list[int], host: list[
         elif a.role is Role.COMMIT:
             commit = n
     after = commit
-    for cid in order + ([] if early else list(host)):
+    for cid in list(order) + list(host):
         after.append(steps[cid])
         after = steps[cid]
     if early and host:
-        last_use = _last_use(all_needs(g))
-        by_name = {n.name: n for n in graph.nodes}
-        original = g.nodes
-        at: dict[int, fx.Node] = {}       # original position -> the last step moved after it
-        pos = 0
-        for cid in host:
-            pos = max(pos, last_use[cid])
-            at.get(pos, by_name[original[pos].name]).append(steps[cid])
-            at[pos] = steps[cid]
+        _move_early(g, graph, steps, host)
     return all_host.evolve(gm=to_module(graph, all_host.gm))
 
 
@@ -146,30 +138,34 @@ def with_steps(g: TrainGraph, order: list[int], host: list[int] = (), early: boo
     soon as the step is done with its chunk)."""
     graph, _ = copy_graph(g)
     ann = dict(g.ann)
-    nodes = list(graph.nodes)
-    program = [n for n in nodes if ann[n.name].role in (Role.COMPUTE, Role.WRITE_GRAD)]
+    program = [n for n in graph.nodes if ann[n.name].role in (Role.COMPUTE, Role.WRITE_GRAD)]
     assert program, "a training graph has at least the loss"
     with graph.inserting_after(program[-1]):
         commit = graph.call_function(ops.commit, (), {})
     ann[commit.name] = NodeAnn(role=Role.COMMIT, phase=Phase.OPTIMIZER)
-
-    def step_after(after: fx.Node, cid: int) -> fx.Node:
-        with graph.inserting_after(after):
-            node = graph.call_function(ops.optimizer_step, (), {"chunk": cid})
-        ann[node.name] = NodeAnn(role=Role.OPTIMIZER_STEP, phase=Phase.OPTIMIZER, chunk=cid)
-        return node
-
+    steps: dict[int, fx.Node] = {}
     after = commit
-    for cid in order + ([] if early else list(host)):
-        after = step_after(after, cid)
+    for cid in list(order) + list(host):
+        with graph.inserting_after(after):
+            after = steps[cid] = graph.call_function(ops.optimizer_step, (), {"chunk": cid})
+        ann[after.name] = NodeAnn(role=Role.OPTIMIZER_STEP, phase=Phase.OPTIMIZER, chunk=cid)
     if early and host:
-        last_use = _last_use(all_needs(g))
-        at: dict[int, fx.Node] = {}       # original position -> the last step inserted after it
-        pos = 0
-        for cid in host:
-            pos = max(pos, last_use[cid])
-            at[pos] = step_after(at.get(pos, nodes[pos]), cid)
+        _move_early(g, graph, steps, host)
     return g.evolve(gm=to_module(graph, g.gm), ann=ann)
+
+
+def _move_early(g: TrainGraph, graph: fx.Graph, steps: dict[int, fx.Node], host: list[int]) -> None:
+    """Move each of `host`'s step nodes (`steps`, in `graph`, which holds g's nodes under their names) right after
+    the last node that uses its chunk and after the previous one of `host`."""
+    last_use = _last_use(all_needs(g))
+    by_name = {n.name: n for n in graph.nodes}
+    original = g.nodes
+    at: dict[int, fx.Node] = {}       # original position -> the last step moved after it
+    pos = 0
+    for cid in host:
+        pos = max(pos, last_use[cid])
+        at.get(pos, by_name[original[pos].name]).append(steps[cid])
+        at[pos] = steps[cid]
 
 
 def _last_use(nd) -> dict[int, int]:
