@@ -148,17 +148,17 @@ class _SourceRecorder(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", "")
         frame = _calling_user_frame()
-        if _CHEAP_SOURCES:
-            self.set_source(frame)
+        self.set_source(frame)
         if name.endswith("_") and not name.startswith("_") or name in ("__iadd__", "__isub__", "__imul__",
                                                                        "__itruediv__", "copy_"):
             self.calls.append((name, frame))
         return func(*args, **(kwargs or {}))
 
     def set_source(self, frame: traceback.FrameSummary | None) -> None:
-        """Nodes made from now on carry this frame as their stack trace (none: no stack trace)."""
+        """Nodes made from now on carry this frame as their stack trace (none: no stack trace). Without torch's
+        preserved node meta, nothing: make_fx records the stacks itself then."""
         key = None if frame is None else (frame.filename, frame.lineno)
-        if key == self._current:
+        if not _CHEAP_SOURCES or key == self._current:
             return
         self._current = key
         if key is None:
@@ -422,8 +422,7 @@ def trace_step(fn, model: nn.Module, batch: tuple, settings: Settings) -> TrainG
                     "loss.backward() raises here too); check requires_grad and that the loss uses the model's output")
             seeded = out / micro if micro > 1 else out       # eager accumulation: (loss / K).backward() per micro-batch
             seeded = seeded * scale_args[0] if scale_args else seeded
-            if _CHEAP_SOURCES:
-                recorder.set_source(None)      # the backward's nodes come from the engine, not from a user's line
+            recorder.set_source(None)      # the backward's nodes come from the engine, not from a user's line
             grads = trace_hints.gradients(seeded, list(leaves.values()))
         return out, list(grads)
 
