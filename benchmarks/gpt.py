@@ -115,11 +115,11 @@ def allocator_counts(device) -> dict:
     return {k: s.get(k, 0) for k in ("num_device_alloc", "num_device_free", "num_alloc_retries")}
 
 
-def timed_steps(step_fn, device, warmup: int, steps: int, at_timed=None, per_step=None
+def timed_steps(step_fn, device, warmup: int, steps: int, at_timed=None, per_step=None, probe=None
                 ) -> tuple[list[float], list[float]]:
     """Times of the warm-up steps and of the timed steps; each step's loss goes to stderr (finite: it trained).
     at_timed() is called once, before the first timed step; per_step (a list), when given, receives after every
-    step the allocator's counts (allocator_counts) with anything `at_timed`'s owner adds."""
+    step the allocator's counts (allocator_counts) and what probe() returns (a dict), read after the step's sync."""
     warm, times = [], []
     for i in range(warmup + steps):
         if i < 3:
@@ -135,7 +135,7 @@ def timed_steps(step_fn, device, warmup: int, steps: int, at_timed=None, per_ste
         sync(device)
         (warm if i < warmup else times).append(time.perf_counter() - t0)
         if per_step is not None:
-            per_step.append(allocator_counts(device))
+            per_step.append(dict(allocator_counts(device), **(probe() if probe is not None else {})))
         if os.environ.get("RANK", "0") == "0" and isinstance(loss, torch.Tensor):
             print(f"step {i}: loss {loss.item():.4f}", file=sys.stderr, flush=True)
     return warm, times
@@ -252,17 +252,12 @@ def run_pstar(cfg, args, device, batch, budget: str) -> dict:
 
     steps_log = []                           # after each step: allocator counts, the worker's time so far
 
-    def one_step():
-        loss = step(*batch)
-        if updates is not None:
-            w = updates.time
-            per_step_worker.append(dict(updating_s=round(w.updating, 3), waiting_s=round(w.waiting, 3),
-                                        updates=w.updates))
-        return loss
-    per_step_worker = []
-    warm, times = timed_steps(one_step, device, args.warmup, args.steps, per_step=steps_log,
+    def worker_so_far() -> dict:
+        w = updates.time
+        return dict(updating_s=round(w.updating, 3), waiting_s=round(w.waiting, 3), updates=w.updates)
+    warm, times = timed_steps(lambda: step(*batch), device, args.warmup, args.steps, per_step=steps_log,
+                              probe=worker_so_far if updates is not None else None,
                               at_timed=lambda: start.append(dataclasses.replace(updates.time)) if updates else None)
-    steps_log = [dict(a, **w) for a, w in zip(steps_log, per_step_worker)] if per_step_worker else steps_log
     s = step.summary()
     st = step.last_step
     worker = None
