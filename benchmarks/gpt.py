@@ -55,8 +55,9 @@ import subprocess
 import sys
 import time
 
-import torch
-import torch.nn as nn
+_STARTED = time.perf_counter()
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -66,6 +67,8 @@ GiB = 2 ** 30
 # model: nanoGPT without dropout, the GPT that `python -m pstar_fx.plan` plans
 
 from pstar_fx.plan import GPT, GPTConfig, gpt_loss  # noqa: E402  (after ROOT is on the path)
+
+IMPORT_SECONDS = time.perf_counter() - _STARTED     # torch's and pstar-fx's imports (not in compile time)
 
 
 def n_params(model) -> int:
@@ -238,7 +241,11 @@ def run_pstar(cfg, args, device, batch, budget: str) -> dict:
     compile_s = time.perf_counter() - t0
     trace_s, passes_s, setup_s = step.summary().compile_seconds
     compile_parts = dict(trace_s=round(trace_s, 2), passes_s=round(passes_s, 2), setup_s=round(setup_s, 2),
-                         rest_s=round(compile_s - trace_s - passes_s - setup_s, 2))   # verifying each stage
+                         rest_s=round(compile_s - trace_s - passes_s - setup_s, 2),   # verifying each stage
+                         import_s=round(IMPORT_SECONDS, 2),
+                         per_pass={name: round(g.seconds, 2) for name, g in step.graphs.items() if name != "traced"},
+                         host_arenas=[(round(b / 2**30, 1), round(t, 2)) for b, t in step._store.hostmem.arena_seconds],
+                         host_waited_s=round(step._store.hostmem.waited, 2))
     if args.host_threads and step._store.updates is not None:   # the CPU worker's intra-op threads (an experiment)
         step._store.updates.threads = args.host_threads
     from pstar_fx.planning import host_bytes

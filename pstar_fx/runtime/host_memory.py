@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import mmap
 import threading
+import time
 import warnings
 from dataclasses import dataclass
 
@@ -68,6 +69,8 @@ class HostMemory:
         self._lock = threading.Lock()
         self._cancelled = False
         self.taken = 0          # reserved buffers handed out by zeros(key=)
+        self.arena_seconds: list[tuple[int, float]] = []   # (bytes, seconds) of each arena the reservation made
+        self.waited = 0.0       # seconds callers spent waiting for the reservation
 
     def reserve(self, specs: list[BufferSpec]) -> None:
         """Start making these buffers on a thread of their own; zeros(key=) takes them (waiting for the thread).
@@ -89,7 +92,9 @@ class HostMemory:
                         total += -(-sp.numel * sp.dtype.itemsize // _PAGE) * _PAGE
                     if self._cancelled or not group:
                         continue
+                    t0 = time.perf_counter()
                     arena = self._make(total, torch.uint8, copied)
+                    self.arena_seconds.append((total, time.perf_counter() - t0))
                     views = {sp.key: (sp, arena[o:o + sp.numel * sp.dtype.itemsize].view(sp.dtype))
                              for sp, o in zip(group, offsets)}
                     with self._lock:
@@ -102,7 +107,9 @@ class HostMemory:
 
     def _join(self) -> None:
         if self._reserving is not None:
+            t0 = time.perf_counter()
             self._reserving.join()
+            self.waited += time.perf_counter() - t0
             if self._reserve_error is not None:
                 e, self._reserve_error = self._reserve_error, None
                 raise e
