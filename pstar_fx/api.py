@@ -15,18 +15,18 @@ from . import checkpoint, timeline
 from .cache import TraceCache
 from .checks import warn_chunk_padding, warn_host_threads
 from .errors import CommitError, PstarError
-from .graph_utils import bounded_live
+from .graph_utils import bounded_live, cycle_collection_paused
 from .init_empty import fill_chunks, is_empty
 from .ir import ChunkGroup, Precision, Role, Settings, StateHome, TrainGraph
 from .optim import OptimizerSpec
 from .optimizer import build as build_optimizer
 from .ownership import hold, holder, model_tensors, release
 from .passes import assign_chunks, canonicalize, collectives, liveness, pipeline, run_passes
-from .memory import state_bytes
+from .memory import early_host_bytes, state_bytes
 from .passes.place_optimizer import min_need, place_optimizer
 from .passes.remat import least_need_graph
 from .runtime.chunk_store import ChunkStore, host_buffer_specs
-from .runtime.host_memory import HostMemory
+from .runtime.host_memory import HostMemory, spare_host_bytes
 from .runtime.comm import Comm, default_comm
 from .runtime.executor import Executor, LossScaler, Runtime, StepStats
 from .trace import FlatBatch, flatten_batch, model_tables, trace_step
@@ -104,7 +104,8 @@ class Summary:
 class _Compiled:
     stages: dict[str, TrainGraph]
     executor: Executor
-    setup_seconds: float = 0.0       # the store (on the first compile) and the executor
+    setup_seconds: float = 0.0       # the store (on the first compile), the executor, the garbage collection
+    set_up_until: float = 0.0        # perf_counter() when the executor was made
 
 
 class CompiledStep:
@@ -173,19 +174,31 @@ class CompiledStep:
 
     # -- compiling --------------------------------------------------------------------------------------------
     def _compile(self, batch) -> _Compiled:
-        traced = trace_step(self._fn, self._model, batch, self.settings)
-        passes = pipeline(chunk_size=self.settings.chunk_size, layout=self._layout, prefetch=self.prefetch,
-                          remat=self._remat, world=self.settings.world)
-        hostmem: HostMemory | None = None
+        with cycle_collection_paused():       # counted in the set-up time (the collection at the end)
+            compiled = self._compile_collected(batch)
+        compiled.setup_seconds += time.perf_counter() - compiled.set_up_until
+        return compiled
+
+    def _compile_collected(self, batch) -> _Compiled:
+        st = self.settings
+        first = self._store is None and self._optimizer is not None      # the first compile makes the store
+        hostmem = HostMemory(pin=st.device.type == "cuda") if first else None
+        if first:
+            # where the budget cannot hold every optimizer state, host memory is faulted in while the step is
+            # traced; the buffers are laid out in it once the optimizer is placed
+            early = early_host_bytes(self._tables.params, st.precision, st.world, st.budget)
+            if early:
+                hostmem.prefault(min(early, spare_host_bytes(int(os.environ.get("LOCAL_WORLD_SIZE", st.world)))))
 
         def set_up_early(stage: TrainGraph) -> None:
             # the first compile's host buffers are known once the optimizer is placed: make them while the
             # schedule pass runs
-            nonlocal hostmem
-            if stage.stage == "optimizer_placed" and self._store is None and self._optimizer is not None:
-                hostmem = HostMemory(pin=self.settings.device.type == "cuda")
-                hostmem.reserve(host_buffer_specs(stage.chunks, self.settings.precision, self.settings.world))
+            if stage.stage == "optimizer_placed" and first:
+                hostmem.reserve(host_buffer_specs(stage.chunks, st.precision, st.world))
         try:
+            traced = trace_step(self._fn, self._model, batch, st)
+            passes = pipeline(chunk_size=st.chunk_size, layout=self._layout, prefetch=self.prefetch,
+                              remat=self._remat, world=st.world)
             stages = run_passes(traced, passes, after=set_up_early)
         except BaseException:
             if hostmem is not None:
@@ -204,8 +217,9 @@ class CompiledStep:
             if self._optimizer is not None:
                 self._optimizer.attach(self._store)
         executor = Executor(final, self._store)
-        return _Compiled(stages={s.stage: s for s in stages}, executor=executor,
-                         setup_seconds=time.perf_counter() - t0)
+        now = time.perf_counter()
+        return _Compiled(stages={s.stage: s for s in stages}, executor=executor, setup_seconds=now - t0,
+                         set_up_until=now)
 
     def _take_model(self) -> None:
         """Make the chunks hold the model's current values. If this step holds the model already, nothing to do;
@@ -274,15 +288,16 @@ class CompiledStep:
         """The smallest device_memory (bytes) under which this step compiles for this batch's shapes, with this
         chunk layout: every optimizer state on the host and only what each node itself needs on the device, with the
         activations recomputed that lower it most (unless remat=False)."""
-        traced = trace_step(self._fn, self._model, batch, self.settings)
-        passes = [p for p in pipeline(chunk_size=self.settings.chunk_size, layout=self._layout, prefetch=0,
-                                      world=self.settings.world)
-                  if getattr(p, "func", p) in (canonicalize, assign_chunks, liveness)]
-        before = run_passes(traced, passes)[-1]
-        if self._remat:
-            before = least_need_graph(before)
-        host_only = before.evolve(settings=dataclasses.replace(before.settings, budget=0))
-        return min_need(place_optimizer(host_only))
+        with cycle_collection_paused():
+            traced = trace_step(self._fn, self._model, batch, self.settings)
+            passes = [p for p in pipeline(chunk_size=self.settings.chunk_size, layout=self._layout, prefetch=0,
+                                          world=self.settings.world)
+                      if getattr(p, "func", p) in (canonicalize, assign_chunks, liveness)]
+            before = run_passes(traced, passes)[-1]
+            if self._remat:
+                before = least_need_graph(before)
+            host_only = before.evolve(settings=dataclasses.replace(before.settings, budget=0))
+            return min_need(place_optimizer(host_only))
 
     def _get(self, batch) -> tuple[_Compiled, FlatBatch]:
         """The compiled step for this batch's signature (compiling it on first sight), and the flattened batch."""

@@ -21,6 +21,7 @@ import torch.nn as nn
 
 from .api import CompiledStep, _check_measured, _Compiled
 from .checks import warn_chunk_padding
+from .graph_utils import cycle_collection_paused
 from .ownership import holder, model_tensors
 from .passes import pipeline, run_passes
 from .runtime.chunk_store import ChunkStore
@@ -65,10 +66,11 @@ class CompiledEval(CompiledStep):
         else:
             settings = self.settings
             store, layout = self._own if self._own is not None else (None, None)
-        traced = trace_step(self._fn, self._model, batch, settings)
-        passes = pipeline(chunk_size=settings.chunk_size, layout=layout, prefetch=self.prefetch, train=False,
-                          world=settings.world)
-        stages = run_passes(traced, passes)
+        with cycle_collection_paused():
+            traced = trace_step(self._fn, self._model, batch, settings)
+            passes = pipeline(chunk_size=settings.chunk_size, layout=layout, prefetch=self.prefetch, train=False,
+                              world=settings.world)
+            stages = run_passes(traced, passes)
         final = stages[-1]
         if store is None:
             warn_chunk_padding(final)

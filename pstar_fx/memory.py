@@ -51,6 +51,21 @@ def state_bytes(chunk: ChunkInfo, precision: Precision, world: int = 1) -> int:
     return state_floats(chunk, precision, world) * 4
 
 
+def early_host_bytes(params, precision: Precision, world: int, budget: int | None) -> int:
+    """Before tracing, from the parameters alone: the most host memory a first compile's buffers could take, or 0
+    when the device budget could hold every optimizer state (the plan may then keep all of them there). When it
+    cannot, the states that do not fit live on the host, with their chunks' parameter and gradient homes, and how
+    many more join them only the plan knows: this is every trainable parameter's states and both homes, per rank
+    (the chunks' padding aside).
+    The compiler faults that much in while it traces (capped by the host's free memory) and gives back what the
+    plan does not use (HostMemory.prefault)."""
+    trainable = sum(-(-p.numel // world) for p in params if p.trainable)
+    states = trainable * (3 if precision.mixed else 2) * 4
+    if budget is None or states <= budget:
+        return 0
+    return states + 2 * trainable * precision.dtype.itemsize
+
+
 def step_workspace(chunk: ChunkInfo, precision: Precision, world: int = 1) -> int:
     """A device-side step in mixed precision converts the gradient (of its shard) to fp32 first."""
     return shard_numel(chunk, world) * 4 if precision.mixed else 0

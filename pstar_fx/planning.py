@@ -28,6 +28,7 @@ import torch.nn as nn
 
 from .cost import H200, FORWARD_ATTENTION, Machine, StepCost, estimate
 from .errors import BudgetError
+from .graph_utils import cycle_collection_paused
 from .ir import BufKind, ChunkGroup, ParamHome, Precision, Role, Settings, StateHome, TrainGraph
 from .memory import shard_numel, state_bytes
 from .optim import OptimizerLayout, OptimizerSpec
@@ -260,14 +261,15 @@ def plan(model: nn.Module, loss_fn, *batch, world_size: int = 1, device_memory=N
                         optimizer=_layout(model, optimizer),
                         max_grad_norm=None if max_grad_norm is None else float(max_grad_norm),
                         accumulate=accumulate, world=world_size, atomic=atomic)
-    traced = trace_step(loss_fn, model, meta_batch, settings)
-    t0 = time.perf_counter()
-    needed = None
-    try:
-        final = run_passes(traced, pipeline(chunk_size=chunk_size, prefetch=prefetch, world=world_size))[-1]
-    except BudgetError as e:
-        needed, final = e.needed, None
-    passes_s = time.perf_counter() - t0
+    with cycle_collection_paused():
+        traced = trace_step(loss_fn, model, meta_batch, settings)
+        t0 = time.perf_counter()
+        needed = None
+        try:
+            final = run_passes(traced, pipeline(chunk_size=chunk_size, prefetch=prefetch, world=world_size))[-1]
+        except BudgetError as e:
+            needed, final = e.needed, None
+        passes_s = time.perf_counter() - t0      # the collection at the end is not counted
     n_params = sum(p.numel for p in traced.params)
     n_tokens = tokens if tokens is not None else _tokens(meta_batch)
     model_bytes = sum(p.numel * p.dtype.itemsize for p in traced.params)

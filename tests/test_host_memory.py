@@ -81,3 +81,115 @@ def test_the_store_takes_the_buffers_reserved_during_the_schedule_pass():
         kind, cid = spec.key
         held = {"param": store.host_param, "states": store.states, "grad": store.host_grad}[kind][cid]
         assert held is not None and held.numel() == spec.numel and held.dtype is spec.dtype
+
+
+def _wait_touched(mem, timeout=30.0):
+    import time
+    t0 = time.monotonic()
+    while mem._pool_touched < mem._pool_target and time.monotonic() - t0 < timeout:
+        time.sleep(0.01)
+    assert mem._pool_touched == mem._pool_target
+
+
+def _inside(t, pool):
+    lo = pool.data_ptr()
+    return lo <= t.data_ptr() and t.data_ptr() + t.numel() * t.element_size() <= lo + pool.numel()
+
+
+def test_a_prefaulted_pool_holds_the_reserved_buffers_and_gives_back_what_they_do_not_need():
+    mem = HostMemory(pin=False)
+    mem.prefault(64 << 20)
+    _wait_touched(mem)                    # faulted in ahead of the plan, as at the end of a long trace
+    specs = [BufferSpec(("states", 0), 1 << 20, torch.float32, False),
+             BufferSpec(("param", 0), 3000, torch.bfloat16, True),
+             BufferSpec(("grad", 0), 3000, torch.bfloat16, True),
+             BufferSpec(("states", 1), 5000, torch.float32, False)]
+    mem.reserve(specs)
+    bufs = [mem.zeros(sp.numel, sp.dtype, copied=sp.copied, key=sp.key) for sp in specs]
+    pool = mem._pool
+    assert mem.taken == len(specs) and all(_inside(b, pool) for b in bufs) and not mem.arena_seconds
+    for i, b in enumerate(bufs):
+        assert not b.any()
+        b.fill_(i + 1)
+    for i, b in enumerate(bufs):
+        assert (b == i + 1).all()
+    # the copied buffers come first (so that one range of the pool is pinned), each on pages of its own
+    assert bufs[1].data_ptr() == pool.data_ptr() and bufs[2].data_ptr() == pool.data_ptr() + 4096 * 2
+    used = 4096 * 2 * 2 + (4 << 20) + 4096 * 5
+    assert mem.pool_given_back == (64 << 20) - used
+    mem.release_unclaimed()
+
+
+def test_buffers_that_do_not_fit_the_pool_get_arenas_and_the_pool_keeps_what_the_plan_needs():
+    mem = HostMemory(pin=False)
+    mem.prefault(3 << 20)
+    specs = [BufferSpec(("states", i), 1 << 19, torch.float32, False) for i in range(3)]     # 2 MiB each
+    specs.append(BufferSpec(("param", 9), 100, torch.float32, True))
+    mem.reserve(specs)
+    bufs = {sp.key: mem.zeros(sp.numel, sp.dtype, copied=sp.copied, key=sp.key) for sp in specs}
+    in_pool = {k for k, b in bufs.items() if _inside(b, mem._pool)}
+    assert in_pool == {("param", 9), ("states", 0)}
+    assert [kind for kind, _ in mem.arena_seconds] == [2 * (2 << 20)]     # the two states that did not fit
+    # whatever the thread had faulted in by then, what it keeps is what the buffers in it need
+    assert mem._pool_touched - mem.pool_given_back == 4096 + (2 << 20)
+    for i, b in enumerate(bufs.values()):
+        b.fill_(i + 1)
+    assert [int(b[0]) for b in bufs.values()] == [1, 2, 3, 4]
+
+
+def test_a_prefault_that_no_reservation_uses_stops_and_is_given_back():
+    mem = HostMemory(pin=False)
+    mem.prefault(256 << 20)
+    mem.release_unclaimed()               # what the store does: no layout came, so the thread stops
+    assert not mem._reserving.is_alive() and mem._pool is None
+    mem = HostMemory(pin=False)
+    mem.prefault(256 << 20)
+    mem.cancel()                          # compiling failed
+    assert not mem._reserving.is_alive() and mem._pool is None
+
+
+def test_early_host_bytes_is_zero_where_the_budget_holds_every_state():
+    from pstar_fx.ir import ParamInfo, Precision
+    from pstar_fx.memory import early_host_bytes
+    params = [ParamInfo("w", (1000, 100), torch.float32, True), ParamInfo("b", (7,), torch.float32, True),
+              ParamInfo("frozen", (50, 50), torch.float32, False)]
+    n = 100_007
+    assert early_host_bytes(params, Precision.FP32, 1, None) == 0
+    assert early_host_bytes(params, Precision.FP32, 1, 8 * n) == 0
+    assert early_host_bytes(params, Precision.FP32, 1, 8 * n - 1) == 8 * n + 2 * 4 * n
+    assert early_host_bytes(params, Precision.BF16, 1, 10) == 12 * n + 2 * 2 * n
+    per_rank = 50_000 + 4            # each parameter's shard, rounded up
+    assert early_host_bytes(params, Precision.BF16, 2, 10) == 12 * per_rank + 2 * 2 * per_rank
+
+
+def _mlp_case():
+    from models import Case
+    import torch.nn as nn
+
+    def batch(step, gen):
+        x = torch.randn(8, 256, generator=gen)
+        return x, torch.randn(8, 256, generator=gen)
+    return Case("mlp_prefault", lambda: nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256)),
+                lambda m, x, y: torch.nn.functional.mse_loss(m(x), y), batch)
+
+
+def test_a_first_compile_lays_its_host_buffers_out_in_memory_faulted_in_while_it_traced():
+    """A budget below the optimizer states: the compile prefaults host memory before tracing, the store's host
+    buffers are views of it, and training equals eager AdamW (host-stepped chunks on fp32 copies) on random data."""
+    from harness import compiled_run, eager_run, host_params, rel_err
+    from models import assert_state_close
+    case = _mlp_case()
+    budget = tight_budget(case, 1 << 16, 1.3)
+    losses, sd, step = compiled_run(case, 3, budget=budget, chunk_size=1 << 16)
+    mem = step._store.hostmem
+    assert budget < 8 * sum(p.numel() for p in case.build_model().parameters())
+    assert mem._pool is not None and mem.pool_seconds > 0
+    specs = host_buffer_specs(step.graphs["optimizer_placed"].chunks, step.settings.precision, 1)
+    assert specs and mem.taken == len(specs)
+    store = step._store
+    host_states = [t for t, home in zip(store.states, store.state_home) if home is StateHome.HOST]
+    # the estimate counts parameters, not the chunks' padding: what did not fit the pool got an arena
+    assert sum(_inside(t, mem._pool) for t in host_states) >= 2
+    ref_losses, ref_sd = eager_run(case, 3, host_params=host_params(step))
+    assert rel_err(losses, ref_losses) <= 1e-6, (losses, ref_losses)
+    assert_state_close(sd, ref_sd, rtol=1e-6)

@@ -691,14 +691,18 @@ def remat(g: TrainGraph, *, enabled: bool = True) -> TrainGraph:
         return unchanged      # remat=False: nothing recomputed beyond the user's own checkpoints, which stay
     # the user's checkpoints are hints: where the step fits with their activations kept and nothing moving, keeping
     # them is faster than recomputing; otherwise they stay and more may be recomputed below
-    kept = keep_forward_values(g)
-    if kept is not g and (budget is None or _Replay(kept, _Graph(kept), budget).figures(()).excess == 0):
-        return kept.evolve(stage="remat", made_by="remat (user checkpoints undone: the activations fit)")
+    undone = "remat (user checkpoints undone: the activations fit)"
     if budget is None:
-        return unchanged
+        kept = keep_forward_values(g)
+        return unchanged if kept is g else kept.evolve(stage="remat", made_by=undone)
     G = _Graph(g)
     replay = _Replay(g, G, budget)
     if replay.figures(()).excess == 0:         # comfort fits: nothing would move
+        # keeping the forward values holds at every node at least what recomputing them does, so only a step that
+        # fits with its checkpoints can fit without them: the graph without them is made only then
+        kept = keep_forward_values(g)
+        if kept is not g and _Replay(kept, _Graph(kept), budget).figures(()).excess == 0:
+            return kept.evolve(stage="remat", made_by=undone)
         return unchanged
     segments = find_segments(g, G)
     replay.add(segments)

@@ -26,6 +26,7 @@ import torch
 
 # below this size a buffer comes from torch's allocator
 MAPPED_MIN_BYTES = 1 << 21
+POOL_PIECE = 1 << 30  # the set-up thread faults a prefaulted pool in this many bytes at a time
 _PAGE = 4096         # reserved buffers start on a page of their own
 
 
@@ -36,15 +37,38 @@ def zeroed(numel: int, dtype: torch.dtype) -> torch.Tensor:
     nbytes = numel * dtype.itemsize
     if nbytes < MAPPED_MIN_BYTES:
         return torch.zeros(numel, dtype=dtype)
+    t = torch.frombuffer(_mapping(nbytes), dtype=dtype, count=numel)
+    t.zero_()        # already zero: this faults every page in, on torch's threads, here rather than in a step
+    return t
+
+
+def spare_host_bytes(ranks: int = 1) -> int:
+    """This process's share of the host memory the system could give now, less a margin (a tenth of the host, at
+    least 2 GiB) for everything else: what a prefault may take. 0 where /proc/meminfo is not there to say."""
+    try:
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f if line.split()[1:]}
+    except (OSError, ValueError, IndexError):
+        return 0
+    if "MemAvailable" not in info or "MemTotal" not in info:
+        return 0
+    return max(0, info["MemAvailable"] - max(2 << 30, info["MemTotal"] // 10)) // max(1, ranks)
+
+
+def _mapping(nbytes: int) -> mmap.mmap:
+    """An anonymous private mapping (zero, no page present yet) advised to use transparent huge pages: the CPU
+    worker's Adam update ran 22% slower on 4 KiB pages on the H200 machine (benchmarks/host_touch.py)."""
     m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):
         try:
             m.madvise(mmap.MADV_HUGEPAGE)
         except OSError:      # a kernel without transparent huge pages: 4 KiB pages, same values
             pass
-    t = torch.frombuffer(m, dtype=dtype, count=numel)
-    t.zero_()        # already zero: this faults every page in, on torch's threads, here rather than in a step
-    return t
+    return m
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _PAGE) * _PAGE
 
 
 @dataclass(frozen=True)
@@ -56,6 +80,38 @@ class BufferSpec:
     copied: bool
 
 
+@dataclass(frozen=True)
+class _Layout:
+    """Where reserve() puts each buffer: (spec, byte offset) in the prefaulted pool, up to pool_end (its first
+    pool_pinned_end bytes pinned), and the buffers that did not fit, by whether copies use them."""
+    in_pool: tuple[tuple[BufferSpec, int], ...]
+    pool_end: int
+    pool_pinned_end: int
+    copied_rest: tuple[BufferSpec, ...]
+    other_rest: tuple[BufferSpec, ...]
+
+
+def _lay_out(specs: list[BufferSpec], pool_bytes: int) -> _Layout:
+    """The copied buffers first, then the others, each page-aligned, in the pool while they fit (a buffer that does
+    not fit goes to its own kind's arena, and the next ones are still tried)."""
+    in_pool, rest, end = [], {True: [], False: []}, 0
+    pinned_end = 0
+    for copied in (True, False):
+        for sp in specs:
+            if sp.copied != copied:
+                continue
+            size = _aligned(sp.numel * sp.dtype.itemsize)
+            if 0 <= size and end + size <= pool_bytes:
+                in_pool.append((sp, end))
+                end += size
+                if copied:
+                    pinned_end = end
+            else:
+                rest[copied].append(sp)
+    return _Layout(tuple(in_pool), end, pinned_end, tuple(rest[True]), tuple(rest[False]))
+
+
+
 class HostMemory:
     """Host buffers for one ChunkStore; `pin`: page-lock the buffers copies use (CUDA machines)."""
 
@@ -64,46 +120,112 @@ class HostMemory:
         self._registered: list[torch.Tensor] = []
         self.fallbacks: list[tuple[int, int]] = []   # (bytes, cudaError) of buffers cudaHostRegister refused
         self._reserved: dict[tuple, tuple[BufferSpec, torch.Tensor]] = {}
-        self._reserving: threading.Thread | None = None
+        self._reserving: threading.Thread | None = None   # the set-up thread
         self._reserve_error: BaseException | None = None
         self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
         self._cancelled = False
+        self._pool_map: mmap.mmap | None = None    # prefault(): one mapping faulted in before the buffers are known
+        self._pool: torch.Tensor | None = None      # its bytes
+        self._pool_target = 0                       # bytes of it to fault in
+        self._pool_touched = 0                      # bytes of it faulted in so far
+        self._layout: _Layout | None = None         # reserve(): where each buffer goes
         self.taken = 0          # reserved buffers handed out by zeros(key=)
-        self.arena_seconds: list[tuple[int, float]] = []   # (bytes, seconds) of each arena the reservation made
-        self.waited = 0.0       # seconds callers spent waiting for the reservation
+        self.arena_seconds: list[tuple[int, float]] = []   # (bytes, seconds) of each arena the set-up thread made
+        self.pool_seconds = 0.0  # seconds the set-up thread spent faulting the prefaulted pool in
+        self.pool_given_back = 0  # bytes of the pool faulted in but not needed (given back)
+        self.waited = 0.0       # seconds callers spent waiting for the set-up thread
+
+    def prefault(self, nbytes: int) -> None:
+        """Start faulting in `nbytes` of host memory on the set-up thread now, before the plan says which buffers
+        there will be: `reserve` lays its buffers out in it (from its start), the thread goes on only as far as
+        they need, and any part already faulted in beyond them is given back to the system. A first compile
+        calls this before tracing when the device budget cannot hold every optimizer state (see
+        pstar_fx.memory.early_host_bytes): on the H200 machine a fresh machine's first 97 GiB took 19.7 s to fault
+        in, longer than tracing and planning together, so it starts where they start. The thread holds this
+        object: follow a prefault with reserve(), release_unclaimed() or cancel()."""
+        assert self._reserving is None and self._pool is None, "prefault() before reserve(), once"
+        if nbytes < MAPPED_MIN_BYTES:
+            return
+        self._pool_map = _mapping(nbytes)
+        self._pool = torch.frombuffer(self._pool_map, dtype=torch.uint8, count=nbytes)
+        self._pool_target = nbytes
+        self._start()
 
     def reserve(self, specs: list[BufferSpec]) -> None:
-        """Start making these buffers on a thread of their own; zeros(key=) takes them (waiting for the thread).
+        """Start making these buffers on the set-up thread; zeros(key=) takes them (waiting for the thread).
 
-        The thread makes two arenas, one for the buffers copies use (pinned once, as a whole) and one for the rest,
-        each one mapping touched in one call, and hands out page-aligned views of them: it needs the GIL only a few
-        times, so the schedule pass (pure Python) and it do not take turns (a buffer at a time, that cost more than
-        the overlap saved). A view given back (free) returns no memory until its arena's last view goes; the
-        reservation is what the store takes, so nothing is left over in practice."""
-        assert self._reserving is None, "one reservation per HostMemory"
+        The buffers copies use come first, then the rest, each on a page of its own. As many as fit go into the
+        prefaulted pool, if there is one (the part of it holding copied buffers is pinned as a whole); the others go
+        into two new arenas, one for the copied buffers (pinned as a whole) and one for the rest, each one mapping
+        faulted in by one call. The thread needs the GIL only a few times, so the passes (pure Python) and it do not
+        take turns (a buffer at a time, that cost more than the overlap saved). A view given back (free) returns no
+        memory until the last view of its arena goes; the reservation is what the store takes, so nothing is left
+        over in practice."""
+        assert self._layout is None, "one reservation per HostMemory"
+        layout = _lay_out(specs, 0 if self._pool is None else self._pool.numel())
+        with self._wake:
+            self._layout = layout
+            self._pool_target = min(self._pool_target, layout.pool_end)
+            self._wake.notify()
+        if self._reserving is None:
+            self._start()
 
-        def make():
-            try:
-                for copied in (True, False):
-                    group = [sp for sp in specs if sp.copied == copied]
-                    offsets, total = [], 0
-                    for sp in group:
-                        offsets.append(total)
-                        total += -(-sp.numel * sp.dtype.itemsize // _PAGE) * _PAGE
-                    if self._cancelled or not group:
-                        continue
-                    t0 = time.perf_counter()
-                    arena = self._make(total, torch.uint8, copied)
-                    self.arena_seconds.append((total, time.perf_counter() - t0))
-                    views = {sp.key: (sp, arena[o:o + sp.numel * sp.dtype.itemsize].view(sp.dtype))
-                             for sp, o in zip(group, offsets)}
-                    with self._lock:
-                        self._reserved.update(views)
-            except BaseException as e:  # noqa: BLE001 - re-raised by the caller's next zeros()
-                self._reserve_error = e
-
-        self._reserving = threading.Thread(target=make, name="pstar-fx host set-up", daemon=True)
+    def _start(self) -> None:
+        self._reserving = threading.Thread(target=self._run, name="pstar-fx host set-up", daemon=True)
         self._reserving.start()
+
+    def _run(self) -> None:
+        """The set-up thread: fault the pool in piece by piece (looking for the layout between pieces), then make
+        the buffers of the layout."""
+        try:
+            while True:
+                with self._wake:
+                    while (self._pool_touched >= self._pool_target and self._layout is None
+                           and not self._cancelled):
+                        self._wake.wait()
+                    if self._cancelled:
+                        return
+                    lo, hi = self._pool_touched, min(self._pool_target, self._pool_touched + POOL_PIECE)
+                    layout = self._layout
+                if lo < hi:
+                    t0 = time.perf_counter()
+                    self._pool[lo:hi].zero_()        # already zero: faults the pages in, on torch's threads
+                    self.pool_seconds += time.perf_counter() - t0
+                    with self._wake:
+                        self._pool_touched = hi
+                    continue
+                self._make_layout(layout)
+                return
+        except BaseException as e:  # noqa: BLE001 - re-raised by the caller's next zeros()
+            self._reserve_error = e
+
+    def _make_layout(self, layout: "_Layout") -> None:
+        if self._pool is not None:
+            keep = -(-layout.pool_end // _PAGE) * _PAGE
+            if self._pool_touched > keep:          # faulted in ahead of the plan: give those pages back
+                self._pool_map.madvise(mmap.MADV_DONTNEED, keep, self._pool_touched - keep)
+                self.pool_given_back = self._pool_touched - keep
+            if self.pin and layout.pool_pinned_end:
+                self._pin(self._pool[:layout.pool_pinned_end])
+            views = {sp.key: (sp, self._pool[o:o + sp.numel * sp.dtype.itemsize].view(sp.dtype))
+                     for sp, o in layout.in_pool}
+            with self._lock:
+                self._reserved.update(views)
+        for copied, group in ((True, layout.copied_rest), (False, layout.other_rest)):
+            if self._cancelled or not group:
+                continue
+            offsets, total = [], 0
+            for sp in group:
+                offsets.append(total)
+                total += _aligned(sp.numel * sp.dtype.itemsize)
+            t0 = time.perf_counter()
+            arena = self._make(total, torch.uint8, copied)
+            self.arena_seconds.append((total, time.perf_counter() - t0))
+            views = {sp.key: (sp, arena[o:o + sp.numel * sp.dtype.itemsize].view(sp.dtype))
+                     for sp, o in zip(group, offsets)}
+            with self._lock:
+                self._reserved.update(views)
 
     def _join(self) -> None:
         if self._reserving is not None:
@@ -114,23 +236,36 @@ class HostMemory:
                 e, self._reserve_error = self._reserve_error, None
                 raise e
 
+    def _stop_waiting(self) -> None:
+        """A set-up thread with no layout to make stops (it would wait for one forever)."""
+        with self._wake:
+            if self._layout is None:
+                self._cancelled = True
+                self._wake.notify()
+
     def cancel(self) -> None:
-        """Stop a reservation (compiling failed): the thread makes no more arenas; those made are given back."""
-        self._cancelled = True
+        """Stop the set-up thread (compiling failed): it makes no more arenas; those made are given back."""
+        with self._wake:
+            self._cancelled = True
+            self._wake.notify()
         self.release_unclaimed()
 
     def release_unclaimed(self) -> None:
-        """Give back the reserved buffers nobody took (the schedule kept fewer host homes than reserved)."""
+        """Give back the reserved buffers nobody took (the schedule kept fewer host homes than reserved), and a
+        prefaulted pool no reservation used."""
+        self._stop_waiting()
         self._join()
         with self._lock:
             left, self._reserved = list(self._reserved.values()), {}
         for _, t in left:
             self.free(t)
+        if self._layout is None or self._cancelled:
+            self._pool = self._pool_map = None      # unmapped once no view holds it
 
     def zeros(self, numel: int, dtype: torch.dtype, copied: bool = True, key: tuple | None = None) -> torch.Tensor:
         """A zero host buffer; page-locked when this memory pins and `copied` (host<->device copies use it). With a
         key that was reserved (and matches), the reserved buffer."""
-        if key is not None and self._reserving is not None:
+        if key is not None and self._layout is not None:
             self._join()
             with self._lock:
                 spec, t = self._reserved.pop(key, (None, None))
@@ -145,16 +280,21 @@ class HostMemory:
         t = zeroed(numel, dtype)
         if not self.pin or not copied or numel == 0:
             return t
-        err = int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), numel * dtype.itemsize, 0))
+        return self._pin(t)
+
+    def _pin(self, t: torch.Tensor) -> torch.Tensor:
+        """Page-lock t (cudaHostRegister); left pageable, with a warning the first time, if that is refused."""
+        nbytes = t.numel() * t.element_size()
+        err = int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 0))
         if err != 0:
             # left pageable: its copies are slower, but torch's pinned allocator would round it up to a power of two
             # (up to twice the host memory the plan counted)
             if not self.fallbacks:
-                warnings.warn(f"cudaHostRegister refused a {numel * dtype.itemsize} B host buffer (cudaError {err}): "
+                warnings.warn(f"cudaHostRegister refused a {nbytes} B host buffer (cudaError {err}): "
                               "it and any others refused stay pageable, so their copies are slower",
                               ResourceWarning, stacklevel=2)
             with self._lock:
-                self.fallbacks.append((numel * dtype.itemsize, err))
+                self.fallbacks.append((nbytes, err))
             return t
         with self._lock:
             self._registered.append(t)
@@ -172,6 +312,7 @@ class HostMemory:
 
     def __del__(self):
         if getattr(self, "_reserving", None) is not None:
+            self._stop_waiting()
             self._reserving.join()
         for t in getattr(self, "_registered", ()):
             torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
