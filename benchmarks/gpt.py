@@ -214,6 +214,15 @@ def run_fsdp2(cfg, args, device, batch, offload: bool = True) -> dict:
     return dict(n=n, warm=warm, times=times, h2d=moved[0], d2h=moved[1], moved_estimated=True)
 
 
+def host_pool(mem) -> dict | None:
+    """The host memory prefaulted while the step was traced: its size, how much was faulted in, in how many seconds
+    of the set-up thread, and how much was given back (GiB)."""
+    if mem._pool_map is None:
+        return None
+    return dict(gib=round(len(mem._pool_map) / GiB, 1), touched_gib=round(mem._pool_touched / GiB, 1),
+                seconds=round(mem.pool_seconds, 2), given_back_gib=round(mem.pool_given_back / GiB, 1))
+
+
 def run_pstar(cfg, args, device, batch, budget: str) -> dict:
     import pstar_fx as px
     if world() > 1:
@@ -245,7 +254,8 @@ def run_pstar(cfg, args, device, batch, budget: str) -> dict:
                          import_s=round(IMPORT_SECONDS, 2),
                          per_pass={name: round(g.seconds, 2) for name, g in step.graphs.items() if name != "traced"},
                          host_arenas=[(round(b / 2**30, 1), round(t, 2)) for b, t in step._store.hostmem.arena_seconds],
-                         host_waited_s=round(step._store.hostmem.waited, 2))
+                         host_waited_s=round(step._store.hostmem.waited, 2),
+                         host_pool=host_pool(step._store.hostmem))
     if args.host_threads and step._store.updates is not None:   # the CPU worker's intra-op threads (an experiment)
         step._store.updates.threads = args.host_threads
     from pstar_fx.planning import host_bytes

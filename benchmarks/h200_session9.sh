@@ -2,8 +2,9 @@
 # Issue 5 on one H200 (nvidia-h200: 16 cores, 128 GiB host), session 9. Stages (first argument, any of):
 #   warmup17 - the 17.26B GPT (54 x 5120, 40 heads, per-block checkpoints, 8 x 2048 tokens, px.init_empty(cuda),
 #              137 GiB budget), atomic=False: compile time by part (import, trace, each pass, host arenas, set-up),
-#              first, second and steady steps; then host pages touched twice in one process (is a fresh machine's
-#              first touch slower?)
+#              first, second and steady steps
+#   touch    - host pages touched three times in one process (is a fresh machine's first touch slower?); the
+#              first call of the session ran it after warmup17
 #   atomic17 - the 17.26B run with atomic steps (the default)
 #   tests    - the CUDA tests of the runtime
 #   mid      - 6.66B (32 x 4096, 4 x 2048 tokens), pstar-fx only
@@ -27,7 +28,7 @@ if [[ $stages == *warmup17* || $stages == *profile17* ]]; then
   python3 benchmarks/show_run.py "$out/g17b.json" | head -3
   echo "17B no-atomic: $(( $(date +%s) - start )) s"
 fi
-if [[ $stages == *warmup17* ]]; then
+if [[ $stages == *touch* ]]; then
   timeout 120 python3 - <<'PY' 2>&1 | tee "$out/touch.txt"
 import time, torch
 from pstar_fx.runtime.host_memory import zeroed
