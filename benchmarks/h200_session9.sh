@@ -5,6 +5,9 @@
 #              first, second and steady steps
 #   touch    - host pages touched three times in one process (is a fresh machine's first touch slower?); the
 #              first call of the session ran it after warmup17
+#   scaling  - fresh host pages faulted in with 16, 8, 4 and 2 threads beside a Python loop (the first 20 GiB,
+#              which a fresh machine faults in fast, with 16 threads first and not counted); then a warmup17 run
+#              comes second on memory the machine has touched before
 #   atomic17 - the 17.26B run with atomic steps (the default)
 #   tests    - the CUDA tests of the runtime
 #   mid      - 6.66B (32 x 4096, 4 x 2048 tokens), pstar-fx only
@@ -20,6 +23,11 @@ start=$(date +%s)
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
 free -g | tee -a "$out/gpu.txt"
 nproc | tee -a "$out/gpu.txt"
+if [[ $stages == *scaling* ]]; then
+  timeout 200 python3 benchmarks/host_touch.py --scaling 16,16,8,4,2 --gib 18 --json "$out/scaling.json" 2>&1 \
+      | tee "$out/scaling.txt"
+  echo "scaling: $(( $(date +%s) - start )) s"
+fi
 shape17=(--layers 54 --hidden 5120 --heads 40 --batch 8 --checkpoint on --systems pstar --budgets 137GiB --init-empty)
 if [[ $stages == *warmup17* || $stages == *profile17* ]]; then
   prof=(); [[ $stages == *profile17* ]] && prof=(--profile "$out/prof")

@@ -10,6 +10,8 @@ rate and the host's free memory after it, so a rate that falls as memory fills s
   default  no advice (the kernel's THP setting decides)
   small    madvise(MADV_NOHUGEPAGE): 4 KiB pages
   huge     again, last: a fresh machine's first touch and a later one apart
+scaling (--scaling T1,T2,...): fresh pages faulted in with each thread count in turn, one region of --gib each,
+while the main thread runs a Python loop: the fault rate, and the loop's speed against its speed alone.
 adam: one mixed-precision host-side update (pstar_fx.runtime.adam.host_step, 14 intra-op threads) of a 400M-element
 chunk whose fp32 master and moments lie in huge-page or in 4 KiB-page memory, median of 3 after a warm-up.
 """
@@ -66,6 +68,49 @@ def touch(gib: int, step_gib: int, mode: str, rows: list) -> None:
     m.close()
 
 
+def _python_work(seconds: float) -> float:
+    """Rounds per second of a pure-Python loop that makes and drops objects (as tracing does): the main thread's
+    speed while the set-up thread faults pages in."""
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        junk = [{"i": i, "s": str(i)} for i in range(2000)]
+        del junk
+        n += 1
+    return n / (time.perf_counter() - t0)
+
+
+def scaling(threads_list: list[int], gib: int, rows: list) -> None:
+    """Fresh pages faulted in by a thread with T intra-op threads, one region of --gib per T in turn (each region
+    memory this process has not touched), while the main thread runs a Python loop: the fault rate and the loop's
+    speed against its speed alone."""
+    alone = _python_work(2.0)
+    print(f"python loop alone: {alone:.1f} rounds/s", flush=True)
+    keep = []
+    for threads in threads_list:
+        m, t = mapping(gib * GIB, "huge")
+        keep.append((m, t))
+        box = {}
+
+        def body():
+            torch.set_num_threads(threads)
+            t0 = time.perf_counter()
+            for lo in range(0, gib, 1):
+                t[lo * GIB:(lo + 1) * GIB].zero_()
+            box["s"] = time.perf_counter() - t0
+        th = threading.Thread(target=body)
+        th.start()
+        loops, t0 = 0.0, time.perf_counter()
+        while th.is_alive():
+            loops += _python_work(0.5) * 0.5
+        th.join()
+        wall = time.perf_counter() - t0
+        row = dict(what="scaling", threads=threads, gib=gib, seconds=box["s"], gbps=gib * GIB / box["s"] / 1e9,
+                   python_speed=loops / wall / alone, free_gib=meminfo("MemFree"))
+        rows.append(row)
+        print(f"fault {gib} GiB with {threads:2d} threads: {box['s']:6.2f} s, {row['gbps']:5.1f} GB/s; the Python "
+              f"loop ran at {row['python_speed']:.2f} of its speed alone; free {row['free_gib']:.1f} GiB", flush=True)
+
+
 def adam(numel: int, mode: str, rows: list, reps: int = 3, threads: int = 14) -> None:
     cfg = AdamConfig(lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, decoupled=True, maximize=False,
                      fused=None)
@@ -104,8 +149,17 @@ def main() -> None:
     ap.add_argument("--step-gib", type=int, default=10)
     ap.add_argument("--modes", default="huge,default,small,huge")
     ap.add_argument("--adam-numel", type=int, default=400_000_000)
+    ap.add_argument("--scaling", default=None, metavar="T1,T2,...",
+                    help="instead: fresh pages faulted in with T1, T2, ... threads (--gib each) beside a Python loop")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    if args.scaling:
+        rows: list = []
+        scaling([int(x) for x in args.scaling.split(",")], args.gib, rows)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
+        return
     for f in ("enabled", "defrag"):
         try:
             with open(f"/sys/kernel/mm/transparent_hugepage/{f}") as fh:
