@@ -54,7 +54,8 @@ fi
 if [[ $stages == *tests* ]]; then
   PSTAR_TEST_DEVICE=cuda timeout 300 python3 -m pytest tests/test_cuda_runtime.py tests/test_equivalence.py \
       tests/test_residency.py tests/test_host_updates.py tests/test_training_loop.py tests/test_evaluate.py \
-      tests/test_param_homes.py tests/test_early_updates.py tests/test_host_memory.py -q -p no:logging \
+      tests/test_param_homes.py tests/test_early_updates.py tests/test_host_memory.py tests/test_writebacks.py \
+      -q -p no:logging \
       -p no:cacheprovider -rf > "$out/tests_cuda.txt" 2>&1
   echo "tests rc $?"; tail -5 "$out/tests_cuda.txt"
   echo "tests: $(( $(date +%s) - start )) s"

@@ -414,7 +414,10 @@ def _simulate(g: TrainGraph, m: Machine, node_s: list[float], background, steps:
                     free[Lane.HOST] = max(free[Lane.HOST], updated.get(a.chunk, 0.0))
                     done = sim.copy(Lane.D2H, max(t, free[Lane.HOST]), c.nbytes if whole else _shard_bytes(c, world))
                     home[key] = done
-                    free[Lane.COMPUTE] = max(free[Lane.COMPUTE], done)   # the compute stream waits for it
+                    # the compute stream waits for it: the runtime waits only where the slot's room is needed
+                    # before the copy is done (ChunkStore.reclaim), which this model, keeping no device bytes,
+                    # cannot tell, so it takes the longest wait
+                    free[Lane.COMPUTE] = max(free[Lane.COMPUTE], done)
                 else:
                     free[Lane.COMPUTE] = max(free[Lane.COMPUTE], t)
                 ready.pop(key, None)

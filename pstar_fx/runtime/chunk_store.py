@@ -37,6 +37,7 @@ pending updates of the chunks it touches.
 """
 from __future__ import annotations
 
+from collections import deque
 from concurrent.futures import Future
 
 import torch
@@ -165,6 +166,9 @@ class ChunkStore:
         self._writing: dict[BufKey, "torch.cuda.Event"] = {}  # host buffer -> event after the write-back into it
         self._arriving: dict[BufKey, "torch.cuda.Event"] = {}  # slot -> its fetch's event, until compute waits on it
         self.stale: set[BufKey] = set()   # resident slots written on the device since their host home was current
+        # released slots whose write-back may still be reading them, oldest first (see release and reclaim)
+        self.draining: deque[tuple["torch.cuda.Event", torch.Tensor]] = deque()
+        self.draining_bytes = 0
         # None: host-side updates run inline (tests compare)
         self.updates: HostUpdates | None = HostUpdates(threads=worker_threads(device))
         self.hostmem.release_unclaimed()
@@ -494,24 +498,40 @@ class ChunkStore:
         slot.zero_()
         self.slots[key] = slot
 
-    def release(self, key: BufKey, writeback: bool) -> None:
-        """The buffer leaves the device; its memory is reusable, in the compute stream's order, right here.
+    def release(self, key: BufKey, writeback: bool, defer: bool = False) -> None:
+        """The buffer leaves the device. Without a write-back its memory is reusable, in the compute stream's order,
+        right here (once the compute stream has waited for the slot's fetch: a slot fetched and never read).
 
-        Without a write-back that holds once the compute stream has waited for the slot's fetch (a slot fetched and
-        never read). With one, the D2H stream copies the slot after the compute stream's last write, and the compute
-        stream then waits (on the device) for that copy before anything after the release may reuse the block; the
-        CPU does not wait. This keeps the pool's count truthful and the plan's predicted peak exact: the plan frees a
-        buffer at its release. Holding the slot until its copy completes instead, with no compute wait, would let
-        compute overlap the write-back but keep its bytes on the device for the copy's duration (chunk bytes / about
-        55 GB/s), which the plan does not count: the predicted peak would be low by the write-backs in flight (and
-        the debug per-node check would fail). That needs the schedule to keep a written-back buffer charged for its
-        copy time; then this wait can go."""
+        With one, the D2H stream copies the slot after the compute stream's last write. Then either the compute
+        stream waits (on the device) for that copy before anything after the release may reuse the block, or, with
+        `defer` (the scheduled graph's releases), nothing waits: the slot joins `draining`, still counted by the
+        pool, and `reclaim` gives it back later, where the executor needs its room or at the end of the step, so
+        the compute stream overlaps the copy. The plan frees a buffer at its release; the executor reclaims
+        draining slots before any node whose planned bytes plus theirs would pass the plan's predicted peak, so the
+        peak holds. The CPU never waits here."""
         slot = self.slot(key)
         del self.slots[key]
         self.stale.discard(key)
         if writeback:
-            self._write_back(key, slot)
+            event = self._write_back(key, slot, wait=not defer)
+            if event is not None and defer:
+                self.draining.append((event, slot))
+                self.draining_bytes += slot.numel() * slot.element_size()
+                return
         self.pool.give(slot)
+
+    def reclaim(self, keep: int = 0) -> None:
+        """Give draining slots (see release) back to the pool, oldest first, until at most `keep` bytes of them are
+        left. The compute stream waits for the write-back of each one not yet done, so nothing after this point
+        reuses its block before the copy has read it; a finished copy costs no wait."""
+        compute = None
+        while self.draining and self.draining_bytes > keep:
+            event, slot = self.draining.popleft()
+            if not event.query():
+                compute = compute or torch.cuda.current_stream(self.device)
+                compute.wait_event(event)
+            self.draining_bytes -= slot.numel() * slot.element_size()
+            self.pool.give(slot)
 
     def take_host_events(self, chunk: int) -> list:
         """The events a host-side update of chunk must wait for before it touches the chunk's host buffers (copies
@@ -519,20 +539,25 @@ class ChunkStore:
         events = [self._reading.pop(chunk, None)] + [self._writing.pop(BufKey(chunk, b), None) for b in BufKind]
         return [e for e in events if e is not None]
 
-    def _write_back(self, key: BufKey, slot: torch.Tensor) -> None:
+    def _write_back(self, key: BufKey, slot: torch.Tensor, wait: bool = True) -> "torch.cuda.Event | None":
+        """Copy the slot to its host home: on the D2H stream (returning the copy's event; the compute stream waits
+        for it unless `wait` is False), or on the CPU without pinned memory (None). None, too, where nothing is
+        copied (a slot that holds the master rounded)."""
         if self.from_master(key):
-            return     # the slot holds the master rounded (the schedule never evicts gradients held in it)
+            return None   # the slot holds the master rounded (the schedule never evicts gradients held in it)
         if self.updates is not None:
             self.updates.wait(key.chunk)   # the chunk's host buffers are the pending update's until it is done
         part = self._home_part(key, slot)
         if not self.pin:
             self.host(key).copy_(part)
-            return
+            return None
         compute = torch.cuda.current_stream(self.device)
         self.d2h_stream.wait_stream(compute)
         with torch.cuda.stream(self.d2h_stream):
             self.host(key).copy_(part, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self.d2h_stream)
-        compute.wait_event(event)
+        if wait:
+            compute.wait_event(event)
         self._writing[key] = event
+        return event

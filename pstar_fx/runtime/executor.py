@@ -135,7 +135,7 @@ class Runtime:
     def release(self, chunk: int, buf: BufKind, writeback: bool) -> None:
         if writeback:
             self.d2h += self.store.home_bytes(BufKey(chunk, buf))
-        self.store.release(BufKey(chunk, buf), writeback)
+        self.store.release(BufKey(chunk, buf), writeback, defer=True)
 
     def commit(self) -> None:
         if self.comm is not None:
@@ -311,6 +311,10 @@ class Executor:
         self.planned = [[storage_bytes(t) for t in tensors_of(n)] if n.op == "call_function" else None
                         for n in self.nodes]
         self.mutated_buffers = mutated_buffers(g)
+        # per node: how far its planned bytes stay below the plan's peak (room for slots still being written back)
+        plan = g.plan
+        self.room = [plan.predicted_peak - (plan.static_bytes + a.resident_bytes + a.live_bytes + a.workspace_bytes)
+                     for a in (g.ann[n.name] for n in self.nodes)]
 
     def run(self, inputs: list[torch.Tensor], scale: torch.Tensor | None, rt: Runtime,
             trace_peaks: list[int] | None = None, before_node=None) -> tuple[list[torch.Tensor], int, bool]:
@@ -330,6 +334,7 @@ class Executor:
             outputs, peak = self._run(inputs, scale, rt, trace_peaks, before_node, deferred)
         except BaseException as e:
             deferred.stop()
+            self.store.reclaim()        # slots still being written back
             # before the commit no parameter slot was written except by in-place gradients (mixed precision, whose
             # host homes are rebuilt from the masters below): what goes home is what the step started from
             self.store.evict_all()
@@ -398,8 +403,15 @@ class Executor:
                 slots.append(pool.take(t.numel(), t.dtype, what=f"constant {name}"))
                 consts[name] = slots[-1].view(t.shape).copy_(t)
             result = None
+            store = self.store
             for i, n in enumerate(self.nodes):
                 role = self.roles[i]
+                draining = 0              # released slots still being written back: device bytes the plan freed
+                if store.draining:
+                    # give back as many as this node's room needs (all of them at the end of the step)
+                    store.reclaim(0 if n.op == "output" else self.room[i])
+                    draining = store.draining_bytes
+                    pool.sample()         # this node's window starts after the slots given back
                 if before_node is not None:
                     before_node(i, n)
                 if role is Role.COMMIT or role is Role.OPTIMIZER_STEP:   # the first value written: hold Ctrl-C
@@ -432,10 +444,14 @@ class Executor:
                 total = pool.sample() + act
                 peak = max(peak, total)
                 if trace_peaks is not None:
-                    trace_peaks.append(total)
+                    trace_peaks.append(total - draining)     # what the plan counts at this node
                 if pool.budget is not None and total > pool.budget:
                     raise RuntimeError(f"pstar-fx bug: node {n.name} holds {format_bytes(total)} on the device, "
                                        f"past the budget {format_bytes(pool.budget)} that the plan promised to keep")
+                if draining and total > self.g.plan.predicted_peak:
+                    raise RuntimeError(f"pstar-fx bug: node {n.name} holds {format_bytes(total)} on the device "
+                                       f"({format_bytes(draining)} of slots being written back), past the plan's "
+                                       f"peak {format_bytes(self.g.plan.predicted_peak)}")
                 for j in self.free_after[i]:
                     act -= drop(env[j])
                     env[j] = None
