@@ -8,6 +8,7 @@
 #   scaling  - fresh host pages faulted in with 16, 8, 4 and 2 threads beside a Python loop (the first 20 GiB,
 #              which a fresh machine faults in fast, with 16 threads first and not counted); then a warmup17 run
 #              comes second on memory the machine has touched before
+#   budgets17 - warmup17's run at budgets of 136 and 134 GiB (room for the allocator: its retries per step)
 #   atomic17 - the 17.26B run with atomic steps (the default)
 #   tests    - the CUDA tests of the runtime
 #   mid      - 6.66B (32 x 4096, 4 x 2048 tokens), pstar-fx only
@@ -44,6 +45,12 @@ for i in range(3):
     t0 = time.perf_counter(); t = zeroed(32 << 30, torch.uint8); dt = time.perf_counter() - t0
     print(f"touch 32 GiB, time {i + 1} in this process: {dt:.2f} s ({32 * 2**30 / dt / 1e9:.1f} GB/s)"); del t
 PY
+fi
+if [[ $stages == *budgets17* ]]; then
+  timeout 330 python3 benchmarks/gpt.py --timeout 160 --json "$out/g17b_budgets.json" "${shape17[@]/137GiB/136GiB,134GiB}" \
+      --warmup 1 --steps 5 --no-atomic 2>&1 | grep -v '^{' | tail -4
+  python3 benchmarks/show_run.py "$out/g17b_budgets.json" | head -2
+  echo "17B budgets: $(( $(date +%s) - start )) s"
 fi
 if [[ $stages == *atomic17* ]]; then
   timeout 300 python3 benchmarks/gpt.py --timeout 290 --json "$out/g17b_atomic.json" "${shape17[@]}" \
