@@ -4,7 +4,10 @@ import json
 import sys
 
 d = json.load(open(sys.argv[1]))
-for r in d["rows"]:
-    print({k: v for k, v in r.items() if k != "profile"})
-for k, v in d["logs"].items():
-    print(k, "\n".join(line for line in v.splitlines() if line.startswith(("step ", "host memory", "watch")))[-3000:])
+try:
+    for r in d["rows"]:
+        print({k: v for k, v in r.items() if k != "profile"})
+    for k, v in d["logs"].items():
+        print(k, "\n".join(line for line in v.splitlines() if line.startswith(("step ", "host memory", "watch")))[-3000:])
+except BrokenPipeError:       # piped into head: the rest is not wanted
+    sys.stderr.close()
