@@ -276,3 +276,28 @@ def test_schedule_evicts_the_buffer_used_furthest_in_the_future():
                 others = [k for k in resident if k not in needs[following].resident]
                 assert all(next_use(k, i) <= next_use(key, i) for k in others), (n.name, key, others)
     assert evictions > 0, "the tight budget should force evictions"
+
+
+def test_node_copy_names_copies_as_torch_does_without_its_quadratic_search():
+    """graph_utils.node_copy names a copy within the same graph as torch 2.13's Graph.node_copy does (the next free
+    "base_N"), by handing torch the base name: torch 2.11 would try every "base_1", "base_2", ... for a taken name
+    ending in a number. Same target, arguments and meta."""
+    import torch.fx as fx
+    from pstar_fx.graph_utils import node_copy
+
+    def build():
+        g = fx.Graph()
+        x = g.placeholder("x")
+        ts = [g.call_function(torch.t, (x,)) for _ in range(40)]
+        for t in ts:
+            t.meta["tag"] = t.name
+        g.output(ts[-1])
+        return g, ts
+
+    ours, theirs = build(), build()
+    for k in (7, 0, 39, 7):
+        a = node_copy(ours[0], ours[1][k], lambda n: n)
+        b = theirs[0].node_copy(theirs[1][k], lambda n: n)
+        assert a.name == b.name and a.target is b.target and a.meta == b.meta
+        assert [x.name for x in a.args] == [x.name for x in b.args]
+    assert [n.name for n in ours[0].nodes] == [n.name for n in theirs[0].nodes]

@@ -19,7 +19,7 @@ import torch.fx as fx
 
 from .. import ops
 from ..ir import ChunkGroup, ChunkInfo, NodeAnn, ParamInfo, Phase, Role, TrainGraph, copy_graph, to_module
-from ..graph_utils import mutated_args, output_node, storage_key, tensors_of
+from ..graph_utils import mutated_args, node_copy, output_node, storage_key, tensors_of
 
 ALIGN = 32                  # element alignment of every parameter inside a chunk (vectorised kernels like it)
 MAX_AUTO_CHUNK = 1 << 26    # largest chunk chosen automatically (elements)
@@ -194,7 +194,7 @@ def assign_chunks(g: TrainGraph, *, chunk_size: int | None = None,
                 c.meta["val"] = n.meta["val"]
                 ann[c.name] = NodeAnn(role=Role.PARAM_VIEW, phase=phase, param=param_of[n])
             else:
-                c = graph.node_copy(n, lambda a: clone(a) if a in root else a)
+                c = node_copy(graph, n, lambda a: clone(a) if a in root else a)
                 ann[c.name] = dataclasses.replace(ann[n.name], phase=phase)
             clones[n] = c
             return c
