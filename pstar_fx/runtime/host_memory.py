@@ -12,7 +12,10 @@ Three measured facts (BENCHMARKS.md, "Setting up host memory") shape how a buffe
 - Small buffers come from torch's allocator (a mapping per buffer would cost more than it saves).
 Most host bytes are known once the optimizer is placed (the host-stepped chunks' states, gradient and parameter
 homes), before the schedule pass runs: `reserve` makes those buffers on a thread of its own meanwhile (touching and
-pinning release the GIL), and `zeros(..., key=)` takes a reserved buffer instead of making one.
+pinning release the GIL), and `zeros(..., key=)` takes a reserved buffer instead of making one. Faulting them in can
+take longer than tracing and planning together (a fresh H200 machine faulted in 97 GiB in 19.7 s the first time:
+BENCHMARKS.md, session 9), so a first compile that will need much host memory starts faulting in a pool before it
+traces (`prefault`), and `reserve` lays the buffers out in that pool.
 """
 from __future__ import annotations
 
