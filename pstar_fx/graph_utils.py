@@ -27,9 +27,11 @@ def cycle_collection_paused():
 
     Tracing and the passes make millions of objects that stay alive (fake tensors, fx nodes), so every automatic
     full collection walks them all: planning the 17B GPT of BENCHMARKS.md on this project's CPU machine ran 8 of
-    them, 2.4-2.7 s, and took 18.4 s without them against 20.3-23.7 s with. The one collection at the end (0.6-1 s
-    there) frees the cycles the passes dropped (discarded fx graphs); without it the first automatic collection of
-    the training loop would pay the same in a step. A collector the caller had turned off stays off, uncollected."""
+    them, 2.4-2.7 s, and took 18.4 s without them against 20.3-23.7 s with. The one collection at the end frees the
+    cycles the passes dropped (discarded fx graphs); without it the first automatic collection of the training loop
+    would pay the same in a step. It collects the youngest generation only: everything made while the collector was
+    off is there, and the caller's older objects are not walked again. A collector the caller had turned off stays
+    off, uncollected."""
     was = gc.isenabled()
     gc.disable()
     try:
@@ -37,7 +39,7 @@ def cycle_collection_paused():
     finally:
         if was:
             gc.enable()
-            gc.collect()
+            gc.collect(0)
 
 
 _NUMBERED = re.compile(r"^(.*)_\d+$")
