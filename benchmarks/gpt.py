@@ -217,9 +217,9 @@ def run_fsdp2(cfg, args, device, batch, offload: bool = True) -> dict:
 def host_pool(mem) -> dict | None:
     """The host memory prefaulted while the step was traced: its size, how much was faulted in, in how many seconds
     of the set-up thread, and how much was given back (GiB)."""
-    if mem._pool_map is None:
+    if not mem.pool_bytes:
         return None
-    return dict(gib=round(len(mem._pool_map) / GiB, 1), touched_gib=round(mem._pool_touched / GiB, 1),
+    return dict(gib=round(mem.pool_bytes / GiB, 1), touched_gib=round(mem.pool_touched / GiB, 1),
                 seconds=round(mem.pool_seconds, 2), given_back_gib=round(mem.pool_given_back / GiB, 1))
 
 

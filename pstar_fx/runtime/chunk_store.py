@@ -463,6 +463,7 @@ class ChunkStore:
         state of one graph."""
         want = dict(carried)
         self.reduced.clear()
+        self.reclaim()        # (a step reclaims its draining slots at its end; a failed one in its error path)
         h2d = d2h = 0
         for key in sorted(self.slots.keys() - want.keys(), key=BufKey.order):
             stale = key in self.stale and key.buf is BufKind.PARAM

@@ -155,6 +155,15 @@ class HostMemory:
         self._pool_target = nbytes
         self._start()
 
+    @property
+    def pool_bytes(self) -> int:
+        """Bytes of the prefaulted pool (0 without one), and of it faulted in so far: `pool_touched`."""
+        return 0 if self._pool_map is None else len(self._pool_map)
+
+    @property
+    def pool_touched(self) -> int:
+        return self._pool_touched
+
     def reserve(self, specs: list[BufferSpec]) -> None:
         """Start making these buffers on the set-up thread; zeros(key=) takes them (waiting for the thread).
 
