@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
+import os
 import re
 from dataclasses import dataclass
 
@@ -40,6 +41,21 @@ def cycle_collection_paused():
         if was:
             gc.enable()
             gc.collect(0)
+
+
+_LIBRARIES = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(os.path.abspath(__file__)) + os.sep)
+
+
+def user_frame(node: fx.Node) -> tuple[str, str] | None:
+    """The innermost frame of the user's code in a node's recorded stack trace: its 'File "...", line N, in f' line
+    and the code line after it ("" if none), skipping torch's and pstar-fx's own frames (make_fx's trace ends inside
+    torch, in F.embedding say); None when the trace has no such frame."""
+    lines = [ln.strip() for ln in (node.meta.get("stack_trace") or "").splitlines() if ln.strip()]
+    found = None
+    for i, ln in enumerate(lines):
+        if ln.startswith("File ") and not any(d in ln for d in _LIBRARIES):
+            found = (ln, lines[i + 1] if i + 1 < len(lines) and not lines[i + 1].startswith("File ") else "")
+    return found
 
 
 _NUMBERED = re.compile(r"^(.*)_\d+$")

@@ -47,7 +47,8 @@ from torch.overrides import TorchFunctionMode
 
 from . import fake_fixes, rewrites, trace_hints
 from .errors import UntraceableError
-from .graph_utils import data_dependent_sizes, loss_seed, mutated_args, output_node, storage_key, tensors_of
+from .graph_utils import (data_dependent_sizes, loss_seed, mutated_args, output_node, storage_key, tensors_of,
+                          user_frame)
 from .ir import BufferInfo, InputInfo, NodeAnn, ParamInfo, Phase, Role, Settings, TrainGraph, to_module
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
@@ -655,14 +656,11 @@ def _fix_fake_values(graph: fx.Graph) -> None:
 
 
 def _stack_line(node: fx.Node) -> str:
-    """The innermost frame of the user's code in make_fx's recorded stack trace of a node."""
-    lines = [ln.strip() for ln in (node.meta.get("stack_trace") or "").splitlines() if ln.strip()]
-    best = "at an unknown source line"
-    for i, ln in enumerate(lines):
-        if ln.startswith("File ") and _TORCH_DIR not in ln and _OUR_DIR not in ln:
-            best = f"at {ln}" + (f" ({lines[i + 1]})" if i + 1 < len(lines) and not lines[i + 1].startswith("File ")
-                                 else "")
-    return best
+    """Where the user's code made a node, for an error message (graph_utils.user_frame)."""
+    frame = user_frame(node)
+    if frame is None:
+        return "at an unknown source line"
+    return f"at {frame[0]}" + (f" ({frame[1]})" if frame[1] else "")
 
 
 def _reject_float64_mixing(gm: fx.GraphModule, flat: FlatBatch) -> None:

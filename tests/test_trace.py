@@ -229,3 +229,25 @@ def test_closed_over_real_tensor_names_the_line():
         _compile(Holder(), lambda m, x: m(x).sum())(torch.randn(3, 4))
     assert f"test_trace.py:{_this_line('MARK-closed')}" in str(e.value)
     assert "register_buffer" in str(e.value)
+
+
+def test_user_frame_is_the_innermost_frame_outside_torch_and_pstar_fx():
+    """The source line error messages name (trace's untraceable-op errors, the executor's failing node): the last
+    'File' line of a node's recorded stack that is not in torch or pstar-fx, with its code line."""
+    import os
+    import torch.fx as fx
+    import pstar_fx
+    from pstar_fx.graph_utils import user_frame
+    torch_file = os.path.join(os.path.dirname(torch.__file__), "nn", "functional.py")
+    ours = os.path.join(os.path.dirname(pstar_fx.__file__), "trace.py")
+    g = fx.Graph()
+    n = g.placeholder("x")
+    n.meta["stack_trace"] = (f'  File "/home/me/train.py", line 10, in main\n    loss = step(model, x)\n'
+                             f'  File "/home/me/model.py", line 42, in forward\n    h = F.embedding(x, w)\n'
+                             f'  File "{torch_file}", line 2500, in embedding\n    return torch.embedding(...)\n'
+                             f'  File "{ours}", line 150, in __torch_function__\n    return func(*args)\n')
+    assert user_frame(n) == ('File "/home/me/model.py", line 42, in forward', "h = F.embedding(x, w)")
+    n.meta["stack_trace"] = f'  File "{torch_file}", line 2500, in embedding\n    return torch.embedding(...)\n'
+    assert user_frame(n) is None
+    del n.meta["stack_trace"]
+    assert user_frame(n) is None

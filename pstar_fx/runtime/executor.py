@@ -15,7 +15,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from .. import ops
 from ..errors import CommitError
 from ..ir import BufKind, Role, StateHome, TrainGraph
-from ..graph_utils import last_uses, mutated_args, storage_bytes, tensors_of
+from ..graph_utils import last_uses, mutated_args, storage_bytes, tensors_of, user_frame
 from ..memory import BufKey, constants
 from ..units import format_bytes
 from .adam import adam_step, host_step
@@ -276,18 +276,10 @@ def mutated_buffers(g: TrainGraph) -> list[str]:
 
 
 def _source(n: fx.Node) -> str:
-    """The user's source line that produced a node, as make_fx recorded it (when it did): the innermost frame
-    outside torch and pstar-fx (make_fx's trace ends inside torch, e.g. in F.embedding)."""
-    trace = n.meta.get("stack_trace")
-    if not trace:
-        return ""
-    lines = [ln.strip() for ln in trace.strip().splitlines() if ln.strip()]
-    frames = [(ln, lines[i + 1] if i + 1 < len(lines) and not lines[i + 1].startswith("File ") else "")
-              for i, ln in enumerate(lines) if ln.startswith("File ")]
-    libraries = (torch.__file__.rpartition("/")[0] + "/", __file__.rpartition("/runtime/")[0] + "/")
-    user = [f for f in frames if not any(d in f[0] for d in libraries)]
-    where, code = (user or frames or [(lines[-1], "")])[-1]
-    return f" ({where}: {code})"
+    """The user's source line that produced a node, as the trace recorded it (graph_utils.user_frame), for an
+    error message; "" when it recorded none."""
+    frame = user_frame(n)
+    return "" if frame is None else f" ({frame[0]}: {frame[1]})"
 
 
 class Executor:
