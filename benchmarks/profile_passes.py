@@ -7,7 +7,6 @@ under cProfile for the passes named in --profile. Runs on any machine (the model
 """
 from __future__ import annotations
 
-import argparse
 import cProfile
 import gc
 import io
@@ -23,22 +22,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from pstar_fx import planning  # noqa: E402
 from pstar_fx.ir import Precision, Settings  # noqa: E402
 from pstar_fx.passes import pipeline, verify  # noqa: E402
-from pstar_fx.plan import GPT, GPTConfig, gpt_loss  # noqa: E402
+from pstar_fx.plan import GPT, GPTConfig, _parser, gpt_loss  # noqa: E402
 from pstar_fx.trace import trace_step  # noqa: E402
 from pstar_fx.units import parse_bytes  # noqa: E402
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=int, default=24)
-    ap.add_argument("--d-model", type=int, default=2048)
-    ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--seq", type=int, default=2048)
-    ap.add_argument("--vocab", type=int, default=50304)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--checkpoint", action="store_true")
-    ap.add_argument("--device-memory", default=None)
-    ap.add_argument("--no-atomic", action="store_true")
+    ap = _parser()             # the GPT and plan flags of `python -m pstar_fx.plan`
+    ap.description = __doc__
     ap.add_argument("--profile", default="", help="comma-separated pass names to run under cProfile")
     ap.add_argument("--top", type=int, default=25)
     args = ap.parse_args()
@@ -46,17 +37,18 @@ def main() -> None:
     with torch.device("meta"):
         model = GPT(cfg, checkpoint=args.checkpoint)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    settings = Settings(precision=Precision.BF16, device=dev,
+    settings = Settings(precision=Precision(args.precision), device=dev,
                         budget=None if args.device_memory is None else parse_bytes(args.device_memory),
-                        chunk_size=None, optimizer=planning._layout(model, None), max_grad_norm=None, accumulate=1,
-                        world=1, atomic=not args.no_atomic)
+                        chunk_size=args.chunk_size, optimizer=planning._layout(model, None),
+                        max_grad_norm=args.max_grad_norm, accumulate=args.accumulate, world=args.world_size,
+                        atomic=not args.no_atomic)
     tokens = torch.empty(args.batch, args.seq, dtype=torch.long, device="meta")
     wanted = {p for p in args.profile.split(",") if p}
     gc.disable()
     t0 = time.perf_counter()
     g = trace_step(gpt_loss, model, (tokens, tokens), settings)
     print(f"trace: {time.perf_counter() - t0:.2f} s, {len(g.nodes)} nodes (traced for {dev.type})", flush=True)
-    for p in pipeline(chunk_size=None, prefetch=4):
+    for p in pipeline(chunk_size=args.chunk_size, prefetch=4, world=args.world_size):
         name = getattr(p, "func", p).__name__
         prof = cProfile.Profile() if name in wanted else None
         t0 = time.perf_counter()
