@@ -44,6 +44,21 @@ class MLP(nn.Module):
         return x
 
 
+class Stack(nn.Module):
+    """n square layers with tanh between, seeded (the CUDA runtime tests): at its least budget each layer's chunk is
+    fetched, used and evicted in turn."""
+
+    def __init__(self, d, n, seed):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.Ws = nn.ParameterList(nn.Parameter(torch.randn(d, d, generator=g) / d ** 0.5) for _ in range(n))
+
+    def forward(self, x):
+        for W in self.Ws:
+            x = torch.tanh(x @ W)
+        return x
+
+
 def mlp_loss(model, x, y):
     """MSE for float targets (B, d_out), cross-entropy for integer class targets (B,)."""
     out = model(x)

@@ -11,7 +11,7 @@ from pstar_fx.ir import BufKind
 from pstar_fx.memory import BufKey
 
 from harness import eager_run, fetch_counts, host_params, rel_err
-from models import Case, assert_state_close
+from models import Case, Stack, assert_state_close
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -49,20 +49,6 @@ def test_host_step_waits_for_copies_still_reading_its_host_buffer():
     assert_state_close(step.state_dict(), ref_sd, rtol=1e-6)
 
 
-class _Stack(nn.Module):
-    """n square layers: at its least budget each layer's chunk is fetched, used and evicted in turn."""
-
-    def __init__(self, d, n):
-        super().__init__()
-        g = torch.Generator().manual_seed(2)
-        self.Ws = nn.ParameterList(nn.Parameter(torch.randn(d, d, generator=g) / d ** 0.5) for _ in range(n))
-
-    def forward(self, x):
-        for W in self.Ws:
-            x = torch.tanh(x @ W)
-        return x
-
-
 def test_large_model_at_least_budget_matches_eager_over_steps():
     """Copies on their own streams, each ordered by events only: a missing wait (compute reading a slot before its
     fetch lands, a write-back copied before compute's last write, the CPU stepping on a gradient still in flight, a
@@ -72,14 +58,14 @@ def test_large_model_at_least_budget_matches_eager_over_steps():
     gen = torch.Generator().manual_seed(3)
     batches = [(torch.randn(512, d, generator=gen),) for _ in range(steps)]
     fn = lambda m, x: m(x).pow(2).mean()   # noqa: E731
-    make = lambda budget: px.compile(_Stack(d, n), optimizer=px.AdamW(lr=1e-3), device="cuda",  # noqa: E731
+    make = lambda budget: px.compile(Stack(d, n, seed=2), optimizer=px.AdamW(lr=1e-3), device="cuda",  # noqa: E731
                                      precision="fp32", chunk_size=d * d, device_memory=budget)(fn)
     step = make(int(make(None).min_device_memory(*batches[0])))
     losses = [step(*b).item() for b in batches]
     g = step.graphs["scheduled"]
     assert host_params(step), "the least budget should put optimizer states on the host"
     assert max(fetch_counts(g).values()) >= 2, "no chunk was evicted and fetched again"
-    case = Case("stack", lambda: _Stack(d, n), fn, lambda i, gen: batches[i])
+    case = Case("stack", lambda: Stack(d, n, seed=2), fn, lambda i, gen: batches[i])
     ref_losses, ref_sd = eager_run(case, steps, hyper=dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
                                                            weight_decay=1e-2), host_params=host_params(step))
     assert rel_err(losses, ref_losses) <= 1e-6, (losses, ref_losses)
@@ -92,7 +78,7 @@ def test_copies_run_on_their_own_streams_without_blocking_the_cpu():
     write-back still copies what compute wrote last, and the fetched slot holds the host values when compute uses
     it. Only before_host_write makes the CPU wait."""
     d = 1024
-    step = px.compile(_Stack(d, 2), optimizer=px.AdamW(lr=1e-3), device="cuda", precision="fp32",
+    step = px.compile(Stack(d, 2, seed=2), optimizer=px.AdamW(lr=1e-3), device="cuda", precision="fp32",
                       chunk_size=d * d)(lambda m, x: m(x).sum())
     step(torch.randn(8, d))
     store = step._store

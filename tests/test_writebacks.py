@@ -11,7 +11,7 @@ from pstar_fx.ir import BufKind
 from pstar_fx.memory import BufKey
 
 from harness import eager_run, host_params, rel_err
-from models import Case, assert_state_close
+from models import Case, Stack, assert_state_close
 
 
 class _Done:
@@ -99,18 +99,6 @@ def test_a_deferred_release_lets_compute_run_past_its_write_back():
     assert torch.equal(store.host(key), expect)
 
 
-class _Stack(nn.Module):
-    def __init__(self, d, n):
-        super().__init__()
-        g = torch.Generator().manual_seed(5)
-        self.Ws = nn.ParameterList(nn.Parameter(torch.randn(d, d, generator=g) / d ** 0.5) for _ in range(n))
-
-    def forward(self, x):
-        for W in self.Ws:
-            x = torch.tanh(x @ W)
-        return x
-
-
 @cuda
 @pytest.mark.parametrize("slack", [1.0, 1.5])
 def test_deferred_write_backs_keep_the_plan_and_eager_values(slack):
@@ -121,14 +109,14 @@ def test_deferred_write_backs_keep_the_plan_and_eager_values(slack):
     gen = torch.Generator().manual_seed(6)
     batches = [(torch.randn(512, d, generator=gen),) for _ in range(steps)]
     fn = lambda m, x: m(x).pow(2).mean()   # noqa: E731
-    make = lambda budget: px.compile(_Stack(d, n), optimizer=px.AdamW(lr=1e-3), device="cuda",  # noqa: E731
+    make = lambda budget: px.compile(Stack(d, n, seed=5), optimizer=px.AdamW(lr=1e-3), device="cuda",  # noqa: E731
                                      precision="fp32", chunk_size=d * d, device_memory=budget, debug=True)(fn)
     step = make(int(make(None).min_device_memory(*batches[0]) * slack))
     losses = [step(*b).item() for b in batches]
     g = step.graphs["scheduled"]
     assert g.plan.d2h_bytes > 0, "the budget should make the step write chunks back"
     assert step.last_step.measured_peak <= g.plan.predicted_peak
-    case = Case("stack_wb", lambda: _Stack(d, n), fn, lambda i, gen: batches[i])
+    case = Case("stack_wb", lambda: Stack(d, n, seed=5), fn, lambda i, gen: batches[i])
     ref_losses, ref_sd = eager_run(case, steps, hyper=dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
                                                            weight_decay=1e-2), host_params=host_params(step))
     assert rel_err(losses, ref_losses) <= 1e-6, (losses, ref_losses)
