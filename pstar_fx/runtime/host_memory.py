@@ -85,21 +85,21 @@ class BufferSpec:
 
 @dataclass(frozen=True)
 class _Layout:
-    """Where reserve() puts each buffer: (spec, byte offset) in the prefaulted pool, up to pool_end (its first
-    pool_pinned_end bytes pinned), and the buffers that did not fit, by whether copies use them."""
+    """Where reserve() puts each buffer, as (spec, byte offset) pairs: in the prefaulted pool, up to pool_end (its
+    first pool_pinned_end bytes pinned), and, for the buffers that did not fit, in a new arena per kind (whether
+    copies use them: (copied, placed, arena bytes))."""
     in_pool: tuple[tuple[BufferSpec, int], ...]
     pool_end: int
     pool_pinned_end: int
-    copied_rest: tuple[BufferSpec, ...]
-    other_rest: tuple[BufferSpec, ...]
+    arenas: tuple[tuple[bool, tuple[tuple[BufferSpec, int], ...], int], ...]
 
 
 def _lay_out(specs: list[BufferSpec], pool_bytes: int) -> _Layout:
     """The copied buffers first, then the others, each page-aligned, in the pool while they fit (a buffer that does
     not fit goes to its own kind's arena, and the next ones are still tried)."""
-    in_pool, rest, end = [], {True: [], False: []}, 0
-    pinned_end = 0
+    in_pool, end, pinned_end, arenas = [], 0, 0, []
     for copied in (True, False):
+        rest, rest_end = [], 0
         for sp in specs:
             if sp.copied != copied:
                 continue
@@ -110,9 +110,16 @@ def _lay_out(specs: list[BufferSpec], pool_bytes: int) -> _Layout:
                 if copied:
                     pinned_end = end
             else:
-                rest[copied].append(sp)
-    return _Layout(tuple(in_pool), end, pinned_end, tuple(rest[True]), tuple(rest[False]))
+                rest.append((sp, rest_end))
+                rest_end += size
+        if rest:
+            arenas.append((copied, tuple(rest), rest_end))
+    return _Layout(tuple(in_pool), end, pinned_end, tuple(arenas))
 
+
+def _views(base: torch.Tensor, placed) -> dict[tuple, tuple[BufferSpec, torch.Tensor]]:
+    """Each placed buffer as a view of `base` (bytes) at its offset, by key."""
+    return {sp.key: (sp, base[o:o + sp.numel * sp.dtype.itemsize].view(sp.dtype)) for sp, o in placed}
 
 
 class HostMemory:
@@ -214,30 +221,21 @@ class HostMemory:
 
     def _make_layout(self, layout: "_Layout") -> None:
         if self._pool is not None:
-            keep = -(-layout.pool_end // _PAGE) * _PAGE
-            if self._pool_touched > keep:          # faulted in ahead of the plan: give those pages back
-                self._pool_map.madvise(mmap.MADV_DONTNEED, keep, self._pool_touched - keep)
-                self.pool_given_back = self._pool_touched - keep
+            if self._pool_touched > layout.pool_end:    # faulted in ahead of the plan: give those pages back
+                self._pool_map.madvise(mmap.MADV_DONTNEED, layout.pool_end, self._pool_touched - layout.pool_end)
+                self.pool_given_back = self._pool_touched - layout.pool_end
             if self.pin and layout.pool_pinned_end:
                 self._pin(self._pool[:layout.pool_pinned_end])
-            views = {sp.key: (sp, self._pool[o:o + sp.numel * sp.dtype.itemsize].view(sp.dtype))
-                     for sp, o in layout.in_pool}
             with self._lock:
-                self._reserved.update(views)
-        for copied, group in ((True, layout.copied_rest), (False, layout.other_rest)):
-            if self._cancelled or not group:
+                self._reserved.update(_views(self._pool, layout.in_pool))
+        for copied, placed, total in layout.arenas:
+            if self._cancelled:
                 continue
-            offsets, total = [], 0
-            for sp in group:
-                offsets.append(total)
-                total += _aligned(sp.numel * sp.dtype.itemsize)
             t0 = time.perf_counter()
             arena = self._make(total, torch.uint8, copied)
             self.arena_seconds.append((total, time.perf_counter() - t0))
-            views = {sp.key: (sp, arena[o:o + sp.numel * sp.dtype.itemsize].view(sp.dtype))
-                     for sp, o in zip(group, offsets)}
             with self._lock:
-                self._reserved.update(views)
+                self._reserved.update(_views(arena, placed))
 
     def _join(self) -> None:
         if self._reserving is not None:
