@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import gc
 import os
 import re
@@ -43,17 +44,28 @@ def cycle_collection_paused():
             gc.collect(0)
 
 
-_LIBRARIES = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(os.path.abspath(__file__)) + os.sep)
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_OUR_DIR = os.path.dirname(os.path.abspath(__file__))
+_FILE = re.compile(r'File "([^"]+)"')
+
+
+@functools.lru_cache(maxsize=4096)
+def is_user_file(filename: str) -> bool:
+    """Whether a source file is the user's: outside torch, pstar-fx, contextlib and functools (a pure function of
+    the name, memoised: tracing asks it at every torch-level call)."""
+    f = os.path.abspath(filename)
+    return not (f.startswith(_TORCH_DIR) or f.startswith(_OUR_DIR) or "/contextlib.py" in f or "/functools.py" in f)
 
 
 def user_frame(node: fx.Node) -> tuple[str, str] | None:
-    """The innermost frame of the user's code in a node's recorded stack trace: its 'File "...", line N, in f' line
-    and the code line after it ("" if none), skipping torch's and pstar-fx's own frames (make_fx's trace ends inside
-    torch, in F.embedding say); None when the trace has no such frame."""
+    """The innermost frame of the user's code (is_user_file) in a node's recorded stack trace: its
+    'File "...", line N, in f' line and the code line after it ("" if none); make_fx's own traces end inside torch,
+    in F.embedding say. None when the trace has no such frame."""
     lines = [ln.strip() for ln in (node.meta.get("stack_trace") or "").splitlines() if ln.strip()]
     found = None
     for i, ln in enumerate(lines):
-        if ln.startswith("File ") and not any(d in ln for d in _LIBRARIES):
+        m = _FILE.match(ln)
+        if m and is_user_file(m.group(1)):
             found = (ln, lines[i + 1] if i + 1 < len(lines) and not lines[i + 1].startswith("File ") else "")
     return found
 

@@ -86,6 +86,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 from torch.utils._pytree import tree_leaves, tree_map
 
 from .errors import PstarError
+from .graph_utils import is_user_file
 
 _aten = torch.ops.aten
 _META = torch.device("meta")
@@ -204,8 +205,6 @@ _DATA_CONSTRUCTORS = {torch.tensor, torch.as_tensor, torch.asarray}
 _UNDEFINED = {_aten.empty.memory_format, _aten.empty_strided.default, _aten.empty_like.default,
               _aten.new_empty.default, _aten.new_empty_strided.default, _aten.empty_permuted.default}
 _UNSUPPORTED = {_aten.set_, _aten.resize_, _aten.resize_as_, _aten._local_scalar_dense}
-_TORCH_DIR = torch.__file__.rsplit("/", 1)[0]
-_OUR_DIR = __file__.rsplit("/", 1)[0]
 
 
 _IS_META = torch._C.TensorBase.__dict__["is_meta"]
@@ -240,8 +239,7 @@ def _where() -> str:
     """The innermost frame of the caller's code (outside torch and pstar-fx), for messages."""
     user = None
     for fr in traceback.extract_stack()[:-1]:
-        if not (fr.filename.startswith(_TORCH_DIR) or fr.filename.startswith(_OUR_DIR)
-                or fr.filename.endswith(("/contextlib.py", "/functools.py"))):
+        if is_user_file(fr.filename):
             user = fr
     return "at an unknown source line" if user is None else f"at {user.filename}:{user.lineno} ({user.line})"
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import inspect
 import operator
 import os
@@ -47,12 +46,10 @@ from torch.overrides import TorchFunctionMode
 
 from . import fake_fixes, rewrites, trace_hints
 from .errors import UntraceableError
-from .graph_utils import (data_dependent_sizes, loss_seed, mutated_args, output_node, storage_key, tensors_of,
-                          user_frame)
+from .graph_utils import (data_dependent_sizes, is_user_file, loss_seed, mutated_args, output_node, storage_key,
+                          tensors_of, user_frame)
 from .ir import BufferInfo, InputInfo, NodeAnn, ParamInfo, Phase, Role, Settings, TrainGraph, to_module
 
-_TORCH_DIR = os.path.dirname(torch.__file__)
-_OUR_DIR = os.path.dirname(__file__)
 
 
 @dataclass(frozen=True)
@@ -100,19 +97,11 @@ class _StepModule(nn.Module):
         return self._fn(self.m, *batch)
 
 
-@functools.lru_cache(maxsize=4096)
-def _is_user_file(filename: str) -> bool:
-    """Whether a source file is the user's: outside torch, pstar-fx, contextlib and functools (a pure function of
-    the name, memoised: it runs for every in-place call while tracing)."""
-    f = os.path.abspath(filename)
-    return not (f.startswith(_TORCH_DIR) or f.startswith(_OUR_DIR) or "/contextlib.py" in f or "/functools.py" in f)
-
-
 def _user_frame(tb_frames) -> traceback.FrameSummary | None:
     """The innermost frame outside torch and pstar-fx: the user's source line."""
     user = None
     for fr in tb_frames:
-        if _is_user_file(fr.filename):
+        if is_user_file(fr.filename):
             user = fr
     return user
 
@@ -122,7 +111,7 @@ def _calling_user_frame() -> traceback.FrameSummary | None:
     line read only when shown."""
     f = sys._getframe(1)
     while f is not None:
-        if _is_user_file(f.f_code.co_filename):
+        if is_user_file(f.f_code.co_filename):
             return traceback.FrameSummary(f.f_code.co_filename, f.f_lineno, f.f_code.co_name, lookup_line=False)
         f = f.f_back
     return None
