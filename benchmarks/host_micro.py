@@ -130,9 +130,30 @@ def pinning(gib: int) -> list[dict]:
     return rows
 
 
+ADAM = AdamConfig(lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, decoupled=True, maximize=False,
+                  fused=None)
+
+
+def median_seconds(run, reps: int = 3) -> float:
+    """The median time of `reps` calls of run(), after one warm-up call."""
+    run()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def on_thread(threads: int, fn) -> None:
+    """fn() on a thread of its own with `threads` intra-op threads (as the CPU worker runs an update)."""
+    th = threading.Thread(target=lambda: (torch.set_num_threads(threads), fn()))
+    th.start()
+    th.join()
+
+
 def adam(numel: int, reps: int = 3) -> list[dict]:
-    cfg = AdamConfig(lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, decoupled=True, maximize=False,
-                     fused=None)
+    cfg = ADAM
     g = torch.Generator().manual_seed(0)
     master = torch.randn(numel, generator=g)
     param = master.to(torch.bfloat16)
@@ -142,28 +163,13 @@ def adam(numel: int, reps: int = 3) -> list[dict]:
     rows = []
 
     def timed(name, run):
-        run()
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            run()
-            times.append(time.perf_counter() - t0)
-        s = statistics.median(times)
+        s = median_seconds(run, reps)
         rows.append({"what": "adam", "variant": name, "numel": numel, "seconds": s, "gparams": numel / s / 1e9})
         print(f"adam {name:>16s}: {s * 1e3:7.1f} ms, {numel / s / 1e9:5.2f} Gparam/s", flush=True)
 
     def omp(threads, block):
-        def run():
-            box = []
-
-            def body():
-                torch.set_num_threads(threads)
-                host_step(cfg, param, grad, m, v, step, master=master, block=block)
-                box.append(1)
-            th = threading.Thread(target=body)
-            th.start()
-            th.join()
-        return run
+        return lambda: on_thread(threads, lambda: host_step(cfg, param, grad, m, v, step, master=master,
+                                                             block=block))
 
     def split(threads):
         blocks = -(-numel // HOST_BLOCK)

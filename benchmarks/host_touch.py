@@ -20,14 +20,14 @@ from __future__ import annotations
 import argparse
 import json
 import mmap
-import statistics
 import threading
 import time
 
 import torch
 
-from pstar_fx.optim import AdamConfig
 from pstar_fx.runtime.adam import host_step
+
+from host_micro import ADAM, median_seconds, on_thread  # benchmarks/, beside this file
 
 GIB = 1 << 30
 ADVICE = {"huge": getattr(mmap, "MADV_HUGEPAGE", None), "default": None,
@@ -112,8 +112,6 @@ def scaling(threads_list: list[int], gib: int, rows: list) -> None:
 
 
 def adam(numel: int, mode: str, rows: list, reps: int = 3, threads: int = 14) -> None:
-    cfg = AdamConfig(lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, decoupled=True, maximize=False,
-                     fused=None)
     m_, states = mapping(3 * numel * 4, mode)
     states = states.view(torch.float32)
     states.zero_()
@@ -123,24 +121,11 @@ def adam(numel: int, mode: str, rows: list, reps: int = 3, threads: int = 14) ->
     param = master.to(torch.bfloat16)
     grad = (torch.randn(numel, generator=g) * 1e-3).to(torch.bfloat16)
     step = torch.zeros(())
-
-    def run():
-        def body():
-            torch.set_num_threads(threads)
-            host_step(cfg, param, grad, m, v, step, master=master)
-        th = threading.Thread(target=body)
-        th.start()
-        th.join()
-    run()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - t0)
-    s = statistics.median(times)
+    s = median_seconds(lambda: on_thread(threads, lambda: host_step(ADAM, param, grad, m, v, step, master=master)),
+                       reps)
     rows.append(dict(what="adam", mode=mode, numel=numel, seconds=s, gparams=numel / s / 1e9))
     print(f"adam {mode:>7s} pages: {s * 1e3:7.1f} ms, {numel / s / 1e9:5.2f} Gparam/s", flush=True)
-    # the mapping is unmapped when its tensors (the closure's) are freed
+    # the mapping is unmapped when its tensors are freed
 
 
 def main() -> None:
