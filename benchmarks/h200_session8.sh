@@ -12,16 +12,8 @@
 #   final  - CPU tests of tracing under the machine's torch, CUDA tests of the store, 17.26B atomic=False
 #   last   - 17.26B atomic=False again (after a change to host set-up), then a cProfile of planning it
 # Logs under $OUT.
-set -u
-out=${OUT:-h200_logs}
-mkdir -p "$out"
-export PYTHONUNBUFFERED=1
-export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 stages=${1:-micro}
-start=$(date +%s)
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
-free -g | tee -a "$out/gpu.txt"
-nproc | tee -a "$out/gpu.txt"
+source "$(dirname "$0")/h200_prologue.sh"
 if [[ $stages == *micro* ]]; then
   timeout 200 python3 benchmarks/host_micro.py --json "$out/micro.json" 2>&1 | tee "$out/micro.txt"
   echo "micro: $(( $(date +%s) - start )) s"

@@ -14,16 +14,8 @@
 #   mid      - 6.66B (32 x 4096, 4 x 2048 tokens), pstar-fx only
 #   profile17 - warmup17's run with a torch.profiler trace of one step
 # Logs under $OUT.
-set -u
-out=${OUT:-h200_logs}
-mkdir -p "$out"
-export PYTHONUNBUFFERED=1
-export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 stages=${1:-warmup17}
-start=$(date +%s)
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
-free -g | tee -a "$out/gpu.txt"
-nproc | tee -a "$out/gpu.txt"
+source "$(dirname "$0")/h200_prologue.sh"
 if [[ $stages == *scaling* ]]; then
   timeout 200 python3 benchmarks/host_touch.py --scaling 16,16,8,4,2 --gib 18 --json "$out/scaling.json" 2>&1 \
       | tee "$out/scaling.txt"
