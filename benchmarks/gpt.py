@@ -253,7 +253,7 @@ def run_pstar(cfg, args, device, batch, budget: str) -> dict:
                          rest_s=round(compile_s - trace_s - passes_s - setup_s, 2),   # verifying each stage
                          import_s=round(IMPORT_SECONDS, 2),
                          per_pass={name: round(g.seconds, 2) for name, g in step.graphs.items() if name != "traced"},
-                         host_arenas=[(round(b / 2**30, 1), round(t, 2)) for b, t in step._store.hostmem.arena_seconds],
+                         host_arenas=[(round(b / GiB, 1), round(t, 2)) for b, t in step._store.hostmem.arena_seconds],
                          host_waited_s=round(step._store.hostmem.waited, 2),
                          host_pool=host_pool(step._store.hostmem))
     if args.host_threads and step._store.updates is not None:   # the CPU worker's intra-op threads (an experiment)
