@@ -238,11 +238,12 @@ def run_pstar(cfg, args, device, batch, budget: str) -> dict:
     dm = None if budget == "none" else budget
     opt = px.AdamW(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
     step = px.compile(model, optimizer=opt, device_memory=dm, precision=args.precision, device=device,
-                      chunk_size=args.chunk_size, accumulate=args.accumulate, atomic=not args.no_atomic)(gpt_loss)
+                      chunk_size=args.chunk_size, accumulate=args.accumulate, atomic=not args.no_atomic,
+                      **prefetch_kw(args))(gpt_loss)
     if args.plan_only:       # px.plan of this very step (model, optimizer, budget, ranks), without a store
         report = px.plan(model, gpt_loss, *batch, world_size=world(), device_memory=dm, precision=args.precision,
                          chunk_size=args.chunk_size, accumulate=args.accumulate, atomic=not args.no_atomic,
-                         optimizer=opt, device=device.type)
+                         optimizer=opt, device=device.type, **prefetch_kw(args))
         print(f"plan of rank {os.environ.get('RANK', 0)}:\n{report}", file=sys.stderr, flush=True)
         raise SystemExit(0)
     t0 = time.perf_counter()
@@ -288,11 +289,19 @@ def run_pstar(cfg, args, device, batch, budget: str) -> dict:
     out = dict(n=n, warm=warm, times=times, h2d=st.h2d_bytes, d2h=st.d2h_bytes, compile_s=compile_s,
                cpu_worker_per_step=worker, per_step=steps_log, compile_parts=compile_parts,
                init_empty=args.init_empty, atomic=not args.no_atomic, host_threads=args.host_threads,
+               prefetch=args.prefetch,
                predicted_peak=s.predicted_peak, measured_peak=st.measured_peak, chunks=s.chunks,
                states_on_device=f"{s.states_on_device}/{s.trainable_chunks}", nodes=s.nodes)
     if args.profile:
         out["profile"] = profile_step(lambda: step(*batch), device, args.profile, f"pstar_{budget}")
     return out
+
+
+def prefetch_kw(args) -> dict:
+    """px.compile's prefetch from --prefetch (N or 'none'); nothing when the flag is not given (its default)."""
+    if args.prefetch is None:
+        return {}
+    return dict(prefetch=None if args.prefetch == "none" else int(args.prefetch))
 
 
 def watch(every: float) -> None:
@@ -501,6 +510,8 @@ def row(label, cfg, args, r) -> dict:
             out["system"] += "+no_atomic"
         if r.get("host_threads"):
             out["system"] += f"+{r['host_threads']}threads"
+        if r.get("prefetch"):
+            out["system"] += f"+prefetch={r['prefetch']}"
         out.update(compile_s=round(r["compile_s"], 2), first_step_s=round(r["warm"][0], 2),
                    first_minus_steady_s=round(r["warm"][0] - med, 2),
                    predicted_peak=fmt_bytes(r["predicted_peak"]), measured_peak=fmt_bytes(r["measured_peak"]),
@@ -525,6 +536,9 @@ def main():
                     help="micro-batches per step: --batch is split into them, gradients accumulate, one update")
     ap.add_argument("--no-atomic", action="store_true",
                     help="pstar: px.compile(atomic=False): host-side updates start during backward")
+    ap.add_argument("--prefetch", default=None, metavar="N|none",
+                    help="pstar: px.compile(prefetch=N) (nodes a fetch may move earlier; 'none': no limit); default: "
+                         "px.compile's")
     ap.add_argument("--host-threads", type=int, default=0,
                     help="pstar: intra-op threads of the CPU worker that runs host-side updates (default: pstar-fx's)")
     ap.add_argument("--seq", type=int, default=2048)
@@ -580,6 +594,8 @@ def main():
         passthrough += ["--no-atomic"]
     if args.host_threads:
         passthrough += ["--host-threads", str(args.host_threads)]
+    if args.prefetch:
+        passthrough += ["--prefetch", args.prefetch]
     print(f"GPT {cfg}, batch {args.batch} x {args.seq} tokens"
           f"{f' in {args.accumulate} micro-batches' if args.accumulate > 1 else ''}, device {args.device}"
           f"{' (' + torch.cuda.get_device_name() + ')' if args.device.startswith('cuda') else ''}, "

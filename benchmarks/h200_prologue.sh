@@ -1,5 +1,6 @@
-# Sourced by benchmarks/h200_session8.sh and h200_session9.sh after they set `stages`: logs under $OUT (`out`), the
-# environment of every run, the start time, and the machine (GPU, host memory, cores) in $out/gpu.txt.
+# Sourced by benchmarks/h200_session8.sh, h200_session9.sh and h200_session10.sh after they set `stages`: logs under
+# $OUT (`out`), the environment of every run, the start time, and the machine (GPU, host memory, cores) in
+# $out/gpu.txt.
 set -u
 out=${OUT:-h200_logs}
 mkdir -p "$out"

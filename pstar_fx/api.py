@@ -113,7 +113,7 @@ class CompiledStep:
 
     def __init__(self, fn: Callable, model: nn.Module, optimizer: OptimizerSpec, *, device_memory=None,
                  precision: str | None = None, chunk_size: int | None = None, device=None, debug: bool = False,
-                 prefetch: int = 4, max_grad_norm: float | None = None, accumulate: int = 1, remat="auto",
+                 prefetch: int | None = None, max_grad_norm: float | None = None, accumulate: int = 1, remat="auto",
                  atomic: bool = True):
         if not isinstance(model, nn.Module):
             raise TypeError(f"px.compile: model must be a torch.nn.Module, got {type(model).__name__}")
@@ -126,8 +126,9 @@ class CompiledStep:
                              + (f" (a float: write {int(chunk_size)} or int({chunk_size!r}))"
                                 if isinstance(chunk_size, float) and chunk_size.is_integer() and chunk_size > 0
                                 else ""))
-        if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
-            raise ValueError(f"prefetch must be a number of nodes >= 0, got {prefetch!r}")
+        if prefetch is not None and (not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0):
+            raise ValueError(f"prefetch must be a number of nodes >= 0 (or None: as early as the budget allows), got "
+                             f"{prefetch!r}")
         if max_grad_norm is not None and (not isinstance(max_grad_norm, (int, float)) or isinstance(max_grad_norm, bool)
                                           or not math.isfinite(max_grad_norm) or max_grad_norm <= 0):
             raise ValueError(f"max_grad_norm must be a positive finite number (or None), got {max_grad_norm!r}")
@@ -481,7 +482,7 @@ def _check_measured(g: TrainGraph, per_node: list[int]) -> None:
 
 def compile(model: nn.Module, *, optimizer: OptimizerSpec | None, device_memory: int | str | None = None,
             precision: str | None = None, chunk_size: int | None = None, device=None, debug: bool = False,
-            prefetch: int = 4, max_grad_norm: float | None = None,
+            prefetch: int | None = None, max_grad_norm: float | None = None,
             accumulate: int = 1, remat="auto", atomic: bool = True) -> Callable[[Callable], CompiledStep]:
     """Compile `step(model, *batch) -> loss` into one training step that fits `device_memory`.
 
@@ -491,6 +492,7 @@ def compile(model: nn.Module, *, optimizer: OptimizerSpec | None, device_memory:
     of a training step compiled on the same model. See DESIGN.md for the contract.
     `remat="auto"` recomputes forward activations in backward where the budget needs it (see passes/remat.py);
     `remat=False` never does.
+    `prefetch=None` issues each fetch as early as the budget allows (N: at most N nodes before its use; 0: at it).
     `atomic=False` lets the CPU start updating a chunk whose optimizer states live on the host as soon as the step
     has finished with the chunk, during backward, instead of after the last gradient (the commit): faster when the
     CPU's updates would otherwise delay the next forward. The cost: a step that fails after its first such update

@@ -226,7 +226,7 @@ def plan(model: nn.Module, loss_fn, *batch, world_size: int = 1, device_memory=N
          precision: str = "bf16", chunk_size: int | None = None, accumulate: int = 1,
          max_grad_norm: float | None = None, optimizer: OptimizerSpec | None = None,
          gpus_per_node: int | None = None, machine: Machine = H200, tokens: int | None = None,
-         device=None, prefetch: int = 4, atomic: bool = True) -> PlanReport:
+         device=None, prefetch: int | None = None, atomic: bool = True) -> PlanReport:
     """Plan `loss_fn(model, *batch)` for `world_size` GPUs without running it (see the module docstring).
 
     batch: what ONE rank passes to the step (tensors, meta tensors, or (shape, dtype) pairs). device_memory: bytes

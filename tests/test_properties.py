@@ -1,4 +1,4 @@
-"""Property tests: random models x chunk sizes x budgets. The verifier accepts every schedule (it runs after every
+"""Property tests: random models x chunk sizes x budgets x prefetch settings. The verifier accepts every schedule (it
 pass), the device bytes measured after every node equal the plan (debug=True checks it), the measured peak stays
 within the budget, and training equals eager PyTorch."""
 
@@ -36,9 +36,10 @@ gpt_cases = st.builds(_gpt_case, st.integers(4, 40), st.integers(1, 2), st.integ
 chunk_sizes = st.one_of(st.none(), st.sampled_from([32, 64, 256, 1000, 4096]))
 # None: unlimited; a float: that fraction of the way from the least feasible budget to twice it
 budget_points = st.one_of(st.none(), st.floats(0.0, 1.0))
+prefetches = st.sampled_from([None, 0, 4])      # None: as early as the budget allows
 
 
-def _check(case, chunk_size, point):
+def _check(case, chunk_size, point, prefetch):
     budget = None
     if point is not None:
         probe = px.compile(case.build_model(), optimizer=px.AdamW(), chunk_size=chunk_size or 256,
@@ -46,7 +47,7 @@ def _check(case, chunk_size, point):
         least = probe.min_device_memory(*case.batch(0))
         budget = int(least * (1 + point))
         chunk_size = chunk_size or 256   # keep the layout min_device_memory planned for
-    losses, sd, step = compiled_run(case, STEPS, budget=budget, chunk_size=chunk_size)   # debug=True
+    losses, sd, step = compiled_run(case, STEPS, budget=budget, chunk_size=chunk_size, prefetch=prefetch)   # debug
     g = step.graphs["scheduled"]
     stats = step.last_step
     assert stats.measured_peak == g.plan.predicted_peak
@@ -57,11 +58,11 @@ def _check(case, chunk_size, point):
     assert_state_close(sd, ref_sd, rtol=1e-6)
 
 
-@given(mlp_cases, chunk_sizes, budget_points)
-def test_random_mlps(case, chunk_size, point):
-    _check(case, chunk_size, point)
+@given(mlp_cases, chunk_sizes, budget_points, prefetches)
+def test_random_mlps(case, chunk_size, point, prefetch):
+    _check(case, chunk_size, point, prefetch)
 
 
-@given(gpt_cases, chunk_sizes, budget_points)
-def test_random_transformers(case, chunk_size, point):
-    _check(case, chunk_size, point)
+@given(gpt_cases, chunk_sizes, budget_points, prefetches)
+def test_random_transformers(case, chunk_size, point, prefetch):
+    _check(case, chunk_size, point, prefetch)

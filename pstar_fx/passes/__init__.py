@@ -20,7 +20,7 @@ from .verify import VerificationError, verify
 _remat = remat              # pipeline's keyword `remat` shadows the pass
 
 
-def pipeline(*, chunk_size=None, layout=None, prefetch: int = 4, train: bool = True, remat: bool = True,
+def pipeline(*, chunk_size=None, layout=None, prefetch: int | None = None, train: bool = True, remat: bool = True,
              world: int = 1):
     """The passes in order, with their settings bound as keyword arguments. A forward-only (evaluation) graph has
     no optimizer to place: its "optimizer_placed" stage is the liveness stage passed through (and nothing to

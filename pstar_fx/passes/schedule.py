@@ -12,7 +12,10 @@ around the cycle, is furthest away (Belady; exact, since the whole step is in th
 parameters of frozen chunks and of chunks stepped on the device that a pass from an empty device still holds at the
 end, plus host-stepped chunks' parameters (fetched back after their update) while they fit, minus any the step would
 evict before their first use (churn). At an unlimited budget every parameter buffer is carried and nothing moves.
-Fetches are then hoisted up to `prefetch` nodes earlier into free room only, so prefetching never adds evictions.
+Then each release moves up to the gap right after its buffer's last use (a victim leaves as soon as nothing needs it
+before its eviction, not when its room is wanted), and each fetch is hoisted up to `prefetch` nodes earlier (None: as
+far as the budget allows) into the room that is free, an earlier need first: prefetching never adds evictions or
+bytes moved.
 A budget that some node cannot fit raises BudgetError before anything runs.
 
 Parameter homes (`ChunkInfo.param_home`, set here for training graphs): in mixed precision a chunk whose optimizer
@@ -24,9 +27,11 @@ chunks came with (those of the store it runs on).
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from dataclasses import dataclass
 
+import torch
 import torch.fx as fx
 
 from .. import ops
@@ -77,6 +82,7 @@ class _Planner:
         self.cap = INF if budget is None else budget
         self.static = static_bytes(g)
         self.written = {k for x in self.nd for k in x.writes}
+        self.first = next(i for i, n in enumerate(self.nodes) if n.op != "placeholder")
 
     def carryable(self, k: BufKey) -> bool:
         """A parameter buffer whose device copy stays valid across the boundary: no host-side step rewrites it."""
@@ -195,12 +201,13 @@ class _Planner:
         raise AssertionError(f"the schedule's cycle does not close: start {dirty}, end {p.end}")
 
 
-def plan_moves(g: TrainGraph, budget: int | None, prefetch: int) -> tuple[list[Move], tuple]:
+def plan_moves(g: TrainGraph, budget: int | None, prefetch: int | None) -> tuple[list[Move], tuple]:
     """The moves of one step of the steady-state cycle, and the carried set ((BufKey, dirty), ...)."""
     planner = _Planner(g, budget)
     p, carried = planner.cycle()
     moves = p.moves
-    if prefetch:
+    if prefetch is None or prefetch > 0:
+        moves = _release_early(g, moves, p.profile, planner.uses, planner.first)
         moves = _hoist(g, moves, p.profile, planner.lv.live, planner.nd, planner.static, planner.cap, prefetch)
     return moves, carried
 
@@ -227,27 +234,59 @@ def _budget_error(g: TrainGraph, lv, cap: float, first: fx.Node) -> BudgetError:
         node=g.nodes[i].name, needed=need, available=int(cap))
 
 
+def _release_early(g, moves, profile, uses, first) -> list[Move]:
+    """Move each release up to the gap right after its buffer's last use before it (for a buffer carried in and not
+    used before, to the first gap after the placeholders), and take its bytes out of `profile` (updated in place)
+    between. Belady evicts a victim in the gap of the fetch that needs its room; released at once instead, the room
+    is free from the victim's last use on, and `_hoist` can move that fetch (and others) into it. Nothing else
+    changes: the same buffers move the same bytes, and a buffer not used in between holds what it held (the same
+    write-back)."""
+    out: list[Move] = []
+    for m in moves:
+        if m.role is Role.RELEASE:
+            lst = uses.get(m.key, [])
+            j = bisect.bisect_left(lst, m.before)      # uses are in node order
+            at = lst[j - 1] + 1 if j else first
+            if at < m.before:
+                size = buf_bytes(g, m.key)
+                for t in range(at, m.before):
+                    profile[t] -= size
+                m = dataclasses.replace(m, before=at)
+        out.append(m)
+    return out
+
+
 def _hoist(g, moves, profile, live, nd, static, cap, prefetch) -> list[Move]:
-    """Move each fetch up to `prefetch` nodes earlier, through gaps where its bytes fit and it is not resident."""
+    """Move each fetch up to `prefetch` nodes earlier (None: no limit), through gaps where its bytes fit and it is not
+    resident, in the order the step needs them (an earlier need claims room first)."""
     last_gone: dict[BufKey, int] = {}
     nodes = g.nodes
+    n_nodes = len(nodes)
     first = next(i for i, n in enumerate(nodes) if n.op != "placeholder")   # placeholders stay first
     host_step = {g.ann[n.name].chunk: i for i, n in enumerate(nodes)      # a fetch after a host-side update stays
                  if g.ann[n.name].role is Role.OPTIMIZER_STEP            # after it
                  and g.chunks[g.ann[n.name].chunk].state_home is StateHome.HOST}
+    # bytes free while each node runs (a tensor: a fetch may look back over the whole step)
+    room = None if cap == INF else torch.tensor(
+        [int(cap) - static - profile[t] - live[t] - nd[t].workspace for t in range(n_nodes)], dtype=torch.int64)
     out: list[Move] = []
     for m in sorted(moves, key=lambda m: m.before):
         if m.role is Role.RELEASE:
             last_gone[m.key] = m.before
             out.append(m)
             continue
-        size = buf_bytes(g, m.key)
+        stepped = host_step.get(m.key.chunk, n_nodes)
+        floor = max(last_gone.get(m.key, first), first, stepped + 1 if stepped < m.before else first,
+                    first if prefetch is None else m.before - prefetch)
         j = m.before
-        floor = max(last_gone.get(m.key, first), first, m.before - prefetch, host_step.get(m.key.chunk, -1) + 1)
-        while j - 1 >= floor and static + profile[j - 1] + size + live[j - 1] + nd[j - 1].workspace <= cap:
-            j -= 1
-        for t in range(j, m.before):
-            profile[t] += size
+        if floor < m.before:
+            if room is None:
+                j = floor
+            else:
+                size = buf_bytes(g, m.key)
+                short = (room[floor:m.before] < size).nonzero()     # gaps its bytes do not fit
+                j = floor + int(short[-1]) + 1 if len(short) else floor
+                room[j:m.before] -= size
         out.append(dataclasses.replace(m, before=j))
     # within a gap: releases first, then fetches, each in a stable order
     return sorted(out, key=lambda m: (m.before, m.role is Role.FETCH, m.key.order()))
@@ -281,7 +320,7 @@ def param_homes(g: TrainGraph, moves: list[Move]) -> dict[int, ParamHome]:
     return homes
 
 
-def schedule(g: TrainGraph, *, prefetch: int = 4) -> TrainGraph:
+def schedule(g: TrainGraph, *, prefetch: int | None = None) -> TrainGraph:
     budget = g.settings.budget
     moves, carried = plan_moves(g, budget, prefetch)
     homes = param_homes(g, moves)

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Issue 5 on one H200 (nvidia-h200: 16 cores, 128 GiB host), session 10: fetches as early as the budget allows
+# (px.compile's prefetch=None, the new default) against session 9's four nodes. Stages (first argument, any of):
+#   first17  - the 17.26B GPT (54 x 5120, 40 heads, per-block checkpoints, 8 x 2048 tokens, px.init_empty(cuda),
+#              137 GiB budget), atomic=False, default prefetch; run first on a fresh machine, it times the compile
+#   pf4_17   - first17 with --prefetch 4 (session 9's schedule, with this session's release-early and host-step fix)
+#   again17  - first17 once more (after pf4_17: does the order matter?)
+#   atomic17 - the 17.26B run with atomic steps (the default)
+#   profile17 - first17 with a torch.profiler trace of one step
+#   tests    - the CUDA tests of the runtime
+#   small    - 1.3B (24 x 2048, 8 x 2048 tokens): eager and pstar-fx, unlimited budget
+#   mid      - 6.66B (32 x 4096, 4 x 2048 tokens): eager and pstar-fx, unlimited budget
+#   b40      - 4.24B (20 x 4096, 4 x 2048 tokens) at a 40 GiB budget, default prefetch and --prefetch 4
+# Logs under $OUT.
+stages=${1:-first17}
+source "$(dirname "$0")/h200_prologue.sh"
+shape17=(--layers 54 --hidden 5120 --heads 40 --batch 8 --checkpoint on --systems pstar --budgets 137GiB --init-empty
+         --warmup 1 --steps 5)
+run17() {   # name, extra flags...
+  local name=$1; shift
+  timeout 300 python3 benchmarks/gpt.py --timeout 290 --json "$out/$name.json" "${shape17[@]}" "$@" 2>&1 \
+      | grep -v '^{' | tail -2
+  python3 benchmarks/show_run.py "$out/$name.json" | head -3
+  echo "$name: $(( $(date +%s) - start )) s"
+}
+for s in ${stages//,/ }; do
+  case $s in
+    first17) run17 g17b_first --no-atomic ;;
+    pf4_17) run17 g17b_pf4 --no-atomic --prefetch 4 ;;
+    again17) run17 g17b_again --no-atomic ;;
+    atomic17) run17 g17b_atomic ;;
+    profile17) run17 g17b_prof --no-atomic --profile "$out/prof" ;;
+    tests)
+      PSTAR_TEST_DEVICE=cuda timeout 300 python3 -m pytest tests/test_cuda_runtime.py tests/test_equivalence.py \
+          tests/test_residency.py tests/test_host_updates.py tests/test_training_loop.py tests/test_evaluate.py \
+          tests/test_param_homes.py tests/test_early_updates.py tests/test_host_memory.py tests/test_writebacks.py \
+          -q -p no:logging -p no:cacheprovider -rf > "$out/tests_cuda.txt" 2>&1
+      echo "tests rc $?"; tail -5 "$out/tests_cuda.txt"
+      echo "tests: $(( $(date +%s) - start )) s" ;;
+    small)
+      timeout 200 python3 benchmarks/gpt.py --timeout 190 --json "$out/g1b3.json" --layers 24 --hidden 2048 \
+          --heads 16 --batch 8 --systems eager,pstar --budgets none 2>&1 | grep -v '^{' | tail -4
+      echo "1.3B: $(( $(date +%s) - start )) s" ;;
+    mid)
+      timeout 240 python3 benchmarks/gpt.py --timeout 230 --json "$out/g6b7.json" --layers 32 --hidden 4096 \
+          --heads 32 --batch 4 --checkpoint off --systems eager,pstar --budgets none 2>&1 | grep -v '^{' | tail -4
+      echo "6.66B: $(( $(date +%s) - start )) s" ;;
+    b40)
+      for pf in default 4; do
+        flag=(); [[ $pf == 4 ]] && flag=(--prefetch 4)
+        timeout 200 python3 benchmarks/gpt.py --timeout 190 --json "$out/g4b_$pf.json" --layers 20 --hidden 4096 \
+            --heads 32 --batch 4 --systems pstar --budgets 40GiB "${flag[@]}" 2>&1 | grep -v '^{' | tail -2
+      done
+      echo "4.24B at 40 GiB: $(( $(date +%s) - start )) s" ;;
+    *) echo "unknown stage $s"; exit 2 ;;
+  esac
+done
