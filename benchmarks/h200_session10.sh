@@ -10,7 +10,8 @@
 #   tests    - the CUDA tests of the runtime
 #   small    - 1.3B (24 x 2048, 8 x 2048 tokens): eager and pstar-fx, unlimited budget
 #   mid      - 6.66B (32 x 4096, 4 x 2048 tokens): eager and pstar-fx, unlimited budget
-#   b40      - 4.24B (20 x 4096, 4 x 2048 tokens) at a 40 GiB budget, default prefetch and --prefetch 4
+#   b40      - 4.24B (20 x 4096, 4 x 2048 tokens) at a 40 GiB budget: default prefetch, --prefetch 4, and again
+#   threads12 - first17 with 12 CPU worker threads (the default is every core but two: 14)
 # Logs under $OUT.
 stages=${1:-first17}
 source "$(dirname "$0")/h200_prologue.sh"
@@ -30,6 +31,7 @@ for s in ${stages//,/ }; do
     again17) run17 g17b_again --no-atomic ;;
     atomic17) run17 g17b_atomic ;;
     profile17) run17 g17b_prof --no-atomic --profile "$out/prof" ;;
+    threads12) run17 g17b_t12 --no-atomic --host-threads 12 ;;
     tests)
       PSTAR_TEST_DEVICE=cuda timeout 300 python3 -m pytest tests/test_cuda_runtime.py tests/test_equivalence.py \
           tests/test_residency.py tests/test_host_updates.py tests/test_training_loop.py tests/test_evaluate.py \
@@ -46,8 +48,8 @@ for s in ${stages//,/ }; do
           --heads 32 --batch 4 --checkpoint off --systems eager,pstar --budgets none 2>&1 | grep -v '^{' | tail -4
       echo "6.66B: $(( $(date +%s) - start )) s" ;;
     b40)
-      for pf in default 4; do
-        flag=(); [[ $pf == 4 ]] && flag=(--prefetch 4)
+      for pf in default 4 default2 42; do
+        flag=(); [[ $pf == 4* ]] && flag=(--prefetch 4)
         timeout 200 python3 benchmarks/gpt.py --timeout 190 --json "$out/g4b_$pf.json" --layers 20 --hidden 4096 \
             --heads 32 --batch 4 --systems pstar --budgets 40GiB "${flag[@]}" 2>&1 | grep -v '^{' | tail -2
       done
