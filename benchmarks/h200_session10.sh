@@ -5,7 +5,7 @@
 #              137 GiB budget), atomic=False, default prefetch; run first on a fresh machine, it times the compile
 #   pf4_17   - first17 with --prefetch 4 (session 9's schedule, with this session's release-early and host-step fix)
 #   again17  - first17 once more (after pf4_17: does the order matter?)
-#   atomic17 - the 17.26B run with atomic steps (the default)
+#   atomic17 - the 17.26B run with atomic steps (the default); atomic17pf4: the same with --prefetch 4
 #   profile17 - first17 with a torch.profiler trace of one step
 #   tests    - the CUDA tests of the runtime
 #   small    - 1.3B (24 x 2048, 8 x 2048 tokens): eager and pstar-fx, unlimited budget
@@ -30,6 +30,7 @@ for s in ${stages//,/ }; do
     pf4_17) run17 g17b_pf4 --no-atomic --prefetch 4 ;;
     again17) run17 g17b_again --no-atomic ;;
     atomic17) run17 g17b_atomic ;;
+    atomic17pf4) run17 g17b_atomic_pf4 --prefetch 4 ;;
     profile17) run17 g17b_prof --no-atomic --profile "$out/prof" ;;
     threads12) run17 g17b_t12 --no-atomic --host-threads 12 ;;
     tests)
