@@ -105,3 +105,32 @@ def test_the_verifier_rejects_collectives_in_an_unsharded_graph():
     fetch.target = px.ops.all_gather
     with pytest.raises(VerificationError, match="collective"):
         verify(g)
+
+
+def test_with_ranks_a_host_stepped_chunk_is_gathered_where_it_is_needed():
+    """The executor's thread issues a rank's gathers itself, after the chunk's pending host-side update: a fetch
+    of a host-stepped chunk that precedes its update is not hoisted (only other moves between it and its use),
+    while one rank's schedule hoists some (its CPU worker issues the copy once the update is done)."""
+    from pstar_fx.memory import BufKey, all_needs
+    budget = 400_000
+
+    def lead_of_host_fetches(g):
+        nodes, needs = g.nodes, all_needs(g)
+        host = {c.id for c in g.chunks if c.state_home is StateHome.HOST}
+        stepped = {g.ann[n.name].chunk: i for i, n in enumerate(nodes) if g.ann[n.name].role is Role.OPTIMIZER_STEP}
+        moves = (Role.FETCH, Role.RELEASE)
+        leads = []
+        for i, n in enumerate(nodes):
+            a = g.ann[n.name]
+            if a.role is not Role.FETCH or a.chunk not in host or stepped[a.chunk] < i:
+                continue
+            key = BufKey(a.chunk, a.buf)
+            use = next(j for j in range(i + 1, len(nodes)) if key in needs[j].resident and g.ann[nodes[j].name].role
+                       not in moves)
+            leads.append(sum(g.ann[nodes[j].name].role not in moves for j in range(i + 1, use)))
+        return leads
+
+    two = lead_of_host_fetches(stages_for("gpt_tied", 2, budget=budget, chunk_size=1024)[-1])
+    one = lead_of_host_fetches(stages_for("gpt_tied", 1, budget=budget, chunk_size=1024)[-1])
+    assert two and all(lead == 0 for lead in two), two
+    assert any(lead > 0 for lead in one), one

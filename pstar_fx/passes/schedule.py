@@ -15,7 +15,9 @@ evict before their first use (churn). At an unlimited budget every parameter buf
 Then each release moves up to the gap right after its buffer's last use (a victim leaves as soon as nothing needs it
 before its eviction, not when its room is wanted), and each fetch is hoisted up to `prefetch` nodes earlier (None: as
 far as the budget allows) into the room that is free, an earlier need first: prefetching never adds evictions or
-bytes moved.
+bytes moved. A fetch after a host-side update of its chunk stays after it; with more than one rank, a fetch of a
+chunk stepped on the host that comes before the chunk's update stays where it is needed (the executor's thread
+waits there for the update of the step before).
 A budget that some node cannot fit raises BudgetError before anything runs.
 
 Parameter homes (`ChunkInfo.param_home`, set here for training graphs): in mixed precision a chunk whose optimizer
@@ -207,8 +209,12 @@ def plan_moves(g: TrainGraph, budget: int | None, prefetch: int | None) -> tuple
     p, carried = planner.cycle()
     moves = p.moves
     if prefetch is None or prefetch > 0:
-        moves = _release_early(g, moves, p.profile, planner.uses, planner.first)
-        moves = _hoist(g, moves, p.profile, planner.lv.live, planner.nd, planner.static, planner.cap, prefetch)
+        # bytes free while each node runs (a tensor: a fetch may look back over the whole step); None: no budget
+        room = None if planner.cap == INF else torch.tensor(
+            [int(planner.cap) - planner.static - p.profile[t] - planner.lv.live[t] - planner.nd[t].workspace
+             for t in range(len(planner.nodes))], dtype=torch.int64)
+        moves = _release_early(g, moves, room, planner.uses, planner.first)
+        moves = _hoist(g, moves, room, planner.first, prefetch)
     return moves, carried
 
 
@@ -234,13 +240,12 @@ def _budget_error(g: TrainGraph, lv, cap: float, first: fx.Node) -> BudgetError:
         node=g.nodes[i].name, needed=need, available=int(cap))
 
 
-def _release_early(g, moves, profile, uses, first) -> list[Move]:
+def _release_early(g, moves, room, uses, first) -> list[Move]:
     """Move each release up to the gap right after its buffer's last use before it (for a buffer carried in and not
-    used before, to the first gap after the placeholders), and take its bytes out of `profile` (updated in place)
-    between. Belady evicts a victim in the gap of the fetch that needs its room; released at once instead, the room
-    is free from the victim's last use on, and `_hoist` can move that fetch (and others) into it. Nothing else
-    changes: the same buffers move the same bytes, and a buffer not used in between holds what it held (the same
-    write-back)."""
+    used before, to the first gap after the placeholders), and add its bytes to `room` (updated in place) between.
+    Belady evicts a victim in the gap of the fetch that needs its room; released at once instead, the room is free
+    from the victim's last use on, and `_hoist` can move that fetch (and others) into it. Nothing else changes: the
+    same buffers move the same bytes, and a buffer not used in between holds what it held (the same write-back)."""
     out: list[Move] = []
     for m in moves:
         if m.role is Role.RELEASE:
@@ -248,27 +253,23 @@ def _release_early(g, moves, profile, uses, first) -> list[Move]:
             j = bisect.bisect_left(lst, m.before)      # uses are in node order
             at = lst[j - 1] + 1 if j else first
             if at < m.before:
-                size = buf_bytes(g, m.key)
-                for t in range(at, m.before):
-                    profile[t] -= size
+                if room is not None:
+                    room[at:m.before] += buf_bytes(g, m.key)
                 m = dataclasses.replace(m, before=at)
         out.append(m)
     return out
 
 
-def _hoist(g, moves, profile, live, nd, static, cap, prefetch) -> list[Move]:
-    """Move each fetch up to `prefetch` nodes earlier (None: no limit), through gaps where its bytes fit and it is not
-    resident, in the order the step needs them (an earlier need claims room first)."""
+def _hoist(g, moves, room, first, prefetch) -> list[Move]:
+    """Move each fetch up to `prefetch` nodes earlier (None: no limit), through gaps where its bytes fit (`room`,
+    updated in place; None: no budget) and it is not resident, in the order the step needs them (an earlier need
+    claims room first). Placeholders stay first."""
     last_gone: dict[BufKey, int] = {}
     nodes = g.nodes
     n_nodes = len(nodes)
-    first = next(i for i, n in enumerate(nodes) if n.op != "placeholder")   # placeholders stay first
-    host_step = {g.ann[n.name].chunk: i for i, n in enumerate(nodes)      # a fetch after a host-side update stays
-                 if g.ann[n.name].role is Role.OPTIMIZER_STEP            # after it
+    host_step = {g.ann[n.name].chunk: i for i, n in enumerate(nodes)
+                 if g.ann[n.name].role is Role.OPTIMIZER_STEP
                  and g.chunks[g.ann[n.name].chunk].state_home is StateHome.HOST}
-    # bytes free while each node runs (a tensor: a fetch may look back over the whole step)
-    room = None if cap == INF else torch.tensor(
-        [int(cap) - static - profile[t] - live[t] - nd[t].workspace for t in range(n_nodes)], dtype=torch.int64)
     out: list[Move] = []
     for m in sorted(moves, key=lambda m: m.before):
         if m.role is Role.RELEASE:
@@ -276,7 +277,15 @@ def _hoist(g, moves, profile, live, nd, static, cap, prefetch) -> list[Move]:
             out.append(m)
             continue
         stepped = host_step.get(m.key.chunk, n_nodes)
-        floor = max(last_gone.get(m.key, first), first, stepped + 1 if stepped < m.before else first,
+        if stepped < m.before:
+            after_update = stepped + 1      # a fetch after a host-side update of its chunk stays after it
+        elif stepped < n_nodes and g.settings.world > 1:
+            # with ranks the executor's thread issues the gather itself, in graph order, and first waits for the
+            # chunk's host-side update of the step before: hoisted, it would hold up every node after it meanwhile
+            after_update = m.before
+        else:
+            after_update = first            # one rank: the CPU worker issues the copy once the update is done
+        floor = max(last_gone.get(m.key, first), first, after_update,
                     first if prefetch is None else m.before - prefetch)
         j = m.before
         if floor < m.before:
