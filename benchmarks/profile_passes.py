@@ -48,7 +48,7 @@ def main() -> None:
     t0 = time.perf_counter()
     g = trace_step(gpt_loss, model, (tokens, tokens), settings)
     print(f"trace: {time.perf_counter() - t0:.2f} s, {len(g.nodes)} nodes (traced for {dev.type})", flush=True)
-    for p in pipeline(chunk_size=args.chunk_size, prefetch=4, world=args.world_size):
+    for p in pipeline(chunk_size=args.chunk_size, world=args.world_size):
         name = getattr(p, "func", p).__name__
         prof = cProfile.Profile() if name in wanted else None
         t0 = time.perf_counter()
