@@ -196,9 +196,7 @@ class HostMemory:
 
     def _run(self) -> None:
         """The set-up thread: fault the pool in piece by piece (looking for the layout between pieces), then make
-        the buffers of the layout. Its OpenMP team (its own: a per-thread setting) leaves one core to the thread
-        that traces and plans meanwhile."""
-        torch.set_num_threads(max(1, torch.get_num_threads() - 1))
+        the buffers of the layout."""
         try:
             while True:
                 with self._wake:
