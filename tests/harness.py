@@ -117,7 +117,7 @@ def check_tight_budget_matches_eager(case: Case, steps: int, chunk_size: int = 1
 
 
 def compiled_step(case: Case, *, budget=None, chunk_size=None, precision="fp32", fused=None, hyper=HYPER,
-                  debug=True, prefetch=4):
+                  debug=True, prefetch=None):
     model = case.build_model()
     return px.compile(model, optimizer=px.AdamW(**hyper, fused=fused), device_memory=budget, chunk_size=chunk_size,
                       precision=precision, device=DEVICE, debug=debug, prefetch=prefetch)(case.loss_fn)

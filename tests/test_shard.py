@@ -108,25 +108,24 @@ def test_the_verifier_rejects_collectives_in_an_unsharded_graph():
 
 
 def test_with_ranks_a_host_stepped_chunk_is_gathered_where_it_is_needed():
-    """The executor's thread issues a rank's gathers itself, after the chunk's pending host-side update: a fetch
-    of a host-stepped chunk that precedes its update is not hoisted (only other moves between it and its use),
-    while one rank's schedule hoists some (its CPU worker issues the copy once the update is done)."""
+    """The executor's thread issues a rank's copies and gathers itself, after the chunk's pending host-side update:
+    a copy into a host-stepped chunk is not hoisted (only other moves between it and its use), while one rank's
+    schedule hoists some (its CPU worker issues the copy once the update is done)."""
     from pstar_fx.memory import BufKey, all_needs
     budget = 400_000
 
     def lead_of_host_fetches(g):
         nodes, needs = g.nodes, all_needs(g)
         host = {c.id for c in g.chunks if c.state_home is StateHome.HOST}
-        stepped = {g.ann[n.name].chunk: i for i, n in enumerate(nodes) if g.ann[n.name].role is Role.OPTIMIZER_STEP}
         moves = (Role.FETCH, Role.RELEASE)
         leads = []
         for i, n in enumerate(nodes):
             a = g.ann[n.name]
-            if a.role is not Role.FETCH or a.chunk not in host or stepped[a.chunk] < i:
+            if a.role is not Role.FETCH or a.chunk not in host or n.target is px.ops.alloc:
                 continue
             key = BufKey(a.chunk, a.buf)
-            use = next(j for j in range(i + 1, len(nodes)) if key in needs[j].resident and g.ann[nodes[j].name].role
-                       not in moves)
+            use = next((j for j in range(i + 1, len(nodes)) if key in needs[j].resident
+                        and g.ann[nodes[j].name].role not in moves), len(nodes) - 1)   # none: fetched back at the end
             leads.append(sum(g.ann[nodes[j].name].role not in moves for j in range(i + 1, use)))
         return leads
 

@@ -12,12 +12,12 @@ around the cycle, is furthest away (Belady; exact, since the whole step is in th
 parameters of frozen chunks and of chunks stepped on the device that a pass from an empty device still holds at the
 end, plus host-stepped chunks' parameters (fetched back after their update) while they fit, minus any the step would
 evict before their first use (churn). At an unlimited budget every parameter buffer is carried and nothing moves.
-Then each release moves up to the gap right after its buffer's last use (a victim leaves as soon as nothing needs it
-before its eviction, not when its room is wanted), and each fetch is hoisted up to `prefetch` nodes earlier (None: as
-far as the budget allows) into the room that is free, an earlier need first: prefetching never adds evictions or
-bytes moved. A fetch after a host-side update of its chunk stays after it; with more than one rank, a fetch of a
-chunk stepped on the host that comes before the chunk's update stays where it is needed (the executor's thread
-waits there for the update of the step before).
+Then, unless prefetch is 0, each release moves up to the gap right after its buffer's last use (a victim leaves as
+soon as nothing needs it before its eviction, not when its room is wanted), and each fetch is hoisted up to
+`prefetch` nodes earlier (None: no limit) through the gaps where its bytes fit, greedily, an earlier need first:
+prefetching never adds evictions or bytes moved. A fetch after a host-side update of its chunk stays after it; with
+more than one rank, a copy into a chunk stepped on the host is not hoisted at all (the executor's thread issues it
+and waits there for the chunk's pending update).
 A budget that some node cannot fit raises BudgetError before anything runs.
 
 Parameter homes (`ChunkInfo.param_home`, set here for training graphs): in mixed precision a chunk whose optimizer
@@ -277,12 +277,12 @@ def _hoist(g, moves, room, first, prefetch) -> list[Move]:
             out.append(m)
             continue
         stepped = host_step.get(m.key.chunk, n_nodes)
-        if stepped < m.before:
-            after_update = stepped + 1      # a fetch after a host-side update of its chunk stays after it
-        elif stepped < n_nodes and g.settings.world > 1:
-            # with ranks the executor's thread issues the gather itself, in graph order, and first waits for the
-            # chunk's host-side update of the step before: hoisted, it would hold up every node after it meanwhile
+        if stepped < n_nodes and m.copy and g.settings.world > 1:
+            # with ranks the executor's thread issues the copy (and gather) itself, in graph order, and first waits
+            # for the chunk's pending host-side update: hoisted, it would hold up every node after it meanwhile
             after_update = m.before
+        elif stepped < m.before:
+            after_update = stepped + 1      # a fetch after a host-side update of its chunk stays after it
         else:
             after_update = first            # one rank: the CPU worker issues the copy once the update is done
         floor = max(last_gone.get(m.key, first), first, after_update,
