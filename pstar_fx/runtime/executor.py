@@ -25,6 +25,13 @@ from .interrupts import DeferredInterrupt
 _RUNTIME_OPS = frozenset(ops.RUNTIME_OPS)
 
 
+def _tensors(v) -> "tuple | list":
+    """The tensors in a node's value, in pytree order (a plain tensor, most nodes' value, without a pytree walk)."""
+    if type(v) is torch.Tensor:
+        return (v,)
+    return [t for t in tree_leaves(v) if isinstance(t, torch.Tensor)]
+
+
 @dataclass
 class LossScaler:
     """fp16 dynamic loss scaling with torch.amp.GradScaler's defaults."""
@@ -353,33 +360,33 @@ class Executor:
         input_iter = iter(inputs)
         pool.sample()
 
+        owned = pool.storages              # data_ptrs of the pool's slots (chunk memory, counted by the pool)
+
         def hold(v) -> int:
             added = 0
-            for t in tree_leaves(v):
-                if isinstance(t, torch.Tensor):
-                    s = t.untyped_storage()
-                    ptr = s.data_ptr()
-                    if pool.owns(t) or ptr == 0:
-                        continue
-                    e = held.get(ptr)
-                    if e is None:
-                        held[ptr] = [1, s.nbytes()]
-                        added += s.nbytes()
-                    else:
-                        e[0] += 1
+            for t in _tensors(v):
+                s = t.untyped_storage()
+                ptr = s.data_ptr()
+                if ptr == 0 or ptr in owned:
+                    continue
+                e = held.get(ptr)
+                if e is None:
+                    held[ptr] = [1, s.nbytes()]
+                    added += s.nbytes()
+                else:
+                    e[0] += 1
             return added
 
         def drop(v) -> int:
             removed = 0
-            for t in tree_leaves(v):
-                if isinstance(t, torch.Tensor):
-                    ptr = t.untyped_storage().data_ptr()
-                    e = held.get(ptr)
-                    if e is not None:
-                        e[0] -= 1
-                        if e[0] == 0:
-                            removed += e[1]
-                            del held[ptr]
+            for t in _tensors(v):
+                ptr = t.untyped_storage().data_ptr()
+                e = held.get(ptr)
+                if e is not None:
+                    e[0] -= 1
+                    if e[0] == 0:
+                        removed += e[1]
+                        del held[ptr]
             return removed
 
         def load(a):
@@ -457,7 +464,11 @@ class Executor:
         """A kernel may return a tensor whose storage is larger than the plan assumed (a CPU reduction can hand back
         a 0-d view of its unreduced buffer): copy such a value into a storage of the planned size. Views of chunk
         memory are left alone: their storage is the chunk."""
-        leaves = [t for t in tree_leaves(val) if isinstance(t, torch.Tensor)]
+        if type(val) is torch.Tensor:        # most nodes: one plain tensor
+            if len(planned) != 1 or val.untyped_storage().nbytes() <= planned[0] or pool.owns(val):
+                return val
+            return val.clone()
+        leaves = _tensors(val)
         if len(leaves) != len(planned):
             return val
         fix = {id(t): t.clone() for t, p in zip(leaves, planned)
