@@ -127,14 +127,18 @@ def loss_seed(graph: fx.Graph, loss: fx.Node) -> fx.Node | None:
     return None
 
 
-def tensors_of(node: fx.Node) -> list[torch.Tensor]:
-    """The (fake) tensors a node produces, from node.meta["val"]."""
-    val = node.meta.get("val")
+def tensors_in(val) -> list[torch.Tensor]:
+    """The tensors in a value (a tensor, None, or a pytree of them), in pytree order."""
     if isinstance(val, torch.Tensor):      # the common case, without a pytree walk
         return [val]
     if val is None:
         return []
     return [t for t in tree_leaves(val) if isinstance(t, torch.Tensor)]
+
+
+def tensors_of(node: fx.Node) -> list[torch.Tensor]:
+    """The (fake) tensors a node produces, from node.meta["val"]."""
+    return tensors_in(node.meta.get("val"))
 
 
 def storage_key(t: torch.Tensor) -> int:

@@ -1,19 +1,21 @@
-"""The executor's value bookkeeping: which tensors a node's value holds, and values whose storage is larger than
-the plan assumed."""
+"""The executor's value bookkeeping: which tensors a node's value holds (graph_utils.tensors_in), and values whose
+storage is larger than the plan assumed."""
 import torch
 
 from pstar_fx.runtime.chunk_store import DevicePool
-from pstar_fx.runtime.executor import Executor, _tensors
+from pstar_fx.graph_utils import tensors_in
+from pstar_fx.runtime.executor import Executor
 
 
 def test_tensors_of_plain_and_nested_values_in_pytree_order():
     a, b = torch.randn(3), torch.randn(2)
-    assert _tensors(a) == (a,)
-    got = _tensors((a, [None, 1.5, {"k": b}]))
+    one = tensors_in(a)
+    assert len(one) == 1 and one[0] is a
+    got = tensors_in((a, [None, 1.5, {"k": b}]))
     assert len(got) == 2 and got[0] is a and got[1] is b
-    assert _tensors(None) == [] and _tensors(2) == []
-    p = torch.nn.Parameter(torch.randn(2))          # a tensor subclass takes the pytree path
-    assert _tensors(p)[0] is p
+    assert tensors_in(None) == [] and tensors_in(2) == []
+    p = torch.nn.Parameter(torch.randn(2))          # a tensor subclass counts as a tensor
+    assert tensors_in(p)[0] is p
 
 
 def test_compact_copies_values_whose_storage_is_larger_than_planned():

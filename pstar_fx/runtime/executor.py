@@ -10,12 +10,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
-from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._pytree import tree_map
 
 from .. import ops
 from ..errors import CommitError
 from ..ir import BufKind, Role, StateHome, TrainGraph
-from ..graph_utils import last_uses, mutated_args, storage_bytes, tensors_of, user_frame
+from ..graph_utils import last_uses, mutated_args, storage_bytes, tensors_in, tensors_of, user_frame
 from ..memory import BufKey, constants
 from ..units import format_bytes
 from .adam import adam_step, host_step
@@ -23,13 +23,6 @@ from .chunk_store import ChunkStore
 from .interrupts import DeferredInterrupt
 
 _RUNTIME_OPS = frozenset(ops.RUNTIME_OPS)
-
-
-def _tensors(v) -> "tuple | list":
-    """The tensors in a node's value, in pytree order (a plain tensor, most nodes' value, without a pytree walk)."""
-    if type(v) is torch.Tensor:
-        return (v,)
-    return [t for t in tree_leaves(v) if isinstance(t, torch.Tensor)]
 
 
 @dataclass
@@ -364,7 +357,7 @@ class Executor:
 
         def hold(v) -> int:
             added = 0
-            for t in _tensors(v):
+            for t in tensors_in(v):
                 s = t.untyped_storage()
                 ptr = s.data_ptr()
                 if ptr == 0 or ptr in owned:
@@ -379,7 +372,7 @@ class Executor:
 
         def drop(v) -> int:
             removed = 0
-            for t in _tensors(v):
+            for t in tensors_in(v):
                 ptr = t.untyped_storage().data_ptr()
                 e = held.get(ptr)
                 if e is not None:
@@ -468,7 +461,7 @@ class Executor:
             if len(planned) != 1 or val.untyped_storage().nbytes() <= planned[0] or pool.owns(val):
                 return val
             return val.clone()
-        leaves = _tensors(val)
+        leaves = tensors_in(val)
         if len(leaves) != len(planned):
             return val
         fix = {id(t): t.clone() for t, p in zip(leaves, planned)
