@@ -94,8 +94,7 @@ class _Planner:
     def fits_at_ends(self, keys) -> bool:
         """A carried set must fit where the step starts (placeholders) and where it ends (the output node)."""
         size = sum(buf_bytes(self.g, k) for k in keys)
-        first = next(i for i, n in enumerate(self.nodes) if n.op != "placeholder")
-        ends = list(range(first)) + [len(self.nodes) - 1]
+        ends = list(range(self.first)) + [len(self.nodes) - 1]
         return all(self.static + size + self.lv.live[i] + self.nd[i].workspace <= self.cap for i in ends)
 
     def run(self, start: dict[BufKey, bool], carry: frozenset[BufKey], top_up: bool) -> _Pass:
