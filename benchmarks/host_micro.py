@@ -134,9 +134,10 @@ ADAM = AdamConfig(lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, de
                   fused=None)
 
 
-def median_seconds(run, reps: int = 3) -> float:
-    """The median time of `reps` calls of run(), after one warm-up call."""
-    run()
+def median_seconds(run, reps: int = 3, warm: int = 1) -> float:
+    """The median time of `reps` calls of run(), after `warm` warm-up calls."""
+    for _ in range(warm):
+        run()
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()

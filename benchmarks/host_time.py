@@ -6,7 +6,6 @@ median step over 20 after 3 warm-up steps, and one profiled step split into torc
     python benchmarks/host_time.py [--layers 24] [--threads 1]
 """
 import argparse
-import statistics
 import time
 
 import torch
@@ -14,16 +13,7 @@ import torch
 import pstar_fx as px
 from pstar_fx.plan import GPT, GPTConfig, gpt_loss
 
-
-def median_ms(fn, steps: int = 20, warm: int = 3) -> float:
-    for _ in range(warm):
-        fn()
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+from host_micro import median_seconds  # benchmarks/, beside this file
 
 
 def split_ms(fn) -> tuple[float, float]:
@@ -61,7 +51,7 @@ def main() -> None:
     nodes = len(step.final_graph.nodes)
     print(f"GPT {args.layers} layers x d=64 on the CPU, {args.threads} thread(s); pstar-fx's graph: {nodes} nodes")
     for name, fn in (("eager", eager_step), ("pstar-fx", lambda: step(x, y))):
-        med = median_ms(fn)
+        med = median_seconds(fn, reps=20, warm=3) * 1e3
         wall, ops = split_ms(fn)
         print(f"{name:9s} step {med:6.1f} ms (median of 20); one profiled step {wall:6.1f} ms: torch operators "
               f"{ops:5.1f} ms, the rest {max(0.0, wall - ops):5.1f} ms"
