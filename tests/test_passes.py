@@ -11,8 +11,8 @@ from pstar_fx.passes import VerificationError, verify
 from pstar_fx.passes.assign_chunks import choose_chunk_size, pack, waste
 from pstar_fx.graph_utils import mutated_args
 
-from harness import compiled_step, small_batches, tight_budget
-from models import CASES_BY_NAME
+from harness import compiled_run, compiled_step, eager_run, host_params, rel_err, small_batches, tight_budget
+from models import CASES_BY_NAME, assert_state_close
 
 
 def _stages(case_name="gpt_tied", **kw):
@@ -320,8 +320,9 @@ def _moves(g):
 @pytest.mark.parametrize("case_name", ["gpt_tied", "hf_llama"])
 def test_releases_follow_last_use_and_fetches_go_as_early_as_the_budget_allows(case_name):
     """With prefetch: each release comes right after its buffer's last use before it (only other fetches and
-    releases between), so a victim's room is free before the fetch that wanted it; prefetch=None hoists fetches at
-    least as far as prefetch=4, moving the same bytes, and every plan stays within the budget."""
+    releases between), so a victim's room is free before the fetch that wanted it; prefetch=None hoists fetches
+    further than prefetch=4, which hoists further than 0, all moving the same bytes, and every plan stays within the
+    budget."""
     case = small_batches(CASES_BY_NAME[case_name])
     budget = tight_budget(case, 1024, slack=1.3)
     graphs = {pf: compiled_step(case, budget=budget, chunk_size=1024, prefetch=pf).lower(*case.batch(0))["scheduled"]
@@ -349,10 +350,7 @@ def test_releases_follow_last_use_and_fetches_go_as_early_as_the_budget_allows(c
 
 
 def test_prefetch_none_trains_equal_to_eager_under_a_tight_budget():
-    from harness import eager_run, host_params, rel_err
-    from models import assert_state_close
     case = small_batches(CASES_BY_NAME["gpt_tied"])
-    from harness import compiled_run
     losses, sd, step = compiled_run(case, 3, budget=tight_budget(case, 1024), chunk_size=1024, prefetch=None)
     assert step.last_step.measured_peak == step.graphs["scheduled"].plan.predicted_peak   # debug=True checks each node
     ref_losses, ref_sd = eager_run(case, 3, host_params=host_params(step))
