@@ -30,7 +30,7 @@ from pstar_fx.units import parse_bytes  # noqa: E402
 def main() -> None:
     ap = _parser()             # the GPT and plan flags of `python -m pstar_fx.plan`
     ap.description = __doc__
-    ap.add_argument("--profile", default="", help="comma-separated pass names to run under cProfile")
+    ap.add_argument("--profile", default="", help="comma-separated pass names (and trace) to run under cProfile")
     ap.add_argument("--top", type=int, default=25)
     args = ap.parse_args()
     cfg = GPTConfig(vocab=args.vocab, seq=args.seq, layers=args.layers, hidden=args.d_model, heads=args.heads)
@@ -45,28 +45,33 @@ def main() -> None:
     tokens = torch.empty(args.batch, args.seq, dtype=torch.long, device="meta")
     wanted = {p for p in args.profile.split(",") if p}
     gc.disable()
-    t0 = time.perf_counter()
-    g = trace_step(gpt_loss, model, (tokens, tokens), settings)
-    print(f"trace: {time.perf_counter() - t0:.2f} s, {len(g.nodes)} nodes (traced for {dev.type})", flush=True)
-    for p in pipeline(chunk_size=args.chunk_size, world=args.world_size):
-        name = getattr(p, "func", p).__name__
+
+    def timed(name, fn, *a):
         prof = cProfile.Profile() if name in wanted else None
         t0 = time.perf_counter()
         if prof is not None:
             prof.enable()
-        out = p(g)
+        out = fn(*a)
         if prof is not None:
             prof.disable()
         seconds = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        verify(out)
-        print(f"{name}: {seconds:.2f} s (verify {time.perf_counter() - t0:.2f} s), {len(out.nodes)} nodes", flush=True)
+        if name == "trace":
+            print(f"trace: {seconds:.2f} s, {len(out.nodes)} nodes (traced for {dev.type})", flush=True)
+        else:
+            t0 = time.perf_counter()
+            verify(out)
+            print(f"{name}: {seconds:.2f} s (verify {time.perf_counter() - t0:.2f} s), {len(out.nodes)} nodes",
+                  flush=True)
         if prof is not None:
             for order in ("tottime", "cumulative"):
                 text = io.StringIO()
                 pstats.Stats(prof, stream=text).sort_stats(order).print_stats(args.top)
                 print(f"--- {name} by {order}\n" + text.getvalue().split("\n\n", 1)[-1], flush=True)
-        g = out
+        return out
+
+    g = timed("trace", trace_step, gpt_loss, model, (tokens, tokens), settings)
+    for p in pipeline(chunk_size=args.chunk_size, world=args.world_size):
+        g = timed(getattr(p, "func", p).__name__, p, g)
 
 
 if __name__ == "__main__":
