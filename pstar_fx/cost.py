@@ -459,12 +459,17 @@ def _simulate(g: TrainGraph, m: Machine, node_s: list[float], background, steps:
     return sim, ends
 
 
+def compute_seconds(g: TrainGraph, machine: Machine = H200) -> list[float]:
+    """node_seconds of every node of the user's program in g, 0 for the others, in graph order."""
+    return [node_seconds(n, machine) if g.ann[n.name].role is Role.COMPUTE else 0.0 for n in g.nodes]
+
+
 def estimate(g: TrainGraph, machine: Machine = H200, *, steps: int = 3) -> StepCost:
     """The estimated time of one training step of a scheduled (or sharded) graph on `machine` (one rank's view:
     every rank runs the same graph)."""
     assert g.plan is not None, "the cost model reads a scheduled graph"
     assert steps >= 2
-    node_s = [node_seconds(n, machine) if g.ann[n.name].role is Role.COMPUTE else 0.0 for n in g.nodes]
+    node_s = compute_seconds(g, machine)
     first, _ = _simulate(g, machine, node_s, None, steps)
     sim, ends = _simulate(g, machine, node_s, first.lanes, steps)
     last = steps - 1

@@ -2,7 +2,7 @@
 role. The place_optimizer and schedule passes plan with it and the verifier checks with it, so all three agree."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, NamedTuple
 
 import torch
@@ -26,10 +26,10 @@ class Needs:
     reads: frozenset[BufKey] = frozenset()
     writes: frozenset[BufKey] = frozenset()
     workspace: int = 0
+    resident: frozenset[BufKey] = field(init=False, repr=False, compare=False)   # reads | writes
 
-    @property
-    def resident(self) -> frozenset[BufKey]:
-        return self.reads | self.writes
+    def __post_init__(self):
+        object.__setattr__(self, "resident", self.reads | self.writes)   # read for every node by every planner
 
 
 NO_NEEDS = Needs()

@@ -48,7 +48,8 @@ from . import fake_fixes, rewrites, trace_hints
 from .errors import UntraceableError
 from .graph_utils import (data_dependent_sizes, is_user_file, loss_seed, mutated_args, output_node, storage_key,
                           tensors_of, user_frame)
-from .ir import BufferInfo, InputInfo, NodeAnn, ParamInfo, Phase, Role, Settings, TrainGraph, to_module
+from .ir import (BufferInfo, InputInfo, NodeAnn, ParamInfo, Phase, Role, Settings, TrainGraph, lazy_modules,
+                 to_module)
 
 
 
@@ -456,7 +457,8 @@ def trace_step(fn, model: nn.Module, batch: tuple, settings: Settings) -> TrainG
     recorder = _SourceRecorder()
     sources = fx_traceback.preserve_node_meta() if _CHEAP_SOURCES else contextlib.nullcontext()
     try:
-        with _model_restored(model), sources, recorder, fake_fixes.FakeKernelFixes(), rewrites.rewritten(model):
+        with (_model_restored(model), sources, recorder, fake_fixes.FakeKernelFixes(), rewrites.rewritten(model),
+              lazy_modules()):
             gm = make_fx(traced if settings.optimizer is not None else forward_only, tracing_mode="fake",
                          record_stack_traces=not _CHEAP_SOURCES)(trainable, frozen, buffers, scale, *fake_batch)
     except UntraceableError:

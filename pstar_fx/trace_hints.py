@@ -136,7 +136,8 @@ def _private_chains(nodes: list[fx.Node]) -> set[int]:
 
 def mark_recompute(gm: fx.GraphModule, seeds: list[fx.Node] | None = None) -> None:
     """Tag recomputed nodes with their forward twins and make recomputed random ops reuse the forward's values
-    (see the module docstring). Edits `gm` in place: it runs on the fresh trace, before any TrainGraph exists.
+    (see the module docstring). Edits `gm`'s graph in place (its code is not generated again: the caller makes a
+    module of the graph): it runs on the fresh trace, before any TrainGraph exists.
 
     A node is a recompute when it comes after the loss seed, does not depend on it, and applies the same op to the
     same values (twins of its inputs, the same constants) as a node before the seed; random ops are paired in order.
@@ -171,7 +172,6 @@ def mark_recompute(gm: fx.GraphModule, seeds: list[fx.Node] | None = None) -> No
         start = end
     _tag_regions(nodes, twin)
     _reuse_forward_randomness(graph, nodes, twin)
-    gm.recompile()
 
 
 def _match_window(nodes: list[fx.Node], seed: fx.Node, backward: set[fx.Node],

@@ -29,7 +29,7 @@ import dataclasses
 import torch.fx as fx
 
 from .. import ops
-from ..cost import H200, Lane, Machine, estimate, node_seconds
+from ..cost import H200, Lane, Machine, compute_seconds, estimate
 from ..errors import BudgetError
 from ..ir import BufKind, ChunkGroup, NodeAnn, Phase, Role, StateHome, TrainGraph, copy_graph, to_module
 from .liveness import analyze
@@ -53,18 +53,19 @@ def place_optimizer(g: TrainGraph, machine: Machine = H200) -> TrainGraph:
                    for c in g.chunks)
     trainable = [c.id for c in chunks if c.group is ChunkGroup.TRAINABLE]
     all_host = with_steps(g, trainable).evolve(chunks=chunks)   # every step after the commit: for the windows
-    ranked = device_priority(all_host, machine)
+    node_s = compute_seconds(all_host, machine)        # the same program nodes in every placement
+    ranked = device_priority(all_host, machine, node_s)
     most = _choose_homes(all_host, ranked)
-    fewer = _fewer_states(most, ranked, machine)
+    fewer = _fewer_states(most, ranked, machine, node_s)
     if not fewer:      # the common case: no other placement to compare, so all_host becomes the result (no copy)
-        return _placed(g, all_host, most.chunks, machine, reuse=True).evolve(stage="optimizer_placed",
-                                                                             made_by="place_optimizer")
-    best = _placed(g, all_host, most.chunks, machine)
+        return _placed(g, all_host, most.chunks, machine, node_s, reuse=True).evolve(stage="optimizer_placed",
+                                                                                     made_by="place_optimizer")
+    best = _placed(g, all_host, most.chunks, machine, node_s)
     fullest = estimate(schedule(best), machine)
     if fullest.bound in (Lane.H2D, Lane.D2H):
         best_s = fullest.seconds
         for homes in fewer:
-            candidate = _placed(g, all_host, homes, machine)
+            candidate = _placed(g, all_host, homes, machine, node_s)
             try:
                 seconds = estimate(schedule(candidate), machine).seconds
             except BudgetError:
@@ -74,13 +75,14 @@ def place_optimizer(g: TrainGraph, machine: Machine = H200) -> TrainGraph:
     return best.evolve(stage="optimizer_placed", made_by="place_optimizer")
 
 
-def _placed(g: TrainGraph, all_host: TrainGraph, homes: tuple, machine: Machine, reuse: bool = False
-            ) -> TrainGraph:
+def _placed(g: TrainGraph, all_host: TrainGraph, homes: tuple, machine: Machine,
+            node_s: list[float] | None = None, reuse: bool = False) -> TrainGraph:
     """g with its optimizer steps for these state homes: device steps in chunk order, host ones in update order
-    (computed on `all_host`, g with every step after the commit: the order reads the windows, not the steps).
-    reuse: make it from all_host by moving its step nodes (no copy of g; all_host is then used up)."""
+    (computed on `all_host`, g with every step after the commit, whose nodes' compute times are node_s when known:
+    the order reads the windows, not the steps). reuse: make it from all_host by moving its step nodes (no copy of g; all_host
+    is then used up)."""
     device = [c.id for c in homes if c.group is ChunkGroup.TRAINABLE and c.state_home is StateHome.DEVICE]
-    host = update_order(all_host.evolve(chunks=homes), machine)
+    host = update_order(all_host.evolve(chunks=homes), machine, node_s)
     early = g.settings.early_updates
     if reuse:
         return _arranged(g, all_host, device, host, early).evolve(chunks=homes)
@@ -109,7 +111,8 @@ def _arranged(g: TrainGraph, all_host: TrainGraph, order: list[int], host: list[
     return all_host.evolve(gm=to_module(graph, all_host.gm))
 
 
-def _fewer_states(most: TrainGraph, ranked: list[int], machine: Machine) -> list[tuple]:
+def _fewer_states(most: TrainGraph, ranked: list[int], machine: Machine, node_s: list[float] | None = None
+                  ) -> list[tuple]:
     """Placements to compare with the fullest one (which place_optimizer compares only when copies bound its step):
     none when every state fits on the device (nothing to make room for) or when the CPU's updates already take as
     long as the device's compute (fewer device states would only add to them); otherwise the fullest with its last
@@ -119,7 +122,7 @@ def _fewer_states(most: TrainGraph, ranked: list[int], machine: Machine) -> list
     on_device = [cid for cid in ranked if most.chunks[cid].state_home is StateHome.DEVICE]
     if not on_device or host_elems == 0:
         return []
-    compute = sum(node_seconds(n, machine) for n in most.nodes if most.ann[n.name].role is Role.COMPUTE)
+    compute = sum(compute_seconds(most, machine) if node_s is None else node_s)
     if host_elems / _cpu_rate(most, machine) >= compute:
         return []
     out = []
@@ -173,22 +176,21 @@ def _last_use(nd) -> dict[int, int]:
     return {k.chunk: i for i, x in enumerate(nd) for k in x.resident}
 
 
-def _windows(g: TrainGraph, host: list[int], machine: Machine) -> dict[int, tuple[float, float, float]]:
+def _windows(g: TrainGraph, host: list[int], machine: Machine, node_s: list[float] | None = None
+             ) -> dict[int, tuple[float, float, float]]:
     """Each host-stepped chunk's update window on the CPU, from the cost model's node times: (release, deadline,
     duration). Released when its gradient is final and the executor has issued its step: with atomic steps at the
     commit, which the executor reaches once the device is within `machine.launch_queue` kernels of the end of
     backward (or at the end, when the commit decides something every update needs: a clip coefficient, an fp16
     overflow); with early updates after the chunk's last use. Due at the next step's first read of the chunk.
-    Taking its elements at the CPU Adam rate."""
+    Taking its elements at the CPU Adam rate. node_s: compute_seconds(g, machine), if already known."""
     nodes = g.nodes
     nd = all_needs(g)
     at, kernels, t = [], [], 0.0
-    for n in nodes:
-        if g.ann[n.name].role is Role.COMPUTE:
-            s = node_seconds(n, machine)
-            t += s
-            if s > 0:
-                kernels.append(t)
+    for s in compute_seconds(g, machine) if node_s is None else node_s:
+        t += s
+        if s > 0:
+            kernels.append(t)
         at.append(t)
     step_s = t
     last_grad: dict[int, float] = {}
@@ -220,23 +222,23 @@ def _cpu_rate(g: TrainGraph, machine: Machine) -> float:
     return machine.cpu_adam_mixed if g.settings.precision.mixed else machine.cpu_adam
 
 
-def device_priority(g: TrainGraph, machine: Machine = H200) -> list[int]:
+def device_priority(g: TrainGraph, machine: Machine = H200, node_s: list[float] | None = None) -> list[int]:
     """The trainable chunks of g (its steps in any order), the one whose states the device should hold first: the
     least slack in its update window as a host-stepped chunk (deadline - release - duration, `_windows`), then chunk
     order. A chunk with little slack is the one the CPU would make the step wait for."""
     trainable = [c.id for c in g.chunks if c.group is ChunkGroup.TRAINABLE]
-    win = _windows(g, trainable, machine)
+    win = _windows(g, trainable, machine, node_s)
     return sorted(trainable, key=lambda c: (win[c][1] - win[c][0] - win[c][2], c))
 
 
-def update_order(g: TrainGraph, machine: Machine = H200) -> list[int]:
+def update_order(g: TrainGraph, machine: Machine = H200, node_s: list[float] | None = None) -> list[int]:
     """The host-stepped chunks of g (states placed) in the order the CPU should update them: non-preemptive
     earliest-deadline-first over each update's window (`_windows`). With every release at one moment this is
     first-use order."""
     host = [c.id for c in g.chunks if c.group is ChunkGroup.TRAINABLE and c.state_home is StateHome.HOST]
     if len(host) < 2:
         return host
-    todo = {cid: (r, d, cid, u) for cid, (r, d, u) in _windows(g, host, machine).items()}
+    todo = {cid: (r, d, cid, u) for cid, (r, d, u) in _windows(g, host, machine, node_s).items()}
     order, clock = [], 0.0
     while todo:
         ready = [cid for cid, (r, _, _, _) in todo.items() if r <= clock]
