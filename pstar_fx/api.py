@@ -22,7 +22,7 @@ from .optim import OptimizerSpec
 from .optimizer import build as build_optimizer
 from .ownership import hold, holder, model_tensors, release
 from .passes import assign_chunks, canonicalize, collectives, liveness, pipeline, run_passes
-from .memory import early_host_bytes, state_bytes
+from .memory import early_host_bytes, moment_bytes, state_bytes
 from .passes.place_optimizer import min_need, place_optimizer
 from .passes.remat import least_need_graph
 from .runtime.chunk_store import ChunkStore, host_buffer_specs
@@ -187,15 +187,19 @@ class CompiledStep:
         if first:
             # where the budget cannot hold every optimizer state, host memory is faulted in while the step is
             # traced; the buffers are laid out in it once the optimizer is placed
+            # (the Adam moments, which only the steps write, are faulted in after compiling: `ahead` leaves them out)
             early = early_host_bytes(self._tables.params, st.precision, st.world, st.budget)
             if early:
-                hostmem.prefault(min(early, spare_host_bytes(int(os.environ.get("LOCAL_WORLD_SIZE", st.world)))))
+                pool = min(early, spare_host_bytes(int(os.environ.get("LOCAL_WORLD_SIZE", st.world))))
+                hostmem.prefault(pool, ahead=early - moment_bytes(self._tables.params, st.world))
 
         def set_up_early(stage: TrainGraph) -> None:
             # the first compile's host buffers are known once the optimizer is placed: make them while the
             # schedule pass runs
             if stage.stage == "optimizer_placed" and first:
-                hostmem.reserve(host_buffer_specs(stage.chunks, st.precision, st.world))
+                steps = [stage.ann[n.name].chunk for n in stage.nodes
+                         if stage.ann[n.name].role is Role.OPTIMIZER_STEP]
+                hostmem.reserve(host_buffer_specs(stage.chunks, st.precision, st.world, update_order=steps))
         try:
             traced = trace_step(self._fn, self._model, batch, st)
             passes = pipeline(chunk_size=st.chunk_size, layout=self._layout, prefetch=self.prefetch,

@@ -66,6 +66,12 @@ def early_host_bytes(params, precision: Precision, world: int, budget: int | Non
     return states + 2 * trainable * precision.dtype.itemsize
 
 
+def moment_bytes(params, world: int) -> int:
+    """Of early_host_bytes, the Adam moments (m and v, fp32) of every trainable parameter, per rank: zeros until the
+    first update writes them, so they need not be faulted in before a first step (HostMemory.prefault's `ahead`)."""
+    return sum(-(-p.numel // world) for p in params if p.trainable) * 2 * 4
+
+
 def step_workspace(chunk: ChunkInfo, precision: Precision, world: int = 1) -> int:
     """A device-side step in mixed precision converts the gradient (of its shard) to fp32 first."""
     return shard_numel(chunk, world) * 4 if precision.mixed else 0

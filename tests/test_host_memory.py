@@ -79,7 +79,8 @@ def test_the_store_takes_the_buffers_reserved_during_the_schedule_pass():
     assert store.hostmem.taken == len(specs)
     for spec in specs:
         kind, cid = spec.key
-        held = {"param": store.host_param, "states": store.states, "grad": store.host_grad}[kind][cid]
+        held = {"param": store.host_param, "states": store.states, "master": store.masters,
+                "grad": store.host_grad}[kind][cid]
         assert held is not None and held.numel() == spec.numel and held.dtype is spec.dtype
 
 
@@ -190,6 +191,81 @@ def test_a_first_compile_lays_its_host_buffers_out_in_memory_faulted_in_while_it
     host_states = [t for t, home in zip(store.states, store.state_home) if home is StateHome.HOST]
     # the estimate counts parameters, not the chunks' padding: what did not fit the pool got an arena
     assert sum(_inside(t, mem._pool) for t in host_states) >= 2
+    # the moments were handed out before they were faulted in, and populated behind the steps
+    assert mem.populating is not None and mem.populating.total > 0
+    mem.populating.wait()
+    assert mem.populating.error == 0 and mem.populating.done == mem.populating.total
     ref_losses, ref_sd = eager_run(case, 3, host_params=host_params(step))
     assert rel_err(losses, ref_losses) <= 1e-6, (losses, ref_losses)
     assert_state_close(sd, ref_sd, rtol=1e-6)
+
+
+def _resident_fraction(t: torch.Tensor) -> float:
+    """Of the pages under t, the fraction present in memory (mincore)."""
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    page = 4096
+    lo = t.data_ptr() // page * page
+    hi = t.data_ptr() + t.numel() * t.element_size()
+    n = -(-(hi - lo) // page)
+    vec = (ctypes.c_ubyte * n)()
+    assert libc.mincore(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), vec) == 0, ctypes.get_errno()
+    return sum(v & 1 for v in vec) / n
+
+
+def test_deferred_buffers_come_last_are_handed_out_before_they_are_present_and_populated_after():
+    """A deferred buffer (the Adam moments) is laid out after every other buffer; the set-up thread faults in only
+    what the others need before handing the buffers out, then a Populating thread makes the deferred pages present
+    without writing them: values written meanwhile survive."""
+    mem = HostMemory(pin=False)
+    big = 64 << 20                                            # elements: 256 MiB of fp32
+    specs = [BufferSpec(("states", 0), big, torch.float32, False, deferred=True),
+             BufferSpec(("master", 0), 1 << 20, torch.float32, False),
+             BufferSpec(("param", 0), 1 << 20, torch.bfloat16, True)]
+    mem.prefault(1 << 30, ahead=1 << 20)                      # the pool: 1 MiB faulted in ahead of the layout
+    _wait_touched(mem)
+    assert mem.pool_touched == 1 << 20
+    mem.reserve(specs)
+    bufs = {sp.key: mem.zeros(sp.numel, sp.dtype, copied=sp.copied, key=sp.key) for sp in specs}
+    pool = mem._pool
+    order = sorted(bufs, key=lambda k: bufs[k].data_ptr())
+    assert order == [("param", 0), ("master", 0), ("states", 0)] and all(_inside(b, pool) for b in bufs.values())
+    moments = bufs[("states", 0)]
+    # handed out once the others were faulted in: the pool was touched up to the moments' start, not beyond
+    assert mem.pool_touched == moments.data_ptr() - pool.data_ptr() == (2 << 20) + (4 << 20)
+    pattern = torch.arange(big, dtype=torch.float32)
+    moments[::4097].copy_(pattern[::4097])                    # written while the populating may be under way
+    assert mem.populating is not None and mem.populating.total > 0
+    mem.populating.wait()
+    assert mem.populating.error == 0 and mem.populating.done == mem.populating.total
+    assert _resident_fraction(moments) == 1.0
+    assert torch.equal(moments[::4097], pattern[::4097])
+    mask = torch.ones(big, dtype=torch.bool)
+    mask[::4097] = False
+    assert not moments[mask].any()                            # the rest still zero: populating writes nothing
+    mem.release_unclaimed()
+
+
+def test_populating_stops_on_a_refused_range_and_says_why():
+    from pstar_fx.runtime.host_memory import Populating, _populate_write
+    assert _populate_write(4096, 4096 * 4, 2) != 0          # never mapped: ENOMEM
+    base = torch.zeros(1, dtype=torch.uint8)
+    p = Populating(((base, 4096 - base.data_ptr(), 4096 * 5 - base.data_ptr()),))
+    p.start()
+    p.wait()
+    assert p.error != 0 and p.done == 0
+
+
+def test_host_buffer_specs_defer_the_moments_in_update_order():
+    from pstar_fx.ir import ChunkGroup, ChunkInfo, Precision
+    chunks = tuple(ChunkInfo(id=i, group=ChunkGroup.TRAINABLE, capacity=1000, dtype=torch.bfloat16,
+                             params=(f"p{i}",), used=1000,
+                             state_home=StateHome.HOST if i != 1 else StateHome.DEVICE) for i in range(4))
+    specs = host_buffer_specs(chunks, Precision.BF16, 1, update_order=[1, 3, 0])
+    deferred = [sp.key for sp in specs if sp.deferred]
+    assert deferred == [("states", 3), ("states", 0), ("states", 2)]     # host-stepped, in update order
+    assert {sp.key for sp in specs if not sp.deferred} >= {("master", 0), ("param", 0), ("master", 2)}
+    assert not any(sp.copied for sp in specs if sp.deferred)
+    assert all(sp.numel == 2001 for sp in specs if sp.deferred)          # m, v and the step count
+    assert ("master", 1) not in {sp.key for sp in specs}                   # stepped on the device
+    assert [sp.key for sp in specs if sp.key[0] == "grad"] == [("grad", 0), ("grad", 2), ("grad", 3)]

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Issue 5 on one H200 (nvidia-h200: 16 cores, 128 GiB host), session 11: the compile of the 17.26B GPT with the
+# Adam moments faulted in after compiling (HostMemory's deferred buffers) and the faster trace and passes. Stages
+# (first argument, any of, comma-separated):
+#   first17  - the 17.26B GPT (54 x 5120, 40 heads, per-block checkpoints, 8 x 2048 tokens, px.init_empty(cuda),
+#              137 GiB budget), atomic=False; run first on a fresh machine, it times the compile
+#   atomic17 - the same with atomic steps (the default)
+#   async17  - first17 under torch's cudaMallocAsync allocator backend instead of expandable segments (does the
+#              caching allocator's retrying cost the step?)
+#   tests    - the CUDA tests of the runtime
+#   small    - 1.3B (24 x 2048, 8 x 2048 tokens): eager and pstar-fx, unlimited budget
+#   mid      - 6.66B (32 x 4096, 4 x 2048 tokens): eager and pstar-fx, unlimited budget
+# Logs under $OUT.
+stages=${1:-first17}
+source "$(dirname "$0")/h200_prologue.sh"
+uname -r | tee -a "$out/gpu.txt"          # MADV_POPULATE_WRITE needs Linux 5.14
+shape17=(--layers 54 --hidden 5120 --heads 40 --batch 8 --checkpoint on --systems pstar --budgets 137GiB --init-empty
+         --warmup 1 --steps 5)
+run17() {   # name, extra flags...
+  local name=$1; shift
+  timeout 300 python3 benchmarks/gpt.py --timeout 290 --json "$out/$name.json" "${shape17[@]}" "$@" 2>&1 \
+      | grep -v '^{' | tail -2
+  python3 - "$out/$name.json" <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1]))
+for r in d["rows"]:
+    c = r.get("compile_parts", {})
+    print({k: r.get(k) for k in ("system", "step_s", "tflops", "compile_s", "first_steps_s", "measured_peak",
+                                 "predicted_peak", "cpu_worker_per_step")})
+    print("compile:", {k: c.get(k) for k in ("trace_s", "passes_s", "setup_s", "rest_s", "import_s", "host_waited_s")})
+    print("host pool:", c.get("host_pool"))
+    print("per step (populated GiB, worker updating s, allocator retries):",
+          [(s.get("populated_gib"), s.get("updating_s"), s.get("num_alloc_retries")) for s in r.get("per_step", [])])
+PY
+  echo "$name: $(( $(date +%s) - start )) s"
+}
+for s in ${stages//,/ }; do
+  case $s in
+    first17) run17 g17b_first --no-atomic ;;
+    atomic17) run17 g17b_atomic ;;
+    async17) PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync run17 g17b_async --no-atomic ;;
+    tests)
+      PSTAR_TEST_DEVICE=cuda timeout 300 python3 -m pytest tests/test_cuda_runtime.py tests/test_equivalence.py \
+          tests/test_residency.py tests/test_host_updates.py tests/test_training_loop.py tests/test_evaluate.py \
+          tests/test_param_homes.py tests/test_early_updates.py tests/test_host_memory.py tests/test_writebacks.py \
+          tests/test_atomic.py -q -p no:logging -p no:cacheprovider -rf > "$out/tests_cuda.txt" 2>&1
+      echo "tests rc $?"; tail -5 "$out/tests_cuda.txt"
+      echo "tests: $(( $(date +%s) - start )) s" ;;
+    small)
+      timeout 200 python3 benchmarks/gpt.py --timeout 190 --json "$out/g1b3.json" --layers 24 --hidden 2048 \
+          --heads 16 --batch 8 --systems eager,pstar --budgets none 2>&1 | grep -v '^{' | tail -4
+      echo "1.3B: $(( $(date +%s) - start )) s" ;;
+    mid)
+      timeout 240 python3 benchmarks/gpt.py --timeout 230 --json "$out/g6b7.json" --layers 32 --hidden 4096 \
+          --heads 32 --batch 4 --checkpoint off --systems eager,pstar --budgets none 2>&1 | grep -v '^{' | tail -4
+      echo "6.66B: $(( $(date +%s) - start )) s" ;;
+    *) echo "unknown stage $s"; exit 2 ;;
+  esac
+done
