@@ -22,7 +22,7 @@ from .optim import OptimizerSpec
 from .optimizer import build as build_optimizer
 from .ownership import hold, holder, model_tensors, release
 from .passes import assign_chunks, canonicalize, collectives, liveness, pipeline, run_passes
-from .memory import early_host_bytes, moment_bytes, state_bytes
+from .memory import early_host_bytes, prefault_ahead, state_bytes
 from .passes.place_optimizer import min_need, place_optimizer
 from .passes.remat import least_need_graph
 from .runtime.chunk_store import ChunkStore, host_buffer_specs
@@ -191,7 +191,8 @@ class CompiledStep:
             early = early_host_bytes(self._tables.params, st.precision, st.world, st.budget)
             if early:
                 pool = min(early, spare_host_bytes(int(os.environ.get("LOCAL_WORLD_SIZE", st.world))))
-                hostmem.prefault(pool, ahead=early - moment_bytes(self._tables.params, st.world))
+                hostmem.prefault(pool, ahead=prefault_ahead(pool, self._tables.params, st.precision, st.world,
+                                                             st.budget))
 
         def set_up_early(stage: TrainGraph) -> None:
             # the first compile's host buffers are known once the optimizer is placed: make them while the

@@ -163,6 +163,21 @@ def test_early_host_bytes_is_zero_where_the_budget_holds_every_state():
     assert early_host_bytes(params, Precision.BF16, 2, 10) == 12 * per_rank + 2 * 2 * per_rank
 
 
+def test_a_prefault_leaves_the_moments_share_of_its_pool_for_after_compiling():
+    """Ahead of the layout a pool faults in all but the moments' share of the host bytes (mixed precision: per
+    parameter 8 bytes of moments of 4 + 8 + 2 + 2), whether it holds all of them or, capped by free memory, some."""
+    from pstar_fx.ir import ParamInfo, Precision
+    from pstar_fx.memory import early_host_bytes, prefault_ahead
+    params = [ParamInfo("w", (1000, 100), torch.float32, True), ParamInfo("frozen", (50, 50), torch.float32, False)]
+    early = early_host_bytes(params, Precision.BF16, 1, 10)
+    assert early == 16 * 100_000
+    assert prefault_ahead(early, params, Precision.BF16, 1, 10) == 8 * 100_000
+    assert prefault_ahead(early // 4, params, Precision.BF16, 1, 10) == early // 8
+    fp32 = early_host_bytes(params, Precision.FP32, 1, 10)               # m, v; fp32 parameter and gradient homes
+    assert prefault_ahead(fp32, params, Precision.FP32, 1, 10) == fp32 // 2
+    assert prefault_ahead(1 << 20, params, Precision.BF16, 1, None) == 1 << 20   # no prefault is asked for then
+
+
 def _mlp_case():
     from models import Case
     import torch.nn as nn
