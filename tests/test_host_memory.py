@@ -266,9 +266,26 @@ def test_populating_stops_on_a_refused_range_and_says_why():
     assert _populate_write(4096, 4096 * 4, 2) != 0          # never mapped: ENOMEM
     base = torch.zeros(1, dtype=torch.uint8)
     p = Populating(((base, 4096 - base.data_ptr(), 4096 * 5 - base.data_ptr()),))
+    with pytest.warns(RuntimeWarning, match="fault in on the first"):
+        p.start()
+        p.wait()
+    assert p.error != 0 and p.done == 0
+
+
+def test_populating_starts_from_the_page_an_unaligned_range_begins_on():
+    """A range may start anywhere (the pool is faulted in ahead of the layout to a byte count): madvise wants a page
+    boundary, so the page the range begins on is populated too, and values already there stay."""
+    import mmap as _mmap
+    from pstar_fx.runtime.host_memory import Populating
+    m = _mmap.mmap(-1, 16 << 20, flags=_mmap.MAP_PRIVATE | _mmap.MAP_ANONYMOUS)
+    t = torch.frombuffer(m, dtype=torch.uint8, count=16 << 20)
+    t[:12345].fill_(7)
+    p = Populating(((t, 12345, 16 << 20),))
     p.start()
     p.wait()
-    assert p.error != 0 and p.done == 0
+    assert p.error == 0 and p.done == (16 << 20) - 12345
+    assert _resident_fraction(t) == 1.0
+    assert bool((t[:12345] == 7).all()) and not t[12345:].any()
 
 
 def test_host_buffer_specs_defer_the_moments_in_update_order():

@@ -161,10 +161,14 @@ _MADVISE = _madvise()
 
 def _populate_write(addr: int, nbytes: int, threads: int) -> int:
     """Make the pages of [addr, addr + nbytes) present for writing (MADV_POPULATE_WRITE), on `threads` threads at
-    once, each a page-aligned part; 0, or the errno that refused it (EINVAL on kernels before Linux 5.14)."""
+    once, each a page-aligned part (the first from the page addr is on: madvise refuses an unaligned start with
+    EINVAL, and populating a page already present writes nothing); 0, or the errno that refused it (EINVAL on
+    kernels before Linux 5.14)."""
     if _MADVISE is None:
         return errno.ENOSYS
-    cut = [addr + (nbytes * i // threads) // _PAGE * _PAGE for i in range(threads)] + [addr + nbytes]
+    start = addr // _PAGE * _PAGE
+    nbytes += addr - start
+    cut = [start + (nbytes * i // threads) // _PAGE * _PAGE for i in range(threads)] + [start + nbytes]
     errs = [0] * threads
 
     def one(i: int) -> None:
@@ -222,6 +226,10 @@ class Populating:
                 err = _populate_write(addr + start, end - start, threads)
                 if err:
                     self.error = err
+                    warnings.warn(f"pstar-fx: faulting in {(self.total - self.done) / 2**30:.1f} GiB of host buffers "
+                                  f"(the Adam moments) after compiling was refused ({errno.errorcode.get(err, err)}: "
+                                  f"MADV_POPULATE_WRITE needs Linux 5.14); their pages fault in on the first "
+                                  f"steps' writes instead, which makes those steps slower", RuntimeWarning)
                     return
                 self.done += end - start
                 self.seconds = time.perf_counter() - t0
@@ -270,7 +278,7 @@ class HostMemory:
             return
         self._pool_map = _mapping(nbytes)
         self._pool = torch.frombuffer(self._pool_map, dtype=torch.uint8, count=nbytes)
-        self._pool_target = nbytes if ahead is None else max(0, min(nbytes, ahead))
+        self._pool_target = nbytes if ahead is None else max(0, min(nbytes, ahead)) // _PAGE * _PAGE
         self._start()
 
     @property
