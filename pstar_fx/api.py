@@ -178,6 +178,8 @@ class CompiledStep:
         with cycle_collection_paused():       # counted in the set-up time (the collection at the end)
             compiled = self._compile_collected(batch)
         compiled.setup_seconds += time.perf_counter() - compiled.set_up_until
+        if self._store is not None:
+            self._store.hostmem.populate_deferred()     # the Adam moments, behind the first step (host_memory.py)
         return compiled
 
     def _compile_collected(self, batch) -> _Compiled:

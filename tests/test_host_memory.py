@@ -249,14 +249,18 @@ def test_deferred_buffers_come_last_are_handed_out_before_they_are_present_and_p
     # handed out once the others were faulted in: the pool was touched up to the moments' start, not beyond
     assert mem.pool_touched == moments.data_ptr() - pool.data_ptr() == (2 << 20) + (4 << 20)
     pattern = torch.arange(big, dtype=torch.float32)
-    moments[::4097].copy_(pattern[::4097])                    # written while the populating may be under way
-    assert mem.populating is not None and mem.populating.total > 0
+    moments[::4097].copy_(pattern[::4097])                    # written before the populating starts
+    assert mem.populating is not None and mem.populating.total > 0 and mem.populating.done == 0
+    mem.populate_deferred()
+    mem.populate_deferred()                                   # once
+    moments[1::4097].copy_(pattern[1::4097])                  # written while it may be under way
     mem.populating.wait()
     assert mem.populating.error == 0 and mem.populating.done == mem.populating.total
     assert _resident_fraction(moments) == 1.0
-    assert torch.equal(moments[::4097], pattern[::4097])
+    assert torch.equal(moments[::4097], pattern[::4097]) and torch.equal(moments[1::4097], pattern[1::4097])
     mask = torch.ones(big, dtype=torch.bool)
     mask[::4097] = False
+    mask[1::4097] = False
     assert not moments[mask].any()                            # the rest still zero: populating writes nothing
     mem.release_unclaimed()
 

@@ -17,9 +17,10 @@ take longer than tracing and planning together (a fresh H200 machine faulted in 
 BENCHMARKS.md, session 9), so a first compile that will need much host memory starts faulting in a pool before it
 traces (`prefault`), and `reserve` lays the buffers out in that pool.
 Buffers that start as zeros and that only a step writes (the Adam moments: two thirds of the host states in mixed
-precision) are `deferred`: they are handed out before their pages are present, and the set-up thread then faults
-them in behind the caller's back with MADV_POPULATE_WRITE, which makes pages present without writing them, so it
-cannot race the step's own writes (a page it has not reached is faulted in by the first write, as any page).
+precision) are `deferred`: they are handed out before their pages are present, and `populate_deferred` (called once
+compiling is done) faults them in on a thread of its own, behind the first step, with MADV_POPULATE_WRITE, which makes
+pages present without writing them, so it cannot race the step's own writes (a page it has not reached is faulted in
+by the first write, as any page).
 """
 from __future__ import annotations
 
@@ -204,14 +205,17 @@ class Populating:
                                         daemon=True)
 
     def start(self) -> None:
-        self._thread.start()
+        """Start (once; again: nothing)."""
+        if self._thread.ident is None and not self._stop.is_set():
+            self._thread.start()
 
     def stop(self) -> None:
         self._stop.set()
-        if self._thread is not threading.current_thread():
+        if self._thread.ident is not None and self._thread is not threading.current_thread():
             self._thread.join()
 
     def wait(self) -> None:
+        """Wait until it has ended (it must have been started)."""
         self._thread.join()
 
     def _run(self, ranges) -> None:
@@ -296,7 +300,7 @@ class HostMemory:
         The buffers copies use come first, then the rest, then the deferred ones, each on a page of its own. As many
         as fit go into the prefaulted pool, if there is one (the part of it holding copied buffers is pinned as a
         whole); the others go into new arenas, one per kind, each one mapping (faulted in by one call, except the
-        deferred arena). Deferred buffers are handed out before their pages are present; a Populating thread
+        deferred arena). Deferred buffers are handed out before their pages are present; populate_deferred()
         then faults them in, in spec order (module docstring). The thread needs the GIL only a few times, so the passes (pure
         Python) and it do not take turns (a buffer at a time, that cost more than the overlap saved). A view given
         back (free) returns no memory until the last view of its arena goes; the reservation is what the store
@@ -316,7 +320,7 @@ class HostMemory:
 
     def _run(self) -> None:
         """The set-up thread: fault the pool in piece by piece (looking for the layout between pieces), make the
-        buffers of the layout, and start populating the deferred ones (on a Populating thread of their own)."""
+        buffers of the layout, and make a Populating for the deferred ones (started by populate_deferred)."""
         try:
             while True:
                 with self._wake:
@@ -367,9 +371,17 @@ class HostMemory:
             with self._lock:
                 self._reserved.update(_views(arena, placed))
         if self._deferred and not self._cancelled:
-            self.populating = Populating(tuple(self._deferred))
-            self.populating.start()
+            self.populating = Populating(tuple(self._deferred))     # started by populate_deferred()
         self._deferred = []
+
+    def populate_deferred(self) -> None:
+        """Start faulting the deferred buffers in (once; nothing to do where there are none). px.compile calls this
+        when compiling is done, not as soon as the buffers are laid out: on the H200 machine, faulting 57 GiB in
+        while the store was set up slowed that set-up from 1.1 s to 28.7 s (each contends for the kernel's page
+        allocator), so the populating runs behind the first step instead."""
+        self._wait_ready()
+        if self.populating is not None and not self._cancelled:
+            self.populating.start()
 
     def _wait_ready(self) -> None:
         """Wait until the reserved buffers are made (re-raising the set-up thread's error), not for the populating
