@@ -216,22 +216,11 @@ def run_fsdp2(cfg, args, device, batch, offload: bool = True) -> dict:
 
 def host_pool(mem) -> dict | None:
     """The host memory prefaulted while the step was traced: its size, how much was faulted in, in how many seconds
-    of the set-up thread, and how much was given back (GiB); and the deferred buffers (the Adam moments) populated
-    after compiling, so far (populating)."""
+    of the set-up thread, and how much was given back (GiB)."""
     if not mem.pool_bytes:
         return None
     return dict(gib=round(mem.pool_bytes / GiB, 1), touched_gib=round(mem.pool_touched / GiB, 1),
-                seconds=round(mem.pool_seconds, 2), given_back_gib=round(mem.pool_given_back / GiB, 1),
-                populating=populating(mem))
-
-
-def populating(mem) -> dict | None:
-    """How far the deferred host buffers are faulted in (GiB, seconds so far, the errno that stopped it)."""
-    p = mem.populating
-    if p is None:
-        return None
-    return dict(total_gib=round(p.total / GiB, 1), done_gib=round(p.done / GiB, 1), seconds=round(p.seconds, 2),
-                error=p.error)
+                seconds=round(mem.pool_seconds, 2), given_back_gib=round(mem.pool_given_back / GiB, 1))
 
 
 def run_pstar(cfg, args, device, batch, budget: str) -> dict:
@@ -283,9 +272,7 @@ def run_pstar(cfg, args, device, batch, budget: str) -> dict:
 
     def worker_so_far() -> dict:
         w = updates.time
-        p = step._store.hostmem.populating
-        return dict(updating_s=round(w.updating, 3), waiting_s=round(w.waiting, 3), updates=w.updates,
-                    populated_gib=None if p is None else round(p.done / GiB, 1))
+        return dict(updating_s=round(w.updating, 3), waiting_s=round(w.waiting, 3), updates=w.updates)
     warm, times = timed_steps(lambda: step(*batch), device, args.warmup, args.steps, per_step=steps_log,
                               probe=worker_so_far if updates is not None else None,
                               at_timed=lambda: start.append(dataclasses.replace(updates.time)) if updates else None)

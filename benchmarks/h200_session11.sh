@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Issue 5 on one H200 (nvidia-h200: 16 cores, 128 GiB host), session 11: the compile of the 17.26B GPT with the
-# Adam moments faulted in after compiling (HostMemory's deferred buffers) and the faster trace and passes. Stages
-# (first argument, any of, comma-separated):
+# Issue 5 on one H200 (nvidia-h200: 16 cores, 128 GiB host), session 11: the compile of the 17.26B GPT after the
+# faster trace and passes (e4e87be), and the experiment of faulting the Adam moments in after compiling (measured at
+# d85690d-49f476c, reverted: BENCHMARKS.md, session 11). Stages (first argument, any of, comma-separated):
 #   first17  - the 17.26B GPT (54 x 5120, 40 heads, per-block checkpoints, 8 x 2048 tokens, px.init_empty(cuda),
 #              137 GiB budget), atomic=False; run first on a fresh machine, it times the compile
 #   atomic17 - the same with atomic steps (the default)

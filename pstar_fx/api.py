@@ -22,7 +22,7 @@ from .optim import OptimizerSpec
 from .optimizer import build as build_optimizer
 from .ownership import hold, holder, model_tensors, release
 from .passes import assign_chunks, canonicalize, collectives, liveness, pipeline, run_passes
-from .memory import early_host_bytes, prefault_ahead, state_bytes
+from .memory import early_host_bytes, state_bytes
 from .passes.place_optimizer import min_need, place_optimizer
 from .passes.remat import least_need_graph
 from .runtime.chunk_store import ChunkStore, host_buffer_specs
@@ -178,8 +178,6 @@ class CompiledStep:
         with cycle_collection_paused():       # counted in the set-up time (the collection at the end)
             compiled = self._compile_collected(batch)
         compiled.setup_seconds += time.perf_counter() - compiled.set_up_until
-        if self._store is not None:
-            self._store.hostmem.populate_deferred()     # the Adam moments, behind the first step (host_memory.py)
         return compiled
 
     def _compile_collected(self, batch) -> _Compiled:
@@ -189,20 +187,15 @@ class CompiledStep:
         if first:
             # where the budget cannot hold every optimizer state, host memory is faulted in while the step is
             # traced; the buffers are laid out in it once the optimizer is placed
-            # (the Adam moments, which only the steps write, are faulted in after compiling: `ahead` leaves them out)
             early = early_host_bytes(self._tables.params, st.precision, st.world, st.budget)
             if early:
-                pool = min(early, spare_host_bytes(int(os.environ.get("LOCAL_WORLD_SIZE", st.world))))
-                hostmem.prefault(pool, ahead=prefault_ahead(pool, self._tables.params, st.precision, st.world,
-                                                             st.budget))
+                hostmem.prefault(min(early, spare_host_bytes(int(os.environ.get("LOCAL_WORLD_SIZE", st.world)))))
 
         def set_up_early(stage: TrainGraph) -> None:
             # the first compile's host buffers are known once the optimizer is placed: make them while the
             # schedule pass runs
             if stage.stage == "optimizer_placed" and first:
-                steps = [stage.ann[n.name].chunk for n in stage.nodes
-                         if stage.ann[n.name].role is Role.OPTIMIZER_STEP]
-                hostmem.reserve(host_buffer_specs(stage.chunks, st.precision, st.world, update_order=steps))
+                hostmem.reserve(host_buffer_specs(stage.chunks, st.precision, st.world))
         try:
             traced = trace_step(self._fn, self._model, batch, st)
             passes = pipeline(chunk_size=st.chunk_size, layout=self._layout, prefetch=self.prefetch,

@@ -66,23 +66,6 @@ def early_host_bytes(params, precision: Precision, world: int, budget: int | Non
     return states + 2 * trainable * precision.dtype.itemsize
 
 
-def moment_bytes(params, world: int) -> int:
-    """Of early_host_bytes, the Adam moments (m and v, fp32) of every trainable parameter, per rank: zeros until the
-    first update writes them, so they need not be faulted in before a first step (HostMemory.prefault's `ahead`)."""
-    return sum(-(-p.numel // world) for p in params if p.trainable) * 2 * 4
-
-
-def prefault_ahead(pool: int, params, precision: Precision, world: int, budget: int | None) -> int:
-    """Of a prefaulted pool of `pool` bytes, what to fault in before the plan says which buffers there are: the
-    pool less the moments' share of early_host_bytes (which counts every parameter's host buffers, the pool, capped
-    by free host memory, maybe only some of them). The 17.26B GPT in bf16 on the H200 machine: a 112 GiB pool of 276
-    GiB, 56 GiB ahead; the moments are faulted in after compiling."""
-    early = early_host_bytes(params, precision, world, budget)
-    if not early:
-        return pool
-    return pool * (early - moment_bytes(params, world)) // early
-
-
 def step_workspace(chunk: ChunkInfo, precision: Precision, world: int = 1) -> int:
     """A device-side step in mixed precision converts the gradient (of its shard) to fp32 first."""
     return shard_numel(chunk, world) * 4 if precision.mixed else 0

@@ -32,7 +32,6 @@ def _snapshot(step) -> dict:
     store.flush()                        # resident slots written on the device: host homes made current first
     snap = {f"sd.{k}": v.clone() for k, v in step.state_dict().items()}
     snap.update({f"states.{i}": s.detach().cpu().clone() for i, s in enumerate(store.states) if s is not None})
-    snap.update({f"master.{i}": s.detach().cpu().clone() for i, s in enumerate(store.masters) if s is not None})
     # (a chunk whose parameters are cast from its device master has no host home: its states hold them)
     snap.update({f"host_param.{i}": h.clone() for i, h in enumerate(store.host_param) if h is not None})
     snap["loss_scale"] = torch.tensor(step.loss_scale if step.loss_scale is not None else 0.0)

@@ -79,8 +79,7 @@ def test_the_store_takes_the_buffers_reserved_during_the_schedule_pass():
     assert store.hostmem.taken == len(specs)
     for spec in specs:
         kind, cid = spec.key
-        held = {"param": store.host_param, "states": store.states, "master": store.masters,
-                "grad": store.host_grad}[kind][cid]
+        held = {"param": store.host_param, "states": store.states, "grad": store.host_grad}[kind][cid]
         assert held is not None and held.numel() == spec.numel and held.dtype is spec.dtype
 
 
@@ -163,21 +162,6 @@ def test_early_host_bytes_is_zero_where_the_budget_holds_every_state():
     assert early_host_bytes(params, Precision.BF16, 2, 10) == 12 * per_rank + 2 * 2 * per_rank
 
 
-def test_a_prefault_leaves_the_moments_share_of_its_pool_for_after_compiling():
-    """Ahead of the layout a pool faults in all but the moments' share of the host bytes (mixed precision: per
-    parameter 8 bytes of moments of 4 + 8 + 2 + 2), whether it holds all of them or, capped by free memory, some."""
-    from pstar_fx.ir import ParamInfo, Precision
-    from pstar_fx.memory import early_host_bytes, prefault_ahead
-    params = [ParamInfo("w", (1000, 100), torch.float32, True), ParamInfo("frozen", (50, 50), torch.float32, False)]
-    early = early_host_bytes(params, Precision.BF16, 1, 10)
-    assert early == 16 * 100_000
-    assert prefault_ahead(early, params, Precision.BF16, 1, 10) == 8 * 100_000
-    assert prefault_ahead(early // 4, params, Precision.BF16, 1, 10) == early // 8
-    fp32 = early_host_bytes(params, Precision.FP32, 1, 10)               # m, v; fp32 parameter and gradient homes
-    assert prefault_ahead(fp32, params, Precision.FP32, 1, 10) == fp32 // 2
-    assert prefault_ahead(1 << 20, params, Precision.BF16, 1, None) == 1 << 20   # no prefault is asked for then
-
-
 def _mlp_case():
     from models import Case
     import torch.nn as nn
@@ -206,102 +190,6 @@ def test_a_first_compile_lays_its_host_buffers_out_in_memory_faulted_in_while_it
     host_states = [t for t, home in zip(store.states, store.state_home) if home is StateHome.HOST]
     # the estimate counts parameters, not the chunks' padding: what did not fit the pool got an arena
     assert sum(_inside(t, mem._pool) for t in host_states) >= 2
-    # the moments were handed out before they were faulted in, and populated behind the steps
-    assert mem.populating is not None and mem.populating.total > 0
-    mem.populating.wait()
-    assert mem.populating.error == 0 and mem.populating.done == mem.populating.total
     ref_losses, ref_sd = eager_run(case, 3, host_params=host_params(step))
     assert rel_err(losses, ref_losses) <= 1e-6, (losses, ref_losses)
     assert_state_close(sd, ref_sd, rtol=1e-6)
-
-
-def _resident_fraction(t: torch.Tensor) -> float:
-    """Of the pages under t, the fraction present in memory (mincore)."""
-    import ctypes
-    libc = ctypes.CDLL(None, use_errno=True)
-    page = 4096
-    lo = t.data_ptr() // page * page
-    hi = t.data_ptr() + t.numel() * t.element_size()
-    n = -(-(hi - lo) // page)
-    vec = (ctypes.c_ubyte * n)()
-    assert libc.mincore(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), vec) == 0, ctypes.get_errno()
-    return sum(v & 1 for v in vec) / n
-
-
-def test_deferred_buffers_come_last_are_handed_out_before_they_are_present_and_populated_after():
-    """A deferred buffer (the Adam moments) is laid out after every other buffer; the set-up thread faults in only
-    what the others need before handing the buffers out, then a Populating thread makes the deferred pages present
-    without writing them: values written meanwhile survive."""
-    mem = HostMemory(pin=False)
-    big = 64 << 20                                            # elements: 256 MiB of fp32
-    specs = [BufferSpec(("states", 0), big, torch.float32, False, deferred=True),
-             BufferSpec(("master", 0), 1 << 20, torch.float32, False),
-             BufferSpec(("param", 0), 1 << 20, torch.bfloat16, True)]
-    mem.prefault(1 << 30, ahead=1 << 20)                      # the pool: 1 MiB faulted in ahead of the layout
-    _wait_touched(mem)
-    assert mem.pool_touched == 1 << 20
-    mem.reserve(specs)
-    bufs = {sp.key: mem.zeros(sp.numel, sp.dtype, copied=sp.copied, key=sp.key) for sp in specs}
-    pool = mem._pool
-    order = sorted(bufs, key=lambda k: bufs[k].data_ptr())
-    assert order == [("param", 0), ("master", 0), ("states", 0)] and all(_inside(b, pool) for b in bufs.values())
-    moments = bufs[("states", 0)]
-    # handed out once the others were faulted in: the pool was touched up to the moments' start, not beyond
-    assert mem.pool_touched == moments.data_ptr() - pool.data_ptr() == (2 << 20) + (4 << 20)
-    pattern = torch.arange(big, dtype=torch.float32)
-    moments[::4097].copy_(pattern[::4097])                    # written before the populating starts
-    assert mem.populating is not None and mem.populating.total > 0 and mem.populating.done == 0
-    mem.populate_deferred()
-    mem.populate_deferred()                                   # once
-    moments[1::4097].copy_(pattern[1::4097])                  # written while it may be under way
-    mem.populating.wait()
-    assert mem.populating.error == 0 and mem.populating.done == mem.populating.total
-    assert _resident_fraction(moments) == 1.0
-    assert torch.equal(moments[::4097], pattern[::4097]) and torch.equal(moments[1::4097], pattern[1::4097])
-    mask = torch.ones(big, dtype=torch.bool)
-    mask[::4097] = False
-    mask[1::4097] = False
-    assert not moments[mask].any()                            # the rest still zero: populating writes nothing
-    mem.release_unclaimed()
-
-
-def test_populating_stops_on_a_refused_range_and_says_why():
-    from pstar_fx.runtime.host_memory import Populating, _populate_write
-    assert _populate_write(4096, 4096 * 4, 2) != 0          # never mapped: ENOMEM
-    base = torch.zeros(1, dtype=torch.uint8)
-    p = Populating(((base, 4096 - base.data_ptr(), 4096 * 5 - base.data_ptr()),))
-    with pytest.warns(RuntimeWarning, match="fault in on the first"):
-        p.start()
-        p.wait()
-    assert p.error != 0 and p.done == 0
-
-
-def test_populating_starts_from_the_page_an_unaligned_range_begins_on():
-    """A range may start anywhere (the pool is faulted in ahead of the layout to a byte count): madvise wants a page
-    boundary, so the page the range begins on is populated too, and values already there stay."""
-    import mmap as _mmap
-    from pstar_fx.runtime.host_memory import Populating
-    m = _mmap.mmap(-1, 16 << 20, flags=_mmap.MAP_PRIVATE | _mmap.MAP_ANONYMOUS)
-    t = torch.frombuffer(m, dtype=torch.uint8, count=16 << 20)
-    t[:12345].fill_(7)
-    p = Populating(((t, 12345, 16 << 20),))
-    p.start()
-    p.wait()
-    assert p.error == 0 and p.done == (16 << 20) - 12345
-    assert _resident_fraction(t) == 1.0
-    assert bool((t[:12345] == 7).all()) and not t[12345:].any()
-
-
-def test_host_buffer_specs_defer_the_moments_in_update_order():
-    from pstar_fx.ir import ChunkGroup, ChunkInfo, Precision
-    chunks = tuple(ChunkInfo(id=i, group=ChunkGroup.TRAINABLE, capacity=1000, dtype=torch.bfloat16,
-                             params=(f"p{i}",), used=1000,
-                             state_home=StateHome.HOST if i != 1 else StateHome.DEVICE) for i in range(4))
-    specs = host_buffer_specs(chunks, Precision.BF16, 1, update_order=[1, 3, 0])
-    deferred = [sp.key for sp in specs if sp.deferred]
-    assert deferred == [("states", 3), ("states", 0), ("states", 2)]     # host-stepped, in update order
-    assert {sp.key for sp in specs if not sp.deferred} >= {("master", 0), ("param", 0), ("master", 2)}
-    assert not any(sp.copied for sp in specs if sp.deferred)
-    assert all(sp.numel == 2001 for sp in specs if sp.deferred)          # m, v and the step count
-    assert ("master", 1) not in {sp.key for sp in specs}                   # stepped on the device
-    assert [sp.key for sp in specs if sp.key[0] == "grad"] == [("grad", 0), ("grad", 2), ("grad", 3)]

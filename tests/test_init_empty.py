@@ -281,7 +281,7 @@ _MEMORY_SCRIPT = textwrap.dedent("""
     step = px.compile(model, optimizer=px.AdamW(lr=1e-3), device="cpu", precision="fp32")(gpt_loss)
     step.lower(*batch)               # traces, plans, allocates the chunks' host homes and optimizer states
     store = step._store
-    store_bytes = sum(t.nbytes for t in store.host_param) + sum(t.nbytes for t in store.states + store.masters if t is not None)
+    store_bytes = sum(t.nbytes for t in store.host_param) + sum(t.nbytes for t in store.states if t is not None)
     lowered = reset()
     step._take_model()               # the first step's initialisation, into the chunks
     take = status("VmHWM") - lowered

@@ -43,7 +43,7 @@ from concurrent.futures import Future
 import torch
 
 from ..ir import BufKind, ChunkGroup, ChunkInfo, ParamHome, ParamInfo, Precision, StateHome
-from ..memory import BufKey, shard_numel
+from ..memory import BufKey, shard_numel, state_floats
 from ..units import format_bytes
 from .comm import Comm
 from .host_memory import BufferSpec, HostMemory
@@ -91,35 +91,19 @@ class DevicePool:
         return t.untyped_storage().data_ptr() in self.storages
 
 
-def moment_floats(chunk: ChunkInfo, world: int) -> int:
-    """fp32 elements of a chunk's moments buffer: m, v and the step count (the master, in mixed precision, is a
-    buffer of its own: memory.state_floats counts both)."""
-    return 2 * shard_numel(chunk, world) + 1
-
-
-def host_buffer_specs(chunks: tuple[ChunkInfo, ...], precision: Precision, world: int,
-                      update_order: list[int] | None = None) -> list[BufferSpec]:
+def host_buffer_specs(chunks: tuple[ChunkInfo, ...], precision: Precision, world: int) -> list[BufferSpec]:
     """The host buffers a ChunkStore over these (optimizer-placed) chunks will make whatever the schedule decides:
     every chunk's parameter home except those of chunks stepped on the device (whose home the schedule chooses), and
-    the optimizer states (moments, and masters in mixed precision) and gradient homes of host-stepped chunks. The
-    moments are deferred (zeros only the steps write: host_memory.py), listed in the order of `update_order` (the
-    chunks' steps in graph order, the order the host worker runs them and their pages are faulted in by; chunk order
-    where it says nothing)."""
+    the optimizer states and gradient homes of host-stepped chunks."""
     specs = []
     for c in chunks:
         host_stepped = c.group is ChunkGroup.TRAINABLE and c.state_home is not StateHome.DEVICE
         if c.group is not ChunkGroup.TRAINABLE or host_stepped:
             specs.append(BufferSpec(("param", c.id), shard_numel(c, world), c.dtype, True))
         if host_stepped:
-            if precision.mixed:
-                specs.append(BufferSpec(("master", c.id), shard_numel(c, world), torch.float32, False))
+            specs.append(BufferSpec(("states", c.id), state_floats(c, precision, world), torch.float32, False))
             if c.grad_buf() is BufKind.GRAD:
                 specs.append(BufferSpec(("grad", c.id), shard_numel(c, world), c.dtype, True))
-    host = [c.id for c in chunks if c.group is ChunkGroup.TRAINABLE and c.state_home is not StateHome.DEVICE]
-    first = [cid for cid in update_order or () if cid in set(host)]
-    order = first + [cid for cid in host if cid not in set(first)]
-    specs += [BufferSpec(("states", cid), moment_floats(chunks[cid], world), torch.float32, False, deferred=True)
-              for cid in order]
     return specs
 
 
@@ -159,18 +143,23 @@ class ChunkStore:
         self.reduced: set[int] = set()     # sharded: chunks whose gradient is reduce-scattered in this step
         self.slots: dict[BufKey, torch.Tensor] = {}
         self.state_home: list[StateHome | None] = [None] * len(chunks)
-        self.states: list[torch.Tensor | None] = [None] * len(chunks)    # m, v and the step count (moment_floats)
-        self.masters: list[torch.Tensor | None] = [None] * len(chunks)   # mixed precision: the fp32 master
+        self.states: list[torch.Tensor | None] = [None] * len(chunks)
         for c in chunks:
             # each chunk's states start where the first plan puts them: host memory holds only the host ones
             if c.group is ChunkGroup.TRAINABLE:
-                home = c.state_home or StateHome.HOST
-                self.states[c.id], self.masters[c.id] = self._new_states(c, home, reserved=True)
-                if home is StateHome.HOST and c.grad_buf() is BufKind.GRAD:
-                    # a host-stepped chunk's gradient goes home every step: its home is set up now, not in the
-                    # first step's backward (where making it would hold up the write-backs)
-                    self.host_grad[c.id] = self.hostmem.zeros(shard_numel(c, self.world), c.dtype, key=("grad", c.id))
-                self.state_home[c.id] = home
+                floats = state_floats(c, precision, self.world)
+                if c.state_home is StateHome.DEVICE:
+                    self.states[c.id] = self.pool.take(floats, torch.float32, what=f"optimizer states of chunk {c.id}")
+                    self.states[c.id].zero_()
+                else:
+                    self.states[c.id] = self.hostmem.zeros(floats, torch.float32, copied=False,
+                                                           key=("states", c.id))
+                    if c.grad_buf() is BufKind.GRAD:
+                        # a host-stepped chunk's gradient goes home every step: its home is set up now, not in
+                        # the first step's backward (where making it would hold up the write-backs)
+                        self.host_grad[c.id] = self.hostmem.zeros(shard_numel(c, self.world), c.dtype,
+                                                                  key=("grad", c.id))
+                self.state_home[c.id] = c.state_home or StateHome.HOST
         self.buffers: dict[str, torch.Tensor] = {}
         self.frozen_full: dict[str, torch.Tensor] = {}   # mixed precision: frozen parameters at full precision
         self._reading: dict[int, "torch.cuda.Event"] = {}  # chunk -> event after the last copy from its host buffers
@@ -277,31 +266,14 @@ class ChunkStore:
             own[k].copy_(v if k == "step" else self.comm.shard(v))
 
     def parts(self, cid: int) -> dict[str, torch.Tensor]:
-        """Views into the state buffers (of this rank's shard), without waiting: for the step, which orders its own
+        """Views into the state buffer (of this rank's shard), without waiting: for the step, which orders its own
         work."""
         cap = shard_numel(self.chunks[cid], self.world)
         s = self.states[cid]
         parts = {"m": s[0:cap], "v": s[cap:2 * cap], "step": s[-1]}
         if self.precision.mixed:
-            parts["master"] = self.masters[cid]
+            parts["master"] = s[2 * cap:3 * cap]
         return parts
-
-    def _new_states(self, c: ChunkInfo, home: StateHome, reserved: bool = False
-                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Zero state buffers of chunk c where `home` says: its moments and (mixed precision) its master; on the
-        host, the ones reserved for it when `reserved`."""
-        sizes = [("states", moment_floats(c, self.world))]
-        if self.precision.mixed:
-            sizes.append(("master", shard_numel(c, self.world)))
-        out = []
-        for kind, floats in sizes:
-            if home is StateHome.DEVICE:
-                t = self.pool.take(floats, torch.float32, what=f"optimizer states of chunk {c.id}")
-                t.zero_()
-            else:
-                t = self.hostmem.zeros(floats, torch.float32, copied=False, key=(kind, c.id) if reserved else None)
-            out.append(t)
-        return out[0], (out[1] if len(out) > 1 else None)
 
     def master(self, cid: int) -> torch.Tensor:
         return self.parts(cid)["master"]
@@ -315,17 +287,16 @@ class ChunkStore:
         for c in chunks:
             if c.group is not ChunkGroup.TRAINABLE or c.state_home is self.state_home[c.id]:
                 continue
-            old = (self.states[c.id], self.masters[c.id])
-            new = self._new_states(c, c.state_home)
-            for o, n in zip(old, new):
-                if o is None:
-                    continue
-                n.copy_(o)
-                if c.state_home is StateHome.DEVICE:
-                    self.hostmem.free(o)      # host memory holds only the states placed there
-                else:
-                    self.pool.give(o)
-            self.states[c.id], self.masters[c.id] = new
+            old = self.states[c.id]
+            if c.state_home is StateHome.DEVICE:
+                new = self.pool.take(old.numel(), torch.float32, what=f"optimizer states of chunk {c.id}")
+                new.copy_(old)
+                self.hostmem.free(old)      # host memory holds only the states placed there
+            else:
+                new = self.hostmem.zeros(old.numel(), torch.float32, copied=False)
+                new.copy_(old)
+                self.pool.give(old)
+            self.states[c.id] = new
             self.state_home[c.id] = c.state_home
         for c in chunks:      # after the states: a host home made again is filled from the master, where it is now
             if c.param_home is self.chunks[c.id].param_home:
