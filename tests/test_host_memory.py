@@ -193,3 +193,27 @@ def test_a_first_compile_lays_its_host_buffers_out_in_memory_faulted_in_while_it
     ref_losses, ref_sd = eager_run(case, 3, host_params=host_params(step))
     assert rel_err(losses, ref_losses) <= 1e-6, (losses, ref_losses)
     assert_state_close(sd, ref_sd, rtol=1e-6)
+
+
+def _resident_fraction(t: torch.Tensor) -> float:
+    """Of the pages under t, the fraction present in memory (mincore)."""
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    page = 4096
+    lo = t.data_ptr() // page * page
+    hi = t.data_ptr() + t.numel() * t.element_size()
+    n = -(-(hi - lo) // page)
+    vec = (ctypes.c_ubyte * n)()
+    assert libc.mincore(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), vec) == 0, ctypes.get_errno()
+    return sum(v & 1 for v in vec) / n
+
+
+@pytest.mark.parametrize("threads", [None, 1, 3])
+def test_touch_faults_every_page_of_a_fresh_mapping_in_and_leaves_it_zero(threads):
+    from pstar_fx.runtime.host_memory import _mapping, touch
+    n = (24 << 20) + 12345
+    t = torch.frombuffer(_mapping(n), dtype=torch.uint8, count=n)
+    assert _resident_fraction(t) < 0.5
+    touch(t, threads)
+    assert _resident_fraction(t) == 1.0 and not t.any()
+    touch(t[:0])                                  # nothing to do
