@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import ctypes
 import mmap
-import os
 import threading
 import time
 import warnings
@@ -50,15 +49,18 @@ def zeroed(numel: int, dtype: torch.dtype) -> torch.Tensor:
 
 def touch(t: torch.Tensor, threads: int | None = None) -> None:
     """Fault every page under t in by writing zeros over it (t must be zero already, and nobody else writing it: a
-    fresh mapping), on `threads` threads of its own, every core but two by default. ctypes.memset releases the GIL.
-    Not torch's zero_(): its intra-op threads take every core, and on the H200 machine (a virtual machine, whose
-    fresh memory faults slowly) the 17.26B GPT's trace, on the core it shared with one of them, ran about half as
-    fast for as long as its 112 GiB pool was faulted in (a first process traced in 13.6-16.5 s while faulting for
-    8.8-16.1 s; a second one, 2.1 s of faulting, in 7.3 s)."""
+    fresh mapping), on `threads` threads of its own: by default torch's intra-op thread count less two (every core
+    but two; one under torchrun, which sets OMP_NUM_THREADS=1, as torch's own threads). ctypes.memset releases the
+    GIL.
+    Not torch's zero_(), whose intra-op threads take every core: a first compile faults its pool in while the step is
+    traced, and the thread that traces should keep a core. On the H200 machine (a virtual machine whose fresh memory
+    faults slowly) the 17.26B GPT's trace took about as long as the faulting beside it in first processes (13.6-16.5
+    s beside 8.8-16.1 s with zero_(); 12.6 s beside 12.3 s in the one run with touch), 7.3 s beside 2.1 s in a second
+    process: a lost core is not all of that slowdown (BENCHMARKS.md, session 11)."""
     nbytes = t.numel() * t.element_size()
     if nbytes == 0:
         return
-    threads = max(1, min(threads or max(1, _cores() - 2), nbytes // MAPPED_MIN_BYTES or 1))
+    threads = max(1, min(threads or torch.get_num_threads() - 2, nbytes // MAPPED_MIN_BYTES or 1))
     addr = t.data_ptr()
     cut = [addr + nbytes * i // threads for i in range(threads)] + [addr + nbytes]
     workers = [threading.Thread(target=ctypes.memset, args=(cut[i], 0, cut[i + 1] - cut[i]), daemon=True)
@@ -68,10 +70,6 @@ def touch(t: torch.Tensor, threads: int | None = None) -> None:
     ctypes.memset(cut[0], 0, cut[1] - cut[0])
     for w in workers:
         w.join()
-
-
-def _cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def spare_host_bytes(ranks: int = 1) -> int:
