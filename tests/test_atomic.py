@@ -90,24 +90,28 @@ def test_failure_at_every_node_before_the_commit_changes_nothing(precision, tigh
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("tight", [False, True], ids=["unlimited", "tight"])
-def test_ctrl_c_after_the_commit_is_held_until_the_step_is_complete(precision, tight):
+def test_ctrl_c_after_the_commit_is_held_until_the_step_is_complete(precision, tight, tmp_path):
+    """Each position after the commit point in turn: Ctrl-C there, then the state equals an uninterrupted step's.
+    Every trial but the first starts from a checkpoint of the state after the first batch (one compile instead of
+    one per position; checkpoints resume exactly, tests/test_checkpoint.py)."""
     CASE = _case(precision)
     ref = _make(precision, tight)
     ref(*CASE.batch(0))
     ref(*CASE.batch(1))
     want = _snapshot(ref)
 
-    step = _make(precision, tight)
-    step(*CASE.batch(0))
-    nodes = step.graphs["scheduled"].nodes
-    roles = [step.graphs["scheduled"].ann[n.name].role for n in nodes]
+    trial = _make(precision, tight)
+    trial(*CASE.batch(0))
+    trial.save(tmp_path / "after_batch_0")
+    nodes = trial.graphs["scheduled"].nodes
+    roles = [trial.graphs["scheduled"].ann[n.name].role for n in nodes]
     commit = roles.index(Role.COMMIT)
     positions = list(range(commit + 1, len(nodes)))
     assert any(roles[i] is Role.OPTIMIZER_STEP for i in positions)
     snaps = []
-    for at in positions:
-        trial = _make(precision, tight)
-        trial(*CASE.batch(0))
+    for k, at in enumerate(positions):
+        if k:
+            trial.load(tmp_path / "after_batch_0")
         trial._before_node = lambda i, n, at=at: signal.raise_signal(signal.SIGINT) if i == at else None
         with pytest.raises(KeyboardInterrupt):
             trial(*CASE.batch(1))
