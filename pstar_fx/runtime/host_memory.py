@@ -7,8 +7,8 @@ Three measured facts (BENCHMARKS.md, "Setting up host memory") shape how a buffe
   fails) and unregistered when the buffer is given back. Only buffers that copies read or write are pinned: the
   optimizer states on the host are read and written by the CPU only.
 - Most of setting up is the kernel faulting pages in (zeroing them) and pinning them. A buffer is an anonymous
-  mapping (zero by definition: writing zeros over it only faults it in) advised to use transparent huge pages, then touched
-  on threads of its own (`touch`: every core but two, leaving one to the thread that traces), so that set-up
+  mapping (zero by definition: writing zeros over it only faults it in) advised to use transparent huge pages, then
+  touched on threads of its own (`touch`: every core but two, leaving one to the thread that traces), so that set-up
   faults 2 MiB pages in parallel and the first step faults nothing.
 - Small buffers come from torch's allocator (a mapping per buffer would cost more than it saves).
 Most host bytes are known once the optimizer is placed (the host-stepped chunks' states, gradient and parameter
