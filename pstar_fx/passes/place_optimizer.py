@@ -79,8 +79,8 @@ def _placed(g: TrainGraph, all_host: TrainGraph, homes: tuple, machine: Machine,
             node_s: list[float] | None = None, reuse: bool = False) -> TrainGraph:
     """g with its optimizer steps for these state homes: device steps in chunk order, host ones in update order
     (computed on `all_host`, g with every step after the commit, whose nodes' compute times are node_s when known:
-    the order reads the windows, not the steps). reuse: make it from all_host by moving its step nodes (no copy of g; all_host
-    is then used up)."""
+    the order reads the windows, not the steps). reuse: make it from all_host by moving its step nodes (no copy of
+    g; all_host is then used up)."""
     device = [c.id for c in homes if c.group is ChunkGroup.TRAINABLE and c.state_home is StateHome.DEVICE]
     host = update_order(all_host.evolve(chunks=homes), machine, node_s)
     early = g.settings.early_updates
