@@ -1,6 +1,6 @@
-# Sourced by benchmarks/h200_session8.sh, h200_session9.sh and h200_session10.sh after they set `stages`: logs under
+# Sourced by benchmarks/h200_session8.sh to h200_session11.sh after they set `stages`: logs under
 # $OUT (`out`), the environment of every run, the start time, and the machine (GPU, host memory, cores) in
-# $out/gpu.txt.
+# $out/gpu.txt; and the stages they share (cuda_tests, eager_and_pstar).
 set -u
 out=${OUT:-h200_logs}
 mkdir -p "$out"
@@ -10,3 +10,19 @@ start=$(date +%s)
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
 free -g | tee -a "$out/gpu.txt"
 nproc | tee -a "$out/gpu.txt"
+
+# Stages the session scripts share.
+cuda_tests() {   # the runtime's CUDA tests (and any test files given), log in $out/tests_cuda.txt
+  PSTAR_TEST_DEVICE=cuda timeout 300 python3 -m pytest tests/test_cuda_runtime.py tests/test_equivalence.py \
+      tests/test_residency.py tests/test_host_updates.py tests/test_training_loop.py tests/test_evaluate.py \
+      tests/test_param_homes.py tests/test_early_updates.py tests/test_host_memory.py tests/test_writebacks.py \
+      "$@" -q -p no:logging -p no:cacheprovider -rf > "$out/tests_cuda.txt" 2>&1
+  echo "tests rc $?"; tail -5 "$out/tests_cuda.txt"
+  echo "tests: $(( $(date +%s) - start )) s"
+}
+eager_and_pstar() {   # label, json name, seconds, gpt.py shape flags: eager and pstar-fx at an unlimited budget
+  local label=$1 json=$2 secs=$3; shift 3
+  timeout "$secs" python3 benchmarks/gpt.py --timeout $(( secs - 10 )) --json "$out/$json" "$@" \
+      --systems eager,pstar --budgets none 2>&1 | grep -v '^{' | tail -4
+  echo "$label: $(( $(date +%s) - start )) s"
+}

@@ -33,21 +33,9 @@ for s in ${stages//,/ }; do
     atomic17pf4) run17 g17b_atomic_pf4 --prefetch 4 ;;
     profile17) run17 g17b_prof --no-atomic --profile "$out/prof" ;;
     threads12) run17 g17b_t12 --no-atomic --host-threads 12 ;;
-    tests)
-      PSTAR_TEST_DEVICE=cuda timeout 300 python3 -m pytest tests/test_cuda_runtime.py tests/test_equivalence.py \
-          tests/test_residency.py tests/test_host_updates.py tests/test_training_loop.py tests/test_evaluate.py \
-          tests/test_param_homes.py tests/test_early_updates.py tests/test_host_memory.py tests/test_writebacks.py \
-          -q -p no:logging -p no:cacheprovider -rf > "$out/tests_cuda.txt" 2>&1
-      echo "tests rc $?"; tail -5 "$out/tests_cuda.txt"
-      echo "tests: $(( $(date +%s) - start )) s" ;;
-    small)
-      timeout 200 python3 benchmarks/gpt.py --timeout 190 --json "$out/g1b3.json" --layers 24 --hidden 2048 \
-          --heads 16 --batch 8 --systems eager,pstar --budgets none 2>&1 | grep -v '^{' | tail -4
-      echo "1.3B: $(( $(date +%s) - start )) s" ;;
-    mid)
-      timeout 240 python3 benchmarks/gpt.py --timeout 230 --json "$out/g6b7.json" --layers 32 --hidden 4096 \
-          --heads 32 --batch 4 --checkpoint off --systems eager,pstar --budgets none 2>&1 | grep -v '^{' | tail -4
-      echo "6.66B: $(( $(date +%s) - start )) s" ;;
+    tests) cuda_tests ;;
+    small) eager_and_pstar 1.3B g1b3.json 200 --layers 24 --hidden 2048 --heads 16 --batch 8 ;;
+    mid) eager_and_pstar 6.66B g6b7.json 240 --layers 32 --hidden 4096 --heads 32 --batch 4 --checkpoint off ;;
     b40)
       for pf in default 4 default2 42; do
         flag=(); [[ $pf == 4* ]] && flag=(--prefetch 4)
