@@ -464,12 +464,18 @@ def compute_seconds(g: TrainGraph, machine: Machine = H200) -> list[float]:
     return [node_seconds(n, machine) if g.ann[n.name].role is Role.COMPUTE else 0.0 for n in g.nodes]
 
 
-def estimate(g: TrainGraph, machine: Machine = H200, *, steps: int = 3) -> StepCost:
+def estimate(g: TrainGraph, machine: Machine = H200, *, steps: int = 3,
+             program_s: Mapping[str, float] | None = None) -> StepCost:
     """The estimated time of one training step of a scheduled (or sharded) graph on `machine` (one rank's view:
-    every rank runs the same graph)."""
+    every rank runs the same graph). program_s: the compute time of each node of the user's program by name, where
+    already known (compute_seconds of a graph with the same program: place_optimizer estimates several schedules of
+    one)."""
     assert g.plan is not None, "the cost model reads a scheduled graph"
     assert steps >= 2
-    node_s = compute_seconds(g, machine)
+    if program_s is None:
+        node_s = compute_seconds(g, machine)
+    else:
+        node_s = [program_s[n.name] if g.ann[n.name].role is Role.COMPUTE else 0.0 for n in g.nodes]
     first, _ = _simulate(g, machine, node_s, None, steps)
     sim, ends = _simulate(g, machine, node_s, first.lanes, steps)
     last = steps - 1
@@ -482,6 +488,14 @@ def estimate(g: TrainGraph, machine: Machine = H200, *, steps: int = 3) -> StepC
 def seconds(n: fx.Node, m: Machine = H200) -> float:
     """One node's estimated time on the compute device (the remat pass weighs recomputing with it)."""
     return node_seconds(n, m)
+
+
+def most_copy_seconds(plan, m: Machine = H200) -> float:
+    """The longest either copy lane can be busy in one step of a scheduled graph with this Plan, by its bytes each
+    way at the slowest rate the model gives a copy (both ways at once, the CPU updating): an upper bound of the
+    estimate's busy H2D and D2H seconds, whose copies are at most the plan's bytes (a shard with several ranks)."""
+    slowest = min(m.h2d_bytes, m.d2h_bytes, m.duplex_bytes / 2) * min(1.0, m.duplex_cpu_bytes / m.duplex_bytes)
+    return max(plan.h2d_bytes, plan.d2h_bytes) / slowest
 
 
 def copy_seconds(nbytes: int, m: Machine = H200) -> float:

@@ -207,6 +207,23 @@ class Plan:
 
 
 @dataclass(frozen=True)
+class Scheduled:
+    """The schedule pass's result (default prefetch) for one graph, computed by place_optimizer, which schedules the
+    placement it keeps to compare it with others: the schedule pass returns it instead of scheduling the same graph
+    again (about 2 s for the 17.26B GPT). Valid only for the graph it was made from: the same module, annotations,
+    chunks and settings."""
+    gm: fx.GraphModule
+    ann: Mapping
+    chunks: tuple
+    settings: "Settings"
+    result: "TrainGraph"
+
+    def of(self, g: "TrainGraph") -> "TrainGraph | None":
+        same = g.gm is self.gm and g.ann is self.ann and g.chunks == self.chunks and g.settings == self.settings
+        return self.result if same else None
+
+
+@dataclass(frozen=True)
 class TrainGraph:
     gm: fx.GraphModule
     stage: str                       # "traced", "canonical", ..., "scheduled"
@@ -222,6 +239,7 @@ class TrainGraph:
     plan: Plan | None = None
     output_spec: object = None       # forward only (optimizer=None): the optree spec of what the function returns
     seconds: float = 0.0             # how long the pass took (kept out of the printed text)
+    scheduled: Scheduled | None = dataclasses.field(default=None, repr=False, compare=False)  # optimizer_placed
 
     def evolve(self, **changes) -> "TrainGraph":
         if "ann" in changes:

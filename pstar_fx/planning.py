@@ -33,6 +33,7 @@ from .ir import BufKind, ChunkGroup, ParamHome, Precision, Role, Settings, State
 from .memory import shard_numel, state_bytes
 from .optim import OptimizerLayout, OptimizerSpec
 from .passes import pipeline, run_passes
+from .passes.remat import REMAT
 from .trace import model_tables, trace_step
 from .trace_hints import CHECKPOINT
 from .units import format_bytes, parse_bytes
@@ -204,11 +205,12 @@ def host_bytes(g: TrainGraph) -> tuple[int, int]:
 
 
 def model_flops(g: TrainGraph, tokens: int) -> float:
-    """6 x parameters x tokens + 12 x B x H x Tq x Tk x D per attention layer of the forward (recompute excluded)."""
+    """6 x parameters x tokens + 12 x B x H x Tq x Tk x D per attention layer of the forward (recompute excluded:
+    the user's checkpoints' and the remat pass's)."""
     attention = 0.0
     for n in g.nodes:
         tag = n.meta.get(CHECKPOINT)
-        if n.target in FORWARD_ATTENTION and (tag is None or tag.recompute_of is None):
+        if n.target in FORWARD_ATTENTION and (tag is None or tag.recompute_of is None) and REMAT not in n.meta:
             q, k = n.args[0].meta["val"], n.args[1].meta["val"]
             attention += 12.0 * q.numel() * k.shape[-2]
     return 6.0 * sum(p.numel for p in g.params) * tokens + attention

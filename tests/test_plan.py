@@ -222,6 +222,22 @@ def test_benchmark_flops_are_the_plans_model_flops():
     assert report.model_flops == bench.flops_per_step(bench.n_params(model), cfg, 2)
 
 
+def test_model_flops_leave_out_what_remat_recomputes():
+    """A budget that makes the remat pass recompute attention does not make the model's FLOPs larger."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import gpt as bench
+    from pstar_fx.passes.remat import REMAT
+    cfg = bench.GPTConfig(vocab=256, seq=512, layers=2, hidden=64, heads=4)
+    with torch.device("meta"):
+        model = bench.GPT(cfg)
+    batch = ((8, 512), torch.long)
+    roomy = px.plan(model, bench.gpt_loss, batch, batch, device="cpu", device_memory="1GB")
+    tight = px.plan(model, bench.gpt_loss, batch, batch, device="cpu", device_memory=roomy.peak_device * 6 // 10)
+    recomputed = [n for n in tight.graph.nodes if REMAT in n.meta]
+    assert any(n.target in cost.FORWARD_ATTENTION for n in recomputed)
+    assert tight.model_flops == roomy.model_flops == bench.flops_per_step(bench.n_params(model), cfg, 8)
+
+
 # -- the cost model -------------------------------------------------------------------------------------------------
 
 def _traced(fn, *shapes, dtype=torch.bfloat16):

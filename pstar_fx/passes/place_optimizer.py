@@ -29,9 +29,10 @@ import dataclasses
 import torch.fx as fx
 
 from .. import ops
-from ..cost import H200, Lane, Machine, compute_seconds, estimate
+from ..cost import H200, Lane, Machine, compute_seconds, estimate, most_copy_seconds
 from ..errors import BudgetError
-from ..ir import BufKind, ChunkGroup, NodeAnn, Phase, Role, StateHome, TrainGraph, copy_graph, to_module
+from ..ir import (BufKind, ChunkGroup, NodeAnn, Phase, Role, Scheduled, StateHome, TrainGraph, copy_graph,
+                  to_module)
 from .liveness import analyze
 from .schedule import schedule
 from ..memory import NO_NEEDS, all_needs, buf_bytes, needs, shard_numel, state_bytes, static_bytes
@@ -60,19 +61,26 @@ def place_optimizer(g: TrainGraph, machine: Machine = H200) -> TrainGraph:
     if not fewer:      # the common case: no other placement to compare, so all_host becomes the result (no copy)
         return _placed(g, all_host, most.chunks, machine, node_s, reuse=True).evolve(stage="optimizer_placed",
                                                                                      made_by="place_optimizer")
-    best = _placed(g, all_host, most.chunks, machine, node_s)
-    fullest = estimate(schedule(best), machine)
-    if fullest.bound in (Lane.H2D, Lane.D2H):
+    program_s = {n.name: s for n, s in zip(all_host.nodes, node_s)}
+    best = _placed(g, all_host, most.chunks, machine, node_s, reuse=True)
+    best_scheduled = schedule(best)
+    # its copies cannot bound its step when they would take less than the step's compute even at their slowest
+    fullest = (estimate(best_scheduled, machine, program_s=program_s)
+               if most_copy_seconds(best_scheduled.plan, machine) >= sum(node_s) else None)
+    if fullest is not None and fullest.bound in (Lane.H2D, Lane.D2H):
         best_s = fullest.seconds
+        all_host = with_steps(g, trainable).evolve(chunks=chunks)     # the first was used up by the fullest
         for homes in fewer:
             candidate = _placed(g, all_host, homes, machine, node_s)
             try:
-                seconds = estimate(schedule(candidate), machine).seconds
+                scheduled = schedule(candidate)
             except BudgetError:
                 continue
+            seconds = estimate(scheduled, machine, program_s=program_s).seconds
             if seconds < best_s:
-                best, best_s = candidate, seconds
-    return best.evolve(stage="optimizer_placed", made_by="place_optimizer")
+                best, best_s, best_scheduled = candidate, seconds, scheduled
+    out = best.evolve(stage="optimizer_placed", made_by="place_optimizer")
+    return out.evolve(scheduled=Scheduled(out.gm, out.ann, out.chunks, out.settings, best_scheduled))
 
 
 def _placed(g: TrainGraph, all_host: TrainGraph, homes: tuple, machine: Machine,

@@ -329,6 +329,9 @@ def param_homes(g: TrainGraph, moves: list[Move]) -> dict[int, ParamHome]:
 
 
 def schedule(g: TrainGraph, *, prefetch: int | None = None) -> TrainGraph:
+    done = g.scheduled.of(g) if g.scheduled is not None and prefetch is None else None
+    if done is not None:          # place_optimizer scheduled this very graph already
+        return done
     budget = g.settings.budget
     moves, carried = plan_moves(g, budget, prefetch)
     homes = param_homes(g, moves)

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Issue 5 on one H200 (nvidia-h200: 16 cores, 128 GiB host), session 12: the 17.26B GPT built without activation
+# checkpoints, the remat pass choosing what to recompute (by the peak device memory it frees, then the sum over
+# nodes), against the same model with per-block checkpoints. Stages (first argument, any of, comma-separated):
+#   remat17  - the 17.26B GPT (54 x 5120, 40 heads, no checkpoints, 8 x 2048 tokens, px.init_empty(cuda), 137 GiB
+#              budget), atomic=False; run first on a fresh machine, it times the compile
+#   first17  - the same built with per-block checkpoints (torch.utils.checkpoint), as in sessions 8-11
+#   atomic17 - remat17 with atomic steps (the default)
+#   async17  - remat17 under torch's cudaMallocAsync allocator backend instead of expandable segments (does the
+#              caching allocator's retrying cost the step?)
+#   tests    - the CUDA tests of the runtime, and the remat and checkpointing tests under this machine's torch
+#   small    - 1.3B (24 x 2048, 8 x 2048 tokens): eager and pstar-fx, unlimited budget
+#   mid      - 6.66B (32 x 4096, 4 x 2048 tokens): eager and pstar-fx, unlimited budget
+# Logs under $OUT.
+stages=${1:-remat17}
+source "$(dirname "$0")/h200_prologue.sh"
+uname -r | tee -a "$out/gpu.txt"          # MADV_POPULATE_WRITE needs Linux 5.14
+shape17=(--layers 54 --hidden 5120 --heads 40 --batch 8 --checkpoint on --systems pstar --budgets 137GiB --init-empty
+         --warmup 1 --steps 5)
+run17() {   # name, extra flags...
+  local name=$1; shift
+  timeout 300 python3 benchmarks/gpt.py --timeout 290 --json "$out/$name.json" "${shape17[@]}" "$@" 2>&1 \
+      | grep -v '^{' | tail -2
+  python3 - "$out/$name.json" <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1]))
+for r in d["rows"]:
+    c = r.get("compile_parts", {})
+    print({k: r.get(k) for k in ("system", "step_s", "tflops", "compile_s", "first_steps_s", "measured_peak",
+                                 "predicted_peak", "cpu_worker_per_step")})
+    print("compile:", {k: c.get(k) for k in ("trace_s", "passes_s", "setup_s", "rest_s", "import_s", "host_waited_s")})
+    print("host pool:", c.get("host_pool"))
+    print("per step (populated GiB, worker updating s, allocator retries):",
+          [(s.get("populated_gib"), s.get("updating_s"), s.get("num_alloc_retries")) for s in r.get("per_step", [])])
+PY
+  echo "$name: $(( $(date +%s) - start )) s"
+}
+for s in ${stages//,/ }; do
+  case $s in
+    remat17) run17 g17b_remat --checkpoint off --no-atomic ;;
+    first17) run17 g17b_first --no-atomic ;;
+    atomic17) run17 g17b_atomic --checkpoint off ;;
+    async17) PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync run17 g17b_async --checkpoint off --no-atomic ;;
+    tests) cuda_tests tests/test_remat.py tests/test_checkpointing.py ;;
+    small) eager_and_pstar 1.3B g1b3.json 200 --layers 24 --hidden 2048 --heads 16 --batch 8 ;;
+    mid) eager_and_pstar 6.66B g6b7.json 240 --layers 32 --hidden 4096 --heads 32 --batch 4 --checkpoint off ;;
+    *) echo "unknown stage $s"; exit 2 ;;
+  esac
+done
