@@ -8,7 +8,8 @@
 #   atomic17 - remat17 with atomic steps (the default)
 #   async17  - remat17 under torch's cudaMallocAsync allocator backend instead of expandable segments (does the
 #              caching allocator's retrying cost the step?)
-#   tests    - the CUDA tests of the runtime, and the remat and checkpointing tests under this machine's torch
+#   tests    - the CUDA tests of the runtime, and the remat and checkpointing tests (with PSTAR_TEST_DEVICE=cuda)
+#   remat_tests - the remat and checkpointing tests alone, on the GPU and on the CPU (this machine's torch)
 #   small    - 1.3B (24 x 2048, 8 x 2048 tokens): eager and pstar-fx, unlimited budget
 #   mid      - 6.66B (32 x 4096, 4 x 2048 tokens): eager and pstar-fx, unlimited budget
 # Logs under $OUT.
@@ -42,6 +43,14 @@ for s in ${stages//,/ }; do
     atomic17) run17 g17b_atomic --checkpoint off ;;
     async17) PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync run17 g17b_async --checkpoint off --no-atomic ;;
     tests) cuda_tests tests/test_remat.py tests/test_checkpointing.py ;;
+    remat_tests)   # the remat and checkpointing tests alone: on the GPU, then on this machine's torch on the CPU
+      PSTAR_TEST_DEVICE=cuda timeout 280 python3 -m pytest tests/test_remat.py tests/test_checkpointing.py -q \
+          -p no:logging -p no:cacheprovider -rf > "$out/tests_remat_cuda.txt" 2>&1
+      echo "cuda rc $?"; tail -4 "$out/tests_remat_cuda.txt"
+      timeout 280 python3 -m pytest tests/test_remat.py tests/test_checkpointing.py -q -p no:logging \
+          -p no:cacheprovider -rf > "$out/tests_remat_cpu.txt" 2>&1
+      echo "cpu rc $?"; tail -4 "$out/tests_remat_cpu.txt"
+      echo "remat_tests: $(( $(date +%s) - start )) s" ;;
     small) eager_and_pstar 1.3B g1b3.json 200 --layers 24 --hidden 2048 --heads 16 --batch 8 ;;
     mid) eager_and_pstar 6.66B g6b7.json 240 --layers 32 --hidden 4096 --heads 32 --batch 4 --checkpoint off ;;
     *) echo "unknown stage $s"; exit 2 ;;

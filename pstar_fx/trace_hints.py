@@ -96,8 +96,31 @@ def gradients(loss: torch.Tensor, leaves: list[torch.Tensor]) -> list[torch.Tens
     return [leaf.grad for leaf in leaves]
 
 
-def _random(node: fx.Node) -> bool:
-    return node.op == "call_function" and torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
+# ops tagged nondeterministic_seeded that draw random numbers only through a dropout argument: name of that argument
+_RANDOM_ONLY_WITH_DROPOUT = {
+    getattr(torch.ops.aten, op).default: "dropout_p"
+    for op in ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+               "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")
+    if hasattr(torch.ops.aten, op)
+}
+
+
+def draws_random(n: fx.Node) -> bool:
+    """The op draws random numbers: tagged nondeterministic_seeded, unless its only randomness is a dropout argument
+    that is 0 (torch's efficient attention, which CUDA traces use, is tagged random even then: a checkpoint's
+    recompute of it needs no forward twin's random values)."""
+    if n.op != "call_function":
+        return False
+    tags = getattr(n.target, "tags", ())
+    if torch.Tag.nondeterministic_seeded not in tags:
+        return False
+    arg = _RANDOM_ONLY_WITH_DROPOUT.get(n.target)
+    if arg is None:
+        return True
+    schema = n.target._schema
+    i = next(k for k, a in enumerate(schema.arguments) if a.name == arg)
+    p = n.args[i] if i < len(n.args) else n.kwargs.get(arg, schema.arguments[i].default_value)
+    return p != 0
 
 
 def _storages(n: fx.Node) -> set[int]:
@@ -216,14 +239,14 @@ def _match_window(nodes: list[fx.Node], seed: fx.Node, backward: set[fx.Node],
         if k is None:
             continue
         if pos[n] < pos[seed]:
-            if _random(n):
+            if draws_random(n):
                 random_fwd.setdefault(k, []).append(n)
             elif k in first:
                 rep[n] = first[k]          # forward computes the same value twice (a causal mask per layer)
             else:
                 first[k] = n
             continue
-        if _random(n):
+        if draws_random(n):
             used = random_used.get(k, 0)
             fwd = random_fwd.get(k, [])
             if used >= len(fwd):
@@ -237,7 +260,7 @@ def _match_window(nodes: list[fx.Node], seed: fx.Node, backward: set[fx.Node],
         rep[n] = twin[n]
 
     for n in nodes[pos[seed] + 1:]:
-        if _random(n) and n not in backward and n not in twin:
+        if draws_random(n) and n not in backward and n not in twin:
             raise UntraceableError(
                 f"cannot trace the training step: random operation {n.target} runs again in backward (activation "
                 "checkpointing recomputes it) but pstar-fx cannot tell which forward call it repeats, so it cannot "
@@ -252,7 +275,7 @@ def _reuse_forward_randomness(graph: fx.Graph, nodes: list[fx.Node], twin: dict[
     tainted: list[fx.Node] = []
     seen: set[fx.Node] = set()
     for n in nodes:
-        if n in twin and (_random(n) or any(m in seen for m in mutated_args(n))):
+        if n in twin and (draws_random(n) or any(m in seen for m in mutated_args(n))):
             tainted.append(n)
             seen.add(n)
     for n in tainted:

@@ -9,7 +9,7 @@ from torch.utils.checkpoint import checkpoint
 
 import pstar_fx as px
 from pstar_fx.trace_hints import CHECKPOINT, checkpoint_regions
-from harness import HYPER, check_tight_budget_matches_eager, compiled_run, compiled_step, eager_run, rel_err
+from harness import DEVICE, HYPER, check_tight_budget_matches_eager, compiled_run, compiled_step, eager_run, rel_err
 from models import (CASES, CASES_BY_NAME, CHECKPOINT_CASES, GPT, MODEL_SEED, CheckpointedGPT, assert_state_close,
                     gpt_loss)
 
@@ -46,7 +46,7 @@ def test_graph_holds_the_recompute_and_plans_less_memory(case):
         case.name.split("_gc")[0].split("_ckpt")[0]]]
     steps = {}
     for c in (plain, case):
-        s = px.compile(c.build_model(), optimizer=px.AdamW(lr=1e-3), device="cpu", remat=False)(c.loss_fn)
+        s = px.compile(c.build_model(), optimizer=px.AdamW(lr=1e-3), device=DEVICE, remat=False)(c.loss_fn)
         s(*c.batch(0))
         steps[c.name] = s
     auto = compiled_step(case)
@@ -139,3 +139,18 @@ def test_unpairable_random_recompute_is_rejected_with_a_clear_error():
         lambda m, x: checkpoint(m, x, use_reentrant=False).square().mean())
     with pytest.raises(px.UntraceableError, match="random operation .* runs again in backward"):
         step(torch.randn(8, 8))
+
+
+def test_attention_without_dropout_is_not_random():
+    """CUDA traces attention as torch's efficient-attention op, tagged random although dropout_p=0 draws nothing: a
+    reentrant checkpoint's recompute of it needs no forward twin (before, tracing such a model on a GPU raised
+    "random operation ... runs again in backward"); with dropout it is random."""
+    from pstar_fx.trace_hints import draws_random
+    op = torch.ops.aten._scaled_dot_product_efficient_attention.default
+    assert torch.Tag.nondeterministic_seeded in op.tags
+    g = torch.fx.Graph()
+    q, k, v = (g.placeholder(x) for x in "qkv")
+    assert not draws_random(g.call_function(op, (q, k, v, None, True)))              # dropout_p defaults to 0
+    assert not draws_random(g.call_function(op, (q, k, v, None, True, 0.0)))
+    assert draws_random(g.call_function(op, (q, k, v, None, True, 0.1)))
+    assert draws_random(g.call_function(torch.ops.aten.bernoulli.p, (q, 0.5)))

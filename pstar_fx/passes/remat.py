@@ -59,20 +59,11 @@ from ..errors import BudgetError
 from ..graph_utils import last_uses, mutated_args, storage_bytes, storage_key, tensors_of
 from ..ir import ChunkGroup, Phase, Role, StateHome, TrainGraph, copy_graph, to_module
 from ..memory import all_needs, buf_bytes, state_bytes, static_bytes, step_workspace
-from ..trace_hints import CHECKPOINT, _private_chains
+from ..trace_hints import CHECKPOINT, _private_chains, draws_random
 from ..units import format_bytes
 from .liveness import _NOT_ACTIVATION, analyze, liveness
 
 REMAT = "pstar_remat"      # node.meta key of a RematTag
-
-aten = torch.ops.aten
-
-# ops tagged nondeterministic_seeded that draw random numbers only through a dropout argument: name of that argument
-_RANDOM_ONLY_WITH_DROPOUT = {
-    getattr(aten, op).default: "dropout_p"
-    for op in ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
-               "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention") if hasattr(aten, op)
-}
 
 
 @dataclass(frozen=True)
@@ -124,21 +115,6 @@ def block_paths(names) -> dict[str, str | None]:
                 out[n] = ".".join(parts[:i + 1])
                 break
     return out
-
-
-def draws_random(n: fx.Node) -> bool:
-    """The op draws random numbers: tagged nondeterministic_seeded, unless its only randomness is a dropout argument
-    that is 0."""
-    tags = getattr(n.target, "tags", ())
-    if torch.Tag.nondeterministic_seeded not in tags:
-        return False
-    arg = _RANDOM_ONLY_WITH_DROPOUT.get(n.target)
-    if arg is None:
-        return True
-    schema = n.target._schema
-    i = next(k for k, a in enumerate(schema.arguments) if a.name == arg)
-    p = n.args[i] if i < len(n.args) else n.kwargs.get(arg, schema.arguments[i].default_value)
-    return p != 0
 
 
 class _Graph:
