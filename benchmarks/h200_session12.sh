@@ -9,7 +9,9 @@
 #   async17  - remat17 under torch's cudaMallocAsync allocator backend instead of expandable segments (does the
 #              caching allocator's retrying cost the step?)
 #   tests    - the CUDA tests of the runtime, and the remat and checkpointing tests (with PSTAR_TEST_DEVICE=cuda)
-#   remat_tests - the remat and checkpointing tests alone, on the GPU and on the CPU (this machine's torch)
+#   remat_tests - the remat and checkpointing tests alone, with PSTAR_TEST_DEVICE=cuda (CPU tests: some compile on
+#              the CPU, some compare bitwise; run there to show checkpointed models trace for CUDA) and on the CPU
+#              under this machine's torch
 #   small    - 1.3B (24 x 2048, 8 x 2048 tokens): eager and pstar-fx, unlimited budget
 #   mid      - 6.66B (32 x 4096, 4 x 2048 tokens): eager and pstar-fx, unlimited budget
 # Logs under $OUT.

@@ -3,6 +3,7 @@
 Under a budget no plan without recomputation fits (the compile fails with remat=False), the compiled step recomputes,
 fits the budget as planned and measured, and trains exactly as eager PyTorch (fp32, random data, several steps,
 dropout included: random ops are never recomputed). At a budget the step fits without, the graph is unchanged.
+CPU tests (exact fp32 comparisons), not among the CUDA tests of benchmarks/h200_prologue.sh.
 """
 import dataclasses
 import functools
@@ -16,7 +17,7 @@ from pstar_fx.passes import pipeline, run_passes
 from pstar_fx.passes.liveness import analyze
 from pstar_fx.passes.remat import REMAT, _Graph, _Replay, apply, block_paths, draws_random, find_segments
 from pstar_fx.trace import trace_step
-from harness import DEVICE, HYPER, compiled_step, eager_run, rel_err
+from harness import HYPER, compiled_step, eager_run, rel_err
 from models import CASES_BY_NAME, GPT, Case, _gpt_batch, assert_state_close, gpt_loss
 
 STEPS = 4
@@ -29,7 +30,7 @@ GPT_DEEP = Case("gpt_deep", lambda: GPT(vocab=64, block_size=16, n_layer=4, n_he
 
 def _step(case, budget, remat="auto", **kw):
     return px.compile(case.build_model(), optimizer=px.AdamW(**HYPER), device_memory=budget, chunk_size=CHUNK,
-                      device=DEVICE, debug=True, remat=remat, **kw)(case.loss_fn)
+                      device="cpu", debug=True, remat=remat, **kw)(case.loss_fn)
 
 
 def _least(case, remat):
