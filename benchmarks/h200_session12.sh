@@ -4,6 +4,7 @@
 # nodes), against the same model with per-block checkpoints. Stages (first argument, any of, comma-separated):
 #   remat17  - the 17.26B GPT (54 x 5120, 40 heads, no checkpoints, 8 x 2048 tokens, px.init_empty(cuda), 137 GiB
 #              budget), atomic=False; run first on a fresh machine, it times the compile
+#   b135, b133 - remat17 at a 135 or 133 GiB budget (does headroom for the CUDA allocator remove its retries?)
 #   first17  - the same built with per-block checkpoints (torch.utils.checkpoint), as in sessions 8-11
 #   atomic17 - remat17 with atomic steps (the default)
 #   async17  - remat17 under torch's cudaMallocAsync allocator backend instead of expandable segments (does the
@@ -41,6 +42,8 @@ PY
 for s in ${stages//,/ }; do
   case $s in
     remat17) run17 g17b_remat --checkpoint off --no-atomic ;;
+    b135) run17 g17b_b135 --checkpoint off --no-atomic --budgets 135GiB ;;
+    b133) run17 g17b_b133 --checkpoint off --no-atomic --budgets 133GiB ;;
     first17) run17 g17b_first --no-atomic ;;
     atomic17) run17 g17b_atomic --checkpoint off ;;
     async17) PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync run17 g17b_async --checkpoint off --no-atomic ;;
