@@ -40,8 +40,9 @@ highest excess over the budget, then the comfort bytes above the budget summed o
 worthwhile only if it lowers the need above the budget; until comfort fits the budget. The peak comes before the
 sum because optimizer states stay on the device all step: the room they have is the budget less the highest
 everything else reaches, where backward starts with every block's forward values live (by the sum alone, the
-17.26B GPT recomputed 38 of its 54 blocks, and kept 37 fewer chunks' states on the device than with all). Then segments whose removal changes neither are dropped, last first. If the need still
-exceeds the budget, the segments that give the least need are used; if even that does not fit, BudgetError.
+17.26B GPT recomputed 38 of its 54 blocks, and kept 37 fewer chunks' states on the device than with all). Then
+segments whose removal changes none of them are dropped, last first. If the need still exceeds the budget, the
+segments that give the least need are used; if even that does not fit, BudgetError.
 """
 from __future__ import annotations
 
