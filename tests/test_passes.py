@@ -356,3 +356,22 @@ def test_prefetch_none_trains_equal_to_eager_under_a_tight_budget():
     ref_losses, ref_sd = eager_run(case, 3, host_params=host_params(step))
     assert rel_err(losses, ref_losses) <= 1e-6
     assert_state_close(sd, ref_sd, rtol=1e-6)
+
+
+def test_schedule_returns_place_optimizers_schedule_only_for_the_graph_it_was_made_from():
+    """place_optimizer may hand the schedule pass the schedule it made of the placement it keeps (ir.Scheduled): the
+    pass returns it for that very graph at the default prefetch, and schedules anything else itself."""
+    from pstar_fx.ir import Scheduled
+    from pstar_fx.passes import schedule
+    stages, _, _ = _stages()
+    placed = stages["optimizer_placed"]
+    fresh = schedule(placed)
+    assert str(fresh) == str(stages["scheduled"])
+    marker = fresh.evolve(made_by="a schedule made before")
+    handed = placed.evolve(scheduled=Scheduled(placed.gm, placed.ann, placed.chunks, placed.settings, marker))
+    assert schedule(handed) is marker
+    assert schedule(handed, prefetch=2) is not marker
+    other = handed.evolve(chunks=tuple(dataclasses.replace(c, state_home=StateHome.HOST)
+                                       if c.group is ChunkGroup.TRAINABLE else c for c in handed.chunks))
+    assert schedule(other) is not marker
+    assert str(schedule(other)) != str(fresh)
