@@ -464,3 +464,20 @@ def test_steps_moved_into_place_are_what_with_steps_inserts(atomic):
     if not atomic:       # host steps come before the commit
         roles = [moved.ann[n.name].role for n in moved.nodes]
         assert roles.index(Role.OPTIMIZER_STEP) < roles.index(Role.COMMIT)
+
+
+@pytest.mark.parametrize("slowdown", [1.0, 40.0])
+def test_most_copy_seconds_bounds_the_estimates_copy_lanes(slowdown):
+    """place_optimizer skips estimating a placement whose copies, at their slowest, take less than its compute: that
+    rests on most_copy_seconds being at least the estimate's busy H2D and D2H seconds, with copies alone or both ways
+    at once and the CPU updating (a machine whose copies are slow makes them overlap more)."""
+    from harness import compiled_step
+    case = CASES_BY_NAME["gpt_tied"]
+    step = compiled_step(case, budget=tight_budget(case, 1024), chunk_size=1024)
+    g = step.lower(*case.batch(0))["scheduled"]
+    assert g.plan.h2d_bytes > 0 and g.plan.d2h_bytes > 0
+    m = dataclasses.replace(H200, h2d_bytes=H200.h2d_bytes / slowdown, d2h_bytes=H200.d2h_bytes / slowdown,
+                            duplex_bytes=H200.duplex_bytes / slowdown, duplex_cpu_bytes=H200.duplex_cpu_bytes / slowdown)
+    busy = cost.estimate(g, m).busy
+    bound = cost.most_copy_seconds(g.plan, m)
+    assert 0 < busy[Lane.H2D] <= bound and 0 < busy[Lane.D2H] <= bound
