@@ -15,7 +15,7 @@ from . import checkpoint, timeline
 from .cache import TraceCache
 from .checks import warn_chunk_padding, warn_host_threads
 from .errors import CommitError, PstarError
-from .graph_utils import bounded_live, cycle_collection_paused
+from .graph_utils import bounded_live, cycle_collection_paused, one_intra_op_thread
 from .init_empty import fill_chunks, is_empty
 from .ir import ChunkGroup, Precision, Role, Settings, StateHome, TrainGraph
 from .optim import OptimizerSpec
@@ -197,10 +197,11 @@ class CompiledStep:
             if stage.stage == "optimizer_placed" and first:
                 hostmem.reserve(host_buffer_specs(stage.chunks, st.precision, st.world))
         try:
-            traced = trace_step(self._fn, self._model, batch, st)
-            passes = pipeline(chunk_size=st.chunk_size, layout=self._layout, prefetch=self.prefetch,
-                              remat=self._remat, world=st.world)
-            stages = run_passes(traced, passes, after=set_up_early)
+            with one_intra_op_thread():
+                traced = trace_step(self._fn, self._model, batch, st)
+                passes = pipeline(chunk_size=st.chunk_size, layout=self._layout, prefetch=self.prefetch,
+                                  remat=self._remat, world=st.world)
+                stages = run_passes(traced, passes, after=set_up_early)
         except BaseException:
             if hostmem is not None:
                 hostmem.cancel()

@@ -44,6 +44,27 @@ def cycle_collection_paused():
             gc.collect(0)
 
 
+@contextlib.contextmanager
+def one_intra_op_thread():
+    """The calling thread's torch ops on one intra-op thread while a step is traced and planned, its own setting
+    restored after. The passes compute on tensors of one element per node (remat's replay of liveness, the
+    schedule's free bytes): an OpenMP team of every core is slower at that size than one thread, and stalls while
+    threads beside it fault host memory in (`HostMemory.prefault`): on this project's 2-core CI machine, ops on 24k
+    elements took 3.5 times as long beside one faulting thread with two intra-op threads, unchanged with one; on the
+    H200 machine the remat pass took 6.4 s beside the faulting against 2.05 s alone (BENCHMARKS.md, session 12).
+    torch's setting is per thread, but a thread that first uses torch meanwhile starts with one intra-op thread:
+    HostMemory counts its threads before."""
+    n = torch.get_num_threads()
+    if n == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _OUR_DIR = os.path.dirname(os.path.abspath(__file__))
 _FILE = re.compile(r'File "([^"]+)"')

@@ -28,7 +28,7 @@ import torch.nn as nn
 
 from .cost import H200, FORWARD_ATTENTION, Machine, StepCost, estimate
 from .errors import BudgetError
-from .graph_utils import cycle_collection_paused
+from .graph_utils import cycle_collection_paused, one_intra_op_thread
 from .ir import BufKind, ChunkGroup, ParamHome, Precision, Role, Settings, StateHome, TrainGraph
 from .memory import shard_numel, state_bytes
 from .optim import OptimizerLayout, OptimizerSpec
@@ -263,7 +263,7 @@ def plan(model: nn.Module, loss_fn, *batch, world_size: int = 1, device_memory=N
                         optimizer=_layout(model, optimizer),
                         max_grad_norm=None if max_grad_norm is None else float(max_grad_norm),
                         accumulate=accumulate, world=world_size, atomic=atomic)
-    with cycle_collection_paused():
+    with cycle_collection_paused(), one_intra_op_thread():
         traced = trace_step(loss_fn, model, meta_batch, settings)
         t0 = time.perf_counter()
         needed = None

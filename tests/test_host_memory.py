@@ -217,3 +217,28 @@ def test_touch_faults_every_page_of_a_fresh_mapping_in_and_leaves_it_zero(thread
     touch(t, threads)
     assert _resident_fraction(t) == 1.0 and not t.any()
     touch(t[:0])                                  # nothing to do
+
+
+def test_compiling_runs_on_one_intra_op_thread_and_set_up_keeps_its_threads():
+    """While a step is traced and planned the compiling thread's torch ops run on one intra-op thread (its setting
+    restored after, also on an error), and the host set-up thread faults memory in on the threads counted before."""
+    import threading
+    from pstar_fx.graph_utils import one_intra_op_thread
+    from pstar_fx.runtime.host_memory import HostMemory
+    n = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        hm = HostMemory(pin=False)
+        seen = {}
+        with one_intra_op_thread():
+            seen["inside"] = torch.get_num_threads()
+            t = threading.Thread(target=lambda: seen.setdefault("new thread", torch.get_num_threads()))
+            t.start()
+            t.join()
+        assert seen == {"inside": 1, "new thread": 1} and torch.get_num_threads() == 4
+        assert hm._threads == 2            # four less two, counted before, whichever thread touches
+        with pytest.raises(ValueError), one_intra_op_thread():
+            raise ValueError
+        assert torch.get_num_threads() == 4
+    finally:
+        torch.set_num_threads(n)

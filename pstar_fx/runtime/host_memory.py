@@ -35,15 +35,15 @@ POOL_PIECE = 1 << 30  # the set-up thread faults a prefaulted pool in this many 
 _PAGE = 4096         # reserved buffers start on a page of their own
 
 
-def zeroed(numel: int, dtype: torch.dtype) -> torch.Tensor:
+def zeroed(numel: int, dtype: torch.dtype, threads: int | None = None) -> torch.Tensor:
     """A zero host tensor whose pages are all present: an anonymous mapping (transparent huge pages where the
-    kernel allows them) faulted in by `touch`, or torch.zeros below MAPPED_MIN_BYTES. The mapping is
+    kernel allows them) faulted in by `touch` (on `threads`), or torch.zeros below MAPPED_MIN_BYTES. The mapping is
     unmapped when the tensor (which holds it) is freed."""
     nbytes = numel * dtype.itemsize
     if nbytes < MAPPED_MIN_BYTES:
         return torch.zeros(numel, dtype=dtype)
     t = torch.frombuffer(_mapping(nbytes), dtype=dtype, count=numel)
-    touch(t)         # already zero: this faults every page in, here rather than in a step
+    touch(t, threads)   # already zero: this faults every page in, here rather than in a step
     return t
 
 
@@ -154,6 +154,9 @@ class HostMemory:
 
     def __init__(self, pin: bool):
         self.pin = pin
+        # touch's threads, counted here in the caller's thread: the set-up thread may first ask torch while the
+        # compiling thread runs on one intra-op thread (graph_utils.one_intra_op_thread), and would be told one
+        self._threads = max(1, torch.get_num_threads() - 2)
         self._registered: list[torch.Tensor] = []
         self.fallbacks: list[tuple[int, int]] = []   # (bytes, cudaError) of buffers cudaHostRegister refused
         self._reserved: dict[tuple, tuple[BufferSpec, torch.Tensor]] = {}
@@ -236,7 +239,7 @@ class HostMemory:
                     layout = self._layout
                 if lo < hi:
                     t0 = time.perf_counter()
-                    touch(self._pool[lo:hi])         # already zero: faults the pages in
+                    touch(self._pool[lo:hi], self._threads)      # already zero: faults the pages in
                     self.pool_seconds += time.perf_counter() - t0
                     with self._wake:
                         self._pool_touched = hi
@@ -314,7 +317,7 @@ class HostMemory:
         return self._make(numel, dtype, copied)
 
     def _make(self, numel: int, dtype: torch.dtype, copied: bool) -> torch.Tensor:
-        t = zeroed(numel, dtype)
+        t = zeroed(numel, dtype, self._threads)
         if not self.pin or not copied or numel == 0:
             return t
         return self._pin(t)
