@@ -1,6 +1,6 @@
 # Sourced by benchmarks/h200_session8.sh to h200_session11.sh after they set `stages`: logs under
 # $OUT (`out`), the environment of every run, the start time, and the machine (GPU, host memory, cores) in
-# $out/gpu.txt; and the stages they share (cuda_tests, eager_and_pstar).
+# $out/gpu.txt; and the stages they share (cuda_tests, eager_and_pstar, gpt17, run17).
 set -u
 out=${OUT:-h200_logs}
 mkdir -p "$out"
@@ -25,4 +25,19 @@ eager_and_pstar() {   # label, json name, seconds, gpt.py shape flags: eager and
   timeout "$secs" python3 benchmarks/gpt.py --timeout $(( secs - 10 )) --json "$out/$json" "$@" \
       --systems eager,pstar --budgets none 2>&1 | grep -v '^{' | tail -4
   echo "$label: $(( $(date +%s) - start )) s"
+}
+# The 17.26B GPT of sessions 8-12 (54 x 5120, 40 heads, per-block checkpoints unless --checkpoint off follows, 8 x
+# 2048 tokens, px.init_empty(cuda), 137 GiB budget): gpt17 runs it (name, extra flags: later flags override), run17
+# also prints show_run.py's brief summary and the time since the start.
+shape17=(--layers 54 --hidden 5120 --heads 40 --batch 8 --checkpoint on --systems pstar --budgets 137GiB --init-empty
+         --warmup 1 --steps 5)
+gpt17() {   # name, extra flags...
+  local name=$1; shift
+  timeout 300 python3 benchmarks/gpt.py --timeout 290 --json "$out/$name.json" "${shape17[@]}" "$@" 2>&1 \
+      | grep -v '^{' | tail -2
+}
+run17() {   # name, extra flags...
+  gpt17 "$@"
+  python3 benchmarks/show_run.py --brief "$out/$1.json"
+  echo "$1: $(( $(date +%s) - start )) s"
 }

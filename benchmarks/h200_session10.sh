@@ -15,14 +15,10 @@
 # Logs under $OUT.
 stages=${1:-first17}
 source "$(dirname "$0")/h200_prologue.sh"
-shape17=(--layers 54 --hidden 5120 --heads 40 --batch 8 --checkpoint on --systems pstar --budgets 137GiB --init-empty
-         --warmup 1 --steps 5)
-run17() {   # name, extra flags...
-  local name=$1; shift
-  timeout 300 python3 benchmarks/gpt.py --timeout 290 --json "$out/$name.json" "${shape17[@]}" "$@" 2>&1 \
-      | grep -v '^{' | tail -2
-  python3 benchmarks/show_run.py "$out/$name.json" | head -3
-  echo "$name: $(( $(date +%s) - start )) s"
+run17() {   # name, extra flags... (the shared gpt17, then show_run.py's first lines)
+  gpt17 "$@"
+  python3 benchmarks/show_run.py "$out/$1.json" | head -3
+  echo "$1: $(( $(date +%s) - start )) s"
 }
 for s in ${stages//,/ }; do
   case $s in

@@ -19,26 +19,6 @@
 stages=${1:-remat17}
 source "$(dirname "$0")/h200_prologue.sh"
 uname -r | tee -a "$out/gpu.txt"          # MADV_POPULATE_WRITE needs Linux 5.14
-shape17=(--layers 54 --hidden 5120 --heads 40 --batch 8 --checkpoint on --systems pstar --budgets 137GiB --init-empty
-         --warmup 1 --steps 5)
-run17() {   # name, extra flags...
-  local name=$1; shift
-  timeout 300 python3 benchmarks/gpt.py --timeout 290 --json "$out/$name.json" "${shape17[@]}" "$@" 2>&1 \
-      | grep -v '^{' | tail -2
-  python3 - "$out/$name.json" <<'PY'
-import json, sys
-d = json.load(open(sys.argv[1]))
-for r in d["rows"]:
-    c = r.get("compile_parts", {})
-    print({k: r.get(k) for k in ("system", "step_s", "tflops", "compile_s", "first_steps_s", "measured_peak",
-                                 "predicted_peak", "cpu_worker_per_step")})
-    print("compile:", {k: c.get(k) for k in ("trace_s", "passes_s", "setup_s", "rest_s", "import_s", "host_waited_s")})
-    print("host pool:", c.get("host_pool"))
-    print("per step (populated GiB, worker updating s, allocator retries):",
-          [(s.get("populated_gib"), s.get("updating_s"), s.get("num_alloc_retries")) for s in r.get("per_step", [])])
-PY
-  echo "$name: $(( $(date +%s) - start )) s"
-}
 for s in ${stages//,/ }; do
   case $s in
     remat17) run17 g17b_remat --checkpoint off --no-atomic ;;
