@@ -46,7 +46,7 @@ from ..ir import BufKind, ChunkGroup, ChunkInfo, ParamHome, ParamInfo, Precision
 from ..memory import BufKey, shard_numel, state_floats
 from ..units import format_bytes
 from .comm import Comm
-from .host_memory import BufferSpec, HostMemory
+from .host_memory import BufferSpec, HostMemory, spare_threads
 from .host_updates import HostUpdates
 
 
@@ -115,7 +115,7 @@ def worker_threads(device: torch.device) -> int | None:
     CPU, where the executor computes on those cores itself."""
     if device.type != "cuda":
         return None
-    return max(1, torch.get_num_threads() - 2)
+    return spare_threads()
 
 
 class ChunkStore:

@@ -47,6 +47,12 @@ def zeroed(numel: int, dtype: torch.dtype, threads: int | None = None) -> torch.
     return t
 
 
+def spare_threads() -> int:
+    """torch's intra-op thread count in the calling thread less two (at least one): the threads faulting memory in and
+    the CPU worker's updates leave two cores to the thread that traces or launches kernels and to the driver."""
+    return max(1, torch.get_num_threads() - 2)
+
+
 def touch(t: torch.Tensor, threads: int | None = None) -> None:
     """Fault every page under t in by writing zeros over it (t must be zero already, and nobody else writing it: a
     fresh mapping), on `threads` threads of its own: by default torch's intra-op thread count less two (every core
@@ -60,7 +66,7 @@ def touch(t: torch.Tensor, threads: int | None = None) -> None:
     nbytes = t.numel() * t.element_size()
     if nbytes == 0:
         return
-    threads = max(1, min(threads or torch.get_num_threads() - 2, nbytes // MAPPED_MIN_BYTES or 1))
+    threads = max(1, min(threads or spare_threads(), nbytes // MAPPED_MIN_BYTES or 1))
     addr = t.data_ptr()
     cut = [addr + nbytes * i // threads for i in range(threads)] + [addr + nbytes]
     workers = [threading.Thread(target=ctypes.memset, args=(cut[i], 0, cut[i + 1] - cut[i]), daemon=True)
@@ -156,7 +162,7 @@ class HostMemory:
         self.pin = pin
         # touch's threads, counted here in the caller's thread: the set-up thread may first ask torch while the
         # compiling thread runs on one intra-op thread (graph_utils.one_intra_op_thread), and would be told one
-        self._threads = max(1, torch.get_num_threads() - 2)
+        self._threads = spare_threads()
         self._registered: list[torch.Tensor] = []
         self.fallbacks: list[tuple[int, int]] = []   # (bytes, cudaError) of buffers cudaHostRegister refused
         self._reserved: dict[tuple, tuple[BufferSpec, torch.Tensor]] = {}
