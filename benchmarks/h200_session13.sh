@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Issue 5 on one H200 (nvidia-h200: 16 cores, 128 GiB host), session 13: the compile of the 17.26B GPT in a fresh
+# machine's first process with the trace and passes on one intra-op thread (b4d4987), and how fast a fresh machine
+# faults memory in with more threads than the set-up thread uses (14). Stages (first argument, comma-separated):
+#   remat17  - the 17.26B GPT (54 x 5120, 40 heads, no checkpoints, 8 x 2048 tokens, px.init_empty(cuda), 137 GiB
+#              budget), atomic=False; run first on a fresh machine, it times the compile
+#   tests    - the runtime's CUDA tests (PSTAR_TEST_DEVICE=cuda)
+#   scaling  - benchmarks/host_touch.py --scaling 14,16,24,32: fresh pages faulted in with each thread count beside
+#              a Python loop (run first on a fresh machine: 18 GiB per row after an uncounted first 18 GiB)
+# Logs under $OUT.
+stages=${1:-remat17}
+source "$(dirname "$0")/h200_prologue.sh"
+for s in ${stages//,/ }; do
+  case $s in
+    remat17) run17 g17b_remat --checkpoint off --no-atomic ;;
+    tests) cuda_tests ;;
+    scaling)
+      timeout 200 python3 benchmarks/host_touch.py --scaling 16,14,16,24,32 --gib 18 --json "$out/scaling.json" \
+          2>&1 | tail -8
+      echo "scaling: $(( $(date +%s) - start )) s" ;;
+    *) echo "unknown stage $s"; exit 2 ;;
+  esac
+done
