@@ -5,6 +5,8 @@
 #   remat17  - the 17.26B GPT (54 x 5120, 40 heads, no checkpoints, 8 x 2048 tokens, px.init_empty(cuda), 137 GiB
 #              budget), atomic=False; run first on a fresh machine, it times the compile
 #   tests    - the runtime's CUDA tests (PSTAR_TEST_DEVICE=cuda)
+#   setup    - benchmarks/profile_setup.py on remat17's shape and flags: where the set-up after the passes goes
+#              (a later process: its host memory faulted in before)
 #   scaling  - benchmarks/host_touch.py --scaling 14,16,24,32: fresh pages faulted in with each thread count beside
 #              a Python loop (run first on a fresh machine: 18 GiB per row after an uncounted first 18 GiB)
 # Logs under $OUT.
@@ -14,6 +16,11 @@ for s in ${stages//,/ }; do
   case $s in
     remat17) run17 g17b_remat --checkpoint off --no-atomic ;;
     tests) cuda_tests ;;
+    setup)
+      timeout 200 python3 benchmarks/profile_setup.py --layers 54 --d-model 5120 --heads 40 --batch 8 \
+          --device-memory 137GiB --no-atomic > "$out/setup.txt" 2>&1
+      echo "setup rc $?"; head -20 "$out/setup.txt"
+      echo "setup: $(( $(date +%s) - start )) s" ;;
     scaling)
       timeout 200 python3 benchmarks/host_touch.py --scaling 16,14,16,24,32 --gib 18 --json "$out/scaling.json" \
           2>&1 | tail -8
