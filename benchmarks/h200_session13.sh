@@ -12,6 +12,7 @@
 # Logs under $OUT.
 stages=${1:-remat17}
 source "$(dirname "$0")/h200_prologue.sh"
+uname -r | tee -a "$out/gpu.txt"
 for s in ${stages//,/ }; do
   case $s in
     remat17) run17 g17b_remat --checkpoint off --no-atomic ;;

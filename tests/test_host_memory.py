@@ -242,3 +242,47 @@ def test_compiling_runs_on_one_intra_op_thread_and_set_up_keeps_its_threads():
         assert torch.get_num_threads() == 4
     finally:
         torch.set_num_threads(n)
+
+
+def test_the_pools_copied_buffers_are_pinned_while_the_rest_of_it_is_faulted_in(monkeypatch):
+    """Once the plan's layout is known and the pool's copied buffers (its first bytes) are faulted in, they are
+    pinned on a thread of their own while the set-up thread faults in the rest, not after it."""
+    import threading
+    from pstar_fx.runtime import host_memory
+    pinned = []
+
+    class Recording(HostMemory):
+        def _pin(self, t):
+            pinned.append((threading.current_thread().name, t.data_ptr(), t.numel(), self._pool_touched))
+            return t
+    reserved, real_touch = threading.Event(), host_memory.touch
+    monkeypatch.setattr(host_memory, "POOL_PIECE", 1 << 20)
+    monkeypatch.setattr(host_memory, "touch", lambda t, threads=None: (reserved.wait(30), real_touch(t, threads)))
+    mem = Recording(pin=True)
+    mem.prefault(16 << 20)
+    specs = [BufferSpec(("param", 0), 2000, torch.bfloat16, True),
+             BufferSpec(("grad", 0), 2000, torch.bfloat16, True),
+             BufferSpec(("states", 0), 2 << 20, torch.float32, False)]
+    mem.reserve(specs)
+    reserved.set()
+    bufs = [mem.zeros(sp.numel, sp.dtype, copied=sp.copied, key=sp.key) for sp in specs]
+    assert mem.taken == 3 and not any(b.any() for b in bufs)
+    pool_end = 2 * 4096 + (8 << 20)
+    (thread, ptr, n, touched), = pinned
+    assert thread == "pstar-fx host pinning" and ptr == mem._pool.data_ptr() and n == 2 * 4096
+    assert touched < pool_end == mem.pool_touched       # pinned before the pool was faulted in to its end
+
+
+def test_a_pinning_failure_raises_where_the_buffers_are_asked_for(monkeypatch):
+    class Failing(HostMemory):
+        def _pin(self, t):
+            raise RuntimeError("cudaHostRegister exploded")
+    from pstar_fx.runtime import host_memory
+    monkeypatch.setattr(host_memory, "POOL_PIECE", 1 << 20)
+    mem = Failing(pin=True)
+    mem.prefault(8 << 20)
+    mem.reserve([BufferSpec(("param", 0), 2000, torch.bfloat16, True),
+                 BufferSpec(("states", 0), 1 << 20, torch.float32, False)])
+    with pytest.raises(RuntimeError, match="exploded"):
+        mem.zeros(2000, torch.bfloat16, key=("param", 0))
+
