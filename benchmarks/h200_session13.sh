@@ -4,6 +4,7 @@
 # faults memory in with more threads than the set-up thread uses (14). Stages (first argument, comma-separated):
 #   remat17  - the 17.26B GPT (54 x 5120, 40 heads, no checkpoints, 8 x 2048 tokens, px.init_empty(cuda), 137 GiB
 #              budget), atomic=False; run first on a fresh machine, it times the compile
+#   watch17  - remat17 with gpt.py --watch 0.5: where the main thread is, twice a second (the first step's 9-12 s)
 #   tests    - the runtime's CUDA tests (PSTAR_TEST_DEVICE=cuda)
 #   setup    - benchmarks/profile_setup.py on remat17's shape and flags: where the set-up after the passes goes
 #              (a later process: its host memory faulted in before)
@@ -16,6 +17,11 @@ uname -r | tee -a "$out/gpu.txt"
 for s in ${stages//,/ }; do
   case $s in
     remat17) run17 g17b_remat --checkpoint off --no-atomic ;;
+    watch17) run17 g17b_watch --checkpoint off --no-atomic --watch 0.5
+      python3 -c "import json, sys; print('\n'.join(l for v in json.load(open(sys.argv[1]))['logs'].values()
+          for l in v.splitlines() if l.startswith(('watch', 'step ', 'host memory'))))" "$out/g17b_watch.json" \
+          > "$out/watch.txt"
+      wc -l < "$out/watch.txt" ;;
     tests) cuda_tests ;;
     setup)
       timeout 200 python3 benchmarks/profile_setup.py --layers 54 --d-model 5120 --heads 40 --batch 8 \
