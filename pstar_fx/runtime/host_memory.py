@@ -168,7 +168,7 @@ class HostMemory:
         self._reserved: dict[tuple, tuple[BufferSpec, torch.Tensor]] = {}
         self._reserving: threading.Thread | None = None   # the set-up thread
         self._reserve_error: BaseException | None = None
-        self._pool_pinned = False                   # the pool's copied buffers are pinned (beside the faulting)
+        self._pool_pinned = False                   # the pinning thread pinned (or tried to) the copied buffers
         self._pin_error: BaseException | None = None
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
