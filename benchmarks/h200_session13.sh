@@ -5,6 +5,7 @@
 #   remat17  - the 17.26B GPT (54 x 5120, 40 heads, no checkpoints, 8 x 2048 tokens, px.init_empty(cuda), 137 GiB
 #              budget), atomic=False; run first on a fresh machine, it times the compile
 #   watch17  - remat17 with gpt.py --watch 0.5: where the main thread is, twice a second (the first step's 9-12 s)
+#   init_tests - the CUDA tests of px.init_empty(device="cuda") and of host memory (PSTAR_TEST_DEVICE=cuda)
 #   tests    - the runtime's CUDA tests (PSTAR_TEST_DEVICE=cuda)
 #   setup    - benchmarks/profile_setup.py on remat17's shape and flags: where the set-up after the passes goes
 #              (a later process: its host memory faulted in before)
@@ -23,6 +24,11 @@ for s in ${stages//,/ }; do
           > "$out/watch.txt"
       wc -l < "$out/watch.txt" ;;
     tests) cuda_tests ;;
+    init_tests)
+      PSTAR_TEST_DEVICE=cuda timeout 200 python3 -m pytest tests/test_init_empty.py tests/test_host_memory.py -k \
+          "cuda or host_memory" -q -p no:logging -p no:cacheprovider -rf > "$out/tests_init.txt" 2>&1
+      echo "init_tests rc $?"; tail -4 "$out/tests_init.txt"
+      echo "init_tests: $(( $(date +%s) - start )) s" ;;
     setup)
       timeout 200 python3 benchmarks/profile_setup.py --layers 54 --d-model 5120 --heads 40 --batch 8 \
           --device-memory 137GiB --no-atomic > "$out/setup.txt" 2>&1

@@ -505,6 +505,29 @@ def test_cuda_initial_values_equal_an_eager_cuda_build(name, precision):
     _values_equal_after_sync(step, model, ref.sync_model())
 
 
+@ON_CUDA
+@pytest.mark.parametrize("name", ["gpt_tied", "hf_llama"])
+def test_cuda_initial_values_with_states_on_the_host_equal_an_eager_cuda_build(name):
+    """bf16 under a budget that puts optimizer states on the host: the fp32 masters there are copied from the GPU
+    through each chunk's pinned home (ChunkStore.load_params) and still equal the eager CUDA build bit for bit."""
+    from pstar_fx.ir import StateHome
+    build, loss_fn, batch = _case_parts(name)
+    eager = built_on_cuda(build, empty=False)
+    model = built_on_cuda(build, empty=True)
+    least = px.compile(built_on_cuda(build, empty=True), optimizer=px.AdamW(**HYPER), precision="bf16",
+                       device="cuda", chunk_size=1024)(loss_fn).min_device_memory(*batch(0))
+    step = px.compile(model, optimizer=px.AdamW(**HYPER), precision="bf16", device="cuda", chunk_size=1024,
+                      device_memory=int(least * 1.3))(loss_fn)
+    step.lower(*batch(0))
+    assert StateHome.HOST in {c.state_home for c in step.graphs["scheduled"].chunks}
+    assert_equal_exactly(step.state_dict(), eager.state_dict())
+    ref = px.compile(eager, optimizer=px.AdamW(**HYPER), precision="bf16", device="cuda", chunk_size=1024,
+                     device_memory=int(least * 1.3))(loss_fn)
+    for i in range(2):
+        assert step(*batch(i)).item() == ref(*batch(i)).item()
+    assert_equal_exactly(step.state_dict(), ref.state_dict())
+
+
 class ReseededOnCuda(nn.Module):
     def __init__(self):
         super().__init__()

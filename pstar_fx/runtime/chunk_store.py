@@ -107,6 +107,24 @@ def host_buffer_specs(chunks: tuple[ChunkInfo, ...], precision: Precision, world
     return specs
 
 
+def staged_copy(dst: torch.Tensor, src: torch.Tensor, stage: torch.Tensor) -> None:
+    """dst (host) <- src (a device's, dst's dtype) through `stage` (host, pinned, any dtype, its contents lost):
+    each piece as large as stage's bytes allow is copied from the device into the stage, then into dst by the CPU
+    (torch's copy, on its intra-op threads). A device's copy into pageable memory runs at 6-7 GB/s on the H200
+    machine (BENCHMARKS.md); into pinned memory at about 50. Without room for one element, a direct copy."""
+    raw = stage.reshape(-1).view(torch.uint8)
+    raw = raw[(-raw.data_ptr()) % dst.element_size():]              # aligned for dst's dtype
+    room = raw.numel() // dst.element_size()
+    if room == 0:
+        dst.copy_(src)
+        return
+    buf = raw[:room * dst.element_size()].view(dst.dtype)
+    for a in range(0, dst.numel(), room):
+        b = min(dst.numel(), a + room)
+        buf[:b - a].copy_(src[a:b])
+        dst[a:b].copy_(buf[:b - a])
+
+
 def worker_threads(device: torch.device) -> int | None:
     """Intra-op threads for the CPU worker's updates beside a GPU: every core but two, which the executor's thread
     (launching kernels, spinning while the launch queue is full) and the CUDA driver's copies keep busy. An OpenMP
@@ -186,10 +204,17 @@ class ChunkStore:
             flat = v.detach().reshape(-1)
             lo, hi, src = self._own(c, p.offset, p.numel)
             if lo < hi:   # (converted where the value is: from a GPU, only the converted part is copied)
-                if self.host_param[c.id] is not None:
-                    self.host_param[c.id][lo:hi].copy_(flat[src:src + hi - lo].to(c.dtype))
+                value, home = flat[src:src + hi - lo], self.host_param[c.id]
                 if self.precision.mixed and c.group is ChunkGroup.TRAINABLE:
-                    self.master(c.id)[lo:hi].copy_(flat[src:src + hi - lo].to(torch.float32))
+                    master = self.master(c.id)[lo:hi]
+                    if self.pin and value.is_cuda and not master.is_cuda and home is not None:
+                        # a host master is pageable (a GPU copies into it at 6-7 GB/s): staged through the
+                        # pinned home, which is written after
+                        staged_copy(master, value.to(torch.float32), home[lo:hi])
+                    else:
+                        master.copy_(value.to(torch.float32))
+                if home is not None:
+                    home[lo:hi].copy_(value.to(c.dtype))
             if self.precision.mixed and c.group is not ChunkGroup.TRAINABLE:
                 # a frozen parameter has no master; keep its full-precision value for state_dict()
                 self.frozen_full[name] = v.detach().to("cpu", copy=True)
