@@ -168,7 +168,6 @@ class HostMemory:
         self._reserved: dict[tuple, tuple[BufferSpec, torch.Tensor]] = {}
         self._reserving: threading.Thread | None = None   # the set-up thread
         self._reserve_error: BaseException | None = None
-        self._pool_pinned = False                   # the pinning thread pinned (or tried to) the copied buffers
         self._pin_error: BaseException | None = None
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
@@ -260,12 +259,13 @@ class HostMemory:
                     with self._wake:
                         self._pool_touched = hi
                     continue
-                if pinning is not None:
+                pinned = pinning is not None
+                if pinned:
                     pinning.join()
                     pinning = None
                     if self._pin_error is not None:
                         raise self._pin_error
-                self._make_layout(layout)
+                self._make_layout(layout, pinned)
                 return
         except BaseException as e:  # noqa: BLE001 - re-raised by the caller's next zeros()
             self._reserve_error = e
@@ -277,16 +277,17 @@ class HostMemory:
         """Pin the pool's first nbytes (its copied buffers): the pinning thread."""
         try:
             self._pin(self._pool[:nbytes])
-            self._pool_pinned = True
         except BaseException as e:  # noqa: BLE001 - re-raised by the set-up thread
             self._pin_error = e
 
-    def _make_layout(self, layout: "_Layout") -> None:
+    def _make_layout(self, layout: "_Layout", pinned: bool) -> None:
+        """Make the layout's buffers and hand them out; `pinned`: the pinning thread pinned (or tried to pin) the
+        pool's copied buffers already."""
         if self._pool is not None:
             if self._pool_touched > layout.pool_end:    # faulted in ahead of the plan: give those pages back
                 self._pool_map.madvise(mmap.MADV_DONTNEED, layout.pool_end, self._pool_touched - layout.pool_end)
                 self.pool_given_back = self._pool_touched - layout.pool_end
-            if self.pin and layout.pool_pinned_end and not self._pool_pinned:
+            if self.pin and layout.pool_pinned_end and not pinned:
                 self._pin(self._pool[:layout.pool_pinned_end])
             with self._lock:
                 self._reserved.update(_views(self._pool, layout.in_pool))
