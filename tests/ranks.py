@@ -23,6 +23,13 @@ class Ranks:
     wall: float              # seconds from launch to the last exit
 
 
+def child_env(**extra: str) -> dict:
+    """The environment for a Python subprocess of the tests: this one's, with the repository and tests/ put before
+    whatever PYTHONPATH already holds (where, on the GPU machine, optree lies), and `extra` set."""
+    path = os.pathsep.join(p for p in (os.path.dirname(HERE), HERE, os.environ.get("PYTHONPATH", "")) if p)
+    return dict(os.environ, PYTHONPATH=path, **extra)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -32,9 +39,7 @@ def free_port() -> int:
 def run_ranks(worker: str, argv: list, world: int, out: str, timeout: float = 240) -> Ranks:
     """Run `world` ranks of tests/<worker> with argv; every rank must write its result (else the assertion shows
     that rank's output)."""
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world),
-               OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), HERE, os.environ.get("PYTHONPATH", "")]))
+    env = child_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
     t0 = time.monotonic()
     procs = [subprocess.Popen([sys.executable, os.path.join(HERE, worker), *map(str, argv)],
                               env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),

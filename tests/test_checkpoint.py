@@ -17,6 +17,7 @@ from pstar_fx.ir import Role
 
 import resume_script as rs
 from models import GPT
+from ranks import child_env
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 K, STEPS = 3, 6
@@ -32,7 +33,7 @@ def _subprocess(runs: list[dict], tmp) -> dict:
     spec, out = os.path.join(tmp, f"spec-{runs[0]['mode']}.json"), os.path.join(tmp, f"out-{runs[0]['mode']}.pt")
     with open(spec, "w") as f:
         json.dump(runs, f)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]))
+    env = child_env()
     r = subprocess.run([sys.executable, os.path.join(HERE, "resume_script.py"), spec, out], env=env,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -4,6 +4,7 @@ Every model here is built twice from the same RNG state: eagerly, and under px.i
 in its chunks must equal the eager ones bit for bit, and training from them must equal training from the eager model
 (bit for bit against pstar-fx on the eager model, to 1e-6 against eager PyTorch), under unlimited and tight budgets."""
 import functools
+import gc
 import math
 import os
 import subprocess
@@ -21,6 +22,7 @@ from pstar_fx.ownership import HeldTensor
 
 from harness import DEVICE, HYPER, eager_run, fetch_counts, rel_err, tight_budget
 from models import CASES_BY_NAME, GPT, MODEL_SEED, assert_state_close, gpt_loss
+from ranks import child_env
 
 INIT_CASES = ["gpt_tied", "hf_gpt2", "hf_llama", "cnn_bn"]
 
@@ -304,7 +306,7 @@ def test_host_memory_growth_stays_below_the_model_size():
     (which shows the measurement sees a materialised model). Run in a fresh process, peak RSS reset before each."""
     import json
     here = os.path.dirname(__file__)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(here), here]))
+    env = child_env()
     out = subprocess.run([sys.executable, "-c", _MEMORY_SCRIPT], capture_output=True, text=True, env=env, cwd=here,
                          timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -569,6 +571,7 @@ def test_cuda_replay_holds_a_few_tensors_on_the_device(precision):
     on its way to the chunk (the whole model never is on the GPU; nor are two of its tensors at once, such as the
     tied lm_head's own dead initialisation and wte's); the values equal an eager CUDA build's."""
     build = functools.partial(GPT, vocab=8192, block_size=64, n_layer=4, n_head=8, n_embd=1024)
+    gc.collect()                           # an earlier test's garbage freed during the build would read as a change
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     model = built_on_cuda(build, empty=True)

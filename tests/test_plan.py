@@ -26,7 +26,7 @@ from pstar_fx.passes.schedule import schedule
 from harness import HYPER, tight_budget
 from models import CASES_BY_NAME
 from plan_worker import store_host_bytes
-from ranks import run_ranks
+from ranks import child_env, run_ranks
 
 HERE = os.path.dirname(__file__)
 ROOT = os.path.dirname(HERE)
@@ -189,7 +189,7 @@ GPT_ARGS = ["--layers", "2", "--d-model", "64", "--heads", "4", "--seq", "32", "
 def test_command_line_prints_the_table():
     cmd = [sys.executable, "-m", "pstar_fx.plan", *GPT_ARGS, "--world-size", "4", "--gpus-per-node", "2",
            "--device-memory", "64MB", "--host-memory", "1GB", "--checkpoint"]
-    out = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True,
+    out = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     for line in ("verdict: FITS", "device memory: fits", "host memory: fits", "communicated:", "step time:",
