@@ -295,7 +295,8 @@ def run_pstar(cfg, args, device, batch, budget: str) -> dict:
                predicted_peak=s.predicted_peak, measured_peak=st.measured_peak, chunks=s.chunks,
                states_on_device=f"{s.states_on_device}/{s.trainable_chunks}", nodes=s.nodes)
     if args.profile:
-        out["profile"] = profile_step(lambda: step(*batch), device, args.profile, f"pstar_{budget}")
+        out["profile"] = profile_step(lambda: step(*batch), device, args.profile, f"pstar_{budget}",
+                                      steps=args.profile_steps)
     return out
 
 
@@ -434,14 +435,18 @@ def stream_summary(events: list[dict]) -> dict:
                 streams=len(per_stream))
 
 
-def profile_step(fn, device, out_dir: str, name: str) -> dict:
-    from torch.profiler import ProfilerActivity, profile
+def profile_step(fn, device, out_dir: str, name: str, steps: int = 1) -> dict:
+    """A torch.profiler trace of `steps` calls of fn (each inside record_function('pstar-fx step i')), gzipped into
+    out_dir, and its summary (stream_summary; wall_ms: all the calls and the final synchronize)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
     os.makedirs(out_dir, exist_ok=True)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     sync(device)
     with profile(activities=acts) as prof:
         t0 = time.perf_counter()
-        fn()
+        for i in range(steps):
+            with record_function(f"pstar-fx step {i}"):
+                fn()
         sync(device)
         wall = time.perf_counter() - t0
     path = os.path.join(out_dir, f"{name}.json")
@@ -558,6 +563,9 @@ def main():
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--tiny", action="store_true", help="a tiny shape (2 x 64, 2 heads, 2 x 64 tokens, vocab 512)")
     ap.add_argument("--profile", default=None, metavar="DIR", help="torch.profiler trace of one pstar-fx step")
+    ap.add_argument("--profile-steps", type=int, default=1, metavar="N",
+                    help="with --profile: N consecutive steps in the trace (each marked 'pstar-fx step i'); the first "
+                         "starts with no pending host-side update, the later ones as the timed steps do")
     ap.add_argument("--init-empty", action="store_true",
                     help="pstar-fx: build the model under px.init_empty(device=...), initialised at the first step")
     ap.add_argument("--timeout", type=float, default=600, help="seconds per system run")
@@ -615,7 +623,8 @@ def main():
                         "pstar": args.budgets.split(",")}[system]
             for v in variants:
                 label = f"{system}:{v}" if v else system
-                extra = ["--profile", args.profile] if system == "pstar" and args.profile and gpus == 1 else []
+                extra = (["--profile", args.profile, "--profile-steps", str(args.profile_steps)]
+                         if system == "pstar" and args.profile and gpus == 1 else [])
                 r = run_child(passthrough + extra + ["--child", label], label, args.timeout, gpus)
                 if system == "eager" and args.checkpoint == "auto" and r.get("error") == "out of memory":
                     label = "eager:ckpt"

@@ -1,0 +1,127 @@
+"""Where each step of a profiled run goes: a reading of the torch.profiler trace that `benchmarks/gpt.py --profile DIR
+--profile-steps N` writes (DIR/pstar_<budget>.json.gz), step by step.
+
+    python benchmarks/trace_steps.py DIR/pstar_137GiB.json.gz [--gaps 8]
+
+Per step (a step runs from one 'pstar-fx step i' marker's start on the executor's thread to the next's; the last to
+the end of the trace), in milliseconds from the step's start:
+  compute   the compute stream's busy time (the stream with the most kernel time), and its idle time in the step
+  copies    H2D and D2H busy time (streams whose time is mostly those copies)
+  worker    the CPU worker's AdamW time (fused Adam CPU kernels on the thread that runs most of them), its first start
+            and last end
+  gaps      the longest stretches with the compute stream idle, each with what the executor's thread did meanwhile
+            (the runtime calls and operators that covered most of the gap) and whether the worker was updating
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+from collections import defaultdict
+
+
+def _union(iv):
+    out: list[list[float]] = []
+    for a, b in sorted(iv):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def _clip(iv, lo, hi):
+    return [(max(a, lo), min(b, hi)) for a, b in iv if b > lo and a < hi]
+
+
+def _length(iv) -> float:
+    return sum(b - a for a, b in iv)
+
+
+def _gaps(busy, lo, hi):
+    """The stretches of [lo, hi) not covered by the (sorted, disjoint) intervals busy."""
+    out, t = [], lo
+    for a, b in _clip(busy, lo, hi):
+        if a > t:
+            out.append((t, a))
+        t = max(t, b)
+    if t < hi:
+        out.append((t, hi))
+    return out
+
+
+def load(path: str) -> list[dict]:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        return json.load(f)["traceEvents"]
+
+
+def read(events: list[dict], gaps: int = 8) -> list[dict]:
+    """Per step, the figures the module docstring lists (times in ms from the step's start)."""
+    xs = [e for e in events if e.get("ph") == "X" and "dur" in e]
+    marks = sorted((e for e in xs if str(e.get("name", "")).startswith("pstar-fx step ")
+                    and e.get("cat") == "user_annotation"), key=lambda e: e["ts"])
+    if not marks:
+        raise SystemExit("no 'pstar-fx step i' markers in the trace: profile with benchmarks/gpt.py --profile")
+    main = (marks[0]["pid"], marks[0]["tid"])
+    streams: dict = defaultdict(lambda: dict(iv=[], kernel=0.0, htod=0.0, dtoh=0.0))
+    for e in xs:
+        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
+            s = streams[e["args"].get("stream", -1)]
+            s["iv"].append((e["ts"], e["ts"] + e["dur"]))
+            s["htod" if "HtoD" in e["name"] else "dtoh" if "DtoH" in e["name"] else "kernel"] += e["dur"]
+    lanes: dict[str, list] = defaultdict(list)
+    for s in streams.values():
+        lanes[max(("kernel", "htod", "dtoh"), key=s.get)].extend(s["iv"])
+    lanes = {k: _union(v) for k, v in lanes.items()}
+    adam_by_thread: dict = defaultdict(list)
+    for e in xs:
+        if e.get("cat") == "cpu_op" and "fused_adam" in e["name"] and e["dur"] > 200:
+            adam_by_thread[(e["pid"], e["tid"])].append((e["ts"], e["ts"] + e["dur"]))
+    worker = _union(max(adam_by_thread.values(), key=_length)) if adam_by_thread else []
+    on_main = [e for e in xs if (e["pid"], e["tid"]) == main and e.get("cat") in ("cuda_runtime", "cpu_op")
+               and not str(e["name"]).startswith("pstar-fx step ")]
+    end = max(e["ts"] + e["dur"] for e in xs)
+    out = []
+    for i, m in enumerate(marks):
+        lo = m["ts"]
+        hi = marks[i + 1]["ts"] if i + 1 < len(marks) else end
+        compute = _clip(lanes.get("kernel", []), lo, hi)
+        idle = _gaps(lanes.get("kernel", []), lo, hi)
+        w = _clip(worker, lo, hi)
+        rows = []
+        for a, b in sorted(idle, key=lambda ab: ab[0] - ab[1])[:gaps]:
+            cover: dict[str, float] = defaultdict(float)
+            for e in on_main:
+                x, y = max(a, e["ts"]), min(b, e["ts"] + e["dur"])
+                if x < y:
+                    cover[e["name"]] += y - x
+            top = sorted(cover.items(), key=lambda kv: -kv[1])[:3]
+            rows.append(dict(at_ms=round((a - lo) / 1e3, 1), ms=round((b - a) / 1e3, 1),
+                             worker_updating_ms=round(_length(_clip(worker, a, b)) / 1e3, 1),
+                             main=[(k[:60], round(v / 1e3, 1)) for k, v in top]))
+        out.append(dict(step=i, wall_ms=round((hi - lo) / 1e3, 1), host_call_ms=round(m["dur"] / 1e3, 1),
+                        compute_ms=round(_length(compute) / 1e3, 1), compute_idle_ms=round(_length(idle) / 1e3, 1),
+                        h2d_ms=round(_length(_clip(lanes.get("htod", []), lo, hi)) / 1e3, 1),
+                        d2h_ms=round(_length(_clip(lanes.get("dtoh", []), lo, hi)) / 1e3, 1),
+                        worker_ms=round(_length(w) / 1e3, 1),
+                        worker_first_ms=round((w[0][0] - lo) / 1e3, 1) if w else None,
+                        worker_last_ms=round((w[-1][1] - lo) / 1e3, 1) if w else None,
+                        gaps=rows))
+    return out
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("trace")
+    ap.add_argument("--gaps", type=int, default=8, help="the longest compute-idle stretches to show per step")
+    args = ap.parse_args(argv)
+    for s in read(load(args.trace), args.gaps):
+        gaps = s.pop("gaps")
+        print(json.dumps(s))
+        for g in gaps:
+            print("   gap", json.dumps(g))
+
+
+if __name__ == "__main__":
+    main()
