@@ -441,8 +441,13 @@ def profile_step(fn, device, out_dir: str, name: str, steps: int = 1) -> dict:
     from torch.profiler import ProfilerActivity, profile, record_function
     os.makedirs(out_dir, exist_ok=True)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    try:   # the CPU worker's thread too (it started before the profiler): torch 2.8 on
+        from torch._C._profiler import _ExperimentalConfig
+        extra = dict(experimental_config=_ExperimentalConfig(profile_all_threads=True))
+    except (ImportError, TypeError):
+        extra = {}
     sync(device)
-    with profile(activities=acts) as prof:
+    with profile(activities=acts, **extra) as prof:
         t0 = time.perf_counter()
         for i in range(steps):
             with record_function(f"pstar-fx step {i}"):

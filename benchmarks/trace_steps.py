@@ -7,8 +7,8 @@ Per step (a step runs from one 'pstar-fx step i' marker's start on the executor'
 the end of the trace), in milliseconds from the step's start:
   compute   the compute stream's busy time (the stream with the most kernel time), and its idle time in the step
   copies    H2D and D2H busy time (streams whose time is mostly those copies)
-  worker    the CPU worker's AdamW time (fused Adam CPU kernels on the thread that runs most of them), its first start
-            and last end
+  worker    the CPU worker's updating time (its 'pstar-fx host update of chunk c' markers; in traces without them,
+            fused Adam CPU kernels on the thread that runs most of them), its first start and last end
   gaps      the longest stretches with the compute stream idle, each with what the executor's thread did meanwhile
             (the runtime calls and operators that covered most of the gap) and whether the worker was updating
 """
@@ -75,9 +75,9 @@ def read(events: list[dict], gaps: int = 8) -> list[dict]:
         lanes[max(("kernel", "htod", "dtoh"), key=s.get)].extend(s["iv"])
     lanes = {k: _union(v) for k, v in lanes.items()}
     adam_by_thread: dict = defaultdict(list)
-    for e in xs:
-        if e.get("cat") == "cpu_op" and "fused_adam" in e["name"] and e["dur"] > 200:
-            adam_by_thread[(e["pid"], e["tid"])].append((e["ts"], e["ts"] + e["dur"]))
+    marked = [e for e in xs if str(e.get("name", "")).startswith("pstar-fx host update of chunk ")]
+    for e in marked or [e for e in xs if e.get("cat") == "cpu_op" and "fused_adam" in e["name"] and e["dur"] > 200]:
+        adam_by_thread[(e["pid"], e["tid"])].append((e["ts"], e["ts"] + e["dur"]))
     worker = _union(max(adam_by_thread.values(), key=_length)) if adam_by_thread else []
     on_main = [e for e in xs if (e["pid"], e["tid"]) == main and e.get("cat") in ("cuda_runtime", "cpu_op")
                and not str(e["name"]).startswith("pstar-fx step ")]

@@ -62,7 +62,8 @@ def _work(q: "queue.SimpleQueue", shared: _Shared, threads: int | None) -> None:
             for event in after:
                 event.synchronize()
             t1 = time.perf_counter()
-            fn()
+            with torch.profiler.record_function(f"pstar-fx host update of chunk {chunk}"):   # for a profiler's trace
+                fn()
             shared.time.waiting += t1 - t0
             shared.time.updating += time.perf_counter() - t1
             shared.time.updates += 1
