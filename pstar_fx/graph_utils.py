@@ -33,11 +33,14 @@ def cycle_collection_paused():
     cycles the passes dropped (discarded fx graphs); without it the first automatic collection of the training loop
     would pay the same in a step. It collects the youngest generation only: everything made while the collector was
     off is there, and the caller's older objects are not walked again. A collector the caller had turned off stays
-    off, uncollected."""
+    off, uncollected.
+
+    Yields `collect_now()`: that collection at once (where the caller has a better moment for it, such as while
+    host memory is still being faulted in); the one at the end then walks only what was made after it."""
     was = gc.isenabled()
     gc.disable()
     try:
-        yield
+        yield (lambda: gc.collect(0)) if was else (lambda: 0)
     finally:
         if was:
             gc.enable()

@@ -1,11 +1,14 @@
 """The public surface: arguments, their validation, Adam (L2) and AdamW options, the accounted device pool."""
+import gc
 import inspect
+import weakref
 
 import pytest
 import torch
 import torch.nn as nn
 
 import pstar_fx as px
+from pstar_fx.graph_utils import cycle_collection_paused
 from pstar_fx.runtime.chunk_store import DevicePool, PoolExhausted
 from pstar_fx.units import format_bytes, parse_bytes
 
@@ -152,3 +155,31 @@ def test_model_on_the_meta_device_is_rejected_clearly():
     step = px.compile(model, optimizer=px.AdamW(), device="cpu")(lambda m, x: m(x).sum())
     with pytest.raises(ValueError, match="meta device"):
         step(torch.randn(4, 3))
+
+
+class _Cycle:
+    def __init__(self):
+        self.me = self
+
+
+def test_the_compile_collects_cycles_when_asked_and_leaves_a_disabled_collector_alone():
+    """cycle_collection_paused (around every compile): no automatic collection inside; collect_now() collects the
+    cycles made so far (the compile calls it before the store waits for host memory); a collector the caller had
+    turned off is neither collected nor turned on."""
+    with cycle_collection_paused() as collect_now:
+        assert not gc.isenabled()
+        dropped = weakref.ref(_Cycle())
+        assert dropped() is not None                 # a cycle: only the collector frees it
+        collect_now()
+        assert dropped() is None
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with cycle_collection_paused() as collect_now:
+            kept = weakref.ref(_Cycle())
+            collect_now()
+            assert kept() is not None
+        assert not gc.isenabled() and kept() is not None
+    finally:
+        gc.enable()
+        gc.collect()
