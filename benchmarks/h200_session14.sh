@@ -6,6 +6,7 @@
 #                 budget), atomic, with a torch.profiler trace of 3 consecutive steps after the timed ones, read step
 #                 by step by benchmarks/trace_steps.py
 #   free_prof   - the same with --no-atomic
+#   tests       - the runtime's CUDA tests and tests/test_init_empty.py (PSTAR_TEST_DEVICE=cuda)
 #   init_tests  - the CUDA tests of px.init_empty(device="cuda") and of host memory (PSTAR_TEST_DEVICE=cuda)
 # Logs under $OUT.
 stages=${1:-atomic_prof}
@@ -22,6 +23,7 @@ for s in ${stages//,/ }; do
   case $s in
     atomic_prof) prof17 g17b_atomic ;;
     free_prof) prof17 g17b_free --no-atomic ;;
+    tests) cuda_tests tests/test_init_empty.py ;;
     init_tests)
       PSTAR_TEST_DEVICE=cuda timeout 200 python3 -m pytest tests/test_init_empty.py tests/test_host_memory.py -k \
           "cuda or host_memory" -q -p no:logging -p no:cacheprovider -rf > "$out/tests_init.txt" 2>&1
