@@ -6,6 +6,8 @@
 #                 budget), atomic, with a torch.profiler trace of 3 consecutive steps after the timed ones, read step
 #                 by step by benchmarks/trace_steps.py
 #   free_prof   - the same with --no-atomic
+#   free135, free137 - the 17.26B GPT, atomic=False, at a 135 / 137 GiB budget (the CUDA allocator's retries and
+#                 what they cost: 22 per step at 137 GiB, 5 at 135 in session 12)
 #   tests       - the runtime's CUDA tests and tests/test_init_empty.py (PSTAR_TEST_DEVICE=cuda)
 #   init_tests  - the CUDA tests of px.init_empty(device="cuda") and of host memory (PSTAR_TEST_DEVICE=cuda)
 # Logs under $OUT.
@@ -24,6 +26,8 @@ for s in ${stages//,/ }; do
     atomic_prof) prof17 g17b_atomic ;;
     free_prof) prof17 g17b_free --no-atomic ;;
     tests) cuda_tests tests/test_init_empty.py ;;
+    free135) run17 g17b_135 --checkpoint off --no-atomic --budgets 135GiB ;;
+    free137) run17 g17b_137 --checkpoint off --no-atomic ;;
     init_tests)
       PSTAR_TEST_DEVICE=cuda timeout 200 python3 -m pytest tests/test_init_empty.py tests/test_host_memory.py -k \
           "cuda or host_memory" -q -p no:logging -p no:cacheprovider -rf > "$out/tests_init.txt" 2>&1
