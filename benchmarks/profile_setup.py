@@ -1,7 +1,8 @@
 """Where a first compile's set-up goes (after the trace and passes): px.compile of the GPT of benchmarks/gpt.py built
 under px.init_empty, `step.lower` under cProfile, and the cumulative time of the set-up's parts: the ChunkStore
 (host buffers taken from the set-up thread, device optimizer states, streams, the CPU worker), the executor, the
-optimizer's attach, and the cyclic garbage collections (graph_utils.cycle_collection_paused: one before the store, one at the end).
+optimizer's attach, and the cyclic garbage collections (graph_utils.cycle_collection_paused: one before the store,
+one at the end).
 
     python3 benchmarks/profile_setup.py --layers 54 --d-model 5120 --heads 40 --batch 8 --device-memory 137GiB \\
         --no-atomic
