@@ -69,6 +69,7 @@ GiB = 2 ** 30
 # model: nanoGPT without dropout, the GPT that `python -m pstar_fx.plan` plans
 
 from pstar_fx.plan import GPT, GPTConfig, gpt_loss  # noqa: E402  (after ROOT is on the path)
+from trace_steps import intersect, length, stream_lanes, union  # noqa: E402  (benchmarks/, beside this file)
 
 IMPORT_SECONDS = time.perf_counter() - _STARTED     # torch's and pstar-fx's imports (not in compile time)
 
@@ -368,44 +369,10 @@ def child(args) -> None:
 # profile of one step: time busy per stream, overlap, host-side time
 
 
-def _union(iv: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    out: list[list[float]] = []
-    for a, b in sorted(iv):
-        if out and a <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], b)
-        else:
-            out.append([a, b])
-    return [(a, b) for a, b in out]
-
-
-def _length(iv) -> float:
-    return sum(b - a for a, b in iv)
-
-
-def _intersect(x, y) -> list[tuple[float, float]]:
-    out, i, j = [], 0, 0
-    while i < len(x) and j < len(y):
-        a, b = max(x[i][0], y[j][0]), min(x[i][1], y[j][1])
-        if a < b:
-            out.append((a, b))
-        if x[i][1] < y[j][1]:
-            i += 1
-        else:
-            j += 1
-    return out
-
-
 def stream_summary(events: list[dict]) -> dict:
     """From a chrome trace: busy time per stream, labelled by what dominates it (kernels: compute, HtoD copies: H2D,
     DtoH copies: D2H), the overlap of copies with compute, and host-side totals (CPU AdamW, waits on the GPU)."""
-    per_stream: dict[int, dict] = {}
-    for e in events:
-        if e.get("ph") != "X" or e.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset"):
-            continue
-        s = per_stream.setdefault(e["args"].get("stream", -1), dict(iv=[], kernel=0.0, htod=0.0, dtoh=0.0))
-        s["iv"].append((e["ts"], e["ts"] + e["dur"]))
-        kind = "htod" if "HtoD" in e["name"] else "dtoh" if "DtoH" in e["name"] else "kernel"
-        s[kind] += e["dur"]
+    lanes, streams = stream_lanes(events)
     host = dict(cpu_adam=0.0, sync_wait=0.0)
     for e in events:
         if e.get("ph") != "X":
@@ -416,23 +383,18 @@ def stream_summary(events: list[dict]) -> dict:
                                                            "cudaDeviceSynchronize"):
             host["sync_wait"] += e["dur"]
     ms = 1e-3
-    if not per_stream:
+    if not lanes:
         return dict(cpu_adam_ms=host["cpu_adam"] * ms)
-    t0 = min(a for s in per_stream.values() for a, _ in s["iv"])
-    t1 = max(b for s in per_stream.values() for _, b in s["iv"])
-    lanes: dict[str, list] = {}
-    for sid, s in per_stream.items():
-        label = {"kernel": "compute", "htod": "H2D", "dtoh": "D2H"}[max(("kernel", "htod", "dtoh"), key=s.get)]
-        lanes.setdefault(label, []).extend(s["iv"])
-    lanes = {k: _union(v) for k, v in lanes.items()}
-    copies = _union(lanes.get("H2D", []) + lanes.get("D2H", []))
+    t0 = min(iv[0][0] for iv in lanes.values())
+    t1 = max(iv[-1][1] for iv in lanes.values())
+    copies = union(lanes.get("H2D", []) + lanes.get("D2H", []))
     compute = lanes.get("compute", [])
     return dict(gpu_span_ms=(t1 - t0) * ms,
-                busy_ms={k: _length(v) * ms for k, v in lanes.items()},
-                copies_overlapping_compute_ms=_length(_intersect(compute, copies)) * ms,
-                compute_idle_ms=((t1 - t0) - _length(compute)) * ms,
+                busy_ms={k: length(v) * ms for k, v in lanes.items()},
+                copies_overlapping_compute_ms=length(intersect(compute, copies)) * ms,
+                compute_idle_ms=((t1 - t0) - length(compute)) * ms,
                 cpu_adam_ms=host["cpu_adam"] * ms, host_sync_wait_ms=host["sync_wait"] * ms,
-                streams=len(per_stream))
+                streams=streams)
 
 
 def profile_step(fn, device, out_dir: str, name: str, steps: int = 1) -> dict:

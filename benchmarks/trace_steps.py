@@ -20,7 +20,8 @@ import json
 from collections import defaultdict
 
 
-def _union(iv):
+def union(iv):
+    """Sorted disjoint intervals covering the (start, end) intervals iv."""
     out: list[list[float]] = []
     for a, b in sorted(iv):
         if out and a <= out[-1][1]:
@@ -30,12 +31,26 @@ def _union(iv):
     return [(a, b) for a, b in out]
 
 
+def length(iv) -> float:
+    return sum(b - a for a, b in iv)
+
+
+def intersect(x, y) -> list[tuple[float, float]]:
+    """The overlap of two sorted disjoint interval lists."""
+    out, i, j = [], 0, 0
+    while i < len(x) and j < len(y):
+        a, b = max(x[i][0], y[j][0]), min(x[i][1], y[j][1])
+        if a < b:
+            out.append((a, b))
+        if x[i][1] < y[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
 def _clip(iv, lo, hi):
     return [(max(a, lo), min(b, hi)) for a, b in iv if b > lo and a < hi]
-
-
-def _length(iv) -> float:
-    return sum(b - a for a, b in iv)
 
 
 def _gaps(busy, lo, hi):
@@ -48,6 +63,21 @@ def _gaps(busy, lo, hi):
     if t < hi:
         out.append((t, hi))
     return out
+
+
+def stream_lanes(events: list[dict]) -> tuple[dict[str, list], int]:
+    """The GPU's busy intervals per lane, each stream labelled by what takes most of its time (kernels: compute,
+    HtoD copies: H2D, DtoH copies: D2H) and its intervals merged into its lane's; and the number of streams."""
+    streams: dict = defaultdict(lambda: dict(iv=[], compute=0.0, H2D=0.0, D2H=0.0))
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
+            s = streams[e["args"].get("stream", -1)]
+            s["iv"].append((e["ts"], e["ts"] + e["dur"]))
+            s["H2D" if "HtoD" in e["name"] else "D2H" if "DtoH" in e["name"] else "compute"] += e["dur"]
+    lanes: dict[str, list] = defaultdict(list)
+    for s in streams.values():
+        lanes[max(("compute", "H2D", "D2H"), key=s.get)].extend(s["iv"])
+    return {k: union(v) for k, v in lanes.items()}, len(streams)
 
 
 def load(path: str) -> list[dict]:
@@ -64,21 +94,12 @@ def read(events: list[dict], gaps: int = 8) -> list[dict]:
     if not marks:
         raise SystemExit("no 'pstar-fx step i' markers in the trace: profile with benchmarks/gpt.py --profile")
     main = (marks[0]["pid"], marks[0]["tid"])
-    streams: dict = defaultdict(lambda: dict(iv=[], kernel=0.0, htod=0.0, dtoh=0.0))
-    for e in xs:
-        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
-            s = streams[e["args"].get("stream", -1)]
-            s["iv"].append((e["ts"], e["ts"] + e["dur"]))
-            s["htod" if "HtoD" in e["name"] else "dtoh" if "DtoH" in e["name"] else "kernel"] += e["dur"]
-    lanes: dict[str, list] = defaultdict(list)
-    for s in streams.values():
-        lanes[max(("kernel", "htod", "dtoh"), key=s.get)].extend(s["iv"])
-    lanes = {k: _union(v) for k, v in lanes.items()}
+    lanes, _ = stream_lanes(xs)
     adam_by_thread: dict = defaultdict(list)
     marked = [e for e in xs if str(e.get("name", "")).startswith("pstar-fx host update of chunk ")]
     for e in marked or [e for e in xs if e.get("cat") == "cpu_op" and "fused_adam" in e["name"] and e["dur"] > 200]:
         adam_by_thread[(e["pid"], e["tid"])].append((e["ts"], e["ts"] + e["dur"]))
-    worker = _union(max(adam_by_thread.values(), key=_length)) if adam_by_thread else []
+    worker = union(max(adam_by_thread.values(), key=length)) if adam_by_thread else []
     on_main = [e for e in xs if (e["pid"], e["tid"]) == main and e.get("cat") in ("cuda_runtime", "cpu_op")
                and not str(e["name"]).startswith("pstar-fx step ")]
     end = max(e["ts"] + e["dur"] for e in xs)
@@ -86,8 +107,8 @@ def read(events: list[dict], gaps: int = 8) -> list[dict]:
     for i, m in enumerate(marks):
         lo = m["ts"]
         hi = marks[i + 1]["ts"] if i + 1 < len(marks) else end
-        compute = _clip(lanes.get("kernel", []), lo, hi)
-        idle = _gaps(lanes.get("kernel", []), lo, hi)
+        compute = _clip(lanes.get("compute", []), lo, hi)
+        idle = _gaps(lanes.get("compute", []), lo, hi)
         w = _clip(worker, lo, hi)
         rows = []
         for a, b in sorted(idle, key=lambda ab: ab[0] - ab[1])[:gaps]:
@@ -98,13 +119,13 @@ def read(events: list[dict], gaps: int = 8) -> list[dict]:
                     cover[e["name"]] += y - x
             top = sorted(cover.items(), key=lambda kv: -kv[1])[:3]
             rows.append(dict(at_ms=round((a - lo) / 1e3, 1), ms=round((b - a) / 1e3, 1),
-                             worker_updating_ms=round(_length(_clip(worker, a, b)) / 1e3, 1),
+                             worker_updating_ms=round(length(_clip(worker, a, b)) / 1e3, 1),
                              main=[(k[:60], round(v / 1e3, 1)) for k, v in top]))
         out.append(dict(step=i, wall_ms=round((hi - lo) / 1e3, 1), host_call_ms=round(m["dur"] / 1e3, 1),
-                        compute_ms=round(_length(compute) / 1e3, 1), compute_idle_ms=round(_length(idle) / 1e3, 1),
-                        h2d_ms=round(_length(_clip(lanes.get("htod", []), lo, hi)) / 1e3, 1),
-                        d2h_ms=round(_length(_clip(lanes.get("dtoh", []), lo, hi)) / 1e3, 1),
-                        worker_ms=round(_length(w) / 1e3, 1),
+                        compute_ms=round(length(compute) / 1e3, 1), compute_idle_ms=round(length(idle) / 1e3, 1),
+                        h2d_ms=round(length(_clip(lanes.get("H2D", []), lo, hi)) / 1e3, 1),
+                        d2h_ms=round(length(_clip(lanes.get("D2H", []), lo, hi)) / 1e3, 1),
+                        worker_ms=round(length(w) / 1e3, 1),
                         worker_first_ms=round((w[0][0] - lo) / 1e3, 1) if w else None,
                         worker_last_ms=round((w[-1][1] - lo) / 1e3, 1) if w else None,
                         gaps=rows))
