@@ -287,7 +287,6 @@ def test_a_pinning_failure_raises_where_the_buffers_are_asked_for(monkeypatch):
         mem.zeros(2000, torch.bfloat16, key=("param", 0))
 
 
-
 @pytest.mark.parametrize("stage_elems, skip", [(300, 1), (1, 0), (1000, 0), (2, 1)])
 def test_staged_copy_copies_through_a_small_stage_of_another_dtype(stage_elems, skip):
     """ChunkStore.load_params copies a device's value into a pageable host master through the chunk's pinned home
