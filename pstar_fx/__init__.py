@@ -4,10 +4,11 @@ from .optim import Adam, AdamW
 from .api import compile, CompiledStep
 from .init_empty import EmptyModelError, init_empty
 from .ir import TrainGraph
+from .ownership import sync_model
 from .planning import PlanReport, plan
 from .timeline import plot_memory
 
 __all__ = ["compile", "CompiledStep", "Adam", "AdamW", "BudgetError", "UntraceableError", "PstarError", "CommitError", "ModelHeldError",
            "DistributedError", "TrainGraph", "plot_memory", "init_empty", "EmptyModelError", "plan",
-           "PlanReport"]
+           "PlanReport", "sync_model"]
 __version__ = "0.1.0"

@@ -20,7 +20,7 @@ from .init_empty import fill_chunks, is_empty
 from .ir import ChunkGroup, Precision, Role, Settings, StateHome, TrainGraph
 from .optim import OptimizerSpec
 from .optimizer import build as build_optimizer
-from .ownership import hold, holder, model_tensors, release
+from .ownership import ModelHold, current_values, hold, holder, holders, model_tensors
 from .passes import assign_chunks, canonicalize, collectives, liveness, pipeline, run_passes
 from .memory import early_host_bytes, state_bytes
 from .passes.place_optimizer import min_need, place_optimizer
@@ -160,6 +160,7 @@ class CompiledStep:
         self._cache: TraceCache[_Compiled] = TraceCache()
         self._latest: _Compiled | None = None
         self._store: ChunkStore | None = None
+        self._hold: ModelHold | None = None  # this step's claim on the model's values, once its chunks took them
         self._layout = None
         self._scaler = LossScaler() if prec is Precision.FP16 else None
         self._last_stats: StepStats | None = None
@@ -226,16 +227,24 @@ class CompiledStep:
         return _Compiled(stages={s.stage: s for s in stages}, executor=executor, setup_seconds=now - t0,
                          set_up_until=now)
 
+    def holds_model(self) -> bool:
+        """Whether this step's chunks hold every tensor of the model now (it has run, and no sync_model() or other
+        step took the model since)."""
+        return self._hold is not None and all(holder(t) is self._hold for t in model_tensors(self._model).values())
+
+    def _holders(self) -> list[ModelHold]:
+        """Whatever holds any of the model's tensors now (this step's hold among them, or other steps')."""
+        return holders(self._model)
+
     def _take_model(self) -> None:
         """Make the chunks hold the model's current values. If this step holds the model already, nothing to do;
-        otherwise (first step, after sync_model(), or held by another step) copy the values in and hold it."""
-        tensors = model_tensors(self._model)
-        if all(holder(t) is self for t in tensors.values()):
+        otherwise (first step, after sync_model(), or held by another step, whole or in part) every holder gives its
+        values back first, then they are copied in and held."""
+        if self.holds_model():
             return
-        for t in tensors.values():
-            other = holder(t)
-            if other is not None and other is not self:
-                other.sync_model()         # the other step writes its values back; then they are the model's
+        for h in self._holders():
+            h.give_back()                  # then the values are the model's
+        tensors = model_tensors(self._model)
         on_meta = [n for n, t in tensors.items() if t.is_meta]
         if on_meta:
             raise ValueError(f"the model's tensors {on_meta[:3]}{'...' if len(on_meta) > 3 else ''} are on the "
@@ -247,7 +256,9 @@ class CompiledStep:
                                       {b.name: tensors[b.name] for b in self._tables.buffers})
         self._store.load_params(params)
         self._store.load_buffers(buffers)
-        hold(self._model, self)
+        if self._hold is None or self._hold.store is not self._store:
+            self._hold = ModelHold(self, self._model, self._store, self._state_names)
+        hold(self._model, self._hold)
 
     def _fill_if_empty(self) -> None:
         """A model built under px.init_empty() gets its values in this step's chunks once the step has them."""
@@ -255,21 +266,14 @@ class CompiledStep:
             self._take_model()
 
     def sync_model(self) -> nn.Module:
-        """Write the trained values (parameters at full precision, and buffers) back into the model and give it back
-        to the user: it can be used, saved or edited eagerly. The next step copies it into the chunks again, so
-        edits made in between are trained on. Returns the model."""
+        """Write the current values (parameters at full precision, and buffers) back into the model and give it back
+        to the user: it can be used, saved or edited eagerly. The values come from whichever step holds each of the
+        model's tensors (this one, or another step compiled on the model, on a part of it, or on a model sharing
+        tensors with it). The next step copies the model into the chunks again, so edits made in between are
+        trained on. Returns the model. With several ranks, a collective."""
         self._fill_if_empty()
-        if self._store is None or not any(holder(t) is self for t in model_tensors(self._model).values()):
-            return self._model
-        values = {}
-        tensors = model_tensors(self._model)
-        params = self._store.param_values(sorted({self._state_names[n][1] for n in tensors
-                                                  if self._state_names[n][0] is Role.PARAM}))
-        for name, t in tensors.items():
-            kind, key = self._state_names[name]
-            src = params[key] if kind is Role.PARAM else self._store.buffers[key]
-            values[name] = src.detach().to(device=t.device, dtype=t.dtype, copy=True)
-        release(self._model, values)
+        for h in self._holders():
+            h.give_back()
         return self._model
 
     @property
@@ -427,21 +431,11 @@ class CompiledStep:
         self._fill_if_empty()
         if rank0_only and self._comm is not None:
             return checkpoint.gather_state_dict(self)
-        ref = self._model.state_dict()
-        out = {}
-        holders = {holder(t) for t in model_tensors(self._model).values()}
-        if self not in holders:
-            others = [h for h in holders if h is not None]
-            if others:
-                return others[0].state_dict()
-            return {k: v.detach().clone() for k, v in ref.items()}
-        params = self._store.param_values(sorted({n for k in ref for kind, n in [self._state_names[k]]
-                                                  if kind is Role.PARAM}))
-        for key, like in ref.items():
-            kind, name = self._state_names[key]
-            src = params[name] if kind is Role.PARAM else self._store.buffers[name]
-            out[key] = src.detach().to(device=like.device, dtype=like.dtype, copy=True)
-        return out
+        tensors = model_tensors(self._model)
+        first = {id(t): n for n, t in tensors.items()}
+        values = current_values(self._model)
+        return {key: values[first[id(like)]].to(device=like.device, dtype=like.dtype, copy=True)
+                for key, like in self._model.state_dict(keep_vars=True).items()}
 
     def load_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True) -> None:
         """Restore parameter and buffer values (optimizer states are left as they are). When this step does not
@@ -457,10 +451,9 @@ class CompiledStep:
             if k in ref and tuple(v.shape) != tuple(ref[k].shape):
                 raise ValueError(f"load_state_dict: {k} has shape {tuple(v.shape)}, the model has "
                                  f"{tuple(ref[k].shape)}")
-        tensors = model_tensors(self._model).values()
-        if self._store is None or not all(holder(t) is self for t in tensors):
-            for other in {id(h): h for h in map(holder, tensors) if h is not None}.values():
-                other.sync_model()          # the model's values must be real before they are overwritten
+        if not self.holds_model():
+            for h in self._holders():
+                h.give_back()               # the model's values must be real before they are overwritten
             self._model.load_state_dict(state_dict, strict=strict)
             return
         pv, bv = {}, {}

@@ -51,7 +51,7 @@ import torch.distributed as dist
 from . import dcp
 from .init_empty import is_empty
 from .ir import Role
-from .ownership import holder, model_tensors
+from .ownership import model_tensors
 
 FORMAT = 1
 FILES = ("model.pt", "optimizer.pt", "meta.pt")     # meta.pt last: a directory without it is not a checkpoint
@@ -75,14 +75,9 @@ def _to_cpu(x):
 
 
 def _model_values(step) -> dict[str, torch.Tensor]:
-    """The values the next step would train on: the step's chunks when it holds the model, the holder's when
-    another step does, the model's own when no step does (before the first step, or after sync_model())."""
-    owners = {holder(t) for t in model_tensors(step._model).values()}
-    owners.discard(None)
-    if not owners:
-        return {k: v.detach().clone() for k, v in step._model.state_dict().items()}
-    (owner,) = owners
-    return owner.state_dict()
+    """The values the next step would train on, keyed as the model's state dict: each tensor's from whichever holds
+    it (this step's chunks, another step's, or the model itself), as step.state_dict() reads them."""
+    return step.state_dict()
 
 
 def gather_state_dict(step) -> dict[str, torch.Tensor]:
@@ -310,12 +305,6 @@ def _apply(step, model_sd: dict, opt_sd: dict, meta: dict, path: str) -> None:
     # (another step holding the model gives it back first); a model built under px.init_empty() has values only in
     # the chunks, so the step takes it first
     step._fill_if_empty()
-    tensors = model_tensors(step._model).values()
-    if step._store is not None and all(holder(t) is step for t in tensors):
-        step.load_state_dict(model_sd)
-    else:
-        for other in {holder(t) for t in tensors} - {None}:
-            other.sync_model()
-        step._model.load_state_dict(model_sd)
+    step.load_state_dict(model_sd)     # into the chunks when this step holds the model, else into the model
     dcp.apply_meta(step, meta)
     step._broken = None

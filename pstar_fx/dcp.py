@@ -42,7 +42,6 @@ from torch.distributed._shard.sharded_tensor import Shard, init_from_local_shard
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from .ir import ChunkGroup, Role
-from .ownership import holder, model_tensors
 
 FORMAT = 2
 META = "pstar_fx"
@@ -104,7 +103,7 @@ def _canonical(step) -> tuple[list[str], list[str]]:
 
 
 def holds(step) -> bool:
-    return step._store is not None and all(holder(t) is step for t in model_tensors(step._model).values())
+    return step.holds_model()
 
 
 def value_source(st, name: str) -> torch.Tensor | None:

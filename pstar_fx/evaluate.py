@@ -40,8 +40,9 @@ class CompiledEval(CompiledStep):
         """The training step holding the model now, whose chunks this function reads; None if none does."""
         for t in model_tensors(self._model).values():
             h = holder(t)
-            if h is not None and h is not self and h._optimizer is not None:
-                return h
+            step = None if h is None else h.step
+            if step is not None and step is not self and step._optimizer is not None:
+                return step
         return None
 
     def _get(self, batch):

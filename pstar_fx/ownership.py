@@ -1,37 +1,115 @@
-"""Who holds a model's values: the model itself, or a compiled step's chunks. Never both, so never a stale copy.
+"""Who holds a model's values: the model itself, or a compiled step's chunks. Never both, so never a stale copy, and
+never neither, so never a lost one.
 
 Once a compiled step has copied a model's parameters and buffers into its chunks, it *holds* the model: each of the
 model's parameter and buffer objects is turned, in place (`torch.utils.swap_tensors`, so every reference the user
 kept sees it too), into a `HeldTensor` with the same shape, dtype, device and requires_grad but no data. Using one
 raises `ModelHeldError`, which says how to get the values; the model's own copy of the data is freed (pstar-fx keeps
-one copy of the model, in its chunks). `release(model, values)` turns the same objects back into real tensors with
-the given values: the model is the user's again, and the next step copies it into the chunks anew, so edits made in
-between are seen.
+one copy of the model, in its chunks). `ModelHold.give_back()` turns the same objects back into real tensors with
+the current values: the model is the user's again, and the next step copies it into the chunks anew, so edits made
+in between are seen.
+
+The values outlive whichever of the two is dropped first. A `ModelHold` (the step's chunk store and how to read a
+model tensor's value out of it) is referenced strongly by the step and by each HeldTensor of the model:
+- the step dropped (a training function that returns the model without `sync_model()`, a notebook cell that compiles
+  again, a throwaway evaluation step, an exception unwinding the training loop): its finalizer gives the model its
+  values back at once, and the chunk memory is freed. With several ranks, giving back is a collective, which a
+  finalizer (run whenever each rank's garbage collector gets to it) cannot issue; nor can pstar-fx's own worker
+  threads, which a finalizer may find itself running on. The hold then stays with the model, the values with it,
+  and the next eager use of one of its tensors gives the model back first (one rank), or raises ModelHeldError saying
+  to call `sync_model()` of a step compiled on the model on every rank (several);
+- the model dropped: the step keeps training on its chunks, and `step.state_dict()` / `save` read them.
+Swapping the model's tensors in or out holds Ctrl-C until every tensor is swapped, so a model is never half held.
 
 What stays readable on a held model: shapes, dtypes, `requires_grad` (and `requires_grad_()`, which the next step
 sees), module structure, `model.train()` / `model.eval()`.
 """
 from __future__ import annotations
 
+import threading
+import warnings
 import weakref
 
 import torch
 import torch.nn as nn
 
 from .errors import ModelHeldError
+from .ir import Role
+from .runtime.interrupts import DeferredInterrupt
 
 _METADATA_OPS = {torch.ops.aten.detach.default, torch.ops.aten.alias.default}
+_WORKER_THREADS = "pstar-fx"      # the name prefix of pstar-fx's own threads (runtime/host_updates, host_memory)
+
+
+class ModelHold:
+    """A compiled step's claim on a model's values: its chunk store, and where each of the model's tensors lives in
+    it. Shared by the step and by the model's HeldTensors (see the module docstring)."""
+
+    def __init__(self, step, model: nn.Module, store, names: dict[str, tuple[Role, str]]):
+        self._step = weakref.ref(step)
+        self._model = weakref.ref(model)
+        self.store = store
+        self.names = names           # every state name of the model's tensors -> (PARAM or BUFFER, the store's name)
+        self.lock = threading.RLock()
+        self.giving_back = False     # inside give_back, which reads the held tensors' metadata
+        finalizer = weakref.finalize(step, _step_dropped, self)
+        finalizer.atexit = False     # at interpreter exit nothing needs the values any more
+
+    @property
+    def step(self):
+        """The step that holds the model, or None once it was dropped."""
+        return self._step()
+
+    def values(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """The current values of the model tensors named (parameters at full precision: fp32 masters in mixed
+        precision), as views of the store's memory. Sharded: a collective (every rank calls it with the same names)."""
+        params = self.store.param_values(sorted({self.names[n][1] for n in names if self.names[n][0] is Role.PARAM}))
+        out = {}
+        for n in names:
+            kind, key = self.names[n]
+            out[n] = params[key] if kind is Role.PARAM else self.store.buffers[key]
+        return out
+
+    def give_back(self) -> None:
+        """The model's tensors held here become real tensors with their current values (the same Python objects).
+        Nothing is given back twice: a second call, or one after another step took the model, does nothing."""
+        with self.lock:
+            model = self._model()
+            if model is None:
+                return
+            held = {n: t for n, t in model_tensors(model).items() if holder(t) is self}
+            if not held:
+                return
+            self.giving_back = True
+            try:
+                values = self.values(list(held))
+                copies = {n: values[n].detach().to(device=t.device, dtype=t.dtype, copy=True)
+                          for n, t in held.items()}
+                release(held, copies)
+            finally:
+                self.giving_back = False
+
+
+def _step_dropped(hold: ModelHold) -> None:
+    """The finalizer of a step that holds (or held) a model: give the model back, where that is safe now."""
+    if hold.store.world > 1 or threading.current_thread().name.startswith(_WORKER_THREADS):
+        return                   # given back at the model's next use (see the module docstring)
+    try:
+        hold.give_back()
+    except Exception as e:  # noqa: BLE001 - a finalizer cannot raise; the values stay with the model
+        warnings.warn(f"pstar-fx: a dropped step could not give its model the values back ({type(e).__name__}: "
+                      f"{e}); they stay with the model and are given back at its next use", RuntimeWarning)
 
 
 class HeldTensor(torch.Tensor):
     """A model tensor whose value lives in a compiled step's chunks (see the module docstring)."""
 
     @staticmethod
-    def __new__(cls, like: torch.Tensor, name: str, owner):
+    def __new__(cls, like: torch.Tensor, name: str, owner: ModelHold):
         t = torch.Tensor._make_wrapper_subclass(cls, like.shape, dtype=like.dtype, device=like.device,
                                                 requires_grad=like.requires_grad)
         t._pstar_name = name
-        t._pstar_owner = owner          # a weakref to the holder
+        t._pstar_owner = owner
         return t
 
     def __repr__(self, *, tensor_contents=None) -> str:
@@ -51,22 +129,54 @@ class HeldTensor(torch.Tensor):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
+        # a model whose step was dropped without giving it back (see the module docstring): given back now, before
+        # the call reaches the dispatcher (which holds references that swapping a tensor cannot have)
+        for h in _orphans(args):
+            if h.store.world > 1:
+                raise ModelHeldError(
+                    "this model was held by a pstar-fx step that has been dropped; with several ranks its values "
+                    "are given back collectively: call sync_model() of a step compiled on this model (on every "
+                    "rank), or run such a step")
+            h.give_back()
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **(kwargs or {}))
+
+
+def _orphans(args) -> list[ModelHold]:
+    """The holds of HeldTensors among the arguments (and in lists of them) whose step was dropped: a cheap scan,
+    since every use of a held tensor comes here, `.shape` and `.requires_grad` included."""
+    out: list[ModelHold] = []
+    for a in args:
+        for t in (a if isinstance(a, (list, tuple)) else (a,)):
+            if (isinstance(t, HeldTensor) and t._pstar_owner.step is None and not t._pstar_owner.giving_back
+                    and t._pstar_owner not in out):
+                out.append(t._pstar_owner)
+    return out
 
 
 def _error(name: str, how: str) -> ModelHeldError:
     return ModelHeldError(
         f"'{name}' is held by a pstar-fx compiled step and was {how}: its current value lives in the step's chunks, "
         "not in the model. Call step.sync_model() to write the trained values back into the model (the next step "
-        "takes them again, with any edits you made), or read step.state_dict().")
+        "takes them again, with any edits you made; pstar_fx.sync_model(model) does the same without the step), or "
+        "read step.state_dict().")
 
 
-def holder(t: torch.Tensor):
-    """The object holding a model tensor, or None when the tensor holds its own value."""
+def holder(t: torch.Tensor) -> ModelHold | None:
+    """What holds a model tensor's value, or None when the tensor holds its own value."""
     if not isinstance(t, HeldTensor):
         return None
-    return t._pstar_owner()
+    return t._pstar_owner
+
+
+def holders(model: nn.Module) -> list[ModelHold]:
+    """Whatever holds any of the model's tensors now, in the order of the model's tensors."""
+    out: list[ModelHold] = []
+    for t in model_tensors(model).values():
+        h = holder(t)
+        if h is not None and h not in out:
+            out.append(h)
+    return out
 
 
 def model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -81,24 +191,65 @@ def model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def hold(model: nn.Module, owner) -> None:
-    """Turn the model's parameters and buffers into HeldTensors held by `owner` (their data is dropped)."""
-    ref = weakref.ref(owner)
+def current_values(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The current value of every tensor of the model (model_tensors' names): each from whichever holds it now (a
+    step's chunks, at full precision, or the tensor itself), not copied. With several holders (steps compiled on the
+    model and on a part of it, or on two models sharing a tensor), each value comes from its own. Sharded: a
+    collective."""
+    tensors = model_tensors(model)
+    out: dict[str, torch.Tensor] = {}
+    by_hold: dict[int, tuple[ModelHold, list[str]]] = {}
+    for name, t in tensors.items():
+        h = holder(t)
+        if h is None:
+            out[name] = t.detach()
+        else:
+            by_hold.setdefault(id(h), (h, []))[1].append(name)
+    for h, names in by_hold.values():
+        values = h.values([tensors[n]._pstar_name for n in names])
+        for n in names:
+            out[n] = values[tensors[n]._pstar_name]
+    return out
+
+
+def sync_model(model: nn.Module) -> nn.Module:
+    """Give the model its values back from whatever holds its tensors (one step or several, live or dropped): the
+    same as `step.sync_model()` of a step compiled on it, for when that step is out of reach (a training function
+    that was interrupted keeps its step alive in the traceback). Returns the model. With several ranks, a collective."""
+    for h in holders(model):
+        h.give_back()
+    return model
+
+
+def hold(model: nn.Module, owner: ModelHold) -> None:
+    """Turn the model's parameters and buffers into HeldTensors held by `owner` (their data is dropped). Each must hold
+    its own value (none held by another step). Ctrl-C waits until every tensor is swapped."""
+    stand_ins = []
     for name, t in model_tensors(model).items():
-        if isinstance(t, HeldTensor):
-            t._pstar_owner = ref
-            continue
-        stand_in = HeldTensor(t, name, ref)
+        assert not isinstance(t, HeldTensor), f"{name} is held already"
+        stand_in = HeldTensor(t, name, owner)
         if isinstance(t, nn.Parameter):
             stand_in = nn.Parameter(stand_in, requires_grad=t.requires_grad)
-        torch.utils.swap_tensors(t, stand_in)
+        stand_ins.append((t, stand_in))
+    _swap_all(stand_ins)
 
 
-def release(model: nn.Module, values: dict[str, torch.Tensor]) -> None:
-    """Give the model its values back: each HeldTensor becomes a real tensor (the same Python object)."""
-    for name, t in model_tensors(model).items():
-        if not isinstance(t, HeldTensor):
-            continue
-        v = values[name].detach().clone()
-        real = nn.Parameter(v, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else v
-        torch.utils.swap_tensors(t, real)
+def release(held: dict[str, torch.Tensor], values: dict[str, torch.Tensor]) -> None:
+    """Give held tensors their values back: each HeldTensor in `held` becomes a real tensor (the same Python object)
+    holding its value from `values` (which it keeps, not copies). Ctrl-C waits until every tensor is swapped."""
+    pairs = []
+    for name, t in held.items():
+        v = values[name]
+        pairs.append((t, nn.Parameter(v, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else v))
+    _swap_all(pairs)
+
+
+def _swap_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    deferred = DeferredInterrupt()
+    deferred.start()
+    try:
+        for t, new in pairs:
+            torch.utils.swap_tensors(t, new)
+    finally:
+        deferred.stop()
+    deferred.deliver()
