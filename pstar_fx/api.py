@@ -29,6 +29,7 @@ from .runtime.chunk_store import ChunkStore, host_buffer_specs
 from .runtime.host_memory import HostMemory, spare_host_bytes
 from .runtime.comm import Comm, default_comm
 from .runtime.executor import Executor, LossScaler, Runtime, StepStats
+from .runtime.interrupts import DeferredInterrupt
 from .trace import FlatBatch, flatten_batch, model_tables, trace_step
 from .units import format_bytes, parse_bytes
 
@@ -175,13 +176,16 @@ class CompiledStep:
         self.__wrapped__ = fn
 
     # -- compiling --------------------------------------------------------------------------------------------
-    def _compile(self, batch) -> _Compiled:
+    def _compile(self, batch, interrupts: DeferredInterrupt) -> _Compiled:
+        """Trace, plan and set up for this batch's signature. `interrupts` is held by the caller: a Ctrl-C is
+        delivered after the trace and after each pass (nothing is set up yet), and otherwise waits for the caller's
+        next safe point."""
         with cycle_collection_paused() as collect_now:   # counted in the set-up time (the collection at the end)
-            compiled = self._compile_collected(batch, collect_now)
+            compiled = self._compile_collected(batch, collect_now, interrupts)
         compiled.setup_seconds += time.perf_counter() - compiled.set_up_until
         return compiled
 
-    def _compile_collected(self, batch, collect_now) -> _Compiled:
+    def _compile_collected(self, batch, collect_now, interrupts: DeferredInterrupt) -> _Compiled:
         st = self.settings
         first = self._store is None and self._optimizer is not None      # the first compile makes the store
         hostmem = HostMemory(pin=st.device.type == "cuda") if first else None
@@ -193,6 +197,7 @@ class CompiledStep:
                 hostmem.prefault(min(early, spare_host_bytes(int(os.environ.get("LOCAL_WORLD_SIZE", st.world)))))
 
         def set_up_early(stage: TrainGraph) -> None:
+            interrupts.deliver()        # a safe point between passes
             # the first compile's host buffers are known once the optimizer is placed: make them while the
             # schedule pass runs
             if stage.stage == "optimizer_placed" and first:
@@ -200,6 +205,7 @@ class CompiledStep:
         try:
             with one_intra_op_thread():
                 traced = trace_step(self._fn, self._model, batch, st)
+                interrupts.deliver()    # a safe point after the trace
                 passes = pipeline(chunk_size=st.chunk_size, layout=self._layout, prefetch=self.prefetch,
                                   remat=self._remat, world=st.world)
                 stages = run_passes(traced, passes, after=set_up_early)
@@ -290,15 +296,17 @@ class CompiledStep:
 
     def lower(self, *batch) -> dict[str, TrainGraph]:
         """Compile for this batch's shapes without running a step; returns the stages."""
-        self._latest, _ = self._get(batch)
+        with DeferredInterrupt() as interrupts:        # Ctrl-C: between compile phases only (see _compile)
+            self._latest, _ = self._get(batch, interrupts)
         return self.graphs
 
     def min_device_memory(self, *batch) -> int:
         """The smallest device_memory (bytes) under which this step compiles for this batch's shapes, with this
         chunk layout: every optimizer state on the host and only what each node itself needs on the device, with the
         activations recomputed that lower it most (unless remat=False)."""
-        with cycle_collection_paused():
+        with DeferredInterrupt() as interrupts, cycle_collection_paused():   # Ctrl-C: after the trace, or at the end
             traced = trace_step(self._fn, self._model, batch, self.settings)
+            interrupts.deliver()
             passes = [p for p in pipeline(chunk_size=self.settings.chunk_size, layout=self._layout, prefetch=0,
                                           world=self.settings.world)
                       if getattr(p, "func", p) in (canonicalize, assign_chunks, liveness)]
@@ -308,13 +316,13 @@ class CompiledStep:
             host_only = before.evolve(settings=dataclasses.replace(before.settings, budget=0))
             return min_need(place_optimizer(host_only))
 
-    def _get(self, batch) -> tuple[_Compiled, FlatBatch]:
+    def _get(self, batch, interrupts: DeferredInterrupt) -> tuple[_Compiled, FlatBatch]:
         """The compiled step for this batch's signature (compiling it on first sight), and the flattened batch."""
         flat = flatten_batch(batch)
         key = (flat.signature, self._model_key())
         compiled = self._cache.get(key)
         if compiled is None:
-            compiled = self._compile(batch)
+            compiled = self._compile(batch, interrupts)
             self._cache.put(key, compiled)
         return compiled, flat
 
@@ -326,47 +334,54 @@ class CompiledStep:
 
     # -- running ----------------------------------------------------------------------------------------------
     def __call__(self, *batch) -> torch.Tensor:
+        """One training step on this batch; returns the loss. Atomic (see Executor.run): a failure before the commit
+        point leaves every value as it was. Ctrl-C is held over the whole call and taken only at safe points: after
+        the trace, between the passes, and between nodes before the commit point, where it raises
+        KeyboardInterrupt and the step changes nothing (a compile that finished is kept: the next call does not
+        trace again); from the commit point on the step completes, then raises it (it counts as done). A hang
+        inside one operation is ended by the process group's timeout (px.DistributedError); see
+        runtime/interrupts.py."""
         if self._broken is not None:
             raise CommitError(self._broken)
         if torch.is_inference_mode_enabled() or not torch.is_grad_enabled():
             ctx = "torch.inference_mode()" if torch.is_inference_mode_enabled() else "torch.no_grad()"
             raise PstarError(f"pstar-fx step called under {ctx}; a training step needs grad mode; use "
                              "px.compile(model, optimizer=None) for forward-only evaluation")
-        t0 = time.perf_counter()
-        compiled, flat = self._get(batch)
-        self._latest = compiled
-        g = compiled.executor.g
-        store = self._store
-        self._take_model()
-        store.set_homes(g.chunks)
-        rt = Runtime(g, store, self._scaler)
-        inputs = [self._prepare_input(x, info.dtype) for x, info in zip(flat.tensors, g.inputs)]
-        scale = None
-        if self._scaler is not None:
-            scale = torch.tensor(self._scaler.scale, dtype=torch.float32, device=self.settings.device)
-            rt.found_inf = torch.zeros((), dtype=torch.bool, device=self.settings.device)
-        per_node: list[int] | None = [] if self.debug else None
-        try:
-            outputs, peak, interrupted = compiled.executor.run(inputs, scale, rt, trace_peaks=per_node,
-                                                               before_node=self._before_node)
-            loss = outputs[0]
-            if self._comm is not None:        # the loss reported is the mean over every rank's batch
-                loss = self._comm.all_reduce(loss.detach().float().clone()) / self._comm.world
-        except CommitError as e:
-            self._broken = str(e)
-            raise
+        with DeferredInterrupt() as interrupts:   # here, not in a helper: warnings' stack levels count from here
+            t0 = time.perf_counter()
+            compiled, flat = self._get(batch, interrupts)
+            self._latest = compiled
+            interrupts.deliver()          # a safe point: compiled, nothing else done yet
+            g = compiled.executor.g
+            store = self._store
+            self._take_model()
+            store.set_homes(g.chunks)
+            rt = Runtime(g, store, self._scaler)
+            inputs = [self._prepare_input(x, info.dtype) for x, info in zip(flat.tensors, g.inputs)]
+            scale = None
+            if self._scaler is not None:
+                scale = torch.tensor(self._scaler.scale, dtype=torch.float32, device=self.settings.device)
+                rt.found_inf = torch.zeros((), dtype=torch.bool, device=self.settings.device)
+            per_node: list[int] | None = [] if self.debug else None
+            try:
+                outputs, peak = compiled.executor.run(inputs, scale, rt, interrupts, trace_peaks=per_node,
+                                                      before_node=self._before_node)
+                loss = outputs[0]
+                if self._comm is not None:        # the loss reported is the mean over every rank's batch
+                    loss = self._comm.all_reduce(loss.detach().float().clone()) / self._comm.world
+            except CommitError as e:
+                self._broken = str(e)
+                raise
 
-        if self._scaler is not None:
-            self._scaler.update(rt.skip)
-        self._last_stats = StepStats(measured_peak=peak, h2d_bytes=rt.h2d, d2h_bytes=rt.d2h, skipped=rt.skip,
-                                     seconds=time.perf_counter() - t0, lr=tuple(c.lr for c in rt.cfg),
-                                     _grad_norm=rt.grad_norm)
-        if interrupted:
-            raise KeyboardInterrupt   # held while the update was applied; the step is complete
-        if per_node is not None:
-            self._measured = (g, per_node)
-            _check_measured(g, per_node)
-        return loss.detach().float()
+            if self._scaler is not None:
+                self._scaler.update(rt.skip)
+            self._last_stats = StepStats(measured_peak=peak, h2d_bytes=rt.h2d, d2h_bytes=rt.d2h, skipped=rt.skip,
+                                         seconds=time.perf_counter() - t0, lr=tuple(c.lr for c in rt.cfg),
+                                         _grad_norm=rt.grad_norm)
+            if per_node is not None:
+                self._measured = (g, per_node)
+                _check_measured(g, per_node)
+            return loss.detach().float()
 
     def _prepare_input(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         t = x.detach().to(self.settings.device, dtype)

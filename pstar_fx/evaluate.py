@@ -26,6 +26,7 @@ from .ownership import holder, model_tensors
 from .passes import pipeline, run_passes
 from .runtime.chunk_store import ChunkStore
 from .runtime.executor import Executor, Runtime, StepStats
+from .runtime.interrupts import DeferredInterrupt
 from .trace import flatten_batch, trace_step
 
 
@@ -45,17 +46,17 @@ class CompiledEval(CompiledStep):
                 return step
         return None
 
-    def _get(self, batch):
+    def _get(self, batch, interrupts: DeferredInterrupt):
         trainer = self._trainer()
         flat = flatten_batch(batch)
         key = (flat.signature, self._model_key(), None if trainer is None else id(trainer._store))
         compiled = self._cache.get(key)
         if compiled is None:
-            compiled = self._compile_for(batch, trainer)
+            compiled = self._compile_for(batch, trainer, interrupts)
             self._cache.put(key, compiled)
         return compiled, flat
 
-    def _compile_for(self, batch, trainer: CompiledStep | None) -> _Compiled:
+    def _compile_for(self, batch, trainer: CompiledStep | None, interrupts: DeferredInterrupt) -> _Compiled:
         if trainer is not None:
             # plan over the trainer's chunks as they are now: its layout, precision, budget and state homes
             params, chunks, size = trainer._layout
@@ -69,9 +70,10 @@ class CompiledEval(CompiledStep):
             store, layout = self._own if self._own is not None else (None, None)
         with cycle_collection_paused():
             traced = trace_step(self._fn, self._model, batch, settings)
+            interrupts.deliver()        # safe points: after the trace and after each pass
             passes = pipeline(chunk_size=settings.chunk_size, layout=layout, prefetch=self.prefetch, train=False,
                               world=settings.world)
-            stages = run_passes(traced, passes)
+            stages = run_passes(traced, passes, after=lambda stage: interrupts.deliver())
         final = stages[-1]
         if store is None:
             warn_chunk_padding(final)
@@ -81,21 +83,26 @@ class CompiledEval(CompiledStep):
         return _Compiled(stages={s.stage: s for s in stages}, executor=Executor(final, store))
 
     def __call__(self, *batch):
-        compiled, flat = self._get(batch)
-        self._latest = compiled
-        g = compiled.executor.g
-        if self._trainer() is None:
-            self._store, self._layout = self._own
-            self._take_model()
-        store = compiled.executor.store
-        rt = Runtime(g, store, None)
-        inputs = [self._prepare_input(x, info.dtype) for x, info in zip(flat.tensors, g.inputs)]
-        per_node: list[int] | None = [] if self.debug else None
-        with torch.no_grad():
-            outputs, peak, _ = compiled.executor.run(inputs, None, rt, trace_peaks=per_node)
-        self._last_stats = StepStats(measured_peak=peak, h2d_bytes=rt.h2d, d2h_bytes=rt.d2h, skipped=False)
-        if per_node is not None:
-            _check_measured(g, per_node)
-        return optree.tree_unflatten(g.output_spec, [o.detach() for o in outputs])
+        """Run the function on this batch; returns what it returns, detached. Ctrl-C is held over the call and
+        taken at safe points (after the trace, between passes, between nodes), as in CompiledStep.__call__: one
+        taken there rolls the evaluation back like a failed step (module buffers it writes in train mode too)."""
+        with DeferredInterrupt() as interrupts:   # here, not in a helper: warnings' stack levels count from here
+            compiled, flat = self._get(batch, interrupts)
+            self._latest = compiled
+            interrupts.deliver()
+            g = compiled.executor.g
+            if self._trainer() is None:
+                self._store, self._layout = self._own
+                self._take_model()
+            store = compiled.executor.store
+            rt = Runtime(g, store, None)
+            inputs = [self._prepare_input(x, info.dtype) for x, info in zip(flat.tensors, g.inputs)]
+            per_node: list[int] | None = [] if self.debug else None
+            with torch.no_grad():
+                outputs, peak = compiled.executor.run(inputs, None, rt, interrupts, trace_peaks=per_node)
+            self._last_stats = StepStats(measured_peak=peak, h2d_bytes=rt.h2d, d2h_bytes=rt.d2h, skipped=False)
+            if per_node is not None:
+                _check_measured(g, per_node)
+            return optree.tree_unflatten(g.output_spec, [o.detach() for o in outputs])
 
 __all__ = ["CompiledEval"]

@@ -50,6 +50,7 @@ from .graph_utils import (data_dependent_sizes, is_user_file, loss_seed, mutated
                           tensors_of, user_frame)
 from .ir import (BufferInfo, InputInfo, NodeAnn, ParamInfo, Phase, Role, Settings, TrainGraph, lazy_modules,
                  to_module)
+from .runtime.interrupts import DeferredInterrupt
 
 
 
@@ -351,7 +352,14 @@ def _micro_batch_sizes(flat: "FlatBatch", micro: int) -> list[int]:
 
 def trace_step(fn, model: nn.Module, batch: tuple, settings: Settings) -> TrainGraph:
     """Trace `fn(model, *batch)` into the "traced" TrainGraph (forward + backward, nothing real allocated).
-    The model is left exactly as it was (the same parameter and buffer objects), whether tracing succeeds or not."""
+    The model is left exactly as it was (the same parameter and buffer objects), whether tracing succeeds or not.
+    Ctrl-C is held while tracing (runtime/interrupts.py) and delivered after it: a KeyboardInterrupt raised inside
+    one of torch's C++ callbacks can abort the process."""
+    with DeferredInterrupt():
+        return _trace_step(fn, model, batch, settings)
+
+
+def _trace_step(fn, model: nn.Module, batch: tuple, settings: Settings) -> TrainGraph:
     t0 = time.perf_counter()
     _check_arity(fn, batch)
     tables = model_tables(model)

@@ -62,16 +62,16 @@ class DevicePool:
         self.window_peak = 0           # highest in_use since the executor last sampled it
         self.storages: set[int] = set()   # data_ptrs of the buffers the pool has handed out and not taken back
 
-    def _charge(self, nbytes: int, what: str) -> None:
+    def take(self, numel: int, dtype: torch.dtype, what: str = "slot") -> torch.Tensor:
+        """A new buffer, counted. It is allocated before it is counted: an allocation that fails (out of memory)
+        leaves the count as it was."""
+        nbytes = numel * dtype.itemsize
         if self.budget is not None and self.in_use + nbytes > self.budget:
             raise PoolExhausted(f"device pool: {what} of {format_bytes(nbytes)} would bring chunk memory to "
                                 f"{format_bytes(self.in_use + nbytes)}, past the budget {format_bytes(self.budget)}")
+        t = torch.empty(numel, dtype=dtype, device=self.device)
         self.in_use += nbytes
         self.window_peak = max(self.window_peak, self.in_use)
-
-    def take(self, numel: int, dtype: torch.dtype, what: str = "slot") -> torch.Tensor:
-        self._charge(numel * dtype.itemsize, what)
-        t = torch.empty(numel, dtype=dtype, device=self.device)
         self.storages.add(t.untyped_storage().data_ptr())
         return t
 
@@ -89,6 +89,15 @@ class DevicePool:
 
     def owns(self, t: torch.Tensor) -> bool:
         return t.untyped_storage().data_ptr() in self.storages
+
+    def recount(self, held) -> None:
+        """Make the count exactly the buffers `held` (every buffer taken and not given back), in place (the
+        executor keeps a reference to `storages` during a step)."""
+        held = list(held)
+        self.in_use = sum(t.numel() * t.element_size() for t in held)
+        self.window_peak = self.in_use
+        self.storages.clear()
+        self.storages.update(t.untyped_storage().data_ptr() for t in held)
 
 
 def host_buffer_specs(chunks: tuple[ChunkInfo, ...], precision: Precision, world: int) -> list[BufferSpec]:
@@ -489,6 +498,7 @@ class ChunkStore:
         want = dict(carried)
         self.reduced.clear()
         self.reclaim()        # (a step reclaims its draining slots at its end; a failed one in its error path)
+        self.recount()        # (bookkeeping outside a step, cut short by Ctrl-C, may have left the count behind)
         h2d = d2h = 0
         for key in sorted(self.slots.keys() - want.keys(), key=BufKey.order):
             stale = key in self.stale and key.buf is BufKind.PARAM
@@ -536,14 +546,14 @@ class ChunkStore:
         draining slots before any node whose planned bytes plus theirs would pass the plan's predicted peak, so the
         peak holds. The CPU never waits here."""
         slot = self.slot(key)
+        # written back while still among the slots: a write-back that fails leaves the slot where rollback finds it
+        event = self._write_back(key, slot, wait=not defer) if writeback else None
         del self.slots[key]
         self.stale.discard(key)
-        if writeback:
-            event = self._write_back(key, slot, wait=not defer)
-            if event is not None and defer:
-                self.draining.append((event, slot))
-                self.draining_bytes += slot.numel() * slot.element_size()
-                return
+        if event is not None and defer:
+            self.draining.append((event, slot))
+            self.draining_bytes += slot.numel() * slot.element_size()
+            return
         self.pool.give(slot)
 
     def reclaim(self, keep: int = 0) -> None:
@@ -558,6 +568,16 @@ class ChunkStore:
                 compute.wait_event(event)
             self.draining_bytes -= slot.numel() * slot.element_size()
             self.pool.give(slot)
+
+    def recount(self) -> None:
+        """Rebuild the device pool's count (and the draining bytes) from the buffers the store holds: resident and
+        draining slots, optimizer states on the device, module buffers. An exception that cut an allocation or a
+        give-back short (an out-of-memory error, a Ctrl-C outside a step) then leaves no byte counted that nothing
+        owns. Between steps (the executor's constants and workspaces are given back by then)."""
+        self.draining_bytes = sum(slot.numel() * slot.element_size() for _, slot in self.draining)
+        device_states = [s for s, home in zip(self.states, self.state_home) if home is StateHome.DEVICE]
+        self.pool.recount([*self.slots.values(), *(slot for _, slot in self.draining), *device_states,
+                           *self.buffers.values()])
 
     def take_host_events(self, chunk: int) -> list:
         """The events a host-side update of chunk must wait for before it touches the chunk's host buffers (copies

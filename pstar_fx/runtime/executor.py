@@ -308,28 +308,30 @@ class Executor:
         self.room = [plan.predicted_peak - (plan.static_bytes + a.resident_bytes + a.live_bytes + a.workspace_bytes)
                      for a in (g.ann[n.name] for n in self.nodes)]
 
-    def run(self, inputs: list[torch.Tensor], scale: torch.Tensor | None, rt: Runtime,
-            trace_peaks: list[int] | None = None, before_node=None) -> tuple[list[torch.Tensor], int, bool]:
-        """One step; returns the graph's outputs (a training step's: [loss]), the measured peak, and whether a
-        Ctrl-C arrived during the update. Atomic: if any node before the commit point fails (or is interrupted),
-        every value is put back as it was before the step and the error propagates; from the commit point on, a
-        KeyboardInterrupt is held until the step is complete, and the third result says whether one arrived (the
-        caller raises it after its own bookkeeping). With atomic=False a host-side step may come before the commit:
-        the step is then atomic up to the first step node only. `before_node(i, node)` is called before every node
-        (fault injection in tests)."""
+    def run(self, inputs: list[torch.Tensor], scale: torch.Tensor | None, rt: Runtime, interrupts: DeferredInterrupt,
+            trace_peaks: list[int] | None = None, before_node=None) -> tuple[list[torch.Tensor], int]:
+        """One step; returns the graph's outputs (a training step's: [loss]) and the measured peak. Atomic: if any
+        node before the commit point fails, every value is put back as it was before the step and the error
+        propagates. With atomic=False a host-side step may come before the commit: the step is then atomic up to
+        the first step node only.
+
+        Ctrl-C: the caller holds SIGINT in `interrupts` (active over its whole call, see interrupts.py), so no
+        KeyboardInterrupt lands inside the store's bookkeeping. Before the commit point (or the first step node),
+        one that arrived is delivered between nodes, and the step is rolled back as for any failure; from there on
+        it stays pending until the step is complete, and the caller delivers it after its own bookkeeping (the step
+        counts as done). `before_node(i, node)` is called before every node (fault injection in tests)."""
         saved = {name: self.store.buffers[name].clone() for name in self.mutated_buffers}
-        deferred = DeferredInterrupt()
         try:
             h2d, d2h = self.store.enter(self.g.plan.carried)   # the prologue: nothing moves in the steady state
             rt.h2d += h2d
             rt.d2h += d2h
-            outputs, peak = self._run(inputs, scale, rt, trace_peaks, before_node, deferred)
+            outputs, peak = self._run(inputs, scale, rt, trace_peaks, before_node, interrupts)
         except BaseException as e:
-            deferred.stop()
             self.store.reclaim()        # slots still being written back
             # before the commit no parameter slot was written except by in-place gradients (mixed precision, whose
             # host homes are rebuilt from the masters below): what goes home is what the step started from
             self.store.evict_all()
+            self.store.recount()        # an allocation that failed half-way leaves no count behind
             if rt.committed or rt.stepped:        # (stepped before the commit: host-side steps with atomic=False)
                 raise CommitError(
                     f"pstar-fx: the step failed after {'its commit point' if rt.committed else 'its first update'} "
@@ -341,10 +343,9 @@ class Executor:
                 self.store.buffers[name].copy_(value)
             self.store.restore_params_from_masters()
             raise
-        deferred.stop()
-        return outputs, peak, deferred.pending
+        return outputs, peak
 
-    def _run(self, inputs, scale, rt: Runtime, trace_peaks, before_node, deferred) -> tuple[list, int]:
+    def _run(self, inputs, scale, rt: Runtime, trace_peaks, before_node, interrupts) -> tuple[list, int]:
         env: list = [None] * len(self.nodes)
         pool = self.store.pool
         held: dict[int, list[int]] = {}      # storage data_ptr -> [refcount, nbytes]
@@ -396,6 +397,7 @@ class Executor:
                 consts[name] = slots[-1].view(t.shape).copy_(t)
             result = None
             store = self.store
+            holding = False          # from the commit (or the first step node) on, Ctrl-C waits for the end
             for i, n in enumerate(self.nodes):
                 role = self.roles[i]
                 draining = 0              # released slots still being written back: device bytes the plan freed
@@ -404,10 +406,12 @@ class Executor:
                     store.reclaim(0 if n.op == "output" else self.room[i])
                     draining = store.draining_bytes
                     pool.sample()         # this node's window starts after the slots given back
+                if interrupts.pending and not holding:
+                    interrupts.deliver()      # before the first value written: a KeyboardInterrupt rolls back
                 if before_node is not None:
                     before_node(i, n)
                 if role is Role.COMMIT or role is Role.OPTIMIZER_STEP:   # the first value written: hold Ctrl-C
-                    deferred.start()
+                    holding = True
                 if n.op == "get_attr":
                     val = consts[n.target]
                 elif n.op == "placeholder":
