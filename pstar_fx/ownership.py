@@ -245,11 +245,6 @@ def release(held: dict[str, torch.Tensor], values: dict[str, torch.Tensor]) -> N
 
 
 def _swap_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    deferred = DeferredInterrupt()
-    deferred.start()
-    try:
+    with DeferredInterrupt():                # a Ctrl-C waits until every tensor is swapped
         for t, new in pairs:
             torch.utils.swap_tensors(t, new)
-    finally:
-        deferred.stop()
-    deferred.deliver()
