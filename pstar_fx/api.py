@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -166,6 +167,7 @@ class CompiledStep:
         self._measured: tuple[TrainGraph, list[int]] | None = None   # debug: device bytes after every node
         self._broken: str | None = None      # set when a step failed after its commit point
         self._before_node = None             # tests: called before every node (fault injection)
+        self._lock = threading.RLock()       # held by a step, save and load: another thread never sees half a step
         self._tables = model_tables(model)
         # every state_dict name (tied aliases too) -> (PARAM or BUFFER, the name the store keeps it under)
         self._state_names: dict[str, tuple[Role, str]] = {
@@ -322,6 +324,10 @@ class CompiledStep:
 
     # -- running ----------------------------------------------------------------------------------------------
     def __call__(self, *batch) -> torch.Tensor:
+        with self._lock:
+            return self._step(*batch)
+
+    def _step(self, *batch) -> torch.Tensor:
         if self._broken is not None:
             raise CommitError(self._broken)
         if torch.is_inference_mode_enabled() or not torch.is_grad_enabled():
@@ -413,11 +419,13 @@ class CompiledStep:
     # -- state ------------------------------------------------------------------------------------------------
     def save(self, path) -> None:
         """Write a checkpoint directory that resumes exactly (see pstar_fx.checkpoint)."""
-        checkpoint.save(self, path)
+        with self._lock:
+            checkpoint.save(self, path)
 
     def load(self, path) -> None:
         """Restore a checkpoint written by save(), before the first step or after a failed one too."""
-        checkpoint.load(self, path)
+        with self._lock:
+            checkpoint.load(self, path)
 
     def state_dict(self, *, rank0_only: bool = False) -> dict[str, torch.Tensor]:
         """Keys and shapes of model.state_dict(), full-precision values (fp32 masters in mixed precision): the
