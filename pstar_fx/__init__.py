@@ -1,5 +1,6 @@
 """pstar-fx: train models larger than the GPU by compiling the training step and planning every chunk move."""
-from .errors import BudgetError, CommitError, DistributedError, ModelHeldError, PstarError, UntraceableError
+from .errors import (BudgetError, CheckpointError, CommitError, DistributedError, ModelHeldError, PstarError,
+                     UntraceableError)
 from .optim import Adam, AdamW
 from .api import compile, CompiledStep
 from .init_empty import EmptyModelError, init_empty
@@ -9,6 +10,7 @@ from .planning import PlanReport, plan
 from .timeline import plot_memory
 
 __all__ = ["compile", "CompiledStep", "Adam", "AdamW", "BudgetError", "UntraceableError", "PstarError", "CommitError", "ModelHeldError",
+           "CheckpointError",
            "DistributedError", "TrainGraph", "plot_memory", "init_empty", "EmptyModelError", "plan",
            "PlanReport", "sync_model"]
 __version__ = "0.1.0"

@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -64,6 +66,15 @@ def _resolve_budget(device_memory, device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _locked(method):
+    """The step's lock held over a method: another thread's step, save or load waits for it."""
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return locked
 
 
 @dataclass(frozen=True)
@@ -168,6 +179,7 @@ class CompiledStep:
         self._measured: tuple[TrainGraph, list[int]] | None = None   # debug: device bytes after every node
         self._broken: str | None = None      # set when a step failed after its commit point
         self._before_node = None             # tests: called before every node (fault injection)
+        self._lock = threading.RLock()       # held by a step, save and load: another thread never sees half a step
         self._tables = model_tables(model)
         # every state_dict name (tied aliases too) -> (PARAM or BUFFER, the name the store keeps it under)
         self._state_names: dict[str, tuple[Role, str]] = {
@@ -263,7 +275,7 @@ class CompiledStep:
         self._store.load_params(params)
         self._store.load_buffers(buffers)
         if self._hold is None or self._hold.store is not self._store:
-            self._hold = ModelHold(self, self._model, self._store, self._state_names)
+            self._hold = ModelHold(self, self._model, self._store, self._state_names, self._lock)
         hold(self._model, self._hold)
 
     def _fill_if_empty(self) -> None:
@@ -271,6 +283,7 @@ class CompiledStep:
         if self._store is not None and any(is_empty(t) for t in model_tensors(self._model).values()):
             self._take_model()
 
+    @_locked
     def sync_model(self) -> nn.Module:
         """Write the current values (parameters at full precision, and buffers) back into the model and give it back
         to the user: it can be used, saved or edited eagerly. The values come from whichever step holds each of the
@@ -335,19 +348,20 @@ class CompiledStep:
     # -- running ----------------------------------------------------------------------------------------------
     def __call__(self, *batch) -> torch.Tensor:
         """One training step on this batch; returns the loss. Atomic (see Executor.run): a failure before the commit
-        point leaves every value as it was. Ctrl-C is held over the whole call and taken only at safe points: after
-        the trace, between the passes, and between nodes before the commit point, where it raises
-        KeyboardInterrupt and the step changes nothing (a compile that finished is kept: the next call does not
-        trace again); from the commit point on the step completes, then raises it (it counts as done). A hang
-        inside one operation is ended by the process group's timeout (px.DistributedError); see
-        runtime/interrupts.py."""
-        if self._broken is not None:
-            raise CommitError(self._broken)
-        if torch.is_inference_mode_enabled() or not torch.is_grad_enabled():
-            ctx = "torch.inference_mode()" if torch.is_inference_mode_enabled() else "torch.no_grad()"
-            raise PstarError(f"pstar-fx step called under {ctx}; a training step needs grad mode; use "
-                             "px.compile(model, optimizer=None) for forward-only evaluation")
-        with DeferredInterrupt() as interrupts:   # here, not in a helper: warnings' stack levels count from here
+        point leaves every value as it was. Another thread's save() or load() waits for the step (a lock). Ctrl-C is
+        held over the whole call and taken only at safe points: after the trace, between the passes, and between
+        nodes before the commit point, where it raises KeyboardInterrupt and the step changes nothing (a compile
+        that finished is kept: the next call does not trace again); from the commit point on the step completes,
+        then raises it (it counts as done). A hang inside one operation is ended by the process group's timeout
+        (px.DistributedError); see runtime/interrupts.py."""
+        # the lock and Ctrl-C held here, not in a helper: warnings' stack levels count from here
+        with self._lock, DeferredInterrupt() as interrupts:
+            if self._broken is not None:
+                raise CommitError(self._broken)
+            if torch.is_inference_mode_enabled() or not torch.is_grad_enabled():
+                ctx = "torch.inference_mode()" if torch.is_inference_mode_enabled() else "torch.no_grad()"
+                raise PstarError(f"pstar-fx step called under {ctx}; a training step needs grad mode; use "
+                                 "px.compile(model, optimizer=None) for forward-only evaluation")
             t0 = time.perf_counter()
             compiled, flat = self._get(batch, interrupts)
             self._latest = compiled
@@ -430,14 +444,17 @@ class CompiledStep:
         return timeline.memory_timeline(self.final_graph, self._measured)
 
     # -- state ------------------------------------------------------------------------------------------------
+    @_locked
     def save(self, path) -> None:
         """Write a checkpoint directory that resumes exactly (see pstar_fx.checkpoint)."""
         checkpoint.save(self, path)
 
+    @_locked
     def load(self, path) -> None:
         """Restore a checkpoint written by save(), before the first step or after a failed one too."""
         checkpoint.load(self, path)
 
+    @_locked
     def state_dict(self, *, rank0_only: bool = False) -> dict[str, torch.Tensor]:
         """Keys and shapes of model.state_dict(), full-precision values (fp32 masters in mixed precision): the
         current values wherever they are (this step's chunks, another step's, or the model). With several ranks a
@@ -452,6 +469,7 @@ class CompiledStep:
         return {key: values[first[id(like)]].to(device=like.device, dtype=like.dtype, copy=True)
                 for key, like in self._model.state_dict(keep_vars=True).items()}
 
+    @_locked
     def load_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True) -> None:
         """Restore parameter and buffer values (optimizer states are left as they are). When this step does not
         hold the model (before the first step, after sync_model(), or while another step holds it), the values go
@@ -476,8 +494,9 @@ class CompiledStep:
             if k in self._state_names:
                 kind, name = self._state_names[k]
                 (pv if kind is Role.PARAM else bv)[name] = v
-        self._store.load_params(pv)
-        self._store.load_buffers(bv)
+        with DeferredInterrupt():            # a Ctrl-C waits until every value is in: never half loaded
+            self._store.load_params(pv)
+            self._store.load_buffers(bv)
 
 
 def _check_measured(g: TrainGraph, per_node: list[int]) -> None:

@@ -10,6 +10,19 @@ What is stored (DCP keys; values at their full precision, shapes as in the model
 - "pstar_fx": an object: the format, the world size, the precision, the fp16 loss scaler and the optimizer's
   param_groups in torch's format (options, and parameter indices as in `optimizer.state_dict()`);
 - "rng.<r>": rank r's RNG states (torch's CPU generator, and the CUDA one on CUDA).
+The last two are byte entries: `torch.save` of the object, stored by DCP as one opaque entry.
+
+The files and how they are read. The data files are DCP's (`__<rank>_<i>.distcp`, one per rank). `.metadata` is not
+DCP's pickle: rank 0 writes it after every rank has written its data file and checksummed a share of them, as
+pstar-fx's JSON manifest (pstar_fx.checkpoint_files), which holds DCP's metadata as JSON and each data file's size
+and checksums. Loading (pstar_fx.checkpoint.load) verifies the manifest and the data files first (each rank a
+share; the ranks agree), rebuilds DCP's metadata from the JSON, checking every value (pstar_fx.dcp_storage), checks
+it against this model (`_check`: every entry's key, kind, shape and dtype), reads the byte entries with
+`torch.load(weights_only=True)` (DCP's own planner would use weights_only=False) and checks them (format, loss
+scaler, optimizer groups, RNG states, step counts: pstar_fx.checkpoint_checks), and only then writes a value into
+the step. DCP reads the tensor pieces with `torch.load(weights_only=True)`. Nothing is unpickled otherwise: a
+checkpoint cannot run code. The price: torch's own DCP tools (`dcp.load` with its FileSystemReader,
+`dcp_to_torch_save`) do not read pstar-fx's `.metadata`; `read_metadata` here does.
 
 A parameter's piece. ZeRO sharding gives each rank an even slice of every chunk's elements, so a rank owns an element
 range [start, stop) of a flattened parameter (often empty, sometimes all of it), which DTensor's Shard(dim) cannot
@@ -39,13 +52,19 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, init_from_local_shards
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
+from . import checkpoint_checks as checks
+from . import checkpoint_files as files
+from . import dcp_storage as storage
+from .errors import CheckpointError
 from .ir import ChunkGroup, Role
 
 FORMAT = 2
 META = "pstar_fx"
-MARKER = ".metadata"           # DCP's metadata file: a directory holding it is a DCP checkpoint
+MARKER = files.SHARDED_MANIFEST  # DCP's metadata file name; here pstar-fx's JSON manifest with DCP's metadata
+META_KEYS = {"format", "world", "precision", "device", "loss_scaler", "param_groups"}
 
 
 # -- the geometry of a piece ------------------------------------------------------------------------------------------
@@ -139,8 +158,15 @@ def _pack(obj) -> bytes:
     return buf.getvalue()
 
 
-def _unpack(data: bytes):
-    return torch.load(io.BytesIO(data), weights_only=True)
+def _unpack(data, path: str, key: str):
+    """An entry `_pack` wrote, read with weights_only=True; a CheckpointError naming it if it is anything else."""
+    if not isinstance(data, bytes):
+        raise CheckpointError(f"step.load: {path!r}: the entry {key!r} is not the bytes a save writes")
+    try:
+        return torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as e:   # noqa: BLE001 - whatever the unpickler refused, named with its entry
+        raise CheckpointError(f"step.load: {path!r}: the entry {key!r} holds something other than tensors and plain "
+                              f"values (torch.load(weights_only=True) refused it: {type(e).__name__}: {e})") from None
 
 
 def rng_state(device: torch.device) -> dict:
@@ -204,13 +230,15 @@ def save_entries(step, model_values) -> dict:
     return out
 
 
-def save(step, directory: str, model_values) -> None:
+def save(step, directory: str, model_values) -> Metadata | None:
     """Write this rank's entries into `directory` (every rank calls it; the directory is shared by all ranks).
-    `model_values()`: see save_entries."""
+    `model_values()`: see save_entries. Returns DCP's metadata on rank 0 (None on the others), which the caller
+    writes into the manifest once it has the files' checksums: nothing here writes `.metadata`."""
     entries = save_entries(step, model_values)
-    writer = dcp.FileSystemWriter(directory, sync_files=True)
+    writer = storage.Writer(directory, sync_files=True)
     with _one_process(step):
         dcp.save(entries, storage_writer=writer, process_group=None if step._comm is None else step._comm.group)
+    return writer.metadata
 
 
 @contextlib.contextmanager
@@ -224,37 +252,91 @@ def _one_process(step):
 
 
 # -- loading ---------------------------------------------------------------------------------------------------------
-def read_metadata(path: str):
-    return dcp.FileSystemReader(path).read_metadata()
+def metadata(manifest: files.Manifest, path: str) -> Metadata:
+    """DCP's metadata out of a sharded checkpoint's manifest, checked against the files it lists."""
+    try:
+        return storage.metadata_from_json(manifest.dcp, {n: s.size for n, s in manifest.files.items()})
+    except ValueError as e:
+        raise CheckpointError(f"step.load: {path}/{MARKER}: {e}") from None
 
 
-def _load(step, entries: dict, path: str) -> None:
-    with _one_process(step):
-        dcp.load(entries, storage_reader=dcp.FileSystemReader(path),
-                 process_group=None if step._comm is None else step._comm.group)
+def read_metadata(path: str) -> Metadata:
+    """DCP's metadata of the sharded checkpoint at `path` (its manifest checked; its data files are not read)."""
+    return metadata(files.read_manifest(path, MARKER), path)
+
+
+def _failure(e: CheckpointException, path: str, rank: int) -> BaseException:
+    """What made DCP fail (it wraps every rank's exception, Ctrl-C too): this rank's if it failed, else another's;
+    file system errors and refusals with the checkpoint's name."""
+    failures = e.failures
+    exc = (failures.get(rank) or next(iter(failures.values()), (None, None)))[0]
+    if exc is None or isinstance(exc, (KeyboardInterrupt, SystemExit)):
+        return exc or e
+    if isinstance(exc, CheckpointError):
+        return CheckpointError(f"step.load: {path!r}: {exc}")
+    if isinstance(exc, OSError):
+        return files.described(exc, getattr(exc, "filename", None) or path, "step.load: reading")
+    return CheckpointError(f"step.load: reading {path!r} failed: {type(exc).__name__}: {exc}")
+
+
+def _load(step, entries: dict, path: str, md: Metadata) -> dict:
+    """DCP reads `entries` (tensors in place) through the checked metadata; returns the byte entries read."""
+    planner = storage.SafeLoadPlanner()
+    try:
+        with _one_process(step):
+            dcp.load(entries, storage_reader=storage.Reader(path, md), planner=planner,
+                     process_group=None if step._comm is None else step._comm.group)
+    except CheckpointException as e:
+        raise _failure(e, path, 0 if step._comm is None else step._comm.rank) from None
+    return planner.loaded
+
+
+def _tensor(saved, key: str, shape, dtypes, path: str) -> None:
+    m = saved.get(key)
+    if not isinstance(m, TensorStorageMetadata) or tuple(m.size) != tuple(shape) or m.properties.dtype not in dtypes:
+        got = "missing" if m is None else ("bytes" if not isinstance(m, TensorStorageMetadata)
+                                           else f"{m.properties.dtype} of shape {tuple(m.size)}")
+        raise CheckpointError(f"step.load: {path!r}: the entry '{key}' is {got}, not "
+                              f"{' or '.join(map(str, dtypes))} of shape {tuple(shape)}")
 
 
 def _check(step, md, path: str) -> tuple[list[str], list[str], list[str]]:
-    """The checkpoint's keys and shapes against this model. Returns (params, buffers, params with optimizer state)."""
+    """The checkpoint's entries against this model: every key, type, shape and dtype, before anything is read.
+    Returns (params, buffers, params with optimizer state)."""
     params, buffers = _canonical(step)
     saved = md.state_dict_metadata
-    if META not in saved:
-        raise ValueError(f"step.load: {path!r} is a torch.distributed.checkpoint directory but not a pstar-fx "
-                         "checkpoint (no 'pstar_fx' entry)")
-    shapes = {n: _shape(t.shape) for n, t in step._model.state_dict().items()}
+    if not isinstance(saved.get(META), BytesStorageMetadata):
+        raise CheckpointError(f"step.load: {path!r} is a torch.distributed.checkpoint directory but not a pstar-fx "
+                              "checkpoint (no 'pstar_fx' entry)")
+    ref = step._model.state_dict()
+    shapes = {n: _shape(t.shape) for n, t in ref.items()}
     want = {f"model.{n}": shapes[n] for n in params + buffers}
-    have = {k: tuple(v.size) for k, v in saved.items() if k.startswith("model.")}
+    param_names = set(params)
+    have = {k: tuple(v.size) if isinstance(v, TensorStorageMetadata) else None
+            for k, v in saved.items() if k.startswith("model.")}
     if set(have) != set(want) or any(have[k] != want[k] for k in want):
         wrong = sorted(set(have) ^ set(want)) or [k for k in want if have[k] != want[k]]
-        raise ValueError(f"step.load: {path!r} was saved from another model: keys or shapes differ "
-                         f"({[k.removeprefix('model.') for k in wrong[:3]]})")
+        raise CheckpointError(f"step.load: {path!r} was saved from another model: keys or shapes differ "
+                              f"({[k.removeprefix('model.') for k in wrong[:3]]})")
+    # a parameter is saved at full precision: fp32 when its chunks hold it, the model's dtype when the model does
+    for n in params + buffers:
+        like = ref[n].dtype
+        dtypes = (like, torch.float32) if like.is_floating_point and like != torch.float32 and n in param_names \
+            else (like,)
+        try:
+            _tensor(saved, f"model.{n}", shapes[n], dtypes, path)
+        except CheckpointError as e:
+            raise CheckpointError(f"{e} (saved from another model)") from None
     stepped = [n for n in params if f"optim.{n}.step" in saved]
+    known = {META, *want} | {f"optim.{n}.{k}" for n in stepped for k in ("step", "exp_avg", "exp_avg_sq")}
+    stray = sorted(k for k in saved if k not in known and not (k.startswith("rng.") and k[4:].isdigit()))
+    if stray:
+        raise CheckpointError(f"step.load: {path!r} has entries that are not this model's ({stray[:3]}): saved from "
+                              "another model, or an optimizer state without its step count")
     for n in stepped:
+        _tensor(saved, f"optim.{n}.step", (), (torch.float32,), path)
         for key in ("exp_avg", "exp_avg_sq"):
-            md_key = saved.get(f"optim.{n}.{key}")
-            if not isinstance(md_key, TensorStorageMetadata) or tuple(md_key.size) != shapes[n]:
-                raise ValueError(f"step.load: {path!r}: the optimizer state '{key}' of '{n}' is missing or has "
-                                 "another shape")
+            _tensor(saved, f"optim.{n}.{key}", shapes[n], (torch.float32,), path)
     return params, buffers, stepped
 
 
@@ -272,25 +354,33 @@ def _small(step, md, stepped: list[str], buffers: list[str], saved_world: int) -
     return out
 
 
-def read(step, path: str) -> tuple[dict, dict, dict] | None:
+def read(step, path: str, manifest: files.Manifest) -> tuple[dict, dict, dict] | None:
     """Load the checkpoint into this step's chunk store, each rank its own pieces, when the store exists (after a
     step or `step.lower(*batch)`); returns None then. Before that, read it whole (plain tensors) and return
     (model state dict, optimizer state dict in torch's format, meta as pstar_fx.checkpoint's) for the single-process
-    path to apply."""
-    md = read_metadata(path)
+    path to apply. Everything is checked (entries, meta, RNG states, step counts, optimizer groups) before the
+    first value is written into the step: a refused checkpoint changes nothing. The files were verified against
+    the manifest before (pstar_fx.checkpoint.load)."""
+    md = metadata(manifest, path)
     params, buffers, stepped = _check(step, md, path)
-    first = {META: None}
-    _load(step, first, path)
-    meta = _unpack(first[META]) if isinstance(first[META], bytes) else None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise ValueError(f"step.load: {path!r} is not a pstar-fx checkpoint of format {FORMAT}")
+    where = f"{path}/{META}"
+    meta = _unpack(_load(step, {META: None}, path, md).get(META), path, META)
+    meta = checks.meta(step, meta, where, fmt=FORMAT, keys=META_KEYS)
+    rank = 0 if step._comm is None else step._comm.rank
+    rng_key = f"rng.{rank % meta['world']}"
+    if not isinstance(md.state_dict_metadata.get(rng_key), BytesStorageMetadata):
+        raise CheckpointError(f"step.load: {path!r} has no entry {rng_key!r} (the RNG states of a rank of the "
+                              f"{meta['world']} that saved it)")
     small = _small(step, md, stepped, buffers, meta["world"])
-    _load(step, small, path)
-    rng_key = next(k for k in small if k.startswith("rng."))
-    meta = dict(meta, rng=_unpack(small[rng_key]))
+    rng = _unpack(_load(step, small, path, md).get(rng_key), path, rng_key)
+    meta = dict(meta, rng=checks.rng(rng, step.settings.device, f"{path}/{rng_key}"))
+    for n in stepped:
+        count = float(small[f"optim.{n}.step"])
+        if not (math.isfinite(count) and count >= 1 and count == int(count)):
+            raise CheckpointError(f"step.load: {path!r}: the step count of '{n}' is {count}, not a whole number >= 1")
     if step._store is None:
         return _read_whole(step, md, path, params, small, stepped, meta)
-    _read_pieces(step, path, params, buffers, stepped, small, meta)
+    _read_pieces(step, path, params, buffers, stepped, small, meta, md)
     return None
 
 
@@ -301,7 +391,7 @@ def _read_whole(step, md, path, params, small, stepped, meta):
     for n in stepped:
         for key in ("exp_avg", "exp_avg_sq"):
             whole[f"optim.{n}.{key}"] = torch.empty(tuple(saved[f"optim.{n}.{key}"].size), dtype=torch.float32)
-    _load(step, whole, path)
+    _load(step, whole, path, md)
     ref = step._model.state_dict()
     model_sd = {}
     for key, like in ref.items():
@@ -324,21 +414,21 @@ def _plan_states(st, stepped: list[str], small: dict) -> dict[int, float]:
     trainable = set(_trainable(st))
     foreign = [n for n in stepped if n not in trainable]
     if foreign:
-        raise ValueError(f"step.load: the checkpoint has optimizer state for {foreign[:3]}, which this compiled step "
-                         "does not train (frozen, not reached by the loss, or in no group)")
+        raise CheckpointError(f"step.load: the checkpoint has optimizer state for {foreign[:3]}, which this compiled "
+                              "step does not train (frozen, not reached by the loss, or in no group)")
     plan = {}
     for c in st.chunks:
         if c.group is not ChunkGroup.TRAINABLE:
             continue
         have = [n for n in c.params if n in stepped]
         if have and len(have) != len(c.params):
-            raise ValueError(f"step.load: parameters {have[:3]} have optimizer state but "
-                             f"{[n for n in c.params if n not in stepped][:3]} of the same pstar-fx chunk have "
-                             "none; pstar-fx steps all parameters of a chunk together")
+            raise CheckpointError(f"step.load: parameters {have[:3]} have optimizer state but "
+                                  f"{[n for n in c.params if n not in stepped][:3]} of the same pstar-fx chunk have "
+                                  "none; pstar-fx steps all parameters of a chunk together")
         counts = {float(small[f"optim.{n}.step"]) for n in have}
         if len(counts) > 1:
-            raise ValueError(f"step.load: parameters of one pstar-fx chunk have different step counts {counts}; "
-                             "pstar-fx steps all parameters of a chunk together (one count per chunk)")
+            raise CheckpointError(f"step.load: parameters of one pstar-fx chunk have different step counts "
+                                  f"{counts}; pstar-fx steps all parameters of a chunk together (one count per chunk)")
         plan[c.id] = counts.pop() if counts else 0.0
     return plan
 
@@ -356,7 +446,7 @@ def _set_options(opt, groups: list[dict]) -> None:
         raise
 
 
-def _read_pieces(step, path, params, buffers, stepped, small, meta) -> None:
+def _read_pieces(step, path, params, buffers, stepped, small, meta, md) -> None:
     st = step._store
     comm = step._comm
     plan = _plan_states(st, stepped, small)
@@ -388,7 +478,7 @@ def _read_pieces(step, path, params, buffers, stepped, small, meta) -> None:
             parts["m"].zero_()
             parts["v"].zero_()
         parts["step"].fill_(count)
-    _load(step, entries, path)
+    _load(step, entries, path, md)
     # mixed precision: the half-precision parameters are the masters rounded; frozen ones come from their whole value
     st.restore_params_from_masters()
     for name, v in whole.items():

@@ -43,3 +43,12 @@ class DistributedError(PstarError):
     collective failed because another rank failed or exited. Every rank must call the step with batches of the
     same shapes; when one rank fails, the others get this error (within the process group's timeout) instead of
     waiting for ever."""
+
+
+class CheckpointError(PstarError, ValueError):
+    """`step.load` refused a checkpoint directory: a file is truncated or corrupted (its checksum differs from the
+    manifest's), the directory has no manifest, the checkpoint is another model's, or a file holds something other
+    than what a save writes. The message names the file and the cause. It is raised before anything is applied:
+    the step, the model, the optimizer, the loss scaler and the RNG states are as they were before the call. (Only
+    a failure while verified files are being read into the step's chunks, such as an I/O error or a file changed
+    since it was verified, comes later; the step then refuses to run until a load succeeds, as after CommitError.)"""

@@ -45,12 +45,12 @@ class ModelHold:
     """A compiled step's claim on a model's values: its chunk store, and where each of the model's tensors lives in
     it. Shared by the step and by the model's HeldTensors (see the module docstring)."""
 
-    def __init__(self, step, model: nn.Module, store, names: dict[str, tuple[Role, str]]):
+    def __init__(self, step, model: nn.Module, store, names: dict[str, tuple[Role, str]], lock: threading.RLock):
         self._step = weakref.ref(step)
         self._model = weakref.ref(model)
         self.store = store
         self.names = names           # every state name of the model's tensors -> (PARAM or BUFFER, the store's name)
-        self.lock = threading.RLock()
+        self.lock = lock             # the step's: giving back waits for a step running on another thread
         self.giving_back = False     # inside give_back, which reads the held tensors' metadata
         finalizer = weakref.finalize(step, _step_dropped, self)
         finalizer.atexit = False     # at interpreter exit nothing needs the values any more
@@ -206,7 +206,8 @@ def current_values(model: nn.Module) -> dict[str, torch.Tensor]:
         else:
             by_hold.setdefault(id(h), (h, []))[1].append(name)
     for h, names in by_hold.values():
-        values = h.values([tensors[n]._pstar_name for n in names])
+        with h.lock:
+            values = h.values([tensors[n]._pstar_name for n in names])
         for n in names:
             out[n] = values[tensors[n]._pstar_name]
     return out
