@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 
 from . import checkpoint, timeline
+from .agreement import check_same_step
 from .cache import TraceCache
 from .checks import warn_chunk_padding, warn_host_threads
 from .errors import CommitError, PstarError
@@ -329,6 +330,8 @@ class CompiledStep:
             raise PstarError(f"pstar-fx step called under {ctx}; a training step needs grad mode; use "
                              "px.compile(model, optimizer=None) for forward-only evaluation")
         t0 = time.perf_counter()
+        if self._comm is not None:     # before this step's first collective (a compile's own included)
+            check_same_step(self._comm, batch, self._model, self._model_key())
         compiled, flat = self._get(batch)
         self._latest = compiled
         g = compiled.executor.g

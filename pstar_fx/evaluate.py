@@ -19,6 +19,7 @@ import optree
 import torch
 import torch.nn as nn
 
+from .agreement import check_same_step
 from .api import CompiledStep, _check_measured, _Compiled
 from .checks import warn_chunk_padding
 from .graph_utils import cycle_collection_paused
@@ -80,6 +81,8 @@ class CompiledEval(CompiledStep):
         return _Compiled(stages={s.stage: s for s in stages}, executor=Executor(final, store))
 
     def __call__(self, *batch):
+        if self._comm is not None:     # before its first collective (a compile's own included)
+            check_same_step(self._comm, batch, self._model, self._model_key())
         compiled, flat = self._get(batch)
         self._latest = compiled
         g = compiled.executor.g
