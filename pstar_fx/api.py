@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 
 from . import checkpoint, timeline
+from .agreement import check_same_step, check_same_values
 from .cache import TraceCache
 from .checks import warn_chunk_padding, warn_host_threads
 from .errors import CommitError, PstarError
@@ -268,6 +269,8 @@ class CompiledStep:
             raise ValueError(f"the model's tensors {on_meta[:3]}{'...' if len(on_meta) > 3 else ''} are on the "
                              "meta device: pstar-fx copies the model's values into its chunks at the first "
                              "step, so give it a model with real values, or build it under px.init_empty()")
+        if self._comm is not None:         # every rank starts from the same values (a collective)
+            check_same_values(self._comm, tensors)
         named = dict(self._model.named_parameters())
         # a model built under px.init_empty() is initialised in the chunks themselves (see pstar_fx.init_empty)
         params, buffers = fill_chunks(self._store, {p.name: named[p.name] for p in self._layout[0]},
@@ -363,6 +366,8 @@ class CompiledStep:
                 raise PstarError(f"pstar-fx step called under {ctx}; a training step needs grad mode; use "
                                  "px.compile(model, optimizer=None) for forward-only evaluation")
             t0 = time.perf_counter()
+            if self._comm is not None:     # before this step's first collective (a compile's own included)
+                check_same_step(self._comm, batch, self._model, self._model_key())
             compiled, flat = self._get(batch, interrupts)
             self._latest = compiled
             interrupts.deliver()          # a safe point: compiled, nothing else done yet

@@ -39,10 +39,11 @@ class ModelHeldError(PstarError):
 
 
 class DistributedError(PstarError):
-    """Multi-GPU: the ranks disagree (they compiled different graphs: different batch shapes or settings), or a
-    collective failed because another rank failed or exited. Every rank must call the step with batches of the
-    same shapes; when one rank fails, the others get this error (within the process group's timeout) instead of
-    waiting for ever."""
+    """Multi-GPU: the ranks disagree (on a step's batch shapes and dtypes, the model's modes, its initial values, or
+    the compiled graph's settings: raised on every rank before any collective of the step), or a collective failed
+    because another rank failed or exited. Every rank must call the step with batches of the same shapes, from a
+    model built the same way; when one rank fails, the others get this error (within the process group's timeout)
+    instead of waiting for ever."""
 
 
 class CheckpointError(PstarError, ValueError):

@@ -19,6 +19,7 @@ import optree
 import torch
 import torch.nn as nn
 
+from .agreement import check_same_step
 from .api import CompiledStep, _check_measured, _Compiled
 from .checks import warn_chunk_padding
 from .graph_utils import cycle_collection_paused
@@ -87,6 +88,8 @@ class CompiledEval(CompiledStep):
         taken at safe points (after the trace, between passes, between nodes), as in CompiledStep.__call__: one
         taken there rolls the evaluation back like a failed step (module buffers it writes in train mode too)."""
         with DeferredInterrupt() as interrupts:   # here, not in a helper: warnings' stack levels count from here
+            if self._comm is not None:     # before its first collective (a compile's own included)
+                check_same_step(self._comm, batch, self._model, self._model_key())
             compiled, flat = self._get(batch, interrupts)
             self._latest = compiled
             interrupts.deliver()

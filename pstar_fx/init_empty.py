@@ -71,7 +71,9 @@ buffer) made inside the block stays a meta tensor.
 from __future__ import annotations
 
 import functools
+import hashlib
 import itertools
+import re
 import sys
 import threading
 import traceback
@@ -572,6 +574,73 @@ def fill_chunks(store, params: dict[str, torch.Tensor], buffers: dict[str, torch
             {n: values.get(n, t) for n, t in buffers.items()})
 
 
+def origin_digests(tensors: dict[str, torch.Tensor]) -> dict[str, bytes]:
+    """For each EmptyTensor among `tensors`, a digest of everything its value is made from at replay: the recorded
+    ops its storage depends on (their arguments and the real tensors they read), the RNG state each random one draws
+    from (the state recorded at or before it, advanced by every random op in between) and the device the recording
+    replays on. The replay is deterministic, so equal digests mean equal values: the ranks of a sharded step, each of
+    which replays the whole recording and keeps its shard, compare them (pstar_fx.agreement). One pass over each
+    recording's ops."""
+    out: dict[str, bytes] = {}
+    recordings: dict[int, tuple[Recording, list[tuple[str, _Ref]]]] = {}
+    for name, t in tensors.items():
+        if is_empty(t):
+            recordings.setdefault(id(t._pstar_recording), (t._pstar_recording, []))[1].append((name, t._pstar_ref))
+    for rec, refs in recordings.values():
+        storages = _storage_digests(rec)
+        for name, ref in refs:
+            out[name] = _sha(_text((rec.device, ref)), storages.get(ref.storage, b""))
+    return out
+
+
+def _storage_digests(rec: Recording) -> dict[int, bytes]:
+    """Each recorded storage's value after the last op writing it, as a digest (see origin_digests)."""
+    digests: dict[int, bytes] = {}
+    consts: dict[int, bytes] = {}
+
+    def const(i: int) -> bytes:
+        if i not in consts:
+            t = rec.consts[i][0].detach().cpu().contiguous()
+            consts[i] = _sha(_text((tuple(t.shape), t.dtype)), t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        return consts[i]
+
+    def shape_of(x):          # an argument as the op sees its shape (what a random op's draws depend on)
+        return ("const", const(x.index).hex()) if isinstance(x, _Const) else x
+
+    def value_of(x):          # an argument with the value it holds
+        if isinstance(x, _Ref):
+            return (x, digests.get(x.storage, b"").hex())
+        return shape_of(x)
+
+    generator = b""
+    for step in rec.steps:
+        func = f"{step.func.__module__}.{step.func.__qualname__}" if step.call else str(step.func)
+        d = _sha(_text((func, tree_map(value_of, (step.args, step.kwargs)), step.creates, step.undefined)))
+        if step.random:
+            if step.rng_state is not None:
+                generator = _sha(step.rng_state.cpu().numpy().tobytes())
+            d = _sha(d, generator)
+            generator = _sha(generator, _text((func, tree_map(shape_of, (step.args, step.kwargs)))))
+        for sid in step.writes:
+            digests[sid] = _sha(d, b"writes %d" % sid)
+        for j, sid in step.creates:
+            digests[sid] = _sha(d, b"creates %d" % j)
+    return digests
+
+
+def _text(x) -> bytes:
+    """repr as bytes, without object addresses (the same in every process)."""
+    return re.sub(r" at 0x[0-9a-fA-F]+", "", repr(x)).encode()
+
+
+def _sha(*parts: bytes) -> bytes:
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(len(part).to_bytes(8, "little"))
+        h.update(part)
+    return h.digest()[:16]
+
+
 def _contiguous_whole(ref: _Ref, storage: _Storage) -> bool:
     numel = 1
     for s in ref.shape:
@@ -849,4 +918,4 @@ def _with_generator(func, args: list, kwargs: dict, gen: torch.Generator) -> tup
     return args, kwargs
 
 
-__all__ = ["init_empty", "EmptyModelError", "EmptyTensor", "fill_chunks", "is_empty"]
+__all__ = ["init_empty", "EmptyModelError", "EmptyTensor", "fill_chunks", "is_empty", "origin_digests"]

@@ -36,25 +36,50 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(worker: str, argv: list, world: int, out: str, timeout: float = 240) -> Ranks:
-    """Run `world` ranks of tests/<worker> with argv; every rank must write its result (else the assertion shows
-    that rank's output)."""
+def run_ranks(worker: str, argv: list, world: int, out: str, timeout: float = 240, failing: tuple[int, ...] = ()
+              ) -> Ranks:
+    """Run `world` ranks of tests/<worker> with argv. Every rank must write its result and exit with code 0, except
+    those in `failing`, which must exit with another; else the assertion shows the rank's output (its log, kept in
+    `<out>.rank<r>.log`: a file, not a pipe, so that no rank blocks on a full pipe while another is waited for). A
+    launch that outlives `timeout` seconds is killed and the assertion shows every rank's output."""
     env = child_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
     t0 = time.monotonic()
-    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, worker), *map(str, argv)],
-                              env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(world)]
-    logs = []
+    files = [open(f"{out}.rank{r}.log", "wb+") for r in range(world)]
     try:
-        for p in procs:
-            logs.append(p.communicate(timeout=timeout)[0].decode(errors="replace"))
+        procs = [subprocess.Popen([sys.executable, os.path.join(HERE, worker), *map(str, argv)],
+                                  env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=files[r],
+                                  stderr=subprocess.STDOUT) for r in range(world)]
+        timed_out = False
+        try:
+            for p in procs:
+                p.wait(timeout=max(0.0, t0 + timeout - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        finally:
+            for p in procs:
+                p.kill()
+                p.wait()
+        wall = time.monotonic() - t0
+        logs = []
+        for f in files:
+            f.seek(0)
+            logs.append(f.read().decode(errors="replace"))
     finally:
-        for p in procs:
-            p.kill()
-    wall = time.monotonic() - t0
-    results = []
+        for f in files:
+            f.close()
+    codes = [p.returncode for p in procs]
+    results = [torch.load(f"{out}.rank{r}", weights_only=False) if os.path.exists(f"{out}.rank{r}") else None
+               for r in range(world)]
+
+    def output(r: int) -> str:
+        error = results[r].get("error") if isinstance(results[r], dict) else None
+        recorded = "" if error is None else f"\nits recorded error:\n{error[-1]}"
+        return f"rank {r} (exit code {codes[r]}) wrote:\n{logs[r][-3000:]}{recorded}"
+
+    assert not timed_out, (f"the ranks did not finish within {timeout} s and were killed:\n"
+                           + "\n".join(output(r) for r in range(world)))
     for r in range(world):
-        path = f"{out}.rank{r}"
-        assert os.path.exists(path), f"rank {r} wrote no result; its output:\n{logs[r][-3000:]}"
-        results.append(torch.load(path, weights_only=False))
-    return Ranks(results, [p.returncode for p in procs], logs, wall)
+        assert (codes[r] != 0) == (r in failing), (
+            f"rank {r} exited with code {codes[r]}, expected {'non-zero' if r in failing else 0}; " + output(r))
+        assert results[r] is not None, f"rank {r} wrote no result; " + output(r)
+    return Ranks(results, codes, logs, wall)

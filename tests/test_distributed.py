@@ -21,10 +21,12 @@ from models import CASES_BY_NAME, assert_state_close
 from ranks import run_ranks
 
 
-def launch(tmp_path, world: int, *args, timeout: float = 240) -> tuple[list[dict], list[int], float]:
-    """Run `world` ranks of dist_worker.py; returns each rank's result, exit codes and the wall time."""
+def launch(tmp_path, world: int, *args, timeout: float = 240, failing: tuple[int, ...] = ()
+           ) -> tuple[list[dict], list[int], float]:
+    """Run `world` ranks of dist_worker.py; returns each rank's result, exit codes and the wall time. Every rank
+    must exit with code 0 except those in `failing` (else the assertion shows the rank's output)."""
     out = str(tmp_path / "result")
-    r = run_ranks("dist_worker.py", ["--out", out, *args], world, out, timeout)
+    r = run_ranks("dist_worker.py", ["--out", out, *args], world, out, timeout, failing)
     return r.results, r.codes, r.wall
 
 
@@ -192,7 +194,7 @@ def test_evaluation_shares_the_sharded_chunks(tmp_path):
 def test_a_failing_rank_makes_the_others_exit_with_a_clear_error(tmp_path):
     world = 2
     results, codes, wall = launch(tmp_path, world, "--case", "mlp_ce", "--batch", 4, "--steps", 3,
-                                  "--fail-rank", 1, "--fail-step", 1, "--timeout", 20, timeout=120)
+                                  "--fail-rank", 1, "--fail-step", 1, "--timeout", 20, timeout=120, failing=(1,))
     assert codes[1] != 0 and "injected failure" in results[1]["error"][1]
     name, msg, _ = results[0]["error"]
     assert name == "DistributedError", results[0]["error"]

@@ -11,10 +11,28 @@ world * s elements (`shard`). Collectives work in place on a whole chunk slot, s
 A rank that fails stops calling collectives; the others would wait for ever, so the process group is created (by
 the user, or by `px.distributed.init`) with a timeout and the step turns a collective that times out into a
 `px.DistributedError` naming the operation and chunk (see api).
+
+Control messages (what the ranks must agree on before a step's collectives, see pstar_fx.agreement) go over a
+CPU-side gloo group of the same ranks (`control`), made once per process group, collectively, with its first Comm
+and shared by the later ones: on NCCL, reading a GPU
+collective's result on the CPU would wait for everything queued on the GPU before it, at the start of every step.
+`agree(digest)` compares a 64-bit digest across the ranks in one all-reduce of 16 bytes; `gather_objects` (a
+second round, only where they disagree) collects what each rank has, to name the difference.
+
+A Comm holds its process groups by weak reference, so `torch.distributed.destroy_process_group()` ends them, and
+gloo's threads, where the user calls it, even while a compiled step is alive (a step is often kept alive by
+reference cycles until the interpreter shuts down). A gloo group kept alive past it is torn down during interpreter
+shutdown instead, which at times aborts the process after its work is done ("terminate called without an active
+exception", SIGABRT: 9 of 40 two-rank launches on a loaded 2-core machine, none with the group ended at
+destroy_process_group). A collective after the group was destroyed raises DistributedError.
 """
 from __future__ import annotations
 
 import contextlib
+import datetime
+import hashlib
+import re
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -24,10 +42,31 @@ from ..errors import DistributedError
 
 class Comm:
     def __init__(self, group=None):
-        self.group = group if group is not None else dist.group.WORLD
-        self.rank = dist.get_rank(self.group)
-        self.world = dist.get_world_size(self.group)
-        self.backend = dist.get_backend(self.group)
+        group = group if group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self.backend = dist.get_backend(group)
+        control = _control_group(group, self.backend)
+        self._group = weakref.ref(group)
+        self._control = weakref.ref(control)
+
+    @property
+    def group(self):
+        """The process group the step's collectives run on (NCCL on GPUs, gloo on the CPU)."""
+        return self._live(self._group)
+
+    @property
+    def control(self):
+        """The CPU-side gloo group of the same ranks, for control messages (see the module docstring)."""
+        return self._live(self._control)
+
+    def _live(self, ref):
+        group = ref()
+        if group is None:
+            raise DistributedError(f"pstar-fx: rank {self.rank}: the process group this step was compiled with was "
+                                   "destroyed (torch.distributed.destroy_process_group): compile the step again "
+                                   "after init_process_group")
+        return group
 
     def shard(self, t: torch.Tensor) -> torch.Tensor:
         """This rank's slice of a flat chunk buffer."""
@@ -73,16 +112,64 @@ class Comm:
         dist.all_gather_into_tensor(full, self.shard(full), group=self.group)
         return full.cpu()
 
-    def check_same(self, value, what: str) -> None:
-        """Raise DistributedError unless every rank holds the same value (a collective)."""
-        mine = repr(value)
+    def agree(self, digest: int) -> bool:
+        """Whether every rank passed the same 64-bit digest (a collective on the control group: one all-reduce of
+        two int64, the largest digest and the largest complement, which equal the smallest's complement)."""
+        t = torch.tensor([digest, ~digest], dtype=torch.int64)
+        with self._failing("comparing what the ranks must agree on"):
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.control)
+        return int(t[0]) == ~int(t[1])
+
+    def gather_objects(self, obj) -> list:
+        """Every rank's `obj` (picklable), in rank order (a collective on the control group)."""
         every: list = [None] * self.world
-        dist.all_gather_object(every, mine, group=self.group)
+        with self._failing("gathering what the ranks disagree on"):
+            dist.all_gather_object(every, obj, group=self.control)
+        return every
+
+    def check_same(self, value, what: str) -> None:
+        """Raise DistributedError unless every rank holds the same value, compared by repr (a collective)."""
+        mine = repr(value)
+        if self.agree(digest64(mine)):
+            return
+        every = self.gather_objects(mine)
         differ = [r for r, v in enumerate(every) if v != mine]
-        if differ:
-            raise DistributedError(
-                f"pstar-fx: rank {self.rank} and ranks {differ} disagree on {what}: every rank must call the step "
-                "with batches of the same shapes and dtypes, and compile it with the same settings")
+        raise DistributedError(
+            f"pstar-fx: rank {self.rank} and ranks {differ} disagree on {what}: every rank must call the step "
+            "with batches of the same shapes and dtypes, and compile it with the same settings")
+
+
+# a process group -> its control group, made by the first Comm over it and shared by every later one (each group
+# keeps threads and sockets until destroy_process_group): keyed weakly, so destroying the group ends the entry
+_CONTROL_GROUPS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _control_group(group, backend: str):
+    """The CPU-side gloo group of `group`'s ranks (see the module docstring). Making one is a collective: every rank
+    makes its Comms in the same order (every rank compiles its steps), so every rank makes it at the same one."""
+    ref = _CONTROL_GROUPS.get(group)
+    control = None if ref is None else ref()
+    if control is None:
+        control = dist.new_group(ranks=None if group is dist.group.WORLD else dist.get_process_group_ranks(group),
+                                 backend="gloo", timeout=_timeout(group, backend))
+        _CONTROL_GROUPS[group] = weakref.ref(control)
+    return control
+
+
+def digest64(*parts) -> int:
+    """A 64-bit digest (a signed int64) of the parts' reprs, the same in every process: object addresses
+    ("<Foo object at 0x7f...>") are left out, and nothing depends on Python's per-process hash seed."""
+    text = re.sub(r" at 0x[0-9a-fA-F]+", "", repr(parts))
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little", signed=True)
+
+
+def _timeout(group, backend: str) -> datetime.timedelta | None:
+    """The collective timeout the group was made with, for the control group to share (torch keeps it on the
+    backend's options; None, torch's default, where this torch version keeps it elsewhere)."""
+    try:
+        return group._get_backend(torch.device("cuda" if backend == "nccl" else "cpu")).options._timeout
+    except (AttributeError, RuntimeError, TypeError):
+        return None
 
 
 class Work:
