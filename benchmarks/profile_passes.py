@@ -23,7 +23,7 @@ from pstar_fx import planning  # noqa: E402
 from pstar_fx.ir import Precision, Settings  # noqa: E402
 from pstar_fx.passes import pipeline, verify  # noqa: E402
 from pstar_fx.plan import GPT, GPTConfig, _parser, gpt_loss  # noqa: E402
-from pstar_fx.trace import trace_step  # noqa: E402
+from pstar_fx.frontend.trace import trace_step  # noqa: E402
 from pstar_fx.units import parse_bytes  # noqa: E402
 
 

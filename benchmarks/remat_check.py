@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 import pstar_fx as px                                   # noqa: E402
-from pstar_fx.passes.remat import REMAT                 # noqa: E402
+from pstar_fx.ir import REMAT                           # noqa: E402
 from models import GPT, gpt_loss                        # noqa: E402
 
 

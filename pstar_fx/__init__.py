@@ -3,8 +3,8 @@ from .errors import (BudgetError, CheckpointError, CommitError, DistributedError
                      UntraceableError)
 from .optim import Adam, AdamW
 from .api import compile, CompiledStep
-from .init_empty import EmptyModelError, init_empty
-from .ir import TrainGraph
+from .frontend.init_empty import EmptyModelError, init_empty
+from .ir.graph import TrainGraph
 from .ownership import sync_model
 from .planning import PlanReport, plan
 from .timeline import plot_memory

@@ -34,10 +34,10 @@ import torch
 import torch.nn as nn
 
 from .errors import DistributedError
-from .init_empty import is_empty, origin_digests
+from .frontend.init_empty import is_empty, origin_digests
 from .ownership import holder, model_tensors
 from .runtime.comm import Comm, digest64
-from .trace import _leaf_name, flatten_batch
+from .frontend.trace import flatten_batch, leaf_name
 
 HASH_PIECE_BYTES = 64 << 20      # a real tensor is hashed in pieces of this many bytes, on up to HASH_THREADS threads
 HASH_THREADS = 8
@@ -109,9 +109,9 @@ def _value_digests(tensors: dict[str, torch.Tensor]) -> dict[str, bytes]:
 def _describe_step(batch: tuple, model: nn.Module, taking: bool) -> dict[str, str]:
     """What a rank's step signature is made of, readable (the second round, on a mismatch)."""
     paths, leaves, spec = optree.tree_flatten_with_path(tuple(batch), none_is_leaf=True)
-    tensors = [f"{_leaf_name(p)} {tuple(x.shape)} {str(x.dtype).removeprefix('torch.')}"
+    tensors = [f"{leaf_name(p)} {tuple(x.shape)} {str(x.dtype).removeprefix('torch.')}"
                for p, x in zip(paths, leaves) if isinstance(x, torch.Tensor)]
-    constants = [f"{_leaf_name(p)}={x!r}" for p, x in zip(paths, leaves) if not isinstance(x, torch.Tensor)]
+    constants = [f"{leaf_name(p)}={x!r}" for p, x in zip(paths, leaves) if not isinstance(x, torch.Tensor)]
     eval_mode = [name or type(model).__name__ for name, m in model.named_modules() if not m.training]
     frozen = [name for name, p in model.named_parameters() if not p.requires_grad]
     return {

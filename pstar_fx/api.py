@@ -18,22 +18,22 @@ from .agreement import check_same_step, check_same_values
 from .cache import TraceCache
 from .checks import warn_chunk_padding, warn_host_threads
 from .errors import CommitError, PstarError
-from .graph_utils import bounded_live, cycle_collection_paused, one_intra_op_thread
-from .init_empty import fill_chunks, is_empty
-from .ir import ChunkGroup, Precision, Role, Settings, StateHome, TrainGraph
+from .ir.fx_utils import bounded_live, cycle_collection_paused, one_intra_op_thread
+from .frontend.init_empty import fill_chunks, is_empty
+from .ir.graph import ChunkGroup, Precision, Role, Settings, StateHome, TrainGraph
 from .optim import OptimizerSpec
 from .optimizer import build as build_optimizer
 from .ownership import ModelHold, current_values, hold, holder, holders, model_tensors
 from .passes import assign_chunks, canonicalize, collectives, liveness, pipeline, run_passes
-from .memory import early_host_bytes, state_bytes
+from .ir.needs import early_host_bytes, state_bytes
 from .passes.place_optimizer import min_need, place_optimizer
 from .passes.remat import least_need_graph
 from .runtime.chunk_store import ChunkStore, host_buffer_specs
 from .runtime.host_memory import HostMemory, spare_host_bytes
 from .runtime.comm import Comm, default_comm
 from .runtime.executor import Executor, LossScaler, Runtime, StepStats
-from .runtime.interrupts import DeferredInterrupt
-from .trace import FlatBatch, flatten_batch, model_tables, trace_step
+from .interrupts import DeferredInterrupt
+from .frontend.trace import FlatBatch, flatten_batch, model_tables, trace_step
 from .units import format_bytes, parse_bytes
 
 STAGE_NAMES = ("traced", "canonical", "chunked", "liveness", "remat", "optimizer_placed", "scheduled")  # + "sharded"
@@ -272,7 +272,7 @@ class CompiledStep:
         if self._comm is not None:         # every rank starts from the same values (a collective)
             check_same_values(self._comm, tensors)
         named = dict(self._model.named_parameters())
-        # a model built under px.init_empty() is initialised in the chunks themselves (see pstar_fx.init_empty)
+        # a model built under px.init_empty() is initialised in the chunks themselves (see pstar_fx.frontend.init_empty)
         params, buffers = fill_chunks(self._store, {p.name: named[p.name] for p in self._layout[0]},
                                       {b.name: tensors[b.name] for b in self._tables.buffers})
         self._store.load_params(params)
@@ -356,7 +356,7 @@ class CompiledStep:
         nodes before the commit point, where it raises KeyboardInterrupt and the step changes nothing (a compile
         that finished is kept: the next call does not trace again); from the commit point on the step completes,
         then raises it (it counts as done). A hang inside one operation is ended by the process group's timeout
-        (px.DistributedError); see runtime/interrupts.py."""
+        (px.DistributedError); see pstar_fx/interrupts.py."""
         # the lock and Ctrl-C held here, not in a helper: warnings' stack levels count from here
         with self._lock, DeferredInterrupt() as interrupts:
             if self._broken is not None:
@@ -506,7 +506,7 @@ class CompiledStep:
 
 def _check_measured(g: TrainGraph, per_node: list[int]) -> None:
     """debug=True: the device bytes measured after every node equal the plan's prediction for it; where a storage of
-    data-dependent size is alive, planned at its upper bound, they are at most the prediction (graph_utils)."""
+    data-dependent size is alive, planned at its upper bound, they are at most the prediction (ir/fx_utils)."""
     bounded = bounded_live(g.nodes)
     for n, measured, loose in zip(g.nodes, per_node, bounded):
         a = g.ann[n.name]

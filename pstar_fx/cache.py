@@ -7,26 +7,15 @@ once when more than `warn_after` signatures differ only in the values of constan
 """
 from __future__ import annotations
 
-import os
-import sys
-import warnings
 from collections import OrderedDict
 from typing import Generic, TypeVar
+
+from .errors import warn
 
 V = TypeVar("V")
 
 DEFAULT_MAX_SIZE = 8      # compiled signatures kept (each holds its graphs and executor, not model data)
 DEFAULT_WARN_AFTER = 4    # distinct constant values of one shape family before the warning
-
-
-def _caller_outside_pstar_fx() -> int:
-    """warnings.warn's stacklevel, from the function that calls this, of the first frame outside pstar-fx: the
-    user's line that called the step, however many pstar-fx frames are between."""
-    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
-    frame, level = sys._getframe(1), 1
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 def _family(key: tuple) -> tuple:
@@ -85,9 +74,8 @@ class TraceCache(Generic[V]):
             self._warned.add(family)
             varying = [path for i, (path, _, _) in enumerate(consts) if len({c[i][2] for c in seen}) > 1]
             values = sorted({repr(c[[p for p, _, _ in consts].index(varying[0])][2]) for c in seen})
-            warnings.warn(
+            warn(
                 f"pstar-fx: the step was traced and compiled again for {len(seen)} batches that differ only in the "
                 f"constant batch leaf {', '.join(varying)} (values {', '.join(values[:5])}): every new value "
                 "retraces. Pass it as a tensor (torch.tensor(value)) or use it outside the step; at most "
-                f"{self.max_size} compiled signatures are kept (least recently used dropped).",
-                stacklevel=_caller_outside_pstar_fx())
+                f"{self.max_size} compiled signatures are kept (least recently used dropped).")

@@ -74,8 +74,8 @@ from . import checkpoint_files as files
 from . import dcp
 from . import dcp_storage
 from .errors import CheckpointError
-from .init_empty import is_empty
-from .ir import Role
+from .frontend.init_empty import is_empty
+from .ir.graph import Role
 from .ownership import model_tensors
 
 FORMAT = 1

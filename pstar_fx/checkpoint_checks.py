@@ -12,7 +12,7 @@ import math
 import torch
 
 from .errors import CheckpointError
-from .ir import Precision
+from .ir.graph import Precision
 from .optim import check_options
 from .runtime.executor import LossScaler
 

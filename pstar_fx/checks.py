@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 import os
-import warnings
 
 import torch
 
-from .ir import ChunkGroup, StateHome, TrainGraph
-from .memory import state_bytes
+from .errors import warn
+from .ir.graph import ChunkGroup, StateHome, TrainGraph
+from .ir.needs import state_bytes
 from .units import format_bytes
 
 PADDING_WARN_FRACTION = 0.5        # padding above this share of all model data ...
@@ -33,11 +33,11 @@ def warn_chunk_padding(g: TrainGraph) -> None:
     wasted, total = chunk_padding(g)
     if wasted > PADDING_WARN_FRACTION * total and wasted > PADDING_WARN_BYTES:
         used = sum(c.used for c in g.chunks)
-        warnings.warn(
+        warn(
             f"pstar-fx: chunk_size={g.chunk_size} holds {used} parameter elements in {len(g.chunks)} chunk(s) of "
             f"{sum(c.capacity for c in g.chunks)} elements: {format_bytes(wasted)} of the {format_bytes(total)} of "
             "model data (parameters, gradients, optimizer states) is padding. Use chunk_size=None (the size that "
-            "wastes least) or a smaller chunk_size.", stacklevel=5)
+            "wastes least) or a smaller chunk_size.")
 
 
 def warn_host_threads(g: TrainGraph) -> None:
@@ -47,8 +47,8 @@ def warn_host_threads(g: TrainGraph) -> None:
     on_host = sum(c.group is ChunkGroup.TRAINABLE and c.state_home is StateHome.HOST for c in g.chunks)
     cores = os.cpu_count() or 1
     if on_host and torch.get_num_threads() == 1 and cores > 1:
-        warnings.warn(
+        warn(
             f"pstar-fx: the optimizer states of {on_host} chunk(s) live on the host and their updates run on torch's "
             f"CPU threads, but torch uses 1 thread here (torchrun sets OMP_NUM_THREADS=1 unless it is set) of "
             f"{cores} cores. Set OMP_NUM_THREADS to the cores per process (e.g. {max(1, cores // g.settings.world)}) "
-            "or call torch.set_num_threads.", stacklevel=5)
+            "or call torch.set_num_threads.")

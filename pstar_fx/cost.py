@@ -48,10 +48,10 @@ from typing import Callable, Mapping
 import torch
 import torch.fx as fx
 
-from . import ops
-from .graph_utils import mutated_args, storage_key, tensors_of
-from .ir import BufKind, Role, StateHome, TrainGraph
-from .memory import BufKey, all_needs, from_master, shard_numel
+from .ir import ops
+from .ir.fx_utils import mutated_args, storage_key, tensors_of
+from .ir.graph import BufKind, Role, StateHome, TrainGraph
+from .ir.needs import BufKey, all_needs, from_master, shard_numel
 
 INF = float("inf")
 
@@ -491,7 +491,7 @@ def seconds(n: fx.Node, m: Machine = H200) -> float:
 
 
 def most_copy_seconds(plan, m: Machine = H200) -> float:
-    """The longest either copy lane can be busy in one step of a scheduled graph with this Plan, by its bytes each
+    """The longest either copy lane can be busy in one step of a scheduled graph with this MemoryPlan, by its bytes each
     way at the slowest rate the model gives a copy (both ways at once, the CPU updating): an upper bound of the
     estimate's busy H2D and D2H seconds, whose copies are at most the plan's bytes (a shard with several ranks)."""
     slowest = min(m.h2d_bytes, m.d2h_bytes, m.duplex_bytes / 2) * min(1.0, m.duplex_cpu_bytes / m.duplex_bytes)

@@ -59,7 +59,7 @@ from . import checkpoint_checks as checks
 from . import checkpoint_files as files
 from . import dcp_storage as storage
 from .errors import CheckpointError
-from .ir import ChunkGroup, Role
+from .ir.graph import ChunkGroup, Role
 
 FORMAT = 2
 META = "pstar_fx"

@@ -22,13 +22,13 @@ import torch.nn as nn
 from .agreement import check_same_step
 from .api import CompiledStep, _check_measured, _Compiled
 from .checks import warn_chunk_padding
-from .graph_utils import cycle_collection_paused
+from .ir.fx_utils import cycle_collection_paused
 from .ownership import holder, model_tensors
 from .passes import pipeline, run_passes
 from .runtime.chunk_store import ChunkStore
 from .runtime.executor import Executor, Runtime, StepStats
-from .runtime.interrupts import DeferredInterrupt
-from .trace import flatten_batch, trace_step
+from .interrupts import DeferredInterrupt
+from .frontend.trace import flatten_batch, trace_step
 
 
 class CompiledEval(CompiledStep):

@@ -23,7 +23,7 @@ import copy
 import torch
 import torch.nn as nn
 
-from .ir import ChunkGroup
+from .ir.graph import ChunkGroup
 from .optim import AdamConfig, OptimizerLayout, OptimizerSpec, check_options
 
 _STEP_EXPLAINED = ("step.optimizer is driven by the compiled step: calling step(*batch) runs forward, backward and "

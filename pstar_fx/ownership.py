@@ -34,8 +34,8 @@ import torch
 import torch.nn as nn
 
 from .errors import ModelHeldError
-from .ir import Role
-from .runtime.interrupts import DeferredInterrupt
+from .ir.graph import Role
+from .interrupts import DeferredInterrupt
 
 _METADATA_OPS = {torch.ops.aten.detach.default, torch.ops.aten.alias.default}
 _WORKER_THREADS = "pstar-fx"      # the name prefix of pstar-fx's own threads (runtime/host_updates, host_memory)

@@ -28,14 +28,13 @@ import torch.nn as nn
 
 from .cost import H200, FORWARD_ATTENTION, Machine, StepCost, estimate
 from .errors import BudgetError
-from .graph_utils import cycle_collection_paused, one_intra_op_thread
-from .ir import BufKind, ChunkGroup, ParamHome, Precision, Role, Settings, StateHome, TrainGraph
-from .memory import shard_numel, state_bytes
+from .ir.fx_utils import cycle_collection_paused, one_intra_op_thread
+from .ir.graph import (REMAT, USER_CHECKPOINT, BufKind, ChunkGroup, ParamHome, Precision, Role, Settings, StateHome,
+                       TrainGraph)
+from .ir.needs import shard_numel, state_bytes
 from .optim import OptimizerLayout, OptimizerSpec
 from .passes import pipeline, run_passes
-from .passes.remat import REMAT
-from .trace import model_tables, trace_step
-from .trace_hints import CHECKPOINT
+from .frontend.trace import model_tables, trace_step
 from .units import format_bytes, parse_bytes
 
 
@@ -209,7 +208,7 @@ def model_flops(g: TrainGraph, tokens: int) -> float:
     the user's checkpoints' and the remat pass's)."""
     attention = 0.0
     for n in g.nodes:
-        tag = n.meta.get(CHECKPOINT)
+        tag = n.meta.get(USER_CHECKPOINT)
         if n.target in FORWARD_ATTENTION and (tag is None or tag.recompute_of is None) and REMAT not in n.meta:
             q, k = n.args[0].meta["val"], n.args[1].meta["val"]
             attention += 12.0 * q.numel() * k.shape[-2]

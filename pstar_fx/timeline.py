@@ -16,8 +16,8 @@ from dataclasses import dataclass, fields
 
 import torch.fx as fx
 
-from . import ops
-from .ir import BufKind, Phase, Role, TrainGraph
+from .ir import ops
+from .ir.graph import BufKind, Phase, Role, TrainGraph
 from .units import format_bytes
 
 

@@ -21,7 +21,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(__file__))
 
 import pstar_fx as px  # noqa: E402
-from pstar_fx import ops  # noqa: E402
+from pstar_fx.ir import ops  # noqa: E402
 from pstar_fx.ir import ParamHome  # noqa: E402
 from harness import HYPER  # noqa: E402
 from models import CASES_BY_NAME  # noqa: E402

@@ -8,7 +8,7 @@ import os
 import torch
 
 import pstar_fx as px
-from pstar_fx.ir import Role
+from pstar_fx.ir import Role, ops
 
 from models import Case, assert_state_close
 
@@ -151,7 +151,7 @@ def fetch_counts(g) -> dict[int, int]:
     counts: dict[int, int] = {}
     for n in g.nodes:
         a = g.ann[n.name]
-        if a.role is Role.FETCH and n.target is px.ops.fetch and a.buf.value == "param":
+        if a.role is Role.FETCH and n.target is ops.fetch and a.buf.value == "param":
             counts[a.chunk] = counts.get(a.chunk, 0) + 1
     return counts
 

@@ -9,7 +9,8 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 import pstar_fx as px
-from pstar_fx.trace_hints import CHECKPOINT, checkpoint_regions
+from pstar_fx.frontend.user_checkpoint import checkpoint_regions
+from pstar_fx.ir import USER_CHECKPOINT
 from harness import HYPER, check_tight_budget_matches_eager, compiled_run, compiled_step, eager_run, rel_err
 from models import (CASES, CASES_BY_NAME, CHECKPOINT_CASES, GPT, MODEL_SEED, CheckpointedGPT, assert_state_close,
                     gpt_loss)
@@ -66,12 +67,12 @@ def test_graph_holds_the_recompute_and_plans_less_memory(case):
     for r in regions:
         assert any(by_name[x].target in mm for x in r.recompute), r
         for x in r.recompute:
-            tag = by_name[x].meta[CHECKPOINT]
+            tag = by_name[x].meta[USER_CHECKPOINT]
             assert tag.region == r.id
             twin = by_name.get(tag.recompute_of)     # None: forward never used it, canonicalize dropped it
             assert twin is not None or by_name[x].target not in mm
             if twin is not None:
-                assert twin.target == by_name[x].target and twin.meta[CHECKPOINT].recompute_of is None
+                assert twin.target == by_name[x].target and twin.meta[USER_CHECKPOINT].recompute_of is None
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
@@ -146,7 +147,7 @@ def test_attention_without_dropout_is_not_random():
     """CUDA traces attention as torch's efficient-attention op, tagged random although dropout_p=0 draws nothing: a
     reentrant checkpoint's recompute of it needs no forward twin (before, tracing such a model on a GPU raised
     "random operation ... runs again in backward"); with dropout it is random."""
-    from pstar_fx.trace_hints import draws_random
+    from pstar_fx.ir.fx_utils import draws_random
     op = torch.ops.aten._scaled_dot_product_efficient_attention.default
     assert torch.Tag.nondeterministic_seeded in op.tags
     g = torch.fx.Graph()

@@ -13,7 +13,7 @@ import torch
 
 import pstar_fx as px
 from pstar_fx.ir import Role, StateHome
-from pstar_fx.memory import all_needs
+from pstar_fx.ir.needs import all_needs
 from pstar_fx.passes import verify
 from pstar_fx.passes.verify import VerificationError
 

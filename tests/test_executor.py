@@ -1,9 +1,9 @@
-"""The executor's value bookkeeping: which tensors a node's value holds (graph_utils.tensors_in), and values whose
+"""The executor's value bookkeeping: which tensors a node's value holds (fx_utils.tensors_in), and values whose
 storage is larger than the plan assumed."""
 import torch
 
 from pstar_fx.runtime.chunk_store import DevicePool
-from pstar_fx.graph_utils import tensors_in
+from pstar_fx.ir.fx_utils import tensors_in
 from pstar_fx.runtime.executor import Executor
 
 

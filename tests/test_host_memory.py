@@ -150,7 +150,7 @@ def test_a_prefault_that_no_reservation_uses_stops_and_is_given_back():
 
 def test_early_host_bytes_is_zero_where_the_budget_holds_every_state():
     from pstar_fx.ir import ParamInfo, Precision
-    from pstar_fx.memory import early_host_bytes
+    from pstar_fx.ir.needs import early_host_bytes
     params = [ParamInfo("w", (1000, 100), torch.float32, True), ParamInfo("b", (7,), torch.float32, True),
               ParamInfo("frozen", (50, 50), torch.float32, False)]
     n = 100_007
@@ -223,7 +223,7 @@ def test_compiling_runs_on_one_intra_op_thread_and_set_up_keeps_its_threads():
     """While a step is traced and planned the compiling thread's torch ops run on one intra-op thread (its setting
     restored after, also on an error), and the host set-up thread faults memory in on the threads counted before."""
     import threading
-    from pstar_fx.graph_utils import one_intra_op_thread
+    from pstar_fx.ir.fx_utils import one_intra_op_thread
     from pstar_fx.runtime.host_memory import HostMemory
     n = torch.get_num_threads()
     torch.set_num_threads(4)

@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import pstar_fx as px
-from pstar_fx.init_empty import EmptyTensor
+from pstar_fx.frontend.init_empty import EmptyTensor
 from pstar_fx.ownership import HeldTensor
 
 from harness import DEVICE, HYPER, eager_run, fetch_counts, host_params, rel_err, tight_budget

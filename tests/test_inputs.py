@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import pstar_fx as px
 from pstar_fx.cache import TraceCache
-from pstar_fx.trace import flatten_batch
+from pstar_fx.frontend.trace import flatten_batch
 
 from harness import DEVICE, HYPER, compiled_step, small_batches
 from models import CASES_BY_NAME

@@ -22,7 +22,7 @@ import torch
 import pstar_fx as px
 from pstar_fx.ir import Role
 from pstar_fx.runtime import chunk_store
-from pstar_fx.runtime.interrupts import DeferredInterrupt
+from pstar_fx.interrupts import DeferredInterrupt
 
 from harness import DEVICE, HYPER, tight_budget
 from models import CASES_BY_NAME

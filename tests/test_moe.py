@@ -2,8 +2,8 @@
 
 transformers' Mixtral trains equal to eager with both of its expert implementations: the default (grouped_mm, fixed
 shapes) and "eager" (nonzero, then a Python loop over the experts hit), which is traced as the same loop over every
-expert (pstar_fx/rewrites.py), each expert's token selection a data-dependent size planned at its upper bound, tokens x
-top-k, as the printed plan states. A boolean mask in a step compiles the same way. Python control flow on a
+expert (pstar_fx/frontend/moe_rewrites.py), each expert's token selection a data-dependent size planned at its upper
+bound, tokens x top-k, as the printed plan states. A boolean mask in a step compiles the same way. Python control flow on a
 data-dependent size, and a data-dependent size without a bound, are refused naming the op and the line."""
 import dataclasses
 import functools
@@ -15,9 +15,9 @@ import torch.nn as nn
 
 import pstar_fx as px
 from pstar_fx.api import _check_measured
-from pstar_fx.fake_fixes import grouped_mm, grouped_mm_backward
-from pstar_fx.graph_utils import bounded_live, data_dependent_sizes
-from pstar_fx import rewrites
+from pstar_fx.frontend.fake_fixes import grouped_mm, grouped_mm_backward
+from pstar_fx.ir.fx_utils import bounded_live, data_dependent_sizes
+from pstar_fx.frontend import moe_rewrites
 from harness import (DEVICE, HYPER, EagerAdamW, check_tight_budget_matches_eager, compiled_run, eager_run,
                      rel_err)
 from models import MOE_CASES, Case, assert_state_close, tiny_mixtral
@@ -72,14 +72,14 @@ def test_grouped_mm_op_and_its_backward_equal_torch_bitwise():
 
 def test_eager_experts_loop_is_recognised_and_only_it():
     from transformers.models.mixtral.modeling_mixtral import MixtralExperts
-    # rewrites._EAGER_LOOP is transformers' code: if transformers changes it, this fails (and nothing is rewritten)
-    assert rewrites.fingerprint(MixtralExperts.forward.__wrapped__) == rewrites.fingerprint(rewrites._EAGER_LOOP)
+    # moe_rewrites._EAGER_LOOP is transformers' code: if transformers changes it, this fails (and nothing is rewritten)
+    assert moe_rewrites.fingerprint(MixtralExperts.forward.__wrapped__) == moe_rewrites.fingerprint(moe_rewrites._EAGER_LOOP)
     eager, default = tiny_mixtral("eager"), tiny_mixtral()
     assert eager.config._experts_implementation == "eager"
-    assert rewrites.rewrite_for(eager.model.layers[0].mlp.experts) is rewrites._all_experts
-    assert rewrites.rewrite_for(default.model.layers[0].mlp.experts) is None
-    assert all(rewrites.rewrite_for(m) is None for m in eager.modules() if not isinstance(m, MixtralExperts))
-    with rewrites.rewritten(eager):
+    assert moe_rewrites.rewrite_for(eager.model.layers[0].mlp.experts) is moe_rewrites._all_experts
+    assert moe_rewrites.rewrite_for(default.model.layers[0].mlp.experts) is None
+    assert all(moe_rewrites.rewrite_for(m) is None for m in eager.modules() if not isinstance(m, MixtralExperts))
+    with moe_rewrites.rewritten(eager):
         assert "forward" in vars(eager.model.layers[1].mlp.experts)
     assert not any("forward" in vars(m) for m in eager.modules())
 
@@ -93,7 +93,7 @@ def test_eager_experts_all_experts_loop_equals_transformers_bitwise():
     for idx in (torch.randint(0, 4, (10, TOP_K), generator=gen), torch.tensor([[0, 2], [2, 0]] * 5)):
         w = torch.rand(10, TOP_K, generator=gen)
         results = []
-        for fn in (type(experts).forward, rewrites._all_experts):
+        for fn in (type(experts).forward, moe_rewrites._all_experts):
             hh = h.clone().requires_grad_(True)
             out = fn(experts, hh, idx, w)
             grads = torch.autograd.grad(out, (hh, experts.gate_up_proj, experts.down_proj), torch.ones_like(out))

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import pstar_fx as px
-from pstar_fx import ops
+from pstar_fx.ir import ops
 from pstar_fx.ir import ParamHome, Role, StateHome
 from pstar_fx.passes import VerificationError, verify
 from pstar_fx.planning import host_bytes

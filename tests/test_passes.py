@@ -5,11 +5,11 @@ import pytest
 import torch
 
 import pstar_fx as px
-from pstar_fx import ops
+from pstar_fx.ir import ops
 from pstar_fx.ir import ChunkGroup, Phase, Role, StateHome
 from pstar_fx.passes import VerificationError, verify
 from pstar_fx.passes.assign_chunks import choose_chunk_size, pack, waste
-from pstar_fx.graph_utils import mutated_args
+from pstar_fx.ir.fx_utils import mutated_args
 
 from harness import compiled_run, compiled_step, eager_run, host_params, rel_err, small_batches, tight_budget
 from models import CASES_BY_NAME, assert_state_close
@@ -248,7 +248,7 @@ def test_printing_is_deterministic_and_complete():
 
 def test_schedule_evicts_the_buffer_used_furthest_in_the_future():
     """Belady: at every eviction, no other resident buffer that the next node does not need is used later."""
-    from pstar_fx.memory import BufKey, all_needs
+    from pstar_fx.ir.needs import BufKey, all_needs
     case = small_batches(CASES_BY_NAME["gpt_tied"])
     step = compiled_step(case, budget=tight_budget(case, 1024), chunk_size=1024, prefetch=0)
     g = step.lower(*case.batch(0))["scheduled"]
@@ -279,11 +279,11 @@ def test_schedule_evicts_the_buffer_used_furthest_in_the_future():
 
 
 def test_node_copy_names_copies_as_torch_does_without_its_quadratic_search():
-    """graph_utils.node_copy names a copy within the same graph as torch 2.13's Graph.node_copy does (the next free
+    """fx_utils.node_copy names a copy within the same graph as torch 2.13's Graph.node_copy does (the next free
     "base_N"), by handing torch the base name: torch 2.11 would try every "base_1", "base_2", ... for a taken name
     ending in a number. Same target, arguments and meta."""
     import torch.fx as fx
-    from pstar_fx.graph_utils import node_copy
+    from pstar_fx.ir.fx_utils import node_copy
 
     def build():
         g = fx.Graph()
@@ -305,7 +305,7 @@ def test_node_copy_names_copies_as_torch_does_without_its_quadratic_search():
 
 def _moves(g):
     """(position, role, key) of the scheduled graph's fetches and releases, and each key's users' positions."""
-    from pstar_fx.memory import BufKey, all_needs
+    from pstar_fx.ir.needs import BufKey, all_needs
     moves, users = [], {}
     for i, (n, x) in enumerate(zip(g.nodes, all_needs(g))):
         a = g.ann[n.name]

@@ -226,7 +226,7 @@ def test_model_flops_leave_out_what_remat_recomputes():
     """A budget that makes the remat pass recompute attention does not make the model's FLOPs larger."""
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import gpt as bench
-    from pstar_fx.passes.remat import REMAT
+    from pstar_fx.ir import REMAT
     cfg = bench.GPTConfig(vocab=256, seq=512, layers=2, hidden=64, heads=4)
     with torch.device("meta"):
         model = bench.GPT(cfg)

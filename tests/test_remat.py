@@ -15,8 +15,10 @@ import pstar_fx as px
 from pstar_fx.ir import Phase
 from pstar_fx.passes import pipeline, run_passes
 from pstar_fx.passes.liveness import analyze
-from pstar_fx.passes.remat import REMAT, _Graph, _Replay, apply, block_paths, draws_random, find_segments
-from pstar_fx.trace import trace_step
+from pstar_fx.ir import REMAT
+from pstar_fx.ir.fx_utils import draws_random
+from pstar_fx.passes.remat import _Graph, _Replay, apply, block_paths, find_segments
+from pstar_fx.frontend.trace import trace_step
 from harness import HYPER, compiled_step, eager_run, rel_err
 from models import CASES_BY_NAME, GPT, Case, _gpt_batch, assert_state_close, gpt_loss
 

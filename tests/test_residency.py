@@ -10,7 +10,7 @@ import torch
 
 from pstar_fx.ir import BufKind
 from pstar_fx.passes import VerificationError, verify
-from pstar_fx.memory import BufKey
+from pstar_fx.ir.needs import BufKey
 from pstar_fx.passes.schedule import annotate
 
 from harness import DEVICE, compiled_step, eager_run, host_params, rel_err, small_batches, tight_budget
@@ -74,7 +74,7 @@ def test_verifier_checks_that_the_cycle_closes():
     carried = g.plan.carried
     assert carried and any(d for _, d in carried) and not all(d for _, d in carried)
     # the last fetch brings back a carried buffer after its host-side update: without it the step ends short
-    from pstar_fx import ops
+    from pstar_fx.ir import ops
     from pstar_fx.ir import copy_graph, to_module
     graph, env = copy_graph(g)
     last_fetch = [n for n in g.nodes if n.target is ops.fetch][-1]

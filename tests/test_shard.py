@@ -8,8 +8,8 @@ import pytest
 import torch.fx as fx
 
 import pstar_fx as px
-from pstar_fx.ir import BufKind, ChunkGroup, Role, StateHome
-from pstar_fx.memory import state_bytes, static_bytes
+from pstar_fx.ir import BufKind, ChunkGroup, Role, StateHome, ops
+from pstar_fx.ir.needs import state_bytes, static_bytes
 from pstar_fx.passes import VerificationError, collectives, pipeline, run_passes, verify
 from pstar_fx.passes.assign_chunks import ALIGN
 
@@ -35,7 +35,7 @@ def test_sharded_plan_gathers_every_fetch_and_reduces_every_chunk_once(world, ac
     for c in g.chunks:
         assert c.capacity % (ALIGN * world) == 0
     nodes = g.nodes
-    assert not any(n.target is px.ops.fetch and g.ann[n.name].buf is BufKind.PARAM for n in nodes)
+    assert not any(n.target is ops.fetch and g.ann[n.name].buf is BufKind.PARAM for n in nodes)
     trainable = {c.id for c in g.chunks if c.group is ChunkGroup.TRAINABLE}
     rs = [g.ann[n.name].chunk for n in nodes if g.ann[n.name].role is Role.REDUCE_SCATTER]
     assert sorted(rs) == sorted(trainable)
@@ -71,7 +71,7 @@ def test_a_tight_budget_plan_for_two_ranks_fits_and_verifies():
     g = stages_for("gpt_tied", 2, budget=budget, chunk_size=1024)[-1]
     assert g.plan.predicted_peak <= budget
     assert any(c.state_home is StateHome.HOST for c in g.chunks if c.group is ChunkGroup.TRAINABLE)
-    assert any(n.target is px.ops.all_gather for n in g.nodes)
+    assert any(n.target is ops.all_gather for n in g.nodes)
 
 
 def _without(g, node_name: str):
@@ -93,16 +93,16 @@ def test_the_verifier_rejects_a_missing_reduce_scatter():
 
 def test_the_verifier_rejects_a_plain_fetch_in_a_sharded_graph():
     g = stages_for("mlp_ce", 2, budget=50_000, chunk_size=256)[-1]
-    gather = next(n for n in g.nodes if n.target is px.ops.all_gather)
-    gather.target = px.ops.fetch
+    gather = next(n for n in g.nodes if n.target is ops.all_gather)
+    gather.target = ops.fetch
     with pytest.raises(VerificationError, match="without gathering"):
         verify(g)
 
 
 def test_the_verifier_rejects_collectives_in_an_unsharded_graph():
     g = stages_for("mlp_ce", 1, budget=60_000, chunk_size=256)[-1]
-    fetch = next(n for n in g.nodes if n.target is px.ops.fetch)
-    fetch.target = px.ops.all_gather
+    fetch = next(n for n in g.nodes if n.target is ops.fetch)
+    fetch.target = ops.all_gather
     with pytest.raises(VerificationError, match="collective"):
         verify(g)
 
@@ -111,7 +111,7 @@ def test_with_ranks_a_host_stepped_chunk_is_gathered_where_it_is_needed():
     """The executor's thread issues a rank's copies and gathers itself, after the chunk's pending host-side update:
     a copy into a host-stepped chunk is not hoisted (only other moves between it and its use), while one rank's
     schedule hoists some (its CPU worker issues the copy once the update is done)."""
-    from pstar_fx.memory import BufKey, all_needs
+    from pstar_fx.ir.needs import BufKey, all_needs
     budget = 400_000
 
     def lead_of_host_fetches(g):
@@ -121,7 +121,7 @@ def test_with_ranks_a_host_stepped_chunk_is_gathered_where_it_is_needed():
         leads = []
         for i, n in enumerate(nodes):
             a = g.ann[n.name]
-            if a.role is not Role.FETCH or a.chunk not in host or n.target is px.ops.alloc:
+            if a.role is not Role.FETCH or a.chunk not in host or n.target is ops.alloc:
                 continue
             key = BufKey(a.chunk, a.buf)
             use = next((j for j in range(i + 1, len(nodes)) if key in needs[j].resident

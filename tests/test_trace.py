@@ -142,7 +142,7 @@ def test_tracing_allocates_nothing_real():
     with torch.device("meta"):
         big = nn.Linear(100_000, 100_000)   # 40 GB of fp32 weights if it were real
     from pstar_fx.ir import Precision, Settings
-    from pstar_fx.trace import trace_step
+    from pstar_fx.frontend.trace import trace_step
     settings = Settings(Precision.FP32, torch.device("cpu"), None, None, px.AdamW())
     g = trace_step(lambda m, x: m(x).sum(), big, (torch.randn(2, 100_000),), settings)
     assert any(g.ann[n.name].role is Role.PARAM for n in g.nodes)
@@ -237,9 +237,9 @@ def test_user_frame_is_the_innermost_frame_outside_torch_and_pstar_fx():
     import os
     import torch.fx as fx
     import pstar_fx
-    from pstar_fx.graph_utils import user_frame
+    from pstar_fx.ir.fx_utils import user_frame
     torch_file = os.path.join(os.path.dirname(torch.__file__), "nn", "functional.py")
-    ours = os.path.join(os.path.dirname(pstar_fx.__file__), "trace.py")
+    ours = os.path.join(os.path.dirname(pstar_fx.__file__), "frontend", "trace.py")
     g = fx.Graph()
     n = g.placeholder("x")
     n.meta["stack_trace"] = (f'  File "/home/me/train.py", line 10, in main\n    loss = step(model, x)\n'

@@ -8,7 +8,7 @@ import torch.nn as nn
 
 import pstar_fx as px
 from pstar_fx.ir import BufKind
-from pstar_fx.memory import BufKey
+from pstar_fx.ir.needs import BufKey
 
 from harness import eager_run, host_params, rel_err
 from models import Case, Stack, assert_state_close

@@ -42,8 +42,8 @@ from concurrent.futures import Future
 
 import torch
 
-from ..ir import BufKind, ChunkGroup, ChunkInfo, ParamHome, ParamInfo, Precision, StateHome
-from ..memory import BufKey, shard_numel, state_floats
+from ..ir.graph import BufKind, ChunkGroup, ChunkInfo, ParamHome, ParamInfo, Precision, StateHome
+from ..ir.needs import BufKey, shard_numel, state_floats
 from ..units import format_bytes
 from .comm import Comm
 from .host_memory import BufferSpec, HostMemory, spare_threads

@@ -12,15 +12,15 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_map
 
-from .. import ops
+from ..ir import ops
 from ..errors import CommitError
-from ..ir import BufKind, Role, StateHome, TrainGraph
-from ..graph_utils import last_uses, mutated_args, storage_bytes, tensors_in, tensors_of, user_frame
-from ..memory import BufKey, constants
+from ..ir.graph import BufKind, Role, StateHome, TrainGraph
+from ..ir.fx_utils import last_uses, mutated_args, storage_bytes, tensors_in, tensors_of, user_frame
+from ..ir.needs import BufKey, constants
 from ..units import format_bytes
 from .adam import adam_step, host_step
 from .chunk_store import ChunkStore
-from .interrupts import DeferredInterrupt
+from ..interrupts import DeferredInterrupt
 
 _RUNTIME_OPS = frozenset(ops.RUNTIME_OPS)
 
@@ -63,7 +63,7 @@ class StepStats:
 
 
 class Runtime:
-    """The state the inserted operations act on during one step (see pstar_fx.ops)."""
+    """The state the inserted operations act on during one step (see pstar_fx.ir.ops)."""
 
     def __init__(self, g: TrainGraph, store: ChunkStore, scaler: LossScaler | None):
         self.g = g
@@ -276,7 +276,7 @@ def mutated_buffers(g: TrainGraph) -> list[str]:
 
 
 def _source(n: fx.Node) -> str:
-    """The user's source line that produced a node, as the trace recorded it (graph_utils.user_frame), for an
+    """The user's source line that produced a node, as the trace recorded it (ir/fx_utils.user_frame), for an
     error message; "" when it recorded none."""
     frame = user_frame(n)
     return "" if frame is None else f" ({frame[0]}: {frame[1]})"
@@ -315,7 +315,7 @@ class Executor:
         propagates. With atomic=False a host-side step may come before the commit: the step is then atomic up to
         the first step node only.
 
-        Ctrl-C: the caller holds SIGINT in `interrupts` (active over its whole call, see interrupts.py), so no
+        Ctrl-C: the caller holds SIGINT in `interrupts` (active over its whole call, see pstar_fx/interrupts.py), so no
         KeyboardInterrupt lands inside the store's bookkeeping. Before the commit point (or the first step node),
         one that arrived is delivered between nodes, and the step is rolled back as for any failure; from there on
         it stays pending until the step is complete, and the caller delivers it after its own bookkeeping (the step

@@ -24,10 +24,11 @@ import ctypes
 import mmap
 import threading
 import time
-import warnings
 from dataclasses import dataclass
 
 import torch
+
+from ..errors import warn
 
 # below this size a buffer comes from torch's allocator
 MAPPED_MIN_BYTES = 1 << 21
@@ -161,7 +162,7 @@ class HostMemory:
     def __init__(self, pin: bool):
         self.pin = pin
         # touch's threads, counted here in the caller's thread: the set-up thread may first ask torch while the
-        # compiling thread runs on one intra-op thread (graph_utils.one_intra_op_thread), and would be told one
+        # compiling thread runs on one intra-op thread (one_intra_op_thread), and would be told one
         self._threads = spare_threads()
         self._registered: list[torch.Tensor] = []
         self.fallbacks: list[tuple[int, int]] = []   # (bytes, cudaError) of buffers cudaHostRegister refused
@@ -188,7 +189,7 @@ class HostMemory:
         there will be: `reserve` lays its buffers out in it (from its start), the thread goes on only as far as
         they need, and any part already faulted in beyond them is given back to the system. A first compile
         calls this before tracing when the device budget cannot hold every optimizer state (see
-        pstar_fx.memory.early_host_bytes): on the H200 machine a fresh machine's first 97 GiB took 19.7 s to fault
+        pstar_fx.ir.needs.early_host_bytes): on the H200 machine a fresh machine's first 97 GiB took 19.7 s to fault
         in, longer than tracing and planning together, so it starts where they start. The thread holds this
         object: follow a prefault with reserve(), release_unclaimed() or cancel()."""
         assert self._reserving is None and self._pool is None, "prefault() before reserve(), once"
@@ -363,9 +364,8 @@ class HostMemory:
             # left pageable: its copies are slower, but torch's pinned allocator would round it up to a power of two
             # (up to twice the host memory the plan counted)
             if not self.fallbacks:
-                warnings.warn(f"cudaHostRegister refused a {nbytes} B host buffer (cudaError {err}): "
-                              "it and any others refused stay pageable, so their copies are slower",
-                              ResourceWarning, stacklevel=2)
+                warn(f"cudaHostRegister refused a {nbytes} B host buffer (cudaError {err}): it and any others "
+                     "refused stay pageable, so their copies are slower", ResourceWarning)
             with self._lock:
                 self.fallbacks.append((nbytes, err))
             return t

@@ -15,8 +15,8 @@ makes (half for matmuls and convolutions, fp32 for losses, softmax and norms) ar
 is differentiated outside autocast, as `loss.backward()` is in eager code.
 
 Ops whose output size depends on values (nonzero, boolean masks) are traced with a symbolic size of known range,
-planned at its upper bound (graph_utils); Python control flow on such a size cannot be one graph and is refused with
-the op and the line, except transformers' eager experts loop, traced as an equal loop over every expert (rewrites).
+planned at its upper bound (ir/fx_utils); Python control flow on such a size cannot be one graph and is refused with
+the op and the line, except transformers' eager experts loop, traced as an equal loop over every expert (moe_rewrites).
 
 The model is never left changed by tracing: its parameter and buffer slots are swapped for fake tensors only while
 the step runs, and every slot is put back (the same objects) whether the trace succeeds or fails.
@@ -44,13 +44,13 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, ShapeEnv
 from torch.overrides import TorchFunctionMode
 
-from . import fake_fixes, rewrites, trace_hints
-from .errors import UntraceableError
-from .graph_utils import (data_dependent_sizes, is_user_file, loss_seed, mutated_args, output_node, storage_key,
-                          tensors_of, user_frame)
-from .ir import (BufferInfo, InputInfo, NodeAnn, ParamInfo, Phase, Role, Settings, TrainGraph, lazy_modules,
-                 to_module)
-from .runtime.interrupts import DeferredInterrupt
+from . import fake_fixes, moe_rewrites, user_checkpoint
+from ..errors import UntraceableError
+from ..ir.fx_utils import (data_dependent_sizes, is_user_file, loss_seed, mutated_args, output_node, storage_key,
+                           tensors_of, user_frame)
+from ..ir.graph import (BufferInfo, InputInfo, NodeAnn, ParamInfo, Phase, Role, Settings, TrainGraph, lazy_modules,
+                        to_module)
+from ..interrupts import DeferredInterrupt
 
 
 
@@ -311,7 +311,7 @@ class _TensorSlot:
 _TENSOR = _TensorSlot()
 
 
-def _leaf_name(path: tuple) -> str:
+def leaf_name(path: tuple) -> str:
     """`batch[2]`, `batch[0]['epoch']`: where a leaf sits in step(*batch)."""
     return "batch" + "".join(f"[{k!r}]" for k in path)
 
@@ -329,9 +329,9 @@ def flatten_batch(batch: tuple) -> FlatBatch:
         try:
             hash(x)
         except TypeError:
-            raise TypeError(f"step(*batch): {_leaf_name(path)} is a {type(x).__name__}, neither a tensor nor "
+            raise TypeError(f"step(*batch): {leaf_name(path)} is a {type(x).__name__}, neither a tensor nor "
                             "hashable; pass tensors (in tuples, lists or dicts) and plain constants") from None
-        consts.append((_leaf_name(path), type(x), x))
+        consts.append((leaf_name(path), type(x), x))
     sig = BatchSignature(spec, tuple((tuple(x.shape), x.dtype) for x in tensors), tuple(consts))
     return FlatBatch(tensors, spec, constants, sig)
 
@@ -353,7 +353,7 @@ def _micro_batch_sizes(flat: "FlatBatch", micro: int) -> list[int]:
 def trace_step(fn, model: nn.Module, batch: tuple, settings: Settings) -> TrainGraph:
     """Trace `fn(model, *batch)` into the "traced" TrainGraph (forward + backward, nothing real allocated).
     The model is left exactly as it was (the same parameter and buffer objects), whether tracing succeeds or not.
-    Ctrl-C is held while tracing (runtime/interrupts.py) and delivered after it: a KeyboardInterrupt raised inside
+    Ctrl-C is held while tracing (pstar_fx/interrupts.py) and delivered after it: a KeyboardInterrupt raised inside
     one of torch's C++ callbacks can abort the process."""
     with DeferredInterrupt():
         return _trace_step(fn, model, batch, settings)
@@ -368,7 +368,7 @@ def _trace_step(fn, model: nn.Module, batch: tuple, settings: Settings) -> Train
     wrapper = _StepModule(model, fn)
     device = settings.device
     # a ShapeEnv gives ops whose output size depends on values (nonzero, boolean masks) a symbolic size with a known
-    # range, planned at its upper bound (graph_utils); .item() stays untraceable (no scalar outputs)
+    # range, planned at its upper bound (ir/fx_utils); .item() stays untraceable (no scalar outputs)
     mode = FakeTensorMode(allow_non_fake_inputs=False, static_shapes=True,
                           shape_env=ShapeEnv(allow_scalar_outputs=False, allow_dynamic_output_shape_ops=True))
     fp16 = settings.precision.dtype is torch.float16
@@ -405,7 +405,7 @@ def _trace_step(fn, model: nn.Module, batch: tuple, settings: Settings) -> Train
     def one_micro_batch(leaves, fp, bufs, scale_args, xs):
         autocast = (torch.autocast(device.type, dtype=half) if half is not None else contextlib.nullcontext())
         # the model's tensors stay substituted through backward too: a checkpoint's recompute runs there
-        with torch.enable_grad(), trace_hints.substituted(wrapper, substituted(leaves, fp, bufs)):
+        with torch.enable_grad(), user_checkpoint.substituted(wrapper, substituted(leaves, fp, bufs)):
             with autocast:
                 out = wrapper(*flat.rebuild(xs))
             if not isinstance(out, torch.Tensor) or out.dim() != 0:
@@ -422,7 +422,7 @@ def _trace_step(fn, model: nn.Module, batch: tuple, settings: Settings) -> Train
             seeded = out / micro if micro > 1 else out       # eager accumulation: (loss / K).backward() per micro-batch
             seeded = seeded * scale_args[0] if scale_args else seeded
             recorder.set_source(None)      # the backward's nodes come from the engine, not from a user's line
-            grads = trace_hints.gradients(seeded, list(leaves.values()))
+            grads = user_checkpoint.gradients(seeded, list(leaves.values()))
         return out, list(grads)
 
     output_spec = []                                  # forward only: how to rebuild what fn returns
@@ -430,7 +430,7 @@ def _trace_step(fn, model: nn.Module, batch: tuple, settings: Settings) -> Train
     def forward_only(tp, fp, bufs, scale_args, *xs):
         # evaluation (optimizer=None): the function's outputs, no backward, no update
         autocast = (torch.autocast(device.type, dtype=half) if half is not None else contextlib.nullcontext())
-        with torch.no_grad(), trace_hints.substituted(wrapper, substituted(tp, fp, bufs)), autocast:
+        with torch.no_grad(), user_checkpoint.substituted(wrapper, substituted(tp, fp, bufs)), autocast:
             out = wrapper(*flat.rebuild(xs))
         leaves, spec = optree.tree_flatten(out, none_is_leaf=True)
         bad = [type(x).__name__ for x in leaves if not isinstance(x, torch.Tensor)]
@@ -465,8 +465,8 @@ def _trace_step(fn, model: nn.Module, batch: tuple, settings: Settings) -> Train
     recorder = _SourceRecorder()
     sources = fx_traceback.preserve_node_meta() if _CHEAP_SOURCES else contextlib.nullcontext()
     try:
-        with (_model_restored(model), sources, recorder, fake_fixes.FakeKernelFixes(), rewrites.rewritten(model),
-              lazy_modules()):
+        with (_model_restored(model), sources, recorder, fake_fixes.FakeKernelFixes(),
+              moe_rewrites.rewritten(model), lazy_modules()):
             gm = make_fx(traced if settings.optimizer is not None else forward_only, tracing_mode="fake",
                          record_stack_traces=not _CHEAP_SOURCES)(trainable, frozen, buffers, scale, *fake_batch)
     except UntraceableError:
@@ -478,7 +478,7 @@ def _trace_step(fn, model: nn.Module, batch: tuple, settings: Settings) -> Train
     if settings.optimizer is not None:
         outputs = output_node(gm.graph).args[0]
         micro_losses = outputs[1:1 + micro] if micro > 1 else outputs[:1]
-        trace_hints.mark_recompute(gm, [s for s in (loss_seed(gm.graph, n) for n in micro_losses) if s is not None])
+        user_checkpoint.mark_recompute(gm, [s for s in (loss_seed(gm.graph, n) for n in micro_losses) if s is not None])
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     roles: list[tuple[Role, str | None]] = (
         [(Role.PARAM, k) for k in trainable] + [(Role.PARAM, k) for k in frozen]
@@ -655,7 +655,7 @@ def _fix_fake_values(graph: fx.Graph) -> None:
 
 
 def _stack_line(node: fx.Node) -> str:
-    """Where the user's code made a node, for an error message (graph_utils.user_frame)."""
+    """Where the user's code made a node, for an error message (ir/fx_utils.user_frame)."""
     frame = user_frame(node)
     if frame is None:
         return "at an unknown source line"

@@ -3,6 +3,10 @@
 Every table is a tuple of frozen dataclasses and every per-node fact is a `NodeAnn` keyed by the node's name (fx keeps
 names unique within a graph). Roles, phases and chunk states are enums; nothing is parsed back out of strings.
 A `TrainGraph` is immutable: passes build a new one with `TrainGraph.evolve`.
+
+Facts about single nodes that a pass or the tracer records for later stages live in `node.meta` under the tag keys
+defined here (`USER_CHECKPOINT`, `REMAT`), each holding a frozen dataclass: the printer, the planner and the passes
+read them without importing whoever wrote them.
 """
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ from typing import Mapping
 import torch
 import torch.fx as fx
 
-from .optim import OptimizerLayout
+from ..optim import OptimizerLayout
 
 
 class _Enum(enum.Enum):
@@ -192,8 +196,8 @@ class Settings:
 
 
 @dataclass(frozen=True)
-class Plan:
-    """What the schedule predicts for one step."""
+class MemoryPlan:
+    """What the schedule predicts for one step: device bytes, chunk traffic, and what stays resident across steps."""
     budget: int | None
     static_bytes: int                # always on the device: model buffers + device optimizer states
     predicted_peak: int              # max over nodes of static + resident + live + workspace bytes
@@ -204,6 +208,29 @@ class Plan:
     carried: tuple = ()              # ((BufKey, dirty), ...): resident at the start and at the end of every step
     gathered_bytes: int = 0          # multi-GPU: chunk bytes all-gathered per step (each rank receives (w-1)/w)
     reduced_bytes: int = 0           # multi-GPU: chunk bytes reduce-scattered per step (each rank sends (w-1)/w)
+
+
+# -- node tags (node.meta keys and their values) ------------------------------------------------------------------
+USER_CHECKPOINT = "pstar_checkpoint"     # node.meta key of a UserCheckpointTag (frontend/user_checkpoint.py)
+
+
+@dataclass(frozen=True)
+class UserCheckpointTag:
+    """A node of a region the user's step wraps in activation checkpointing (torch.utils.checkpoint)."""
+    region: int                      # checkpointed region id, in order of the region's first recompute node
+    recompute_of: str | None = None  # recompute node: its forward twin's name; None on the forward twin itself.
+    # A twin only backward needed (a layer norm's saved mean) has no user once backward reads the recompute's copy,
+    # so canonicalize drops it: then the name is of no node and there is nothing to reuse.
+
+
+REMAT = "pstar_remat"                    # node.meta key of a RematTag (passes/remat)
+
+
+@dataclass(frozen=True)
+class RematTag:
+    """A forward node's copy that the remat pass placed in backward, to compute the value again there."""
+    segment: int                     # the remat Segment it belongs to
+    recompute_of: str                # the forward node whose value it computes again
 
 
 @dataclass(frozen=True)
@@ -236,7 +263,7 @@ class TrainGraph:
     grad_outputs: tuple[str, ...] = ()   # canonical+: the parameter of each gradient output (after the loss)
     chunks: tuple[ChunkInfo, ...] = ()
     chunk_size: int | None = None    # chunked+: elements per regular chunk (larger tensors get their own chunk)
-    plan: Plan | None = None
+    plan: MemoryPlan | None = None
     output_spec: object = None       # forward only (optimizer=None): the optree spec of what the function returns
     seconds: float = 0.0             # how long the pass took (kept out of the printed text)
     scheduled: Scheduled | None = dataclasses.field(default=None, repr=False, compare=False)  # optimizer_placed

@@ -10,7 +10,7 @@ chose, `torch.where(expert_mask[expert_idx])` selects no token, its matmuls have
 nothing, so the forward result is eager's bit for bit; in backward such an expert contributes exact zeros to the
 gradients (x + 0 == x), so the gradients are eager's too. Indexing the expert weights with a Python int (a view)
 instead of a 0-d tensor (a copy) reads the same values. Each expert's token selection stays a data-dependent size
-(`nonzero`), planned at its upper bound: tokens x top-k (see graph_utils).
+(`nonzero`), planned at its upper bound: tokens x top-k (see ir/fx_utils).
 
 When it applies. Only to a module whose forward is, bytecode for bytecode, the loop copied below (`_EAGER_LOOP`),
 reached through transformers' dispatch set to "eager" (or None, which dispatches to it), or as the plain forward.

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .ir import BufKind
+from .graph import BufKind
 
 
 def param_view(rt, *, param: str) -> torch.Tensor:

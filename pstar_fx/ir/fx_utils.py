@@ -22,6 +22,8 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.utils._pytree import tree_leaves
 
+from ..errors import is_own_file
+
 
 @contextlib.contextmanager
 def cycle_collection_paused():
@@ -69,16 +71,15 @@ def one_intra_op_thread():
 
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
-_OUR_DIR = os.path.dirname(os.path.abspath(__file__))
 _FILE = re.compile(r'File "([^"]+)"')
 
 
 @functools.lru_cache(maxsize=4096)
 def is_user_file(filename: str) -> bool:
-    """Whether a source file is the user's: outside torch, pstar-fx, contextlib and functools (a pure function of
-    the name, memoised: tracing asks it at every torch-level call)."""
+    """Whether a source file is the user's: outside torch, pstar-fx's own files (errors.is_own_file), contextlib and
+    functools (a pure function of the name, memoised: tracing asks it at every torch-level call)."""
     f = os.path.abspath(filename)
-    return not (f.startswith(_TORCH_DIR) or f.startswith(_OUR_DIR) or "/contextlib.py" in f or "/functools.py" in f)
+    return not (f.startswith(_TORCH_DIR) or is_own_file(f) or "/contextlib.py" in f or "/functools.py" in f)
 
 
 def user_frame(node: fx.Node) -> tuple[str, str] | None:
@@ -249,3 +250,65 @@ def last_uses(nodes: list[fx.Node]) -> list[int]:
     """Per node position: the position of its last user (itself when it has none); a value is freed after it."""
     index = {n: i for i, n in enumerate(nodes)}
     return [max((index[u] for u in n.users), default=i) for i, n in enumerate(nodes)]
+
+
+# ops tagged nondeterministic_seeded that draw random numbers only through a dropout argument: name of that argument
+_RANDOM_ONLY_WITH_DROPOUT = {
+    getattr(torch.ops.aten, op).default: "dropout_p"
+    for op in ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+               "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")
+    if hasattr(torch.ops.aten, op)
+}
+
+
+def draws_random(n: fx.Node) -> bool:
+    """The op draws random numbers: tagged nondeterministic_seeded, unless its only randomness is a dropout argument
+    that is 0 (torch's efficient attention, which CUDA traces use, is tagged random even then: a checkpoint's
+    recompute of it needs no forward twin's random values)."""
+    if n.op != "call_function":
+        return False
+    tags = getattr(n.target, "tags", ())
+    if torch.Tag.nondeterministic_seeded not in tags:
+        return False
+    arg = _RANDOM_ONLY_WITH_DROPOUT.get(n.target)
+    if arg is None:
+        return True
+    schema = n.target._schema
+    i = next(k for k, a in enumerate(schema.arguments) if a.name == arg)
+    p = n.args[i] if i < len(n.args) else n.kwargs.get(arg, schema.arguments[i].default_value)
+    return p != 0
+
+
+def storages_of(n: fx.Node) -> set[int]:
+    """The storages of a node's tensors."""
+    return {storage_key(t) for t in tensors_of(n)}
+
+
+def private_chains(nodes: list[fx.Node]) -> set[int]:
+    """Written storages whose values are well defined per node: one node creates the storage, then in-place ops each
+    write the previous one's result (dropout on the CPU: empty_like, bernoulli_, div_), no view of it is taken, and
+    every other reader reads the last write, after it."""
+    chain: dict[int, list[fx.Node]] = {}
+    readers: dict[int, list[fx.Node]] = {}
+    bad: set[int] = set()
+    for n in nodes:
+        out = storages_of(n)
+        ins = {k for a in n.all_input_nodes for k in storages_of(a)}
+        muts = mutated_args(n)
+        for k in out - ins:
+            chain[k] = [n]
+        for m in muts:
+            for k in storages_of(m):
+                if chain.get(k, [None])[-1] is not m or len(muts) != 1 or out != storages_of(m):
+                    bad.add(k)
+                else:
+                    chain[k].append(n)
+        for k in (out & ins) - {k for m in muts for k in storages_of(m)}:
+            bad.add(k)              # a view of the storage, or an op returning an alias of its input
+        for a in n.all_input_nodes:
+            if a not in muts:
+                for k in storages_of(a):
+                    readers.setdefault(k, []).append(a)
+    written = {k for n in nodes for m in mutated_args(n) for k in storages_of(m)}
+    return {k for k in written - bad if k in chain and len(chain[k]) > 1
+            and all(r is chain[k][-1] for r in readers.get(k, ()))}

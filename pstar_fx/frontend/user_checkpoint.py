@@ -17,9 +17,10 @@ does it. The traced graph then contains exactly what eager autograd executes, in
 Liveness and the plan are computed from this graph, so the memory a checkpoint saves is planned exactly and the
 executor's per-node measurement matches it. A checkpoint is therefore kept, not ignored: the user asked for the memory.
 
-What is recorded for the planner. `mark_recompute` tags every recomputed node with a `CheckpointTag` in
-`node.meta[CHECKPOINT]`: its region (the connected group of recompute nodes it belongs to) and the name of its forward
-twin, the node that computed the same value in forward; the twin is tagged with the same region and no `recompute_of`.
+What is recorded for the planner. `mark_recompute` tags every recomputed node with a `UserCheckpointTag` (pstar_fx.ir)
+in `node.meta[USER_CHECKPOINT]`: its region (the connected group of recompute nodes it belongs to) and the name of its
+forward twin, the node that computed the same value in forward; the twin is tagged with the same region and no
+`recompute_of`.
 A remat pass may undo a recompute (give the recompute node's users its twin, keeping the forward value alive) where
 memory allows, or recompute more; `checkpoint_regions(g)` lists the regions as a table.
 
@@ -39,21 +40,12 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.nn.utils import stateless
 
-from .errors import UntraceableError
-from .graph_utils import loss_seed, mutated_args, output_node, storage_key, tensors_of
-
-CHECKPOINT = "pstar_checkpoint"     # node.meta key of a CheckpointTag
+from ..errors import UntraceableError
+from ..ir.fx_utils import draws_random, loss_seed, mutated_args, output_node, private_chains, storages_of, tensors_of
+from ..ir.graph import USER_CHECKPOINT, UserCheckpointTag
 
 # detach / alias produce the same values as their input (reentrant checkpointing detaches the region's inputs)
 _SAME_VALUE = (torch.ops.aten.detach.default, torch.ops.aten.alias.default)
-
-
-@dataclass(frozen=True)
-class CheckpointTag:
-    region: int                      # checkpointed region id, in order of the region's first recompute node
-    recompute_of: str | None = None  # recompute node: its forward twin's name; None on the forward twin itself.
-    # A twin only backward needed (a layer norm's saved mean) has no user once backward reads the recompute's copy,
-    # so canonicalize drops it: then the name is of no node and there is nothing to reuse.
 
 
 @dataclass(frozen=True)
@@ -96,67 +88,6 @@ def gradients(loss: torch.Tensor, leaves: list[torch.Tensor]) -> list[torch.Tens
     return [leaf.grad for leaf in leaves]
 
 
-# ops tagged nondeterministic_seeded that draw random numbers only through a dropout argument: name of that argument
-_RANDOM_ONLY_WITH_DROPOUT = {
-    getattr(torch.ops.aten, op).default: "dropout_p"
-    for op in ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
-               "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")
-    if hasattr(torch.ops.aten, op)
-}
-
-
-def draws_random(n: fx.Node) -> bool:
-    """The op draws random numbers: tagged nondeterministic_seeded, unless its only randomness is a dropout argument
-    that is 0 (torch's efficient attention, which CUDA traces use, is tagged random even then: a checkpoint's
-    recompute of it needs no forward twin's random values)."""
-    if n.op != "call_function":
-        return False
-    tags = getattr(n.target, "tags", ())
-    if torch.Tag.nondeterministic_seeded not in tags:
-        return False
-    arg = _RANDOM_ONLY_WITH_DROPOUT.get(n.target)
-    if arg is None:
-        return True
-    schema = n.target._schema
-    i = next(k for k, a in enumerate(schema.arguments) if a.name == arg)
-    p = n.args[i] if i < len(n.args) else n.kwargs.get(arg, schema.arguments[i].default_value)
-    return p != 0
-
-
-def _storages(n: fx.Node) -> set[int]:
-    return {storage_key(t) for t in tensors_of(n)}
-
-
-def _private_chains(nodes: list[fx.Node]) -> set[int]:
-    """Written storages whose values are well defined per node: one node creates the storage, then in-place ops each
-    write the previous one's result (dropout on the CPU: empty_like, bernoulli_, div_), no view of it is taken, and
-    every other reader reads the last write, after it."""
-    chain: dict[int, list[fx.Node]] = {}
-    readers: dict[int, list[fx.Node]] = {}
-    bad: set[int] = set()
-    for n in nodes:
-        out = _storages(n)
-        ins = {k for a in n.all_input_nodes for k in _storages(a)}
-        muts = mutated_args(n)
-        for k in out - ins:
-            chain[k] = [n]
-        for m in muts:
-            for k in _storages(m):
-                if chain.get(k, [None])[-1] is not m or len(muts) != 1 or out != _storages(m):
-                    bad.add(k)
-                else:
-                    chain[k].append(n)
-        for k in (out & ins) - {k for m in muts for k in _storages(m)}:
-            bad.add(k)              # a view of the storage, or an op returning an alias of its input
-        for a in n.all_input_nodes:
-            if a not in muts:
-                for k in _storages(a):
-                    readers.setdefault(k, []).append(a)
-    written = {k for n in nodes for m in mutated_args(n) for k in _storages(m)}
-    return {k for k in written - bad if k in chain and len(chain[k]) > 1
-            and all(r is chain[k][-1] for r in readers.get(k, ()))}
-
-
 def mark_recompute(gm: fx.GraphModule, seeds: list[fx.Node] | None = None) -> None:
     """Tag recomputed nodes with their forward twins and make recomputed random ops reuse the forward's values
     (see the module docstring). Edits `gm`'s graph in place (its code is not generated again: the caller makes a
@@ -165,7 +96,7 @@ def mark_recompute(gm: fx.GraphModule, seeds: list[fx.Node] | None = None) -> No
     A node is a recompute when it comes after the loss seed, does not depend on it, and applies the same op to the
     same values (twins of its inputs, the same constants) as a node before the seed; random ops are paired in order.
     Nodes that read a storage some node writes are matched only when that storage is a private chain of writes
-    (`_private_chains`), where each node's value is well defined. A region is kept only if it computes something
+    (`private_chains`), where each node's value is well defined. A region is kept only if it computes something
     (a group of views alone, such as the `t(weight)` every backward takes again, is not a checkpoint).
 
     `seeds`: with gradient accumulation the graph holds one forward + backward per micro-batch, each started by its
@@ -201,8 +132,8 @@ def _match_window(nodes: list[fx.Node], seed: fx.Node, backward: set[fx.Node],
                   twin: dict[fx.Node, fx.Node]) -> None:
     """mark_recompute's matching over one micro-batch's nodes (forward, seed, backward); fills `twin`."""
     pos = {n: i for i, n in enumerate(nodes)}
-    private = _private_chains(nodes)
-    written = {k for n in nodes for m in mutated_args(n) for k in _storages(m)}
+    private = private_chains(nodes)
+    written = {k for n in nodes for m in mutated_args(n) for k in storages_of(m)}
 
     rep: dict[fx.Node, fx.Node] = {}           # node -> the first node known to hold the same value
 
@@ -225,7 +156,7 @@ def _match_window(nodes: list[fx.Node], seed: fx.Node, backward: set[fx.Node],
 
     def matchable(n: fx.Node) -> bool:
         return n.op == "call_function" and not any(
-            k in written and k not in private for a in [n, *n.all_input_nodes] for k in _storages(a))
+            k in written and k not in private for a in [n, *n.all_input_nodes] for k in storages_of(a))
 
     first: dict = {}                           # key -> first forward node (deterministic ops)
     random_fwd: dict = {}                      # key -> forward random nodes, in order
@@ -287,7 +218,7 @@ def _reuse_forward_randomness(graph: fx.Graph, nodes: list[fx.Node], twin: dict[
                     "forward's; make the op out of place")
     # users that returned a view of a tainted value now view its twin: their fake values must say so (liveness
     # identifies storages by the fake values), so they are evaluated again, in graph order
-    aliasing = {u for n in tainted for u in n.users if u not in seen and _storages(u) & _storages(n)}
+    aliasing = {u for n in tainted for u in n.users if u not in seen and storages_of(u) & storages_of(n)}
     for n in tainted:
         n.replace_all_uses_with(twin[n], delete_user_cb=lambda u: u not in seen)
     for n in reversed(tainted):
@@ -295,12 +226,12 @@ def _reuse_forward_randomness(graph: fx.Graph, nodes: list[fx.Node], twin: dict[
         graph.erase_node(n)
     for u in graph.nodes:
         if u in aliasing:
-            old = _storages(u)
+            old = storages_of(u)
             vals = fx.node.map_arg((u.args, u.kwargs), lambda a: a.meta["val"])
             mode = next(t.fake_mode for t in tensors_of(u))
             with mode:
                 u.meta["val"] = u.target(*vals[0], **vals[1])
-            aliasing |= {w for w in u.users if _storages(w) & old}
+            aliasing |= {w for w in u.users if storages_of(w) & old}
 
 
 def _tag_regions(nodes: list[fx.Node], twin: dict[fx.Node, fx.Node]) -> None:
@@ -317,21 +248,21 @@ def _tag_regions(nodes: list[fx.Node], twin: dict[fx.Node, fx.Node]) -> None:
         for a in n.all_input_nodes:
             if a in twin:
                 parent[find(a)] = find(n)
-    computes = {find(n) for n in twin if _storages(n) - {k for a in n.all_input_nodes for k in _storages(a)}}
+    computes = {find(n) for n in twin if storages_of(n) - {k for a in n.all_input_nodes for k in storages_of(a)}}
     region: dict[fx.Node, int] = {}
     for n in nodes:
         if n in twin and find(n) in computes:
             r = region.setdefault(find(n), len(region))
-            n.meta[CHECKPOINT] = CheckpointTag(r, twin[n].name)
-            twin[n].meta.setdefault(CHECKPOINT, CheckpointTag(r))
+            n.meta[USER_CHECKPOINT] = UserCheckpointTag(r, twin[n].name)
+            twin[n].meta.setdefault(USER_CHECKPOINT, UserCheckpointTag(r))
 
 
 def checkpoint_regions(g) -> tuple[Region, ...]:
-    """The checkpointed regions of a TrainGraph (any stage), from the nodes' CheckpointTags."""
+    """The checkpointed regions of a TrainGraph (any stage), from the nodes' UserCheckpointTags."""
     fwd: dict[int, list[str]] = {}
     rec: dict[int, list[str]] = {}
     for n in g.gm.graph.nodes:
-        tag = n.meta.get(CHECKPOINT)
+        tag = n.meta.get(USER_CHECKPOINT)
         if tag is not None:
             (fwd if tag.recompute_of is None else rec).setdefault(tag.region, []).append(n.name)
     return tuple(Region(r, tuple(fwd.get(r, ())), tuple(rec[r])) for r in sorted(rec))

@@ -6,10 +6,9 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from .ir import ParamHome, Role, TrainGraph
-from .graph_utils import data_dependent_sizes, tensors_of
-from .passes.remat import REMAT
-from .units import format_bytes
+from .graph import REMAT, ParamHome, Role, TrainGraph
+from .fx_utils import data_dependent_sizes, tensors_of
+from ..units import format_bytes
 
 
 def _arg(a) -> str:

@@ -55,23 +55,15 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import tree_map
 
-from .. import cost, ops
+from .. import cost
 from ..errors import BudgetError
-from ..graph_utils import last_uses, mutated_args, storage_bytes, storage_key, tensors_of
-from ..ir import ChunkGroup, Phase, Role, StateHome, TrainGraph, copy_graph, to_module
-from ..memory import all_needs, buf_bytes, state_bytes, static_bytes, step_workspace
-from ..trace_hints import CHECKPOINT, _private_chains, draws_random
+from ..ir import ops
+from ..ir.fx_utils import draws_random, last_uses, mutated_args, private_chains, storage_bytes, storage_key, tensors_of
+from ..ir.graph import (REMAT, USER_CHECKPOINT, ChunkGroup, Phase, RematTag, Role, StateHome, TrainGraph, copy_graph,
+                        to_module)
+from ..ir.needs import all_needs, buf_bytes, state_bytes, static_bytes, step_workspace
 from ..units import format_bytes
 from .liveness import _NOT_ACTIVATION, analyze, liveness
-
-REMAT = "pstar_remat"      # node.meta key of a RematTag
-
-
-@dataclass(frozen=True)
-class RematTag:
-    segment: int                     # the Segment it belongs to
-    recompute_of: str                # the forward node whose value it computes again
-
 
 @dataclass(frozen=True)
 class Segment:
@@ -153,7 +145,7 @@ class _Graph:
             for n in self.nodes]
         self.last = last_uses(self.nodes)
         self.written = {storage_key(t) for n in self.nodes for m in mutated_args(n) for t in tensors_of(m)}
-        self.private = _private_chains(self.nodes)
+        self.private = private_chains(self.nodes)
         self._recomputable: dict[int, bool] = {}
 
     def recomputable(self, i: int) -> bool:
@@ -200,7 +192,7 @@ def find_segments(g: TrainGraph, G: _Graph | None = None) -> tuple[Segment, ...]
     for lo, seed in _windows(g, nodes):
         window = [i for i in range(lo, seed) if nodes[i].op == "call_function"
                   and g.ann[nodes[i].name].phase is Phase.FORWARD
-                  and getattr(nodes[i].meta.get(CHECKPOINT), "recompute_of", None) is None]
+                  and getattr(nodes[i].meta.get(USER_CHECKPOINT), "recompute_of", None) is None]
         runs: list[list] = []                 # [block, first, last]
         for i in window:
             a = g.ann[nodes[i].name]
@@ -668,7 +660,7 @@ def _grads_not_in_place_after_reads(g: TrainGraph) -> TrainGraph:
 
 def keep_forward_values(g: TrainGraph) -> TrainGraph:
     """g with the user's activation checkpoints undone: each recompute node's users read its forward twin (the same op
-    on the same values, tagged by trace_hints) wherever the twin's storage is not written between the two, and the
+    on the same values, tagged by frontend/user_checkpoint) wherever the twin's storage is not written between the two, and the
     recompute nodes left without users are dropped; liveness annotated. g itself when nothing changes."""
     nodes = g.nodes
     by_name = {n.name: n for n in nodes}
@@ -682,7 +674,7 @@ def keep_forward_values(g: TrainGraph) -> TrainGraph:
     changed = False
     redirected: dict[fx.Node, dict[int, torch.UntypedStorage]] = {}   # a node -> storages it reads now
     for n in nodes:
-        tag = n.meta.get(CHECKPOINT)
+        tag = n.meta.get(USER_CHECKPOINT)
         twin = by_name.get(tag.recompute_of) if tag is not None and tag.recompute_of is not None else None
         if twin is None or not n.users:
             continue
