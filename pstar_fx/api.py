@@ -275,8 +275,8 @@ class CompiledStep:
         # a model built under px.init_empty() is initialised in the chunks themselves (see pstar_fx.frontend.init_empty)
         params, buffers = fill_chunks(self._store, {p.name: named[p.name] for p in self._layout[0]},
                                       {b.name: tensors[b.name] for b in self._tables.buffers})
-        self._store.load_params(params)
-        self._store.load_buffers(buffers)
+        self._store.values.load_params(params)
+        self._store.values.load_buffers(buffers)
         if self._hold is None or self._hold.store is not self._store:
             self._hold = ModelHold(self, self._model, self._store, self._state_names, self._lock)
         hold(self._model, self._hold)
@@ -500,8 +500,8 @@ class CompiledStep:
                 kind, name = self._state_names[k]
                 (pv if kind is Role.PARAM else bv)[name] = v
         with DeferredInterrupt():            # a Ctrl-C waits until every value is in: never half loaded
-            self._store.load_params(pv)
-            self._store.load_buffers(bv)
+            self._store.values.load_params(pv)
+            self._store.values.load_buffers(bv)
 
 
 def _check_measured(g: TrainGraph, per_node: list[int]) -> None:

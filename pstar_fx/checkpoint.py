@@ -75,7 +75,6 @@ from . import dcp
 from . import dcp_storage
 from .errors import CheckpointError
 from .frontend.init_empty import is_empty
-from .ir.graph import Role
 from .ownership import model_tensors
 
 FORMAT = 1
@@ -108,41 +107,11 @@ def _model_values(step) -> dict[str, torch.Tensor]:
 
 def gather_state_dict(step) -> dict[str, torch.Tensor]:
     """`step.state_dict(rank0_only=True)` with several ranks (a collective): rank 0 gets the whole state dict, the
-    other ranks {}. Chunk by chunk, each rank's shard of the full-precision values goes to rank 0 only
-    (torch.distributed.gather), so the other ranks never hold more than their own shards."""
-    comm, st = step._comm, step._store
-    rank0 = comm.rank == 0
+    other ranks {} (StoreValues.gather_to_rank0)."""
     if not dcp.holds(step):
         sd = step.state_dict()       # the model's own values (whole on every rank), or another step's (gathered)
-        return sd if rank0 else {}
-    st.flush()
-    ref = step._model.state_dict()
-    by_chunk: dict[int, list[str]] = {}
-    for key in ref:
-        kind, name = step._state_names[key]
-        if kind is Role.PARAM and name not in st.frozen_full and name not in by_chunk.get(st.params[name].chunk, []):
-            by_chunk.setdefault(st.params[name].chunk, []).append(name)
-    values = dict(st.frozen_full)
-    dst = dist.get_global_rank(comm.group, 0)
-    for cid in sorted(by_chunk):
-        shard = dcp.value_source(st, by_chunk[cid][0])
-        if comm.backend == "nccl":
-            shard = shard.to(step.settings.device)
-        parts = [torch.empty_like(shard) for _ in range(comm.world)] if rank0 else None
-        dist.gather(shard, parts, dst=dst, group=comm.group)
-        if rank0:
-            full = torch.cat(parts).cpu()
-            for name in by_chunk[cid]:
-                p = st.params[name]
-                values[name] = full[p.offset:p.offset + p.numel].view(p.shape)
-    if not rank0:
-        return {}
-    out = {}
-    for key, like in ref.items():
-        kind, name = step._state_names[key]
-        src = values[name] if kind is Role.PARAM else st.buffers[name]
-        out[key] = src.detach().to(device=like.device, dtype=like.dtype, copy=True)
-    return out
+        return sd if step._comm.rank == 0 else {}
+    return step._store.values.gather_to_rank0(step._state_names, step._model.state_dict())
 
 
 def _meta(step) -> dict:

@@ -125,17 +125,6 @@ def holds(step) -> bool:
     return step.holds_model()
 
 
-def value_source(st, name: str) -> torch.Tensor | None:
-    """The flat buffer of this rank's shard holding the parameter's full-precision value; None where it is kept
-    whole (a frozen parameter in mixed precision: `frozen_full`)."""
-    p = st.params[name]
-    if name in st.frozen_full:
-        return None
-    if st.precision.mixed and st.chunks[p.chunk].group is ChunkGroup.TRAINABLE:
-        return st.master(p.chunk)
-    return st.host_param[p.chunk]
-
-
 def _trainable(st) -> list[str]:
     return [n for n, p in st.params.items() if st.chunks[p.chunk].group is ChunkGroup.TRAINABLE]
 
@@ -197,11 +186,11 @@ def save_entries(step, model_values) -> dict:
     if holds(step):
         for name in params:
             p = st.params[name]
-            src = value_source(st, name)
+            src = st.values.value_source(name)
             if src is None:
-                out[f"model.{name}"] = st.frozen_full[name].detach().reshape(_shape(p.shape))
+                out[f"model.{name}"] = st.values.frozen_full[name].detach().reshape(_shape(p.shape))
                 continue
-            start, stop, at = st.piece(name)
+            start, stop, at = st.values.piece(name)
             out[f"model.{name}"] = _entry(comm, src[at:at + stop - start], start, stop, p.shape)
         for name in buffers:
             out[f"model.{name}"] = st.buffers[name]
@@ -216,7 +205,7 @@ def save_entries(step, model_values) -> dict:
             step_count = parts["step"].detach().to("cpu", copy=True).reshape(())
             if float(step_count) == 0:
                 continue
-            start, stop, at = st.piece(name)
+            start, stop, at = st.values.piece(name)
             out[f"optim.{name}.step"] = step_count
             for key, part in (("exp_avg", "m"), ("exp_avg_sq", "v")):
                 out[f"optim.{name}.{key}"] = _entry(comm, parts[part][at:at + stop - start], start, stop, p.shape)
@@ -460,16 +449,16 @@ def _read_pieces(step, path, params, buffers, stepped, small, meta, md) -> None:
     whole: dict[str, torch.Tensor] = {}
     for name in params:
         p = st.params[name]
-        src = value_source(st, name)
+        src = st.values.value_source(name)
         if src is None:
             whole[name] = entries[f"model.{name}"] = torch.empty(_shape(p.shape), dtype=torch.float32)
             continue
-        start, stop, at = st.piece(name)
+        start, stop, at = st.values.piece(name)
         entries[f"model.{name}"] = _entry(comm, src[at:at + stop - start], start, stop, p.shape)
     for name in stepped:
         p = st.params[name]
         parts = st.parts(p.chunk)
-        start, stop, at = st.piece(name)
+        start, stop, at = st.values.piece(name)
         for key, part in (("exp_avg", "m"), ("exp_avg_sq", "v")):
             entries[f"optim.{name}.{key}"] = _entry(comm, parts[part][at:at + stop - start], start, stop, p.shape)
     for cid, count in plan.items():
@@ -480,13 +469,13 @@ def _read_pieces(step, path, params, buffers, stepped, small, meta, md) -> None:
         parts["step"].fill_(count)
     _load(step, entries, path, md)
     # mixed precision: the half-precision parameters are the masters rounded; frozen ones come from their whole value
-    st.restore_params_from_masters()
+    st.values.restore_params_from_masters()
     for name, v in whole.items():
         p = st.params[name]
-        st.frozen_full[name] = v.view(p.shape)
-        start, stop, at = st.piece(name)
+        st.values.frozen_full[name] = v.view(p.shape)
+        start, stop, at = st.values.piece(name)
         st.host_param[p.chunk][at:at + stop - start].copy_(v.reshape(-1)[start:stop])
-    st.load_buffers({n: small[f"model.{n}"] for n in buffers})
+    st.values.load_buffers({n: small[f"model.{n}"] for n in buffers})
     apply_meta(step, meta)
     step._broken = None
 

@@ -107,7 +107,7 @@ class _Live:
             if c.group is not ChunkGroup.TRAINABLE:
                 continue
             if c.id not in read:
-                read[c.id] = st.state_parts(c.id)
+                read[c.id] = st.values.state_parts(c.id)
             parts = read[c.id]
             step = float(parts["step"].item())
             if step == 0:
@@ -161,7 +161,7 @@ class _Live:
             plan[c.id] = steps[have[0]]
         for cid, step in plan.items():
             st.before_host_write(cid)
-            parts = st.state_parts(cid)
+            parts = st.values.state_parts(cid)
             parts["m"].zero_()
             parts["v"].zero_()
             parts["step"].fill_(step)
@@ -170,7 +170,7 @@ class _Live:
                     p = st.params[n]
                     parts["m"][p.offset:p.offset + p.numel].copy_(states[n]["exp_avg"].reshape(-1))
                     parts["v"][p.offset:p.offset + p.numel].copy_(states[n]["exp_avg_sq"].reshape(-1))
-            st.put_state_parts(cid, parts)
+            st.values.put_state_parts(cid, parts)
 
     # -- torch's state-dict format ---------------------------------------------------------------------------------
     def state_dict(self):

@@ -26,7 +26,7 @@ def store_host_bytes(store) -> int:
     ts = (list(store.host_param) + [t for t in store.host_grad if t is not None]
           + [t for t in store.host_grad_full if t is not None]
           + [s for s, h in zip(store.states, store.state_home) if s is not None and h is StateHome.HOST]
-          + list(store.frozen_full.values()))
+          + list(store.values.frozen_full.values()))
     return sum(t.numel() * t.element_size() for t in ts)
 
 

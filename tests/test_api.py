@@ -9,7 +9,7 @@ import torch.nn as nn
 
 import pstar_fx as px
 from pstar_fx.ir.fx_utils import cycle_collection_paused
-from pstar_fx.runtime.chunk_store import DevicePool, PoolExhausted
+from pstar_fx.runtime.device_pool import DevicePool, PoolExhausted
 from pstar_fx.units import format_bytes, parse_bytes
 
 from models import CASES_BY_NAME, assert_state_close

@@ -2,7 +2,7 @@
 storage is larger than the plan assumed."""
 import torch
 
-from pstar_fx.runtime.chunk_store import DevicePool
+from pstar_fx.runtime.device_pool import DevicePool
 from pstar_fx.ir.fx_utils import tensors_in
 from pstar_fx.runtime.executor import Executor
 

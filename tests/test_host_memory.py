@@ -289,10 +289,10 @@ def test_a_pinning_failure_raises_where_the_buffers_are_asked_for(monkeypatch):
 
 @pytest.mark.parametrize("stage_elems, skip", [(300, 1), (1, 0), (1000, 0), (2, 1)])
 def test_staged_copy_copies_through_a_small_stage_of_another_dtype(stage_elems, skip):
-    """ChunkStore.load_params copies a device's value into a pageable host master through the chunk's pinned home
+    """StoreValues.load_params copies a device's value into a pageable host master through the chunk's pinned home
     (bf16: half an fp32 element per element), piece by piece; here on host tensors, with a stage too small for the
     value, misaligned for fp32 (skip), or too small for one element (a direct copy)."""
-    from pstar_fx.runtime.chunk_store import staged_copy
+    from pstar_fx.runtime.store_values import staged_copy
     src = torch.randn(1001, generator=torch.Generator().manual_seed(0))
     dst = torch.full((1001,), float("nan"))
     stage = torch.zeros(stage_elems + skip, dtype=torch.bfloat16)[skip:]

@@ -512,7 +512,7 @@ def test_cuda_initial_values_equal_an_eager_cuda_build(name, precision):
 @pytest.mark.parametrize("name", ["gpt_tied", "hf_llama"])
 def test_cuda_initial_values_with_states_on_the_host_equal_an_eager_cuda_build(name):
     """bf16 under a budget that puts optimizer states on the host: the fp32 masters there are copied from the GPU
-    through each chunk's pinned home (ChunkStore.load_params) and still equal the eager CUDA build bit for bit."""
+    through each chunk's pinned home (StoreValues.load_params) and still equal the eager CUDA build bit for bit."""
     from pstar_fx.ir import StateHome
     build, loss_fn, batch = _case_parts(name)
     eager = built_on_cuda(build, empty=False)

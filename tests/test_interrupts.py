@@ -21,7 +21,7 @@ import torch
 
 import pstar_fx as px
 from pstar_fx.ir import Role
-from pstar_fx.runtime import chunk_store
+from pstar_fx.runtime import chunk_store, device_pool
 from pstar_fx.interrupts import DeferredInterrupt
 
 from harness import DEVICE, HYPER, tight_budget
@@ -222,7 +222,7 @@ class _Spans:
 
 
 # (the function, which of its calls in a step: 0 the first, -1 the last, how many events apart the positions are)
-BOOKKEEPING = [(chunk_store.DevicePool.take, 0, 1), (chunk_store.DevicePool.give, -1, 1),
+BOOKKEEPING = [(device_pool.DevicePool.take, 0, 1), (device_pool.DevicePool.give, -1, 1),
                (chunk_store.ChunkStore.release, -1, 3)]
 
 
@@ -373,7 +373,7 @@ def test_ctrl_c_during_an_evaluation_changes_nothing():
 
 
 class _FailingEmpty:
-    """chunk_store's view of torch: torch itself, except that `empty` raises torch.OutOfMemoryError at its call
+    """device_pool's view of torch: torch itself, except that `empty` raises torch.OutOfMemoryError at its call
     number `fail_at` (counting from 1; None: never), as a device allocation that runs out of memory does."""
 
     def __init__(self):
@@ -397,7 +397,7 @@ def test_out_of_memory_in_any_pool_allocation_before_the_commit_changes_nothing(
     changes nothing, and training goes on equal to a run without the failed steps (no byte stays counted)."""
     case = CASES_BY_NAME[name]
     fake = _FailingEmpty()
-    monkeypatch.setattr(chunk_store, "torch", fake)
+    monkeypatch.setattr(device_pool, "torch", fake)
     ref = _make(name, precision)
     ref(*case.batch(0))
     held_from = _first_value_written(ref)

@@ -17,7 +17,7 @@ from pstar_fx.passes import pipeline, run_passes
 from pstar_fx.passes.liveness import analyze
 from pstar_fx.ir import REMAT
 from pstar_fx.ir.fx_utils import draws_random
-from pstar_fx.passes.remat import _Graph, _Replay, apply, block_paths, find_segments
+from pstar_fx.passes.remat import GraphFacts, Replay, apply, block_paths, find_segments
 from pstar_fx.frontend.trace import trace_step
 from harness import HYPER, compiled_step, eager_run, rel_err
 from models import CASES_BY_NAME, GPT, Case, _gpt_batch, assert_state_close, gpt_loss
@@ -121,9 +121,9 @@ def test_replay_is_liveness_of_the_rewritten_graph(name):
     """The choice is made on a replay of liveness; it equals liveness over the graph the pass builds, for each
     segment alone and for all of them."""
     g = _liveness_graph(CASES_BY_NAME[name])
-    G = _Graph(g)
+    G = GraphFacts(g)
     segments = find_segments(g, G)
-    replay = _Replay(g, G, None)
+    replay = Replay(g, G, None)
     replay.add(segments)
     for chosen in [[s] for s in segments] + [list(segments)]:
         out = apply(g, chosen)

@@ -341,7 +341,7 @@ class Executor:
                     "(step.load(path) or step.load_state_dict(...)) to continue.") from e
             for name, value in saved.items():
                 self.store.buffers[name].copy_(value)
-            self.store.restore_params_from_masters()
+            self.store.values.restore_params_from_masters()
             raise
         return outputs, peak
 

@@ -70,7 +70,7 @@ def fill_chunks(store, params: dict[str, torch.Tensor], buffers: dict[str, torch
                              {n: t._pstar_ref for n, t in empty_params.items() if t._pstar_recording is rec},
                              {n: t._pstar_ref for n, t in empty_buffers.items() if t._pstar_recording is rec}))
     if store.precision.mixed and in_place:
-        store.restore_params_from_masters()    # the half-precision chunks: the fp32 masters written above, rounded
+        store.values.restore_params_from_masters()    # the half-precision chunks: the fp32 masters written above, rounded
     return ({n: t for n, t in params.items() if n not in empty_params},
             {n: values.get(n, t) for n, t in buffers.items()})
 
@@ -200,7 +200,7 @@ def _homes(rec: Recording, store, targets, *, cpu_only: bool) -> dict[int, torch
     for sid, ts in targets.items():
         is_param, name, ref = ts[0]
         if store.world == 1 and len(ts) == 1 and is_param and _contiguous_whole(ref, rec.storages[sid]):
-            home = store.param_value(name)
+            home = store.values.param_value(name)
             if (home.dtype == ref.dtype and tuple(home.shape) == ref.shape
                     and (home.device.type == "cpu" or not cpu_only)):
                 homes[sid] = home.reshape(-1)
@@ -258,7 +258,7 @@ def _replay(rec: Recording, store, params: dict[str, Ref], buffers: dict[str, Re
                 for is_param, name, ref in targets.get(sid, ()):
                     value = _view(root, ref.shape, ref.stride, ref.offset, ref.dtype)
                     if is_param:
-                        store.load_params({name: value})
+                        store.values.load_params({name: value})
                     else:
                         out[name] = value.clone()
     return out
@@ -361,7 +361,7 @@ def _replay_streamed(rec: Recording, store, params: dict[str, Ref], buffers: dic
         for is_param, name, ref in targets.get(sid, ()):
             value = _view(root, ref.shape, ref.stride, ref.offset, ref.dtype)
             if is_param:
-                store.load_params({name: value})       # converted on the device, then copied into the chunk
+                store.values.load_params({name: value})       # converted on the device, then copied into the chunk
             else:
                 out[name] = value.to(_CPU, copy=True)
 
