@@ -70,7 +70,7 @@ class Machine:
     cpu_adam_mixed: float = 2.48e9       # the same with the bf16 gradient converted in, the bf16 parameter out
     cpu_adam_under_copies: float = 2.7 / 4.1   # CPU AdamW's rate while copies run, as a fraction of its rate alone
     gpu_adam: float = 123e9              # parameters per second, torch's fused AdamW on the GPU
-    # fitted (least squares) to the three compute-bound steps measured on the H200 (BENCHMARKS.md, issue 5):
+    # fitted (least squares) to the three compute-bound steps measured on the H200 (BENCHMARKS.md):
     # GPT 1.3B at 8 x 2048 tokens (pstar-fx unlimited 0.2997 s; model 0.290 s), 1.3B at 4 x 2048 (eager
     # 0.149-0.154 s; model 0.169 s), 4.24B at 4 x 2048 (eager 0.417-0.426 s; model 0.412 s)
     kernel_s: float = 20e-6              # per kernel, beyond its FLOPs or bytes (launch gaps, small-kernel tails)

@@ -8,19 +8,21 @@ case see exactly the same model and data.
 
 The zoo deliberately covers the awkward bits a planner must get right:
 - MLP: the plain case (MSE and cross-entropy heads).
-- GPT: nanoGPT with *tied* embeddings (one parameter, two state_dict keys).
+- GPT: nanoGPT with *tied* embeddings (one parameter, two state_dict keys): pstar_fx.models.gpt.
 - CNN: BatchNorm in train mode (buffers mutated every step, incl. an int64 counter).
 - tiny GPT2 / tiny Llama from transformers: real-world modules (Conv1D, rotary
   embeddings with a non-persistent buffer, GQA, RMSNorm, HF's own loss).
 """
 
-import math
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from pstar_fx.models.gpt import GPT as ReferenceGPT
+from pstar_fx.models.gpt import GPTConfig, Init
 
 # -----------------------------------------------------------------------------
 # MLP
@@ -67,83 +69,12 @@ def mlp_loss(model, x, y):
     return F.cross_entropy(out, y)
 
 # -----------------------------------------------------------------------------
-# GPT (nanoGPT-style, tied embeddings)
+# GPT: the reference nanoGPT (pstar_fx.models.gpt), tied embeddings, as the tests build it
 
-class CausalSelfAttention(nn.Module):
-
-    def __init__(self, n_embd, n_head, dropout):
-        super().__init__()
-        assert n_embd % n_head == 0
-        self.n_head = n_head
-        self.c_attn = nn.Linear(n_embd, 3 * n_embd)  # q, k, v for all heads in one matmul
-        self.c_proj = nn.Linear(n_embd, n_embd)
-        self.dropout = dropout
-        self.resid_dropout = nn.Dropout(dropout)
-
-    def forward(self, x):
-        B, T, C = x.size()
-        q, k, v = self.c_attn(x).split(C, dim=2)
-        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-        y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
-        return self.resid_dropout(self.c_proj(y))
-
-
-class Block(nn.Module):
-
-    def __init__(self, n_embd, n_head, dropout):
-        super().__init__()
-        self.ln_1 = nn.LayerNorm(n_embd)
-        self.attn = CausalSelfAttention(n_embd, n_head, dropout)
-        self.ln_2 = nn.LayerNorm(n_embd)
-        self.mlp = nn.Sequential(
-            nn.Linear(n_embd, 4 * n_embd), nn.GELU(),
-            nn.Linear(4 * n_embd, n_embd), nn.Dropout(dropout))
-
-    def forward(self, x):
-        x = x + self.attn(self.ln_1(x))
-        x = x + self.mlp(self.ln_2(x))
-        return x
-
-
-class GPT(nn.Module):
-    """nanoGPT. lm_head shares its weight with wte: one Parameter, two state_dict keys."""
-
-    def __init__(self, vocab, block_size, n_layer, n_head, n_embd, dropout=0.0):
-        super().__init__()
-        self.block_size = block_size
-        self.wte = nn.Embedding(vocab, n_embd)
-        self.wpe = nn.Embedding(block_size, n_embd)
-        self.drop = nn.Dropout(dropout)
-        self.h = nn.ModuleList(Block(n_embd, n_head, dropout) for _ in range(n_layer))
-        self.ln_f = nn.LayerNorm(n_embd)
-        self.lm_head = nn.Linear(n_embd, vocab, bias=False)
-        self.lm_head.weight = self.wte.weight  # weight tying
-        self.apply(self._init_weights)
-        for pn, p in self.named_parameters():  # GPT-2 scaled init of residual projections
-            if pn.endswith("c_proj.weight") or pn.endswith("mlp.2.weight"):
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
-
-    def _init_weights(self, module):
-        if isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-
-    def forward(self, idx):
-        # idx: (B, T) int64 -> logits (B, T, vocab)
-        B, T = idx.size()
-        assert T <= self.block_size
-        pos = torch.arange(0, T, dtype=torch.long, device=idx.device)  # (T,)
-        x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
-        for block in self.h:
-            x = block(x)
-        return self.lm_head(self.ln_f(x))
+def GPT(vocab, block_size, n_layer, n_head, n_embd, dropout=0.0):
+    """nanoGPT with nanoGPT's initialisation. lm_head shares its weight with wte: one Parameter, two state_dict keys."""
+    return ReferenceGPT(GPTConfig(vocab=vocab, seq=block_size, layers=n_layer, hidden=n_embd, heads=n_head,
+                                  dropout=dropout, init=Init.MODULES))
 
 
 def gpt_loss(model, idx, targets):
@@ -340,21 +271,10 @@ def assert_state_close(sd_a, sd_b, rtol):
 # -----------------------------------------------------------------------------
 # activation checkpointing in user code (tests/test_checkpointing.py)
 
-class CheckpointedGPT(GPT):
+def CheckpointedGPT(vocab, block_size, n_layer, n_head, n_embd, dropout=0.0, reentrant=False):
     """nanoGPT with every block run under torch.utils.checkpoint.checkpoint (reentrant or not)."""
-
-    def __init__(self, *args, reentrant=False, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.reentrant = reentrant
-
-    def forward(self, idx):
-        from torch.utils.checkpoint import checkpoint
-        B, T = idx.size()
-        pos = torch.arange(0, T, dtype=torch.long, device=idx.device)  # (T,)
-        x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
-        for block in self.h:
-            x = checkpoint(block, x, use_reentrant=self.reentrant)
-        return self.lm_head(self.ln_f(x))
+    return ReferenceGPT(GPTConfig(vocab=vocab, seq=block_size, layers=n_layer, hidden=n_embd, heads=n_head,
+                                  dropout=dropout, init=Init.MODULES, checkpoint=True, reentrant=reentrant))
 
 
 def hf_checkpointed(build, reentrant):

@@ -64,7 +64,7 @@ def main() -> None:
     p = step.final_graph.plan
     result = dict(budget=budget, stage=step.final_graph.stage, predicted_peak=p.predicted_peak,
                   measured_peak=step.last_step.measured_peak, h2d=p.h2d_bytes, d2h=p.d2h_bytes,
-                  gathered=p.gathered_bytes, reduced=p.reduced_bytes, host_bytes=store_host_bytes(step._store),
+                  gathered=p.gathered_bytes, reduced=p.reduced_bytes, host_bytes=store_host_bytes(step._compiler.store),
                   chunks=len(step.final_graph.chunks), states_on_device=step.summary().states_on_device)
     torch.save(result, f"{args.out}.rank{rank}")
     dist.destroy_process_group()

@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 import pstar_fx as px
-from pstar_fx.ir.fx_utils import cycle_collection_paused
+from pstar_fx.api.compiler import cycle_collection_paused
 from pstar_fx.runtime.device_pool import DevicePool, PoolExhausted
 from pstar_fx.units import format_bytes, parse_bytes
 
@@ -145,7 +145,7 @@ def test_a_failing_step_names_the_node_and_leaves_the_step_usable():
     with pytest.raises(RuntimeError, match="failed at node") as e:
         step(torch.ones(4, 3, dtype=torch.long))
     assert f'test_api.py", line {line}' in str(e.value)       # the user's source line of the failing node
-    assert step._store.pool.in_use == step.graphs["scheduled"].plan.static_bytes   # nothing left on the device
+    assert step._compiler.store.pool.in_use == step.graphs["scheduled"].plan.static_bytes   # nothing left on the device
     assert step(torch.randn(4, 3)).dim() == 0
 
 

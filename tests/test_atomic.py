@@ -28,7 +28,7 @@ def _case(precision):
 
 def _snapshot(step) -> dict:
     """Everything a step may change, cloned (names made unique by prefixes)."""
-    store = step._store
+    store = step._compiler.store
     store.flush()                        # resident slots written on the device: host homes made current first
     snap = {f"sd.{k}": v.clone() for k, v in step.state_dict().items()}
     snap.update({f"states.{i}": s.detach().cpu().clone() for i, s in enumerate(store.states) if s is not None})

@@ -13,6 +13,7 @@ import torch
 
 import pstar_fx as px
 import pstar_fx.checkpoint as ckpt
+from pstar_fx.checkpoint import plain
 from pstar_fx.ir import Role
 
 import resume_script as rs
@@ -198,7 +199,7 @@ def test_load_before_the_first_step(tmp_path):
     want = step(*rs.batch(run, K)).item()
     fresh = rs.build(run)[0]
     fresh.load(tmp_path / "c")
-    assert fresh._store is None
+    assert fresh._compiler.store is None
     _assert_equal_state(fresh.state_dict(), want_sd, "before the first step")
     assert fresh(*rs.batch(run, K)).item() == want
 
@@ -211,17 +212,17 @@ def test_an_interrupted_save_never_leaves_a_checkpoint_that_load_accepts(tmp_pat
     step(*rs.batch(run, 1))
 
     # interrupted while writing the second file: the old checkpoint stays whole, no temporary is left
-    real_write, calls = ckpt._write, []
+    real_write, calls = plain.write, []
 
     def write_then_fail(obj, p):
         calls.append(p)
         if len(calls) == 2:
             raise KeyboardInterrupt
         real_write(obj, p)
-    monkeypatch.setattr(ckpt, "_write", write_then_fail)
+    monkeypatch.setattr(plain, "write", write_then_fail)
     with pytest.raises(KeyboardInterrupt):
         step.save(path)
-    monkeypatch.setattr(ckpt, "_write", real_write)
+    monkeypatch.setattr(plain, "write", real_write)
     assert sorted(os.listdir(tmp_path)) == ["c"]
     _assert_equal_state(torch.load(path / "model.pt", weights_only=True), good, "old checkpoint")
     rs.build(run)[0].load(path)
@@ -234,10 +235,10 @@ def test_an_interrupted_save_never_leaves_a_checkpoint_that_load_accepts(tmp_pat
         if len(renames) == 2:
             raise KeyboardInterrupt
         real_replace(a, b)
-    monkeypatch.setattr(ckpt.os, "replace", replace_then_fail)
+    monkeypatch.setattr(os, "replace", replace_then_fail)
     with pytest.raises(KeyboardInterrupt):
         step.save(path)
-    monkeypatch.setattr(ckpt.os, "replace", real_replace)
+    monkeypatch.setattr(os, "replace", real_replace)
     with pytest.raises(FileNotFoundError, match=r"c\.old-.*c\.tmp-|c\.tmp-.*c\.old-"):
         rs.build(run)[0].load(path)
 

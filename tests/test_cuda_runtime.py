@@ -81,7 +81,7 @@ def test_copies_run_on_their_own_streams_without_blocking_the_cpu():
     step = px.compile(Stack(d, 2, seed=2), optimizer=px.AdamW(lr=1e-3), device="cuda", precision="fp32",
                       chunk_size=d * d)(lambda m, x: m(x).sum())
     step(torch.randn(8, d))
-    store = step._store
+    store = step._compiler.store
     store.evict_all()                                       # the step left its chunks resident (carried)
     torch.cuda.synchronize()
     key = BufKey(0, BufKind.PARAM)

@@ -71,7 +71,7 @@ def check_equal(results, ref_losses, ref_sd, world):
         assert res["h2d"][0] == res["h2d"][1] and res["d2h"][0] == res["d2h"][1], "moved per step == plan"
 
 
-# PSTAR_TEST_WORLDS=4,8 adds world sizes (issue 9's CPU runs; too slow for CI on 2 cores)
+# PSTAR_TEST_WORLDS=4,8 adds world sizes (too slow for CI on 2 cores)
 WORLDS = [2, 3] + [int(w) for w in os.environ.get("PSTAR_TEST_WORLDS", "").split(",") if w]
 
 

@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 
 import pstar_fx as px
-from pstar_fx.agreement import _value_digests
+from pstar_fx.api.agreement import _value_digests
 from pstar_fx.frontend.init_empty import origin_digests
 from harness import rel_err
 from models import assert_state_close

@@ -31,7 +31,7 @@ def _make(atomic, precision="bf16", clip=None):
 
 
 def _everything(step) -> dict:
-    step._store.flush()
+    step._compiler.store.flush()
     out = {f"sd.{k}": v.clone() for k, v in step.state_dict().items()}
     for i, s in step.optimizer.state_dict()["state"].items():
         out.update({f"opt.{i}.{k}": v.clone() for k, v in s.items()})

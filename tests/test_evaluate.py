@@ -1,4 +1,4 @@
-"""Forward-only functions: px.compile(model, optimizer=None) (issue 6, item 5)."""
+"""Forward-only functions: px.compile(model, optimizer=None)."""
 import pytest
 import torch
 import torch.nn.functional as F

@@ -71,7 +71,7 @@ def test_the_store_takes_the_buffers_reserved_during_the_schedule_pass():
     step = px.compile(case.build_model(), optimizer=px.AdamW(**HYPER), device="cpu", precision="bf16",
                       chunk_size=1024, device_memory=tight_budget(case, 1024, 1.3))(case.loss_fn)
     step(*case.batch(0))
-    store = step._store
+    store = step._compiler.store
     placed = step.graphs["optimizer_placed"]
     specs = host_buffer_specs(placed.chunks, step.settings.precision, 1)
     assert any(c.state_home is StateHome.HOST for c in placed.chunks)
@@ -181,12 +181,12 @@ def test_a_first_compile_lays_its_host_buffers_out_in_memory_faulted_in_while_it
     case = _mlp_case()
     budget = tight_budget(case, 1 << 16, 1.3)
     losses, sd, step = compiled_run(case, 3, budget=budget, chunk_size=1 << 16)
-    mem = step._store.hostmem
+    mem = step._compiler.store.hostmem
     assert budget < 8 * sum(p.numel() for p in case.build_model().parameters())
     assert mem._pool is not None and mem.pool_seconds > 0
     specs = host_buffer_specs(step.graphs["optimizer_placed"].chunks, step.settings.precision, 1)
     assert specs and mem.taken == len(specs)
-    store = step._store
+    store = step._compiler.store
     host_states = [t for t, home in zip(store.states, store.state_home) if home is StateHome.HOST]
     # the estimate counts parameters, not the chunks' padding: what did not fit the pool got an arena
     assert sum(_inside(t, mem._pool) for t in host_states) >= 2
@@ -223,7 +223,7 @@ def test_compiling_runs_on_one_intra_op_thread_and_set_up_keeps_its_threads():
     """While a step is traced and planned the compiling thread's torch ops run on one intra-op thread (its setting
     restored after, also on an error), and the host set-up thread faults memory in on the threads counted before."""
     import threading
-    from pstar_fx.ir.fx_utils import one_intra_op_thread
+    from pstar_fx.api.compiler import one_intra_op_thread
     from pstar_fx.runtime.host_memory import HostMemory
     n = torch.get_num_threads()
     torch.set_num_threads(4)

@@ -24,13 +24,13 @@ def _make(precision="fp32", clip=None, slack=1.3):
 
 def _inline(step):
     """From now on the step runs its host-side updates inline, on the executor's thread (after the pending ones)."""
-    step._store.flush()
-    step._store.updates = None
+    step._compiler.store.flush()
+    step._compiler.store.updates = None
 
 
 def _slow(step, seconds=0.02):
     """Make every host-side update take a while longer, so that steps return with updates still pending."""
-    updates = step._store.updates
+    updates = step._compiler.store.updates
     submit = updates.submit
     updates.submit = lambda chunk, fn, after=(): submit(chunk, lambda: (time.sleep(seconds), fn())[1], after=after)
 
@@ -71,7 +71,7 @@ def test_step_returns_with_updates_pending_and_readers_wait_for_them():
     step(*CASE.batch(0))
     _slow(step, 0.2)
     step(*CASE.batch(1))
-    assert step._store.updates._shared.pending, "the step returned before its host-side updates finished"
+    assert step._compiler.store.updates._shared.pending, "the step returned before its host-side updates finished"
     _assert_bitwise(_everything(step), _everything(ref))          # state_dict() and the optimizer's wait
     step(*CASE.batch(2))
     model = step.sync_model()                                      # sync_model() waits too
@@ -102,7 +102,7 @@ def test_failed_step_completes_the_previous_steps_pending_updates():
     with pytest.raises(RuntimeError, match="injected"):
         step(*CASE.batch(99))
     step._before_node = None
-    assert not step._store.updates._shared.pending
+    assert not step._compiler.store.updates._shared.pending
     _assert_bitwise(_everything(step), want)
     step(*CASE.batch(2))
     ref(*CASE.batch(2))
@@ -112,7 +112,7 @@ def test_failed_step_completes_the_previous_steps_pending_updates():
 def test_worker_thread_ends_with_its_step():
     step = _make()
     step(*CASE.batch(0))
-    thread = step._store.updates._thread
+    thread = step._compiler.store.updates._thread
     assert thread is not None and thread.is_alive()
     del step
     gc.collect()
@@ -134,7 +134,7 @@ def test_the_worker_runs_with_its_own_thread_count():
     step = _make("bf16")
     for i in range(2):
         step(*CASE.batch(i))
-    step._store.updates.wait_all()
-    spent = step._store.updates.time
+    step._compiler.store.updates.wait_all()
+    spent = step._compiler.store.updates.time
     host = sum(1 for c in step.final_graph.chunks if c.state_home is not None and c.state_home.value == "host")
     assert host > 0 and spent.updates == 2 * host and spent.updating > 0

@@ -1,4 +1,4 @@
-"""px.init_empty(): models built without memory, initialised in their chunks at the first step (issue 5, item 6).
+"""px.init_empty(): models built without memory, initialised in their chunks at the first step.
 
 Every model here is built twice from the same RNG state: eagerly, and under px.init_empty(). The values pstar-fx makes
 in its chunks must equal the eager ones bit for bit, and training from them must equal training from the eager model
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 import pstar_fx as px
 from pstar_fx.frontend.init_empty import EmptyTensor
-from pstar_fx.ownership import HeldTensor
+from pstar_fx.api.model_state import HeldTensor
 
 from harness import DEVICE, HYPER, eager_run, fetch_counts, host_params, rel_err, tight_budget
 from models import CASES_BY_NAME, GPT, MODEL_SEED, assert_state_close, gpt_loss
@@ -283,10 +283,10 @@ _MEMORY_SCRIPT = textwrap.dedent("""
         model = GPT(**cfg)
     step = px.compile(model, optimizer=px.AdamW(lr=1e-3), device="cpu", precision="fp32")(gpt_loss)
     step.lower(*batch)               # traces, plans, allocates the chunks' host homes and optimizer states
-    store = step._store
+    store = step._compiler.store
     store_bytes = sum(t.nbytes for t in store.host_param) + sum(t.nbytes for t in store.states if t is not None)
     lowered = reset()
-    step._take_model()               # the first step's initialisation, into the chunks
+    step._model_state.take()               # the first step's initialisation, into the chunks
     take = status("VmHWM") - lowered
     compile_total = status("VmHWM") - before
     before = reset()                 # the control: an eager build, measured the same way
@@ -584,7 +584,7 @@ def test_cuda_replay_holds_a_few_tensors_on_the_device(precision):
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    step._take_model()                     # what the first step does first: the initialisation
+    step._model_state.take()                     # what the first step does first: the initialisation
     torch.cuda.synchronize()
     grew = torch.cuda.max_memory_allocated() - base
     largest = max(p.numel() for p in model.parameters()) * 4

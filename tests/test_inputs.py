@@ -1,4 +1,4 @@
-"""Issue 7, tracing and inputs: a model never left changed by a failed trace, autocast mixed precision with inputs in
+"""Tracing and inputs: a model never left changed by a failed trace, autocast mixed precision with inputs in
 their own dtype, grad-mode and argument errors, the budget a step needs, signature stability and the trace cache,
 chunk padding, float64 inputs."""
 import subprocess
@@ -11,7 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import pstar_fx as px
-from pstar_fx.cache import TraceCache
+from pstar_fx.api.trace_cache import TraceCache
 from pstar_fx.frontend.trace import flatten_batch
 
 from harness import DEVICE, HYPER, compiled_step, small_batches
@@ -50,7 +50,7 @@ def _assert_unchanged(model, snap):
             assert torch.equal(now[n].detach(), val), n
 
 
-# -- row 1: a submodule under two names; the model is never left changed by tracing ---------------------------------
+# -- a submodule under two names; the model is never left changed by tracing -------------------------------------------
 
 class TwoNames(nn.Module):
     """`a` is reachable as `a` and as `c.0`: one module, two attribute paths (state_dict has both names)."""
@@ -116,7 +116,7 @@ def test_failed_trace_leaves_model_unchanged(fn, model_name):
     _assert_unchanged(model, snap)
 
 
-# -- row 7: mixed precision as torch.autocast does it --------------------------------------------------------------
+# -- mixed precision as torch.autocast does it -------------------------------------------------------------------------
 
 def _eager_autocast(case_or_model, loss_fn, batches, dtype, hyper=HYPER):
     """The reference: an fp32 model under torch.autocast, fused AdamW, GradScaler for fp16. Returns losses, skips."""
@@ -234,7 +234,7 @@ def test_autocast_graph_keeps_losses_and_norms_in_fp32():
     assert loss.meta["val"].dtype is torch.float32
 
 
-# -- row 9: grad mode ----------------------------------------------------------------------------------------------
+# -- grad mode ---------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("ctx,name", [(torch.inference_mode, "inference_mode"), (torch.no_grad, "no_grad")])
 def test_step_under_no_grad_or_inference_mode_raises_every_time(ctx, name):
@@ -245,7 +245,7 @@ def test_step_under_no_grad_or_inference_mode_raises_every_time(ctx, name):
     with ctx():                                   # the first call: nothing compiled yet
         with pytest.raises(px.PstarError, match=rf"torch\.{name}\(\).*needs grad mode.*optimizer=None"):
             step(x, y)
-    assert len(step._cache) == 0 and step.last_step is None
+    assert len(step._compiler.cache) == 0 and step.last_step is None
     step(x, y)
     before = step.state_dict()
     for _ in range(2):                            # later calls: still refused, nothing trained
@@ -256,7 +256,7 @@ def test_step_under_no_grad_or_inference_mode_raises_every_time(ctx, name):
     assert all(torch.equal(after[k], before[k]) for k in before)
 
 
-# -- row 10: argument errors and run-time errors name the user's code -----------------------------------------------
+# -- argument errors and run-time errors name the user's code ----------------------------------------------------------
 
 def test_wrong_number_of_batch_arguments_names_function_and_arguments():
     step = _compile(TwoNames(), _mse)
@@ -290,7 +290,7 @@ def test_out_of_range_token_names_the_users_line():
     assert "functional.py" not in msg
 
 
-# -- row 11: what the whole step needs ----------------------------------------------------------------------------
+# -- what the whole step needs -----------------------------------------------------------------------------------------
 
 def test_budget_error_names_what_the_step_needs():
     case = CASES_BY_NAME["gpt_tied"]
@@ -312,7 +312,7 @@ def test_budget_error_names_what_the_step_needs():
     _assert_unchanged(model, snap)
 
 
-# -- row 12: signature stability, constants, the bounded cache -----------------------------------------------------
+# -- signature stability, constants, the bounded cache -----------------------------------------------------------------
 
 def test_same_first_shape_twice_compiles_once_in_a_fresh_process():
     """torch registers its pytree types lazily, during the first trace; the signature must not change with it."""
@@ -322,7 +322,7 @@ def test_same_first_shape_twice_compiles_once_in_a_fresh_process():
         "step = px.compile(m, optimizer=px.AdamW(lr=1e-3), device='cpu')(lambda m, b, y: F.mse_loss(m(b['x']), y))\n"
         "b = ({'x': torch.randn(3, 4)}, torch.randn(3, 2))\n"
         "step(*b); first = step.graphs['traced']; step(*b)\n"
-        "print(len(step._cache), step.graphs['traced'] is first)\n")
+        "print(len(step._compiler.cache), step.graphs['traced'] is first)\n")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["1", "True"]
@@ -340,7 +340,7 @@ def test_changing_constant_warns_once_and_cache_stays_bounded():
     assert len(mine) == 1, [str(w.message) for w in caught]
     msg = str(mine[0].message)
     assert "batch[2]" in msg and "tensor" in msg and mine[0].filename == __file__
-    assert len(step._cache) <= 8
+    assert len(step._compiler.cache) <= 8
 
 
 def test_trace_cache_is_lru_and_bounded():
@@ -362,7 +362,7 @@ def test_constants_change_the_signature_and_unhashable_ones_are_named():
         flatten_batch((torch.randn(2), {"tags": {1, 2}, "x": torch.randn(1)}))
 
 
-# -- row 13: chunk padding and float chunk sizes -------------------------------------------------------------------
+# -- chunk padding and float chunk sizes -------------------------------------------------------------------------------
 
 def _six_k():
     torch.manual_seed(0)
@@ -403,7 +403,7 @@ def test_float_chunk_size_is_rejected_with_the_int_to_write():
         _compile(_six_k(), lambda m, x: m(x).sum(), chunk_size=2e7)
 
 
-# -- "must work" 6: float64 inputs ---------------------------------------------------------------------------------
+# -- float64 inputs ----------------------------------------------------------------------------------------------------
 
 def test_float64_input_keeps_its_dtype_like_eager():
     """Eager PyTorch does not convert a float64 batch for a float32 model (F.linear raises); neither does pstar-fx,

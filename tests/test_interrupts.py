@@ -129,7 +129,7 @@ def _counted(step, batch, opcodes: bool, after=None) -> tuple[int, int | None, i
     its first value written (None on a first call))."""
     tracer = _CtrlCAt(None, opcodes, after)
     mark = []
-    at = _first_value_written(step) if step._latest is not None else None
+    at = _first_value_written(step) if step._compiler.latest is not None else None
     step._before_node = lambda i, n: mark.append(tracer.events) if i == at else None
     _, err = _traced_call(step, batch, tracer)
     step._before_node = None
@@ -167,7 +167,7 @@ def test_ctrl_c_at_random_moments_never_breaks_a_step(name, precision, atomic):
         done = calls = tries = 0
         while done < STEPS:
             where = f"{name} {precision} atomic={atomic}, seed {seed}, call {calls} (batch {done})"
-            compiled = step._latest is not None
+            compiled = step._compiler.latest is not None
             after = None
             if not compiled:       # the first call: in the trace or the passes; then in the set-up or the run
                 tries += 1
@@ -286,7 +286,7 @@ def test_ctrl_c_while_tracing_is_held_until_the_trace_ends():
         step(*case.batch(0))
     assert ran_after_the_signal == [True]
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-    assert _steps_done(step) == 0 and step._store is None       # nothing set up, nothing trained
+    assert _steps_done(step) == 0 and step._compiler.store is None       # nothing set up, nothing trained
     ref = _make(name, "fp32")
     for i in range(2):
         assert torch.equal(step(*case.batch(i)), ref(*case.batch(i)))
@@ -356,7 +356,7 @@ def test_ctrl_c_during_an_evaluation_changes_nothing():
     step(*case.batch(0))
     fired = 0
     for k in range(8):
-        compiled = evaluate._latest is not None
+        compiled = evaluate._compiler.latest is not None
         tracer = _CtrlCAt(rng.randint(1, later if compiled else first), opcodes=compiled)
         step._model.eval()
         out, err = _traced_call(evaluate, case.batch(50), tracer)

@@ -1,4 +1,4 @@
-"""The model and the step never disagree silently (issue 7, rows 4-6).
+"""The model and the step never disagree silently.
 
 While a compiled step holds a model, its parameters and buffers (the same Python objects the user has) carry no data
 and raise ModelHeldError when used; `step.sync_model()` writes the trained values back; edits made then are trained

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 import pstar_fx as px
-from pstar_fx.api import _check_measured
+from pstar_fx.runtime.run import check_measured
 from pstar_fx.frontend.fake_fixes import grouped_mm, grouped_mm_backward
 from pstar_fx.ir.fx_utils import bounded_live, data_dependent_sizes
 from pstar_fx.frontend import moe_rewrites
@@ -178,12 +178,12 @@ def test_debug_check_is_exact_except_where_a_bounded_size_is_alive(small_eager_s
     i, j = loose.index(True), loose.index(False)
     assert sum(loose) > 0 and not all(loose)
     assert [n.target for n in g.nodes].index(torch.ops.aten.nonzero.default) == i
-    _check_measured(g, predicted)
-    _check_measured(g, [p - 1 if k == i else p for k, p in enumerate(predicted)])
+    check_measured(g, predicted)
+    check_measured(g, [p - 1 if k == i else p for k, p in enumerate(predicted)])
     with pytest.raises(AssertionError, match="plan mismatch"):
-        _check_measured(g, [p + 1 if k == i else p for k, p in enumerate(predicted)])
+        check_measured(g, [p + 1 if k == i else p for k, p in enumerate(predicted)])
     with pytest.raises(AssertionError, match="plan mismatch"):
-        _check_measured(g, [p - 1 if k == j else p for k, p in enumerate(predicted)])
+        check_measured(g, [p - 1 if k == j else p for k, p in enumerate(predicted)])
 
 
 # ------------------------------------------------------------------------------------------------------------------

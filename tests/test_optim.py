@@ -178,7 +178,7 @@ def test_lr_set_between_steps_takes_effect_at_the_next_step_without_retrace():
         ref_losses += eager_steps(MLP, ref, opt, 1, start=i)
         losses += px_steps(MLP, step, 1, start=i)
         traced = traced or step.graphs["traced"]
-        assert step.graphs["traced"] is traced and len(step._cache) == 1   # no retrace
+        assert step.graphs["traced"] is traced and len(step._compiler.cache) == 1   # no retrace
     assert losses == ref_losses
     assert_state_close(step.state_dict(), ref.state_dict(), rtol=1e-6)
 
@@ -217,7 +217,7 @@ def test_torch_lr_schedulers_drive_the_live_optimizer_like_eager(name):
         assert step.optimizer.param_groups[0]["betas"] == opt.param_groups[0]["betas"] != HYPER["betas"]
     assert rel_err(losses, ref_losses) <= 1e-6, (losses, ref_losses)
     assert_state_close(step.state_dict(), ref.state_dict(), rtol=1e-6)
-    assert len(step._cache) == 1
+    assert len(step._compiler.cache) == 1
 
 
 # -- optimizer state dicts: torch's format, both ways ------------------------------------------------------------------

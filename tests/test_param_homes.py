@@ -12,7 +12,7 @@ import pstar_fx as px
 from pstar_fx.ir import ops
 from pstar_fx.ir import ParamHome, Role, StateHome
 from pstar_fx.passes import VerificationError, verify
-from pstar_fx.planning import host_bytes
+from pstar_fx.api.plan import host_bytes
 
 from harness import HYPER, compiled_step, small_batches
 from models import CASES_BY_NAME
@@ -45,7 +45,7 @@ def test_master_homes_equal_host_homes_bitwise(slack, monkeypatch):
     assert master and all(g.chunks[i].state_home is StateHome.DEVICE for i in master)
     cast = [n for n in g.nodes if n.target is ops.fetch and g.ann[n.name].chunk in master]
     assert cast, "a device-state chunk's parameters are evicted and cast again from the master within the step"
-    assert all(step._store.host_param[i] is None for i in master)
+    assert all(step._compiler.store.host_param[i] is None for i in master)
     assert step.last_step.h2d_bytes == g.plan.h2d_bytes and step.last_step.d2h_bytes == g.plan.d2h_bytes
 
     monkeypatch.setattr(schedule_mod, "param_homes", _host_homes)

@@ -69,7 +69,7 @@ def test_plan_is_the_compiled_steps_plan(name, budget):
         assert rep.peak_device == p.predicted_peak == step.last_step.measured_peak
         assert (rep.h2d_bytes, rep.d2h_bytes) == (p.h2d_bytes, p.d2h_bytes)
         assert (rep.h2d_bytes, rep.d2h_bytes) == (step.last_step.h2d_bytes, step.last_step.d2h_bytes)  # step 2
-        assert rep.host_bytes == store_host_bytes(step._store)
+        assert rep.host_bytes == store_host_bytes(step._compiler.store)
         assert rep.chunks == len(step.final_graph.chunks)
         assert rep.states_on_device == step.summary().states_on_device
         assert str(rep.graph) == str(step.final_graph)
@@ -187,7 +187,7 @@ GPT_ARGS = ["--layers", "2", "--d-model", "64", "--heads", "4", "--seq", "32", "
 
 
 def test_command_line_prints_the_table():
-    cmd = [sys.executable, "-m", "pstar_fx.plan", *GPT_ARGS, "--world-size", "4", "--gpus-per-node", "2",
+    cmd = [sys.executable, "-m", "pstar_fx.api.plan_cli", *GPT_ARGS, "--world-size", "4", "--gpus-per-node", "2",
            "--device-memory", "64MB", "--host-memory", "1GB", "--checkpoint"]
     out = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True,
                          timeout=300)
@@ -198,7 +198,7 @@ def test_command_line_prints_the_table():
 
 
 def test_command_line_no_fit_and_px_plan_survive_importing_the_module(capsys):
-    from pstar_fx.plan import main, run
+    from pstar_fx.api.plan_cli import main, run
     rep = main([*GPT_ARGS, "--device-memory", "10KB"])
     assert not rep.fits_device and rep.device_needed > 10_000
     assert "verdict: DOES NOT FIT" in capsys.readouterr().out
@@ -208,11 +208,11 @@ def test_command_line_no_fit_and_px_plan_survive_importing_the_module(capsys):
 
 
 def test_benchmark_flops_are_the_plans_model_flops():
-    """benchmarks/gpt.py runs the GPT that `python -m pstar_fx.plan` plans (it imports it), and counts a step's
+    """benchmarks/gpt.py runs the reference GPT that `pstar-fx-plan` plans (it imports it), and counts a step's
     FLOPs as the plan does: 6 N tokens + 12 layers hidden seq tokens."""
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import gpt as bench
-    from pstar_fx.plan import GPT
+    from pstar_fx.models.gpt import GPT
     assert bench.GPT is GPT
     cfg = bench.GPTConfig(vocab=256, seq=32, layers=2, hidden=64, heads=4)
     with torch.device("meta"):

@@ -175,10 +175,10 @@ def test_remat_lowers_the_peak_the_optimizer_states_share():
     first ones, which lowered the sum over nodes most (the choice before the peak was a figure: h.0 and h.1 here,
     as at 17B, where it left 16 of 54 blocks' activations and 37 fewer chunks' states on the device), and more
     chunks' states fit on the device than with those two."""
-    from pstar_fx import planning
+    import pstar_fx.api.plan as planning
     from pstar_fx.ir import ChunkGroup, Precision, Settings, StateHome
     from pstar_fx.passes import place_optimizer, remat
-    from pstar_fx.plan import GPT as PlanGPT, GPTConfig, gpt_loss as plan_loss
+    from pstar_fx.api.plan_cli import GPT as PlanGPT, GPTConfig, gpt_loss as plan_loss
     cfg = GPTConfig(vocab=1024, seq=512, layers=6, hidden=1024, heads=4)
     with torch.device("meta"):
         model = PlanGPT(cfg)

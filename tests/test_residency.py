@@ -42,7 +42,7 @@ def test_first_step_is_a_prologue_that_brings_the_carried_set_in():
     step(*GPT.batch(0))
     total = sum(c.nbytes for c in step.graphs["scheduled"].chunks)
     assert step.last_step.h2d_bytes == total          # the prologue fetched every parameter buffer once
-    assert set(step._store.slots) == set(_carried(step))
+    assert set(step._compiler.store.slots) == set(_carried(step))
 
 
 @pytest.mark.parametrize("chunk_size,slack", [(1024, 1.05), (256, 1.3), (1024, 2.0)])
@@ -55,8 +55,8 @@ def test_tight_budgets_close_the_cycle_and_match_eager(chunk_size, slack):
     losses = []
     for i in range(4):
         losses.append(step(*SMALL.batch(i)).item())
-        assert set(step._store.slots) == set(_carried(step))
-        assert step._store.stale <= {k for k, d in _carried(step).items() if d}
+        assert set(step._compiler.store.slots) == set(_carried(step))
+        assert step._compiler.store.stale <= {k for k, d in _carried(step).items() if d}
     g = step.graphs["scheduled"]
     carried = _carried(step)
     assert 0 < len(carried), "something stays resident"
@@ -93,7 +93,7 @@ def test_host_readers_see_device_values():
     step = compiled_step(GPT)
     for i in range(2):
         step(*GPT.batch(i))
-    store = step._store
+    store = step._compiler.store
     assert any(k.buf is BufKind.PARAM for k in store.stale), "the test needs stale host homes"
     opt_sd = step.optimizer.state_dict()
     ref_losses, ref_sd = eager_run(GPT, 2)
@@ -119,7 +119,7 @@ def test_load_state_dict_replaces_resident_values(budget):
     sd, opt_sd = a.state_dict(), a.optimizer.state_dict()
     other = compiled_step(SMALL, budget=b, chunk_size=1024)
     other(*SMALL.batch(7))                                        # its own values, resident and stale
-    assert other._store.stale
+    assert other._compiler.store.stale
     other.load_state_dict(sd)
     other.optimizer.load_state_dict(opt_sd)
     la, lo = a(*SMALL.batch(2)).item(), other(*SMALL.batch(2)).item()
@@ -169,7 +169,7 @@ def test_evict_all_then_step_equals_staying_resident():
     for i in range(4):
         la, lb = a(*GPT.batch(i)).item(), b(*GPT.batch(i)).item()
         assert la == lb
-        b._store.evict_all()
-        assert not b._store.slots
+        b._compiler.store.evict_all()
+        assert not b._compiler.store.slots
     for k, v in a.state_dict().items():
         assert torch.equal(v, b.state_dict()[k]), k

@@ -7,7 +7,7 @@ import torch
 
 import pstar_fx as px
 from pstar_fx.ir import Role
-from pstar_fx.timeline import ChunkMove, MoveKind, Row, columns
+from pstar_fx.api.timeline import ChunkMove, MoveKind, Row, columns
 
 from harness import compiled_step, tight_budget
 from models import CASES_BY_NAME

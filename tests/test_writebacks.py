@@ -26,7 +26,7 @@ def _store():
     step = px.compile(nn.Sequential(nn.Linear(d, d), nn.Linear(d, d)), optimizer=px.AdamW(lr=1e-3), device="cpu",
                       precision="fp32", chunk_size=d * d)(lambda m, x: m(x).sum())
     step(torch.randn(4, d))
-    return step._store
+    return step._compiler.store
 
 
 def test_reclaim_gives_back_oldest_first_until_the_room_is_left():
@@ -74,7 +74,7 @@ def test_a_deferred_release_lets_compute_run_past_its_write_back():
     step = px.compile(W, optimizer=px.AdamW(lr=1e-3), device="cuda", precision="fp32",
                       chunk_size=d * d)(lambda m, x: m(x).sum())
     step(torch.randn(8, d))
-    store = step._store
+    store = step._compiler.store
     store.evict_all()
     torch.cuda.synchronize()
     key = BufKey(0, BufKind.PARAM)

@@ -1,13 +1,13 @@
 """Activation checkpointing in the user's step: traced as eager autograd runs it, with its recompute marked.
 
-Why it used to fail. `trace_step` runs the step inside `torch.func.functional_call`, which substitutes the model's
-tensors only while the forward runs, and then records backward with `torch.autograd.grad`. Checkpointing re-runs the
-region's function during backward: by then functional_call had put the module's real Parameters back, so the recompute
-read real tensors inside the fake-tensor trace ("convert all Tensors to FakeTensors first", blamed on the first line of
-the region). `use_reentrant=True` failed one step earlier: its backward refuses `torch.autograd.grad` ("incompatible
-with .grad()") and needs `.backward()` without `inputs`.
+Why a plain trace fails. `torch.func.functional_call` substitutes the model's tensors only while the forward runs,
+and backward would be recorded with `torch.autograd.grad`. Checkpointing re-runs the region's function during
+backward: by then functional_call has put the module's real Parameters back, so the recompute would read real tensors
+inside the fake-tensor trace ("convert all Tensors to FakeTensors first", blamed on the first line of the region).
+`use_reentrant=True` fails one step earlier: its backward refuses `torch.autograd.grad` ("incompatible with .grad()")
+and needs `.backward()` without `inputs`.
 
-What is traced now. The substitution stays in place through backward (`substituted`), and when the autograd graph
+What is traced. The substitution stays in place through backward (`substituted`), and when the autograd graph
 holds a reentrant checkpoint the gradients come from `.backward()` and the leaves' `.grad` (`gradients`), as eager
 does it. The traced graph then contains exactly what eager autograd executes, in both modes and for transformers'
 `gradient_checkpointing_enable()`:

@@ -8,10 +8,8 @@ bytes are <= the plan at the nodes where one is alive (`bounded_live`) and equal
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
-import gc
 import os
 import re
 from dataclasses import dataclass
@@ -23,51 +21,6 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.utils._pytree import tree_leaves
 
 from ..errors import is_own_file
-
-
-@contextlib.contextmanager
-def cycle_collection_paused():
-    """Python's cyclic garbage collector off while a step is traced and planned, and one collection at the end.
-
-    Tracing and the passes make millions of objects that stay alive (fake tensors, fx nodes), so every automatic
-    full collection walks them all: planning the 17B GPT of BENCHMARKS.md on this project's CPU machine ran 8 of
-    them, 2.4-2.7 s, and took 18.4 s without them against 20.3-23.7 s with. The one collection at the end frees the
-    cycles the passes dropped (discarded fx graphs); without it the first automatic collection of the training loop
-    would pay the same in a step. It collects the youngest generation only: everything made while the collector was
-    off is there, and the caller's older objects are not walked again. A collector the caller had turned off stays
-    off, uncollected.
-
-    Yields `collect_now()`: that collection at once (where the caller has a better moment for it, such as while
-    host memory is still being faulted in); the one at the end then walks only what was made after it."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield (lambda: gc.collect(0)) if was else (lambda: 0)
-    finally:
-        if was:
-            gc.enable()
-            gc.collect(0)
-
-
-@contextlib.contextmanager
-def one_intra_op_thread():
-    """The calling thread's torch ops on one intra-op thread while a step is traced and planned, its own setting
-    restored after. The passes compute on tensors of one element per node (remat's replay of liveness, the
-    schedule's free bytes): an OpenMP team of every core is slower at that size than one thread, and stalls while
-    threads beside it fault host memory in (`HostMemory.prefault`): on this project's 2-core CI machine, ops on 24k
-    elements took 3.5 times as long beside one faulting thread with two intra-op threads, unchanged with one; on the
-    H200 machine the remat pass took 6.4 s beside the faulting against 2.05 s alone (BENCHMARKS.md, session 12).
-    torch's setting is per thread, but a thread that first uses torch meanwhile starts with one intra-op thread:
-    HostMemory counts its threads before."""
-    n = torch.get_num_threads()
-    if n == 1:
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
 
 
 _TORCH_DIR = os.path.dirname(torch.__file__)

@@ -22,8 +22,9 @@ from __future__ import annotations
 
 from ..ir import ops
 from ..ir.graph import BufKind, ChunkGroup, ParamHome, Role, StateHome, TrainGraph
-from .liveness import analyze
 from ..ir.needs import BufKey, all_needs, buf_bytes, static_bytes
+from ..ir.printing import format_lines
+from .liveness import analyze
 
 
 class VerificationError(AssertionError):
@@ -31,7 +32,6 @@ class VerificationError(AssertionError):
 
 
 def _fail(g: TrainGraph, i: int | None, msg: str):
-    from ..ir.printing import format_lines
     context = ""
     if i is not None:
         lines = format_lines(g)

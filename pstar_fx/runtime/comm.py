@@ -12,7 +12,7 @@ A rank that fails stops calling collectives; the others would wait for ever, so 
 the user, or by `px.distributed.init`) with a timeout and the step turns a collective that times out into a
 `px.DistributedError` naming the operation and chunk (see api).
 
-Control messages (what the ranks must agree on before a step's collectives, see pstar_fx.agreement) go over a
+Control messages (what the ranks must agree on before a step's collectives, see pstar_fx.api.agreement) go over a
 CPU-side gloo group of the same ranks (`control`), made once per process group, collectively, with its first Comm
 and shared by the later ones: on NCCL, reading a GPU
 collective's result on the CPU would wait for everything queued on the GPU before it, at the start of every step.

@@ -15,7 +15,7 @@ Most host bytes are known once the optimizer is placed (the host-stepped chunks'
 homes), before the schedule pass runs: `reserve` makes those buffers on a thread of its own meanwhile (touching and
 pinning release the GIL), and `zeros(..., key=)` takes a reserved buffer instead of making one. Faulting them in can
 take longer than tracing and planning together (a fresh H200 machine faulted in 97 GiB in 19.7 s the first time:
-BENCHMARKS.md, session 9), so a first compile that will need much host memory starts faulting in a pool before it
+BENCHMARKS.md), so a first compile that will need much host memory starts faulting in a pool before it
 traces (`prefault`), and `reserve` lays the buffers out in that pool.
 """
 from __future__ import annotations
@@ -63,7 +63,7 @@ def touch(t: torch.Tensor, threads: int | None = None) -> None:
     traced, and the thread that traces should keep a core. On the H200 machine (a virtual machine whose fresh memory
     faults slowly) the 17.26B GPT's trace took about as long as the faulting beside it in first processes (13.6-16.5
     s beside 8.8-16.1 s with zero_(); 12.6 s beside 12.3 s in the one run with touch), 7.3 s beside 2.1 s in a second
-    process: a lost core is not all of that slowdown (BENCHMARKS.md, session 11)."""
+    process: a lost core is not all of that slowdown (BENCHMARKS.md)."""
     nbytes = t.numel() * t.element_size()
     if nbytes == 0:
         return

@@ -9,16 +9,11 @@ a frozen one (no master) is kept whole (`frozen_full`).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.distributed as dist
 
 from ..ir.graph import ChunkGroup, ChunkInfo, Role
 from ..ir.needs import shard_numel
-
-if TYPE_CHECKING:
-    from .chunk_store import ChunkStore
 
 
 def staged_copy(dst: torch.Tensor, src: torch.Tensor, stage: torch.Tensor) -> None:
@@ -40,9 +35,9 @@ def staged_copy(dst: torch.Tensor, src: torch.Tensor, stage: torch.Tensor) -> No
 
 
 class StoreValues:
-    """The values of one ChunkStore (`store.values`)."""
+    """The values of one ChunkStore, `store.values` (made by the store, which this module does not import)."""
 
-    def __init__(self, store: "ChunkStore"):
+    def __init__(self, store):
         self.store = store
         self.frozen_full: dict[str, torch.Tensor] = {}   # mixed precision: frozen parameters at full precision
 
@@ -82,7 +77,8 @@ class StoreValues:
     def piece(self, name: str) -> tuple[int, int, int]:
         """This rank's piece of parameter `name`: (start, stop, at): it holds elements [start, stop) of the flattened
         parameter, at [at, at + stop - start) of its chunk's shard (host_param, the master and every state part).
-        start == stop: none of it. Sharded checkpoints (pstar_fx.checkpoint.sharded) read and write these pieces in place."""
+        start == stop: none of it. Sharded checkpoints (pstar_fx.checkpoint.sharded) read and write these pieces in
+        place."""
         p = self.store.params[name]
         lo, hi, src = self._own(self.store.chunks[p.chunk], p.offset, p.numel)
         return src, src + hi - lo, lo

@@ -80,7 +80,7 @@ def origin_digests(tensors: dict[str, torch.Tensor]) -> dict[str, bytes]:
     ops its storage depends on (their arguments and the real tensors they read), the RNG state each random one draws
     from (the state recorded at or before it, advanced by every random op in between) and the device the recording
     replays on. The replay is deterministic, so equal digests mean equal values: the ranks of a sharded step, each of
-    which replays the whole recording and keeps its shard, compare them (pstar_fx.agreement). One pass over each
+    which replays the whole recording and keeps its shard, compare them (pstar_fx.api.agreement). One pass over each
     recording's ops."""
     out: dict[str, bytes] = {}
     recordings: dict[int, tuple[Recording, list[tuple[str, Ref]]]] = {}

@@ -11,10 +11,11 @@ import math
 
 import torch
 
-from .errors import CheckpointError
-from .ir.graph import Precision
-from .optim import check_options
-from .runtime.executor import LossScaler
+from ..errors import CheckpointError
+from ..ir.graph import Precision
+from ..optim import check_options
+from ..runtime.step_runtime import LossScaler
+from .step_state import StepState
 
 _SCALER_FIELDS = {f.name for f in dataclasses.fields(LossScaler)}
 _STATE_KEYS = {"step", "exp_avg", "exp_avg_sq"}
@@ -28,9 +29,9 @@ def _count(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def model_state(step, sd, where: str) -> None:
+def model_state(state: StepState, sd, where: str) -> None:
     """`sd` holds exactly this model's state_dict keys, each a tensor of the model's shape and dtype."""
-    ref = step._model.state_dict()
+    ref = state.model.state_dict()
     if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
         raise CheckpointError(f"step.load: {where} is not a state dict of tensors")
     wrong = sorted(set(sd) ^ set(ref), key=str)
@@ -64,21 +65,21 @@ def param_groups(opt, groups, where: str) -> None:
         if not all(_plain(v) for k, v in g.items() if k != "params"):
             raise CheckpointError(f"step.load: {where}: param_groups[{i}] has options that are not plain values")
         try:
-            check_options(f"step.load: {where}: param_groups[{i}]", g, opt._decoupled, construction=False)
+            check_options(f"step.load: {where}: param_groups[{i}]", g, opt.decoupled, construction=False)
         except KeyError as e:
             raise CheckpointError(f"step.load: {where}: param_groups[{i}] lacks the option {e}") from None
         except ValueError as e:
             raise CheckpointError(str(e)) from None
 
 
-def optimizer_state(step, sd, where: str) -> None:
+def optimizer_state(state: StepState, sd, where: str) -> None:
     """torch.optim.Adam(W)'s state dict over this optimizer: groups as `param_groups` checks, and each state entry
     an index of one of its parameters with 'step' (a whole number >= 1) and two floating moments of its shape."""
-    opt = step.optimizer
+    opt = state.optimizer
     if not isinstance(sd, dict) or set(sd) != {"state", "param_groups"} or not isinstance(sd["state"], dict):
         raise CheckpointError(f"step.load: {where} is not an optimizer state dict ({{'state', 'param_groups'}})")
     param_groups(opt, sd["param_groups"], where)
-    index = opt._index()
+    index = opt.entries()
     for i, s in sd["state"].items():
         if not _count(i) or not 0 <= i < len(index):
             raise CheckpointError(f"step.load: {where}: state for parameter index {i!r}, this optimizer has "
@@ -142,7 +143,7 @@ def rng(value, device: torch.device, where: str) -> dict:
     return value
 
 
-def meta(step, value, where: str, *, fmt: int, keys: set[str]) -> dict:
+def meta(state: StepState, value, where: str, *, fmt: int, keys: set[str]) -> dict:
     """A meta dict of format `fmt` with exactly `keys`: format, precision, device and loss scaler checked (and the
     RNG states and optimizer groups when it holds them); returned with the scaler's values typed."""
     if not isinstance(value, dict) or value.get("format") != fmt:
@@ -154,9 +155,9 @@ def meta(step, value, where: str, *, fmt: int, keys: set[str]) -> dict:
                               f"{value['device']!r}")
     out = dict(value, loss_scaler=loss_scaler(value["loss_scaler"], where))
     if "rng" in value:
-        rng(value["rng"], step.settings.device, where)
+        rng(value["rng"], state.settings.device, where)
     if "param_groups" in value:
-        param_groups(step.optimizer, value["param_groups"], where)
+        param_groups(state.optimizer, value["param_groups"], where)
     if "world" in value and not (_count(value["world"]) and value["world"] >= 1):
         raise CheckpointError(f"step.load: {where}: the saved world size {value['world']!r} is not a count >= 1")
     return out

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Generic, TypeVar
 
-from .errors import warn
+from ..errors import warn
 
 V = TypeVar("V")
 

@@ -5,7 +5,7 @@ reader, with DCP's metadata kept as JSON in pstar-fx's manifest instead of a pic
 Why. DCP's FileSystemReader reads `.metadata` with `pickle.load`, and DefaultLoadPlanner reads byte entries with
 `torch.load(weights_only=False)`: either runs whatever code a crafted file names. Here:
 - `Writer.finish` (rank 0, after every rank has written its data files) keeps the Metadata instead of pickling it;
-  pstar_fx.checkpoint writes it, with the files' checksums, as the manifest (pstar_fx.checkpoint_files).
+  pstar_fx.checkpoint writes it, with the files' checksums, as the manifest (pstar_fx.checkpoint.files).
 - `Reader` hands DCP a Metadata rebuilt from that JSON by `metadata_from_json`, which checks every value (known
   dtypes only, sizes and offsets that are non-negative integers, chunks inside their tensor, every stored piece
   inside a file the manifest lists and verified) before DCP sees it.
@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
                                                    MetadataIndex, StorageMeta, TensorProperties,
                                                    TensorStorageMetadata)
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 
 _DTYPES = {n: getattr(torch, n) for n in (
     "float64", "float32", "float16", "bfloat16", "complex128", "complex64", "int64", "int32", "int16", "int8",

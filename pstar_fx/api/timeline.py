@@ -16,9 +16,9 @@ from dataclasses import dataclass, fields
 
 import torch.fx as fx
 
-from .ir import ops
-from .ir.graph import BufKind, Phase, Role, TrainGraph
-from .units import format_bytes
+from ..ir import ops
+from ..ir.graph import BufKind, Phase, Role, TrainGraph
+from ..units import format_bytes
 
 
 class MoveKind(enum.Enum):

@@ -33,26 +33,24 @@ import optree
 import torch
 import torch.nn as nn
 
-from .errors import DistributedError
-from .frontend.init_empty import is_empty, origin_digests
-from .ownership import holder, model_tensors
-from .runtime.comm import Comm, digest64
-from .frontend.trace import flatten_batch, leaf_name
+from ..errors import DistributedError
+from ..frontend.init_empty import is_empty, origin_digests
+from ..frontend.trace import flatten_batch, leaf_name
+from ..runtime.comm import Comm, digest64
 
 HASH_PIECE_BYTES = 64 << 20      # a real tensor is hashed in pieces of this many bytes, on up to HASH_THREADS threads
 HASH_THREADS = 8
 SHOWN = 8                        # names listed in a message, then "and N more"
 
 
-def check_same_step(comm: Comm, batch: tuple, model: nn.Module, model_key: tuple) -> None:
+def check_same_step(comm: Comm, batch: tuple, model: nn.Module, model_key: tuple, taking: bool) -> None:
     """Before a step's first collective: raise DistributedError on every rank unless every rank calls it with the
     same batch signature and model state (see the module docstring), including whether the step takes the model's
-    values into its chunks now (the model holds some of its own values: the first step, or after sync_model()), when
-    the step checks those values (`check_same_values`, from CompiledStep._take_model). `model_key`: what of the model the step's plan depends on (CompiledStep._model_key).
-    A collective: every rank calls it with its step."""
-    taking = {n: t for n, t in model_tensors(model).items() if holder(t) is None}
-    if not comm.agree(digest64(flatten_batch(batch).signature, model_key, bool(taking))):
-        every = comm.gather_objects(_describe_step(batch, model, bool(taking)))
+    values into its chunks now (`taking`: the model holds some of its own values, at the first step or after
+    sync_model()), when the step checks those values (`check_same_values`, from ModelState.take). `model_key`: what
+    of the model the step's plan depends on (Compiler.model_key). A collective: every rank calls it with its step."""
+    if not comm.agree(digest64(flatten_batch(batch).signature, model_key, taking)):
+        every = comm.gather_objects(_describe_step(batch, model, taking))
         raise DistributedError(
             f"pstar-fx: the ranks disagree on this step, so their collectives would not match ({_differences(every)}). "
             "Every rank must call the step with batches of the same structure, shapes and dtypes (split the global "

@@ -27,15 +27,21 @@ sees), module structure, `model.train()` / `model.eval()`.
 from __future__ import annotations
 
 import threading
-import warnings
 import weakref
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
 
-from .errors import ModelHeldError
-from .ir.graph import Role
-from .interrupts import DeferredInterrupt
+from ..errors import ModelHeldError, warn
+from ..frontend.init_empty import fill_chunks, is_empty
+from ..interrupts import DeferredInterrupt
+from ..ir.graph import Role
+from ..runtime.comm import Comm
+from .agreement import check_same_values
+
+if TYPE_CHECKING:
+    from .compiler import Compiler
 
 _METADATA_OPS = {torch.ops.aten.detach.default, torch.ops.aten.alias.default}
 _WORKER_THREADS = "pstar-fx"      # the name prefix of pstar-fx's own threads (runtime/host_updates, host_memory)
@@ -97,8 +103,8 @@ def _step_dropped(hold: ModelHold) -> None:
     try:
         hold.give_back()
     except Exception as e:  # noqa: BLE001 - a finalizer cannot raise; the values stay with the model
-        warnings.warn(f"pstar-fx: a dropped step could not give its model the values back ({type(e).__name__}: "
-                      f"{e}); they stay with the model and are given back at its next use", RuntimeWarning)
+        warn(f"pstar-fx: a dropped step could not give its model the values back ({type(e).__name__}: {e}); they "
+             "stay with the model and are given back at its next use", RuntimeWarning)
 
 
 class HeldTensor(torch.Tensor):
@@ -249,3 +255,116 @@ def _swap_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     with DeferredInterrupt():                # a Ctrl-C waits until every tensor is swapped
         for t, new in pairs:
             torch.utils.swap_tensors(t, new)
+
+
+def holds_own_values(model: nn.Module) -> bool:
+    """Some tensor of the model holds its own value (no step holds it): a step called now takes the model."""
+    return any(holder(t) is None for t in model_tensors(model).values())
+
+
+class ModelState:
+    """A compiled step's side of holding its model: taking the model's values into the step's chunks (and holding
+    it), giving them back, and reading and loading them by state_dict name. The chunk store and layout are the
+    compiler's, once its first compile has made them."""
+
+    def __init__(self, step, model: nn.Module, compiler: "Compiler", comm: Comm | None, lock: threading.RLock):
+        self._step = weakref.ref(step)   # the step owns this object: a strong reference would keep it alive
+        self.model = model
+        self.compiler = compiler
+        self.comm = comm
+        self.lock = lock
+        tables = compiler.tables
+        # every state_dict name (tied aliases too) -> (PARAM or BUFFER, the name the store keeps it under)
+        self.names: dict[str, tuple[Role, str]] = {
+            **{n: (Role.PARAM, p.name) for p in tables.params for n in (p.name,) + p.aliases},
+            **{n: (Role.BUFFER, b.name) for b in tables.buffers for n in (b.name,) + b.aliases}}
+        self.hold: ModelHold | None = None     # this step's claim on the model's values, once its chunks took them
+
+    def holds(self) -> bool:
+        """Whether this step's chunks hold every tensor of the model now (it has run, and no sync_model() or other
+        step took the model since)."""
+        return self.hold is not None and all(holder(t) is self.hold for t in model_tensors(self.model).values())
+
+    def take(self) -> None:
+        """Make the chunks hold the model's current values. If this step holds the model already, nothing to do;
+        otherwise (first step, after sync_model(), or held by another step, whole or in part) every holder gives its
+        values back first, then they are copied in and held."""
+        if self.holds():
+            return
+        for h in holders(self.model):
+            h.give_back()                  # then the values are the model's
+        tensors = model_tensors(self.model)
+        on_meta = [n for n, t in tensors.items() if t.is_meta]
+        if on_meta:
+            raise ValueError(f"the model's tensors {on_meta[:3]}{'...' if len(on_meta) > 3 else ''} are on the "
+                             "meta device: pstar-fx copies the model's values into its chunks at the first "
+                             "step, so give it a model with real values, or build it under px.init_empty()")
+        if self.comm is not None:         # every rank starts from the same values (a collective)
+            check_same_values(self.comm, tensors)
+        store = self.compiler.store
+        named = dict(self.model.named_parameters())
+        # a model built under px.init_empty() is initialised in the chunks themselves (see pstar_fx.frontend.init_empty)
+        params, buffers = fill_chunks(store, {p.name: named[p.name] for p in self.compiler.layout[0]},
+                                      {b.name: tensors[b.name] for b in self.compiler.tables.buffers})
+        store.values.load_params(params)
+        store.values.load_buffers(buffers)
+        if self.hold is None or self.hold.store is not store:
+            self.hold = ModelHold(self._step(), self.model, store, self.names, self.lock)
+        hold(self.model, self.hold)
+
+    def fill_if_empty(self) -> None:
+        """A model built under px.init_empty() gets its values in this step's chunks once the step has them."""
+        if self.compiler.store is not None and any(is_empty(t) for t in model_tensors(self.model).values()):
+            self.take()
+
+    def give_back(self) -> nn.Module:
+        """sync_model(): the model gets its current values back from whichever step holds each of its tensors."""
+        self.fill_if_empty()
+        for h in holders(self.model):
+            h.give_back()
+        return self.model
+
+    def state_dict(self, rank0_only: bool = False) -> dict[str, torch.Tensor]:
+        """The model's state dict at full precision, from wherever each value is now (see CompiledStep.state_dict).
+        rank0_only with several ranks: rank 0 gathers it, chunk by chunk (StoreValues.gather_to_rank0)."""
+        self.fill_if_empty()
+        if rank0_only and self.comm is not None:
+            if self.holds():
+                return self.compiler.store.values.gather_to_rank0(self.names, self.model.state_dict())
+            sd = self._current()     # the model's own values (whole on every rank), or another step's (gathered)
+            return sd if self.comm.rank == 0 else {}
+        return self._current()
+
+    def _current(self) -> dict[str, torch.Tensor]:
+        tensors = model_tensors(self.model)
+        first = {id(t): n for n, t in tensors.items()}
+        values = current_values(self.model)
+        return {key: values[first[id(like)]].to(device=like.device, dtype=like.dtype, copy=True)
+                for key, like in self.model.state_dict(keep_vars=True).items()}
+
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True) -> None:
+        """Parameter and buffer values into the chunks when this step holds the model, else into the model itself
+        (see CompiledStep.load_state_dict)."""
+        self.fill_if_empty()
+        ref = self.model.state_dict()
+        missing = [k for k in ref if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in ref]
+        if strict and (missing or unexpected):
+            raise KeyError(f"load_state_dict: missing keys {missing}, unexpected keys {unexpected}")
+        for k, v in state_dict.items():
+            if k in ref and tuple(v.shape) != tuple(ref[k].shape):
+                raise ValueError(f"load_state_dict: {k} has shape {tuple(v.shape)}, the model has "
+                                 f"{tuple(ref[k].shape)}")
+        if not self.holds():
+            for h in holders(self.model):
+                h.give_back()               # the model's values must be real before they are overwritten
+            self.model.load_state_dict(state_dict, strict=strict)
+            return
+        pv, bv = {}, {}
+        for k, v in state_dict.items():
+            if k in self.names:
+                kind, name = self.names[k]
+                (pv if kind is Role.PARAM else bv)[name] = v
+        with DeferredInterrupt():            # a Ctrl-C waits until every value is in: never half loaded
+            self.compiler.store.values.load_params(pv)
+            self.compiler.store.values.load_buffers(bv)

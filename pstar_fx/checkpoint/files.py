@@ -8,7 +8,7 @@ it before reading anything out of them, and `save` replaces only a directory tha
 not list). It carries a checksum of its own, so a flipped bit in it is found too. Its file:
 - plain files: `manifest.json`, beside model.pt, optimizer.pt and meta.pt;
 - sharded: `.metadata`, the name torch.distributed.checkpoint gives its metadata file, which holds the manifest and
-  DCP's metadata as JSON (pstar_fx.dcp_storage), not a pickle. torch's own DCP reader therefore does not read it,
+  DCP's metadata as JSON (pstar_fx.checkpoint.dcp_storage), not a pickle. torch's own DCP reader therefore does not read it,
   and pstar-fx never unpickles a `.metadata`, whoever wrote it.
 
 Checksums: CRC-32 (zlib.crc32) of each 64 MiB block of a file, blocks on up to 8 threads (zlib releases the GIL).
@@ -35,7 +35,7 @@ import uuid
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 
 FORMAT_NAME = "pstar-fx checkpoint"
 VERSION = 1
@@ -70,7 +70,7 @@ class Manifest:
     metadata."""
     kind: Kind
     files: dict[str, FileSum]          # every other file of the checkpoint, by name
-    dcp: dict | None = None            # sharded: DCP's metadata as JSON (pstar_fx.dcp_storage)
+    dcp: dict | None = None            # sharded: DCP's metadata as JSON (pstar_fx.checkpoint.dcp_storage)
 
 
 # -- checksums -------------------------------------------------------------------------------------------------------

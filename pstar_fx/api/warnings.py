@@ -5,10 +5,10 @@ import os
 
 import torch
 
-from .errors import warn
-from .ir.graph import ChunkGroup, StateHome, TrainGraph
-from .ir.needs import state_bytes
-from .units import format_bytes
+from ..errors import warn
+from ..ir.graph import ChunkGroup, StateHome, TrainGraph
+from ..ir.needs import state_bytes
+from ..units import format_bytes
 
 PADDING_WARN_FRACTION = 0.5        # padding above this share of all model data ...
 PADDING_WARN_BYTES = 16 << 20      # ... and above this many bytes: warn

@@ -26,16 +26,17 @@ import optree
 import torch
 import torch.nn as nn
 
-from .cost import H200, FORWARD_ATTENTION, Machine, StepCost, estimate
-from .errors import BudgetError
-from .ir.fx_utils import cycle_collection_paused, one_intra_op_thread
-from .ir.graph import (REMAT, USER_CHECKPOINT, BufKind, ChunkGroup, ParamHome, Precision, Role, Settings, StateHome,
-                       TrainGraph)
-from .ir.needs import shard_numel, state_bytes
-from .optim import OptimizerLayout, OptimizerSpec
-from .passes import pipeline, run_passes
-from .frontend.trace import model_tables, trace_step
-from .units import format_bytes, parse_bytes
+from ..cost import H200, FORWARD_ATTENTION, Machine, StepCost, estimate
+from ..errors import BudgetError
+from ..ir.graph import (REMAT, USER_CHECKPOINT, BufKind, ChunkGroup, ParamHome, Precision, Role, Settings, StateHome,
+                        TrainGraph)
+from ..ir.needs import shard_numel, state_bytes
+from ..optim import OptimizerLayout, OptimizerSpec
+from ..frontend.trace import model_tables, trace_step
+from ..passes import pipeline, run_passes
+from ..units import format_bytes, parse_bytes
+from .compiler import cycle_collection_paused, one_intra_op_thread
+from .live_optimizer import build
 
 
 @dataclass(frozen=True)
@@ -217,7 +218,6 @@ def model_flops(g: TrainGraph, tokens: int) -> float:
 
 def _layout(model: nn.Module, optimizer: OptimizerSpec | None) -> OptimizerLayout:
     if optimizer is not None:
-        from .optimizer import build
         return build(optimizer, model).layout
     names = tuple(p.name for p in model_tables(model).params if p.trainable)
     return OptimizerLayout(groups=(names,))

@@ -23,8 +23,8 @@ import copy
 import torch
 import torch.nn as nn
 
-from .ir.graph import ChunkGroup
-from .optim import AdamConfig, OptimizerLayout, OptimizerSpec, check_options
+from ..ir.graph import ChunkGroup
+from ..optim import AdamConfig, OptimizerLayout, OptimizerSpec, check_options
 
 _STEP_EXPLAINED = ("step.optimizer is driven by the compiled step: calling step(*batch) runs forward, backward and "
                    "this optimizer's update. Do not call step.optimizer.step(); change param_groups (or use an "
@@ -34,7 +34,7 @@ _STEP_EXPLAINED = ("step.optimizer is driven by the compiled step: calling step(
 class _Live:
     """What the compiled Adam and AdamW add to torch's classes (mixed in before them)."""
 
-    _decoupled: bool
+    decoupled: bool
 
     def _setup(self, model: nn.Module) -> None:
         # every name of a model tensor (tied ones share the first name, as model_tables does)
@@ -63,7 +63,7 @@ class _Live:
 
     @property
     def _kind(self) -> str:
-        return "AdamW" if self._decoupled else "Adam"
+        return "AdamW" if self.decoupled else "Adam"
 
     def step(self, closure=None):
         raise RuntimeError(_STEP_EXPLAINED)
@@ -77,7 +77,7 @@ class _Live:
                              "(change options such as lr freely) or compile a new step")
         out = []
         for i, g in enumerate(self.param_groups):
-            out.append(check_options(f"step.optimizer.param_groups[{i}]", g, self._decoupled, construction=False))
+            out.append(check_options(f"step.optimizer.param_groups[{i}]", g, self.decoupled, construction=False))
         # what torch's step() wrapper records, so that lr_scheduler does not warn that it ran before a step
         self._opt_called = True
         return tuple(out)
@@ -90,7 +90,7 @@ class _Live:
             pending, self._pending = self._pending, None
             self._write(pending)
 
-    def _index(self) -> list[tuple[torch.Tensor, str, dict]]:
+    def entries(self) -> list[tuple[torch.Tensor, str, dict]]:
         """(tensor, name, group) for every entry of every group, in torch's state-dict index order."""
         return [(t, self._name_of[id(t)], g) for g in self.param_groups for t in g["params"]]
 
@@ -99,7 +99,7 @@ class _Live:
         st = self._store
         out: dict[str, dict] = {}
         read: dict[int, dict] = {}       # chunk -> its states, read once (with several ranks: gathered once)
-        for t, name, g in self._index():
+        for t, name, g in self.entries():
             if name in out or name not in st.params:
                 continue
             p = st.params[name]
@@ -180,7 +180,7 @@ class _Live:
             states = self._read()
         else:
             states = {n: {k: v.clone() for k, v in s.items()} for n, s in (self._pending or {}).items()}
-        for t, name, _ in self._index():
+        for t, name, _ in self.entries():
             if name in states and t not in self.state:
                 self.state[t] = states[name]
         try:
@@ -208,11 +208,11 @@ class _Live:
 
 
 class CompiledAdamW(_Live, torch.optim.AdamW):
-    _decoupled = True
+    decoupled = True
 
 
 class CompiledAdam(_Live, torch.optim.Adam):
-    _decoupled = False
+    decoupled = False
 
 
 def build(spec: OptimizerSpec, model: nn.Module) -> CompiledAdam | CompiledAdamW:

@@ -14,12 +14,12 @@ The last two are byte entries: `torch.save` of the object, stored by DCP as one 
 
 The files and how they are read. The data files are DCP's (`__<rank>_<i>.distcp`, one per rank). `.metadata` is not
 DCP's pickle: rank 0 writes it after every rank has written its data file and checksummed a share of them, as
-pstar-fx's JSON manifest (pstar_fx.checkpoint_files), which holds DCP's metadata as JSON and each data file's size
+pstar-fx's JSON manifest (pstar_fx.checkpoint.files), which holds DCP's metadata as JSON and each data file's size
 and checksums. Loading (pstar_fx.checkpoint.load) verifies the manifest and the data files first (each rank a
-share; the ranks agree), rebuilds DCP's metadata from the JSON, checking every value (pstar_fx.dcp_storage), checks
+share; the ranks agree), rebuilds DCP's metadata from the JSON, checking every value (pstar_fx.checkpoint.dcp_storage), checks
 it against this model (`_check`: every entry's key, kind, shape and dtype), reads the byte entries with
 `torch.load(weights_only=True)` (DCP's own planner would use weights_only=False) and checks them (format, loss
-scaler, optimizer groups, RNG states, step counts: pstar_fx.checkpoint_checks), and only then writes a value into
+scaler, optimizer groups, RNG states, step counts: pstar_fx.checkpoint.checks), and only then writes a value into
 the step. DCP reads the tensor pieces with `torch.load(weights_only=True)`. Nothing is unpickled otherwise: a
 checkpoint cannot run code. The price: torch's own DCP tools (`dcp.load` with its FileSystemReader,
 `dcp_to_torch_save`) do not read pstar-fx's `.metadata`; `read_metadata` here does.
@@ -55,11 +55,11 @@ from torch.distributed._shard.sharded_tensor import Shard, init_from_local_shard
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
-from . import checkpoint_checks as checks
-from . import checkpoint_files as files
+from ..errors import CheckpointError
+from ..ir.graph import ChunkGroup, Role
+from . import checks, files
 from . import dcp_storage as storage
-from .errors import CheckpointError
-from .ir.graph import ChunkGroup, Role
+from .step_state import StepState
 
 FORMAT = 2
 META = "pstar_fx"
@@ -110,19 +110,15 @@ def _entry(comm, flat: torch.Tensor, start: int, stop: int, shape: tuple[int, ..
 
 
 # -- what a step holds, as DCP entries ---------------------------------------------------------------------------------
-def _canonical(step) -> tuple[list[str], list[str]]:
+def _canonical(state: StepState) -> tuple[list[str], list[str]]:
     """Parameter and persistent-buffer names of the model's state dict, each tensor once (tied: the first name)."""
     params, buffers = [], []
-    for key in step._model.state_dict():
-        kind, name = step._state_names[key]
+    for key in state.model.state_dict():
+        kind, name = state.names[key]
         names = params if kind is Role.PARAM else buffers
         if name not in names:
             names.append(name)
     return params, buffers
-
-
-def holds(step) -> bool:
-    return step.holds_model()
 
 
 def _trainable(st) -> list[str]:
@@ -165,25 +161,25 @@ def rng_state(device: torch.device) -> dict:
     return out
 
 
-def _meta(step) -> dict:
-    scaler = step._scaler
-    comm = step._comm
+def _meta(state: StepState) -> dict:
+    scaler = state.scaler
+    comm = state.comm
     return {"format": FORMAT, "world": 1 if comm is None else comm.world,
-            "precision": step.settings.precision.value, "device": step.settings.device.type,
+            "precision": state.settings.precision.value, "device": state.settings.device.type,
             "loss_scaler": None if scaler is None else dataclasses.asdict(scaler),
-            "param_groups": _param_groups(step.optimizer)}
+            "param_groups": _param_groups(state.optimizer)}
 
 
-def save_entries(step, model_values) -> dict:
+def save_entries(state: StepState, model_values) -> dict:
     """The state dict DCP writes for this rank. `model_values()`: the model's full values (state_dict keys), read
     only when this step does not hold the model (its values are then whole on every rank anyway)."""
-    comm, st = step._comm, step._store
-    params, buffers = _canonical(step)
-    out: dict = {META: _pack(_meta(step)),
-                 f"rng.{0 if comm is None else comm.rank}": _pack(rng_state(step.settings.device))}
+    comm, st = state.comm, state.store
+    params, buffers = _canonical(state)
+    out: dict = {META: _pack(_meta(state)),
+                 f"rng.{0 if comm is None else comm.rank}": _pack(rng_state(state.settings.device))}
     if st is not None:
         st.flush()           # host homes current, pending host-side updates done
-    if holds(step):
+    if state.holds_model():
         for name in params:
             p = st.params[name]
             src = st.values.value_source(name)
@@ -210,8 +206,8 @@ def save_entries(step, model_values) -> dict:
             for key, part in (("exp_avg", "m"), ("exp_avg_sq", "v")):
                 out[f"optim.{name}.{key}"] = _entry(comm, parts[part][at:at + stop - start], start, stop, p.shape)
     else:
-        sd = step.optimizer.state_dict()         # no store yet: the states loaded before it, whole
-        names = [n for _, n, _ in step.optimizer._index()]
+        sd = state.optimizer.state_dict()         # no store yet: the states loaded before it, whole
+        names = [n for _, n, _ in state.optimizer.entries()]
         for i, s in sd["state"].items():
             out[f"optim.{names[i]}.step"] = torch.as_tensor(s["step"], dtype=torch.float32).reshape(())
             for key in ("exp_avg", "exp_avg_sq"):
@@ -219,23 +215,23 @@ def save_entries(step, model_values) -> dict:
     return out
 
 
-def save(step, directory: str, model_values) -> Metadata | None:
+def save(state: StepState, directory: str, model_values) -> Metadata | None:
     """Write this rank's entries into `directory` (every rank calls it; the directory is shared by all ranks).
     `model_values()`: see save_entries. Returns DCP's metadata on rank 0 (None on the others), which the caller
     writes into the manifest once it has the files' checksums: nothing here writes `.metadata`."""
-    entries = save_entries(step, model_values)
+    entries = save_entries(state, model_values)
     writer = storage.Writer(directory, sync_files=True)
-    with _one_process(step):
-        dcp.save(entries, storage_writer=writer, process_group=None if step._comm is None else step._comm.group)
+    with _one_process(state):
+        dcp.save(entries, storage_writer=writer, process_group=None if state.comm is None else state.comm.group)
     return writer.metadata
 
 
 @contextlib.contextmanager
-def _one_process(step):
+def _one_process(state: StepState):
     """One rank without a process group: DCP runs in this process only and says so in a warning, which is how
     pstar-fx uses it then; hide that one."""
     with warnings.catch_warnings():
-        if step._comm is None:
+        if state.comm is None:
             warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
         yield
 
@@ -268,15 +264,15 @@ def _failure(e: CheckpointException, path: str, rank: int) -> BaseException:
     return CheckpointError(f"step.load: reading {path!r} failed: {type(exc).__name__}: {exc}")
 
 
-def _load(step, entries: dict, path: str, md: Metadata) -> dict:
+def _load(state: StepState, entries: dict, path: str, md: Metadata) -> dict:
     """DCP reads `entries` (tensors in place) through the checked metadata; returns the byte entries read."""
     planner = storage.SafeLoadPlanner()
     try:
-        with _one_process(step):
+        with _one_process(state):
             dcp.load(entries, storage_reader=storage.Reader(path, md), planner=planner,
-                     process_group=None if step._comm is None else step._comm.group)
+                     process_group=None if state.comm is None else state.comm.group)
     except CheckpointException as e:
-        raise _failure(e, path, 0 if step._comm is None else step._comm.rank) from None
+        raise _failure(e, path, state.rank) from None
     return planner.loaded
 
 
@@ -289,15 +285,15 @@ def _tensor(saved, key: str, shape, dtypes, path: str) -> None:
                               f"{' or '.join(map(str, dtypes))} of shape {tuple(shape)}")
 
 
-def _check(step, md, path: str) -> tuple[list[str], list[str], list[str]]:
+def _check(state: StepState, md, path: str) -> tuple[list[str], list[str], list[str]]:
     """The checkpoint's entries against this model: every key, type, shape and dtype, before anything is read.
     Returns (params, buffers, params with optimizer state)."""
-    params, buffers = _canonical(step)
+    params, buffers = _canonical(state)
     saved = md.state_dict_metadata
     if not isinstance(saved.get(META), BytesStorageMetadata):
         raise CheckpointError(f"step.load: {path!r} is a torch.distributed.checkpoint directory but not a pstar-fx "
                               "checkpoint (no 'pstar_fx' entry)")
-    ref = step._model.state_dict()
+    ref = state.model.state_dict()
     shapes = {n: _shape(t.shape) for n, t in ref.items()}
     want = {f"model.{n}": shapes[n] for n in params + buffers}
     param_names = set(params)
@@ -329,11 +325,11 @@ def _check(step, md, path: str) -> tuple[list[str], list[str], list[str]]:
     return params, buffers, stepped
 
 
-def _small(step, md, stepped: list[str], buffers: list[str], saved_world: int) -> dict:
+def _small(state: StepState, md, stepped: list[str], buffers: list[str], saved_world: int) -> dict:
     """The small entries (this rank's RNG, step counts, buffers) as fresh values to load into. Rank r takes the RNG
     states rank r % saved_world saved (the same rank's, at the same world size)."""
     saved = md.state_dict_metadata
-    rank = 0 if step._comm is None else step._comm.rank
+    rank = state.rank
     out: dict = {f"rng.{rank % saved_world}": None}
     for n in stepped:
         out[f"optim.{n}.step"] = torch.zeros((), dtype=torch.float32)
@@ -343,57 +339,57 @@ def _small(step, md, stepped: list[str], buffers: list[str], saved_world: int) -
     return out
 
 
-def read(step, path: str, manifest: files.Manifest) -> tuple[dict, dict, dict] | None:
+def read(state: StepState, path: str, manifest: files.Manifest) -> tuple[dict, dict, dict] | None:
     """Load the checkpoint into this step's chunk store, each rank its own pieces, when the store exists (after a
     step or `step.lower(*batch)`); returns None then. Before that, read it whole (plain tensors) and return
-    (model state dict, optimizer state dict in torch's format, meta as pstar_fx.checkpoint's) for the single-process
+    (model state dict, optimizer state dict in torch's format, meta as the plain format's) for the single-process
     path to apply. Everything is checked (entries, meta, RNG states, step counts, optimizer groups) before the
     first value is written into the step: a refused checkpoint changes nothing. The files were verified against
     the manifest before (pstar_fx.checkpoint.load)."""
     md = metadata(manifest, path)
-    params, buffers, stepped = _check(step, md, path)
+    params, buffers, stepped = _check(state, md, path)
     where = f"{path}/{META}"
-    meta = _unpack(_load(step, {META: None}, path, md).get(META), path, META)
-    meta = checks.meta(step, meta, where, fmt=FORMAT, keys=META_KEYS)
-    rank = 0 if step._comm is None else step._comm.rank
+    meta = _unpack(_load(state, {META: None}, path, md).get(META), path, META)
+    meta = checks.meta(state, meta, where, fmt=FORMAT, keys=META_KEYS)
+    rank = state.rank
     rng_key = f"rng.{rank % meta['world']}"
     if not isinstance(md.state_dict_metadata.get(rng_key), BytesStorageMetadata):
         raise CheckpointError(f"step.load: {path!r} has no entry {rng_key!r} (the RNG states of a rank of the "
                               f"{meta['world']} that saved it)")
-    small = _small(step, md, stepped, buffers, meta["world"])
-    rng = _unpack(_load(step, small, path, md).get(rng_key), path, rng_key)
-    meta = dict(meta, rng=checks.rng(rng, step.settings.device, f"{path}/{rng_key}"))
+    small = _small(state, md, stepped, buffers, meta["world"])
+    rng = _unpack(_load(state, small, path, md).get(rng_key), path, rng_key)
+    meta = dict(meta, rng=checks.rng(rng, state.settings.device, f"{path}/{rng_key}"))
     for n in stepped:
         count = float(small[f"optim.{n}.step"])
         if not (math.isfinite(count) and count >= 1 and count == int(count)):
             raise CheckpointError(f"step.load: {path!r}: the step count of '{n}' is {count}, not a whole number >= 1")
-    if step._store is None:
-        return _read_whole(step, md, path, params, small, stepped, meta)
-    _read_pieces(step, path, params, buffers, stepped, small, meta, md)
+    if state.store is None:
+        return _read_whole(state, md, path, params, small, stepped, meta)
+    _read_pieces(state, path, params, buffers, stepped, small, meta, md)
     return None
 
 
-def _read_whole(step, md, path, params, small, stepped, meta):
+def _read_whole(state: StepState, md, path, params, small, stepped, meta):
     saved = md.state_dict_metadata
     whole = {f"model.{n}": torch.empty(tuple(saved[f"model.{n}"].size), dtype=saved[f"model.{n}"].properties.dtype)
              for n in params}
     for n in stepped:
         for key in ("exp_avg", "exp_avg_sq"):
             whole[f"optim.{n}.{key}"] = torch.empty(tuple(saved[f"optim.{n}.{key}"].size), dtype=torch.float32)
-    _load(step, whole, path, md)
-    ref = step._model.state_dict()
+    _load(state, whole, path, md)
+    ref = state.model.state_dict()
     model_sd = {}
     for key, like in ref.items():
-        _, name = step._state_names[key]
+        _, name = state.names[key]
         src = whole.get(f"model.{name}", small.get(f"model.{name}"))
         model_sd[key] = src.view(like.shape)
-    state = {}
-    for i, (t, n, _) in enumerate(step.optimizer._index()):
+    opt_state = {}
+    for i, (t, n, _) in enumerate(state.optimizer.entries()):
         if n in stepped:
-            state[i] = {"step": small[f"optim.{n}.step"].clone(),
-                        "exp_avg": whole[f"optim.{n}.exp_avg"].view(t.shape),
-                        "exp_avg_sq": whole[f"optim.{n}.exp_avg_sq"].view(t.shape)}
-    opt_sd = {"state": state, "param_groups": meta["param_groups"]}
+            opt_state[i] = {"step": small[f"optim.{n}.step"].clone(),
+                            "exp_avg": whole[f"optim.{n}.exp_avg"].view(t.shape),
+                            "exp_avg_sq": whole[f"optim.{n}.exp_avg_sq"].view(t.shape)}
+    opt_sd = {"state": opt_state, "param_groups": meta["param_groups"]}
     return model_sd, opt_sd, meta
 
 
@@ -435,16 +431,16 @@ def _set_options(opt, groups: list[dict]) -> None:
         raise
 
 
-def _read_pieces(step, path, params, buffers, stepped, small, meta, md) -> None:
-    st = step._store
-    comm = step._comm
+def _read_pieces(state: StepState, path, params, buffers, stepped, small, meta, md) -> None:
+    st = state.store
+    comm = state.comm
     plan = _plan_states(st, stepped, small)
-    if not holds(step):
-        step._take_model()       # the chunks take the model (whole on every rank until now), then the values below
-    _set_options(step.optimizer, meta["param_groups"])
+    if not state.holds_model():
+        state.take_model()       # the chunks take the model (whole on every rank until now), then the values below
+    _set_options(state.optimizer, meta["param_groups"])
     st.evict_all()
-    step._broken = (f"step.load({path!r}) failed while it was writing values into the step: load a checkpoint "
-                    "again before the next step")
+    state.mark_broken(f"step.load({path!r}) failed while it was writing values into the step: load a checkpoint "
+                      "again before the next step")
     entries: dict = {}
     whole: dict[str, torch.Tensor] = {}
     for name in params:
@@ -467,7 +463,7 @@ def _read_pieces(step, path, params, buffers, stepped, small, meta, md) -> None:
             parts["m"].zero_()
             parts["v"].zero_()
         parts["step"].fill_(count)
-    _load(step, entries, path, md)
+    _load(state, entries, path, md)
     # mixed precision: the half-precision parameters are the masters rounded; frozen ones come from their whole value
     st.values.restore_params_from_masters()
     for name, v in whole.items():
@@ -476,16 +472,16 @@ def _read_pieces(step, path, params, buffers, stepped, small, meta, md) -> None:
         start, stop, at = st.values.piece(name)
         st.host_param[p.chunk][at:at + stop - start].copy_(v.reshape(-1)[start:stop])
     st.values.load_buffers({n: small[f"model.{n}"] for n in buffers})
-    apply_meta(step, meta)
-    step._broken = None
+    apply_meta(state, meta)
+    state.clear_broken()
 
 
-def apply_meta(step, meta: dict) -> None:
+def apply_meta(state: StepState, meta: dict) -> None:
     """The loss scaler and this rank's RNG states."""
-    if step._scaler is not None and meta["loss_scaler"] is not None:
+    if state.scaler is not None and meta["loss_scaler"] is not None:
         for k, v in meta["loss_scaler"].items():
-            setattr(step._scaler, k, v)
+            setattr(state.scaler, k, v)
     rng = meta["rng"]
     torch.set_rng_state(rng["torch_cpu"])
-    if "torch_cuda" in rng and step.settings.device.type == "cuda":
-        torch.cuda.set_rng_state(rng["torch_cuda"], step.settings.device)
+    if "torch_cuda" in rng and state.settings.device.type == "cuda":
+        torch.cuda.set_rng_state(rng["torch_cuda"], state.settings.device)
