@@ -32,7 +32,7 @@ def _(mat_a, mat_b, offs):
 def grouped_mm_backward(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor,
                         grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     # torch's formula (derivatives.yaml: _grouped_mm_mat1_backward / _grouped_mm_mat2_backward), equal bit for bit
-    # to autograd's on the CPU (tests/test_moe.py checks it)
+    # to autograd's on the CPU (tests/integration/test_moe.py checks it)
     ga = torch._grouped_mm(grad, mat_b.transpose(-2, -1), offs=offs)
     gb = torch._grouped_mm(mat_a.t(), grad, offs=offs)
     return ga, gb
