@@ -69,7 +69,8 @@ class ModelHold:
     def values(self, names: list[str]) -> dict[str, torch.Tensor]:
         """The current values of the model tensors named (parameters at full precision: fp32 masters in mixed
         precision), as views of the store's memory. Sharded: a collective (every rank calls it with the same names)."""
-        params = self.store.values.param_values(sorted({self.names[n][1] for n in names if self.names[n][0] is Role.PARAM}))
+        wanted = sorted({self.names[n][1] for n in names if self.names[n][0] is Role.PARAM})
+        params = self.store.values.param_values(wanted)
         out = {}
         for n in names:
             kind, key = self.names[n]

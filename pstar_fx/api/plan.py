@@ -28,11 +28,11 @@ import torch.nn as nn
 
 from ..cost import H200, FORWARD_ATTENTION, Machine, StepCost, estimate
 from ..errors import BudgetError
+from ..frontend.trace import model_tables, trace_step
 from ..ir.graph import (REMAT, USER_CHECKPOINT, BufKind, ChunkGroup, ParamHome, Precision, Role, Settings, StateHome,
                         TrainGraph)
 from ..ir.needs import shard_numel, state_bytes
 from ..optim import OptimizerLayout, OptimizerSpec
-from ..frontend.trace import model_tables, trace_step
 from ..passes import pipeline, run_passes
 from ..units import format_bytes, parse_bytes
 from .compiler import cycle_collection_paused, one_intra_op_thread

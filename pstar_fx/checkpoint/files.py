@@ -8,8 +8,8 @@ it before reading anything out of them, and `save` replaces only a directory tha
 not list). It carries a checksum of its own, so a flipped bit in it is found too. Its file:
 - plain files: `manifest.json`, beside model.pt, optimizer.pt and meta.pt;
 - sharded: `.metadata`, the name torch.distributed.checkpoint gives its metadata file, which holds the manifest and
-  DCP's metadata as JSON (pstar_fx.checkpoint.dcp_storage), not a pickle. torch's own DCP reader therefore does not read it,
-  and pstar-fx never unpickles a `.metadata`, whoever wrote it.
+  DCP's metadata as JSON (pstar_fx.checkpoint.dcp_storage), not a pickle. torch's own DCP reader therefore does not
+  read it, and pstar-fx never unpickles a `.metadata`, whoever wrote it.
 
 Checksums: CRC-32 (zlib.crc32) of each 64 MiB block of a file, blocks on up to 8 threads (zlib releases the GIL).
 Why CRC-32: it is the fastest check in the standard library (with adler32, which detects less). Measured on the

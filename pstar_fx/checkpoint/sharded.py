@@ -15,9 +15,9 @@ The last two are byte entries: `torch.save` of the object, stored by DCP as one 
 The files and how they are read. The data files are DCP's (`__<rank>_<i>.distcp`, one per rank). `.metadata` is not
 DCP's pickle: rank 0 writes it after every rank has written its data file and checksummed a share of them, as
 pstar-fx's JSON manifest (pstar_fx.checkpoint.files), which holds DCP's metadata as JSON and each data file's size
-and checksums. Loading (pstar_fx.checkpoint.load) verifies the manifest and the data files first (each rank a
-share; the ranks agree), rebuilds DCP's metadata from the JSON, checking every value (pstar_fx.checkpoint.dcp_storage), checks
-it against this model (`_check`: every entry's key, kind, shape and dtype), reads the byte entries with
+and checksums. Loading (pstar_fx.checkpoint.load) verifies the manifest and the data files first (each rank a share;
+the ranks agree), rebuilds DCP's metadata from the JSON, checking every value (pstar_fx.checkpoint.dcp_storage),
+checks it against this model (`_check`: every entry's key, kind, shape and dtype), reads the byte entries with
 `torch.load(weights_only=True)` (DCP's own planner would use weights_only=False) and checks them (format, loss
 scaler, optimizer groups, RNG states, step counts: pstar_fx.checkpoint.checks), and only then writes a value into
 the step. DCP reads the tensor pieces with `torch.load(weights_only=True)`. Nothing is unpickled otherwise: a

@@ -44,13 +44,13 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, ShapeEnv
 from torch.overrides import TorchFunctionMode
 
-from . import fake_fixes, moe_rewrites, user_checkpoint
 from ..errors import UntraceableError
+from ..interrupts import DeferredInterrupt
 from ..ir.fx_utils import (data_dependent_sizes, is_user_file, loss_seed, mutated_args, output_node, storage_key,
                            tensors_of, user_frame)
 from ..ir.graph import (BufferInfo, InputInfo, NodeAnn, ParamInfo, Phase, Role, Settings, TrainGraph, lazy_modules,
                         to_module)
-from ..interrupts import DeferredInterrupt
+from . import fake_fixes, moe_rewrites, user_checkpoint
 
 
 

@@ -8,8 +8,8 @@ from typing import Callable, NamedTuple
 import torch
 import torch.fx as fx
 
-from .graph import BufKind, ChunkInfo, NodeAnn, ParamHome, Precision, Role, StateHome, TrainGraph
 from .fx_utils import storage_key, tensors_of
+from .graph import BufKind, ChunkInfo, NodeAnn, ParamHome, Precision, Role, StateHome, TrainGraph
 
 
 class BufKey(NamedTuple):

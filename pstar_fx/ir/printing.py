@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from .graph import REMAT, ParamHome, Role, TrainGraph
-from .fx_utils import data_dependent_sizes, tensors_of
 from ..units import format_bytes
+from .fx_utils import data_dependent_sizes, tensors_of
+from .graph import REMAT, ParamHome, Role, TrainGraph
 
 
 def _arg(a) -> str:

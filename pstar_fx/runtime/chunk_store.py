@@ -5,9 +5,9 @@ is made and pinned ahead of time (host_memory.py); host-side optimizer updates r
 (host_updates.py); values go in and out by name (store_values.py, `store.values`). This module keeps the buffers
 themselves, their residency and the copies between host and device, ordered with events.
 
-The host side holds each chunk's home copy of its parameters (pinned on CUDA machines: pageable copies are much slower), gradient homes
-made at set-up for host-stepped chunks and on first write-back for the others, and the optimizer states placed on
-the host (pageable: only the CPU touches them); see host_memory.py for how they are made.
+The host side holds each chunk's home copy of its parameters (pinned on CUDA machines: pageable copies are much
+slower), gradient homes made at set-up for host-stepped chunks and on first write-back for the others, and the
+optimizer states placed on the host (pageable: only the CPU touches them); see host_memory.py for how they are made.
 
 On CUDA, copies run on two streams of their own, host->device (H2D) and device->host (D2H), ordered with events only
 (no device-wide synchronize; the CPU waits only before it touches a host buffer a copy still reads or writes):

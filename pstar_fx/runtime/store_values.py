@@ -112,8 +112,8 @@ class StoreValues:
         for cid in sorted(by_chunk):
             c = self.store.chunks[cid]
             self.store.flush(cid)
-            src = self.full_chunk(self.store.master(cid) if self.store.precision.mixed and c.group is ChunkGroup.TRAINABLE
-                                  else self.store.host_param[cid])
+            mixed = self.store.precision.mixed and c.group is ChunkGroup.TRAINABLE
+            src = self.full_chunk(self.store.master(cid) if mixed else self.store.host_param[cid])
             for n in by_chunk[cid]:
                 p = self.store.params[n]
                 out[n] = src[p.offset:p.offset + p.numel].view(p.shape)

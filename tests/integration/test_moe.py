@@ -3,8 +3,8 @@
 transformers' Mixtral trains equal to eager with both of its expert implementations: the default (grouped_mm, fixed
 shapes) and "eager" (nonzero, then a Python loop over the experts hit), which is traced as the same loop over every
 expert (pstar_fx/frontend/moe_rewrites.py), each expert's token selection a data-dependent size planned at its upper
-bound, tokens x top-k, as the printed plan states. A boolean mask in a step compiles the same way. Python control flow on a
-data-dependent size, and a data-dependent size without a bound, are refused naming the op and the line."""
+bound, tokens x top-k, as the printed plan states. A boolean mask in a step compiles the same way. Python control flow
+on a data-dependent size, and a data-dependent size without a bound, are refused naming the op and the line."""
 import dataclasses
 import functools
 import re
@@ -73,7 +73,8 @@ def test_grouped_mm_op_and_its_backward_equal_torch_bitwise():
 def test_eager_experts_loop_is_recognised_and_only_it():
     from transformers.models.mixtral.modeling_mixtral import MixtralExperts
     # moe_rewrites._EAGER_LOOP is transformers' code: if transformers changes it, this fails (and nothing is rewritten)
-    assert moe_rewrites.fingerprint(MixtralExperts.forward.__wrapped__) == moe_rewrites.fingerprint(moe_rewrites._EAGER_LOOP)
+    assert (moe_rewrites.fingerprint(MixtralExperts.forward.__wrapped__)
+            == moe_rewrites.fingerprint(moe_rewrites._EAGER_LOOP))
     eager, default = tiny_mixtral("eager"), tiny_mixtral()
     assert eager.config._experts_implementation == "eager"
     assert moe_rewrites.rewrite_for(eager.model.layers[0].mlp.experts) is moe_rewrites._all_experts

@@ -1,6 +1,6 @@
 """One rank of tests/integration/test_plan.py's gloo run: compile a test case, run two steps on this rank's slice of
-the global batch, and write what the compiled step planned and measured (plan figures, measured peak, host bytes its ChunkStore
-holds) to --out.rank<r>, so the test can compare them with `px.plan` made without any process group."""
+the global batch, and write what the compiled step planned and measured (plan figures, measured peak, host bytes its
+ChunkStore holds) to --out.rank<r>, so the test can compare them with `px.plan` made without any process group."""
 from __future__ import annotations
 
 import argparse

@@ -40,9 +40,9 @@ def free_port() -> int:
 def run_ranks(worker: str, argv: list, world: int, out: str, timeout: float = 240, failing: tuple[int, ...] = ()
               ) -> Ranks:
     """Run `world` ranks of tests/support/<worker> with argv. Every rank must write its result and exit with code 0,
-    except those in `failing`, which must exit with another; else the assertion shows the rank's output (its log, kept in
-    `<out>.rank<r>.log`: a file, not a pipe, so that no rank blocks on a full pipe while another is waited for). A
-    launch that outlives `timeout` seconds is killed and the assertion shows every rank's output."""
+    except those in `failing`, which must exit with another; else the assertion shows the rank's output (its log,
+    kept in `<out>.rank<r>.log`: a file, not a pipe, so that no rank blocks on a full pipe while another is waited
+    for). A launch that outlives `timeout` seconds is killed and the assertion shows every rank's output."""
     env = child_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
     t0 = time.monotonic()
     files = [open(f"{out}.rank{r}.log", "wb+") for r in range(world)]

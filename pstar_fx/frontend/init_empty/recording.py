@@ -317,8 +317,8 @@ class _Recorder(TorchDispatchMode):
         args = tuple(values[n] for n in names[:code.co_argcount])
         kwargs = {n: values[n] for n in names[code.co_argcount:]}
         touched = frozenset(v.storage for v in values.values() if isinstance(v, Ref))
-        self.rec.steps.append(RecordedOp(fn, args, kwargs, (), touched, touched, True, self.rng_state(), False, _where(),
-                                    call=True))
+        self.rec.steps.append(RecordedOp(fn, args, kwargs, (), touched, touched, True, self.rng_state(), False,
+                                         _where(), call=True))
 
     def rng_state(self) -> torch.Tensor | None:
         """A random op is recorded: the RNG state it draws from (the CPU's, or the replay device's), if it differs

@@ -70,7 +70,8 @@ def fill_chunks(store, params: dict[str, torch.Tensor], buffers: dict[str, torch
                              {n: t._pstar_ref for n, t in empty_params.items() if t._pstar_recording is rec},
                              {n: t._pstar_ref for n, t in empty_buffers.items() if t._pstar_recording is rec}))
     if store.precision.mixed and in_place:
-        store.values.restore_params_from_masters()    # the half-precision chunks: the fp32 masters written above, rounded
+        # the half-precision chunks: the fp32 masters written above, rounded
+        store.values.restore_params_from_masters()
     return ({n: t for n, t in params.items() if n not in empty_params},
             {n: values.get(n, t) for n, t in buffers.items()})
 

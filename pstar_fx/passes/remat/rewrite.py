@@ -140,8 +140,8 @@ def grads_not_in_place_after_reads(g: TrainGraph) -> TrainGraph:
 
 def keep_forward_values(g: TrainGraph) -> TrainGraph:
     """g with the user's activation checkpoints undone: each recompute node's users read its forward twin (the same op
-    on the same values, tagged by frontend/user_checkpoint) wherever the twin's storage is not written between the two, and the
-    recompute nodes left without users are dropped; liveness annotated. g itself when nothing changes."""
+    on the same values, tagged by frontend/user_checkpoint) wherever the twin's storage is not written between the
+    two, and the recompute nodes left without users are dropped; liveness annotated. g itself when nothing changes."""
     nodes = g.nodes
     by_name = {n.name: n for n in nodes}
     pos = {n: i for i, n in enumerate(nodes)}

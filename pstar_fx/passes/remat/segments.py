@@ -110,8 +110,8 @@ class GraphFacts:
                 self.sharers.setdefault(k, []).append(i)
             self.keys.append(tuple(ks))
         self.param_alias = [g.ann[n.name].role is Role.PARAM_VIEW or (
-            n.op == "call_function" and bool(tensors_of(n)) and all(storage_key(t) in param_keys for t in tensors_of(n)))
-            for n in self.nodes]
+            n.op == "call_function" and bool(tensors_of(n))
+            and all(storage_key(t) in param_keys for t in tensors_of(n))) for n in self.nodes]
         self.last = last_uses(self.nodes)
         self.written = {storage_key(t) for n in self.nodes for m in mutated_args(n) for t in tensors_of(m)}
         self.private = private_chains(self.nodes)
