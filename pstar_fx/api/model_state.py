@@ -23,6 +23,9 @@ Swapping the model's tensors in or out holds Ctrl-C until every tensor is swappe
 
 What stays readable on a held model: shapes, dtypes, `requires_grad` (and `requires_grad_()`, which the next step
 sees), module structure, `model.train()` / `model.eval()`.
+
+`ModelState` is a compiled step's side of this: it takes the model into the step's chunks, gives it back, and reads
+and loads the model's values by state_dict name, wherever they are.
 """
 from __future__ import annotations
 

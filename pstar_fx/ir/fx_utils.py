@@ -1,4 +1,5 @@
-"""Small graph helpers shared by the passes: op schema facts, storage identity and size of fake values.
+"""Small fx helpers every stage shares: op schema facts (what an op writes, whether it draws random numbers), storage
+identity and size of fake values, and where in the user's source a node was made.
 
 Data-dependent sizes. An op whose output size depends on tensor values (nonzero, boolean masking, unique) is traced
 with an unbacked SymInt for that size (`u0`, `u1`, ... in the printed shapes), whose value range the tracer's ShapeEnv
