@@ -21,8 +21,7 @@ end the others):
   first step, into the chunks) instead of on the device and moved to the host; the row's first_step_s is then the
   first step's time with that initialisation in it. --checkpoint on builds it with per-block checkpoints, which the
   remat pass keeps where the budget needs them; without them (auto, off) the remat pass chooses what to recompute
-  (the 17.26B GPT on one H200: every block but the last, 8% faster than with the checkpoints; BENCHMARKS.md, session
-  12).
+  (the 17.26B GPT on one H200: every block but the last, 8% faster than with the checkpoints; BENCHMARKS.md).
 With --gpus N (a list: 1,2), every system runs on N GPUs of this host, one process per GPU launched by torchrun, data
 parallel with --batch sequences per GPU: pstar-fx shards its chunks over the ranks (the default process group);
 fsdp2 shards per block with and without CPU offload (fsdp2 and fsdp2:offload; on one GPU only with offload);

@@ -196,7 +196,11 @@ def test_ctrl_c_at_random_moments_never_breaks_a_step(name, precision, atomic):
         loss = step(*case.batch(STEPS))
         assert torch.equal(loss, want_loss), f"seed {seed}: the next step's loss"
         _assert_equal(_values(step), want_after, f"{name} {precision} atomic={atomic}, seed {seed}: the next step")
-    assert all(kinds.values()), kinds          # every kind of interrupted call was seen
+    if DEVICE == "cpu":
+        # every kind of interrupted call was seen. On CUDA the event counts of a call depend on timing (whether a
+        # copy's event is done when the executor asks), so a position aimed after the commit may land before it:
+        # every call there is still checked, but which kinds a seed reaches is not fixed
+        assert all(kinds.values()), kinds
 
 
 class _Spans:
@@ -282,7 +286,7 @@ def test_ctrl_c_while_tracing_is_held_until_the_trace_ends():
 
     model = case.build_model()
     step = px.compile(model, optimizer=px.AdamW(**HYPER), device_memory=_budget(name), chunk_size=256,
-                      device=DEVICE)(loss_fn)
+                      precision="fp32", device=DEVICE)(loss_fn)
     with pytest.raises(KeyboardInterrupt):
         step(*case.batch(0))
     assert ran_after_the_signal == [True]

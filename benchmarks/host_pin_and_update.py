@@ -1,10 +1,10 @@
 """Host-side micro-benchmarks behind two parts of a large run: setting up pinned host memory, and the CPU worker's
 Adam update. Prints one line per measurement (and writes them as JSON with --json).
 
-    python3 benchmarks/host_micro.py [--pin-gib 16] [--chunk 100663296] [--json out.json]
+    python3 benchmarks/host_pin_and_update.py [--pin-gib 16] [--chunk 100663296] [--json out.json]
 
 Pinning: each variant makes --pin-gib of host memory in 1 GiB buffers, times it, and frees it again:
-  zeros+register  torch.zeros, then cudaHostRegister each buffer (what ChunkStore did up to session 8)
+  zeros+register  torch.zeros, then cudaHostRegister each buffer (how host buffers were first made)
   empty+register  torch.empty, cudaHostRegister (which faults the pages in), then zero_
   register x4     the same as empty+register with four threads registering at once; `gil` is how many times the
                   main thread's Python loop ran meanwhile (near zero: the binding holds the GIL)

@@ -1,9 +1,9 @@
-"""Host time per step, not GPU work (issue 5 "Must work" 4): the 1.3B GPT's graph (24 layers) with kernels made
+"""Host time per step, not GPU work: the 1.3B GPT's graph (24 layers) with kernels made
 negligible (hidden 64, 2 x 64 tokens, vocab 512), on the CPU, pstar-fx's executor against eager PyTorch. For each, the
 median step over 20 after 3 warm-up steps, and one profiled step split into torch operators' self time and the rest
 (Python: the executor's interpreter loop and its bookkeeping, or eager's modules and autograd glue).
 
-    python benchmarks/host_time.py [--layers 24] [--threads 1]
+    python benchmarks/executor_host_time.py [--layers 24] [--threads 1]
 """
 import argparse
 import time
@@ -13,7 +13,7 @@ import torch
 import pstar_fx as px
 from pstar_fx.models.gpt import GPT, GPTConfig, gpt_loss
 
-from host_micro import median_seconds  # benchmarks/, beside this file
+from host_pin_and_update import median_seconds  # benchmarks/, beside this file
 
 
 def split_ms(fn) -> tuple[float, float]:

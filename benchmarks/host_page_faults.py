@@ -1,7 +1,7 @@
 """How fast host memory is made (its pages faulted in) as the machine fills, with and without transparent huge pages,
-and what the page size costs the CPU worker's Adam update. Behind "Setting up host memory" in BENCHMARKS.md.
+and what the page size costs the CPU worker's Adam update. Behind "Host memory set-up" in docs/measurements.md.
 
-    python3 benchmarks/host_touch.py [--gib 100] [--step-gib 10] [--json out.json]
+    python3 benchmarks/host_page_faults.py [--gib 100] [--step-gib 10] [--json out.json]
 
 touch: for each page mode in turn, one anonymous mapping of --gib is made and its pages faulted in --step-gib at a
 time (zero_ on torch's intra-op threads, as pstar_fx.runtime.host_memory.zeroed does); one line per piece gives the
@@ -27,7 +27,7 @@ import torch
 
 from pstar_fx.runtime.adam import host_step
 
-from host_micro import ADAM, median_seconds, on_thread  # benchmarks/, beside this file
+from host_pin_and_update import ADAM, median_seconds, on_thread  # benchmarks/, beside this file
 
 GIB = 1 << 30
 ADVICE = {"huge": getattr(mmap, "MADV_HUGEPAGE", None), "default": None,
