@@ -52,8 +52,9 @@ class BudgetError(PstarError):
 class CommitError(PstarError):
     """A step failed after its commit point, while applying the update (a device fault or a bug: nothing of the
     user's runs there), or, with px.compile(atomic=False), after its first host-side update began. Some chunks were
-    updated and others not, so the compiled step refuses further use until its
-    values are loaded again (`step.load(...)` or `step.load_state_dict(...)`)."""
+    updated and others not, so the compiled step refuses further use until a checkpoint is loaded
+    (`step.load(path)`: parameters, optimizer states and step count together; `load_state_dict` restores only the
+    parameters and does not make the step usable again)."""
 
 
 class ModelHeldError(PstarError):

@@ -103,7 +103,7 @@ class Executor:
                     f"({type(e).__name__}: {e}), with "
                     f"{len(rt.stepped)} of {sum(1 for r in self.roles if r is Role.OPTIMIZER_STEP)} chunks "
                     "updated; the compiled step's values are no longer consistent. Load a checkpoint "
-                    "(step.load(path) or step.load_state_dict(...)) to continue.") from e
+                    "with step.load(path) to continue.") from e
             for name, value in saved.items():
                 self.store.buffers[name].copy_(value)
             self.store.values.restore_params_from_masters()

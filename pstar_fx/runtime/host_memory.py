@@ -1,6 +1,6 @@
 """HostMemory: the host buffers of one ChunkStore (parameter and gradient homes, host-side optimizer states).
 
-Three measured facts (BENCHMARKS.md, "Setting up host memory") shape how a buffer is made:
+Three measured facts (docs/measurements.md, "Host memory set-up") shape how a buffer is made:
 - Copies need page-locked memory (pageable copies run at 6-7 GB/s instead of 55). torch's pinned allocator (2.11)
   rounds every allocation up to a power of two, wasting up to half of the host memory offloading lives on, so an
   ordinary allocation of the exact size is pinned with cudaHostRegister (left pageable, with a warning, if that
@@ -94,7 +94,7 @@ def spare_host_bytes(ranks: int = 1) -> int:
 
 def _mapping(nbytes: int) -> mmap.mmap:
     """An anonymous private mapping (zero, no page present yet) advised to use transparent huge pages: the CPU
-    worker's Adam update ran 22% slower on 4 KiB pages on the H200 machine (benchmarks/host_touch.py)."""
+    worker's Adam update ran 22% slower on 4 KiB pages on the H200 machine (benchmarks/host_page_faults.py)."""
     m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):
         try:

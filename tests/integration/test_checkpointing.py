@@ -1,6 +1,6 @@
 """Activation checkpointing in user code (torch.utils.checkpoint, both modes; transformers'
 gradient_checkpointing_enable): traced as eager autograd runs it, trained equal to eager, planned exactly.
-CPU tests (exact fp32 comparisons), not among the CUDA tests of benchmarks/h200_prologue.sh."""
+CPU tests (exact fp32 comparisons), not marked cuda."""
 import dataclasses
 import functools
 

@@ -1,4 +1,4 @@
-"""CUDA-only runtime checks, run on the GPU machine with PSTAR_TEST_DEVICE=cuda by benchmarks/cuda_check.sh
+"""CUDA-only runtime checks, run on the GPU machine with PSTAR_TEST_DEVICE=cuda by `pytest -m cuda`
 (skipped, and reported as skipped, on a machine without CUDA)."""
 import time
 

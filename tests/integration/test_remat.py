@@ -3,7 +3,7 @@
 Under a budget no plan without recomputation fits (the compile fails with remat=False), the compiled step recomputes,
 fits the budget as planned and measured, and trains exactly as eager PyTorch (fp32, random data, several steps,
 dropout included: random ops are never recomputed). At a budget the step fits without, the graph is unchanged.
-CPU tests (exact fp32 comparisons), not among the CUDA tests of benchmarks/h200_prologue.sh.
+CPU tests (exact fp32 comparisons), not marked cuda.
 """
 import dataclasses
 import functools
