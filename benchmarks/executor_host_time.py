@@ -11,7 +11,7 @@ import time
 import torch
 
 import pstar_fx as px
-from pstar_fx.plan import GPT, GPTConfig, gpt_loss
+from pstar_fx.models.gpt import GPT, GPTConfig, gpt_loss
 
 from host_pin_and_update import median_seconds  # benchmarks/, beside this file
 

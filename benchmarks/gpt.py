@@ -65,9 +65,9 @@ sys.path.insert(0, ROOT)
 GiB = 2 ** 30
 
 # -----------------------------------------------------------------------------
-# model: nanoGPT without dropout, the GPT that `python -m pstar_fx.plan` plans
+# model: nanoGPT without dropout, the reference GPT that `pstar-fx-plan` plans
 
-from pstar_fx.plan import GPT, GPTConfig, gpt_loss  # noqa: E402  (after ROOT is on the path)
+from pstar_fx.models.gpt import GPT, GPTConfig, gpt_loss  # noqa: E402  (after ROOT is on the path)
 from trace_steps import intersect, length, stream_lanes, union  # noqa: E402  (benchmarks/, beside this file)
 
 IMPORT_SECONDS = time.perf_counter() - _STARTED     # torch's and pstar-fx's imports (not in compile time)
@@ -256,18 +256,18 @@ def run_pstar(cfg, args, device, batch, budget: str) -> dict:
                          rest_s=round(compile_s - trace_s - passes_s - setup_s, 2),   # verifying each stage
                          import_s=round(IMPORT_SECONDS, 2),
                          per_pass={name: round(g.seconds, 2) for name, g in step.graphs.items() if name != "traced"},
-                         host_arenas=[(round(b / GiB, 1), round(t, 2)) for b, t in step._store.hostmem.arena_seconds],
-                         host_waited_s=round(step._store.hostmem.waited, 2),
-                         host_pool=host_pool(step._store.hostmem))
-    if args.host_threads and step._store.updates is not None:   # the CPU worker's intra-op threads (an experiment)
-        step._store.updates.threads = args.host_threads
-    from pstar_fx.planning import host_bytes
+                         host_arenas=[(round(b / GiB, 1), round(t, 2)) for b, t in step._compiler.store.hostmem.arena_seconds],
+                         host_waited_s=round(step._compiler.store.hostmem.waited, 2),
+                         host_pool=host_pool(step._compiler.store.hostmem))
+    if args.host_threads and step._compiler.store.updates is not None:   # the CPU worker's intra-op threads (an experiment)
+        step._compiler.store.updates.threads = args.host_threads
+    from pstar_fx.api.plan import host_bytes
     steady, setup = host_bytes(step.final_graph)
     print(f"host memory of rank {os.environ.get('RANK', 0)} after set-up: {rss_now() / 2**30:.2f} GiB; the plan's "
           f"store: {setup / 2**30:.2f} GiB at set-up, {steady / 2**30:.2f} GiB in steps; cudaHostRegister refused "
-          f"{len(step._store.hostmem.fallbacks)} buffers {step._store.hostmem.fallbacks[:3]}", file=sys.stderr,
+          f"{len(step._compiler.store.hostmem.fallbacks)} buffers {step._compiler.store.hostmem.fallbacks[:3]}", file=sys.stderr,
           flush=True)
-    updates = step._store.updates            # the CPU worker (None: updates run inline)
+    updates = step._compiler.store.updates            # the CPU worker (None: updates run inline)
     start = []                               # its WorkerTime when the timed steps begin
 
     steps_log = []                           # after each step: allocator counts, the worker's time so far

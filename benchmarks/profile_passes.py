@@ -19,11 +19,12 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from pstar_fx import planning  # noqa: E402
+from pstar_fx.api import plan as planning  # noqa: E402
 from pstar_fx.ir import Precision, Settings  # noqa: E402
 from pstar_fx.passes import pipeline, verify  # noqa: E402
-from pstar_fx.plan import GPT, GPTConfig, _parser, gpt_loss  # noqa: E402
-from pstar_fx.trace import trace_step  # noqa: E402
+from pstar_fx.api.plan_cli import _parser  # noqa: E402
+from pstar_fx.models.gpt import GPT, GPTConfig, gpt_loss  # noqa: E402
+from pstar_fx.frontend.trace import trace_step  # noqa: E402
 from pstar_fx.units import parse_bytes  # noqa: E402
 
 

@@ -25,7 +25,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import pstar_fx as px  # noqa: E402
-from pstar_fx.plan import GPT, GPTConfig, _parser, gpt_loss  # noqa: E402
+from pstar_fx.api.plan_cli import _parser  # noqa: E402
+from pstar_fx.models.gpt import GPT, GPTConfig, gpt_loss  # noqa: E402
 
 # (file suffix, function) of the set-up's parts
 PARTS = [("runtime/chunk_store.py", "__init__"), ("runtime/host_memory.py", "zeros"),
@@ -57,7 +58,7 @@ def main() -> None:
     prof.disable()
     wall = time.perf_counter() - t0
     trace_s, passes_s, setup_s = step.summary().compile_seconds
-    hm = step._store.hostmem
+    hm = step._compiler.store.hostmem
     print(f"compile {wall:.2f} s under cProfile: trace {trace_s:.2f}, passes {passes_s:.2f}, set-up {setup_s:.2f} "
           f"(waited for host buffers {hm.waited:.2f} s)", flush=True)
     stats = pstats.Stats(prof)

@@ -15,9 +15,9 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "support"))
 import pstar_fx as px                                   # noqa: E402
-from pstar_fx.passes.remat import REMAT                 # noqa: E402
+from pstar_fx.ir import REMAT                           # noqa: E402
 from models import GPT, gpt_loss                        # noqa: E402
 
 

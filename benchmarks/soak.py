@@ -112,7 +112,7 @@ def main() -> int:
         t0 = time.perf_counter()
         loss = step(x, y).item()
         seconds.append(time.perf_counter() - t0)
-        compiles.add(id(step._latest))          # a new compiled object means a new trace
+        compiles.add(id(step._compiler.latest))          # a new compiled object means a new trace
         ref = gpt_loss(eager, x, y)
         ref.backward()
         opt.step()
@@ -146,8 +146,8 @@ def main() -> int:
         ("step time flat", late <= args.time_ratio * early,
          f"median {early * 1e3:.1f} ms after warm-up, {late * 1e3:.1f} ms over the last {span} steps "
          f"(ratio {late / early:.2f}, bound {args.time_ratio})"),
-        ("trace cache bounded", len(compiles) == len(set(seqs)) and len(step._cache) == len(set(seqs)),
-         f"{len(compiles)} compiles, {len(step._cache)} cached signatures for {len(set(seqs))} shapes"),
+        ("trace cache bounded", len(compiles) == len(set(seqs)) and len(step._compiler.cache) == len(set(seqs)),
+         f"{len(compiles)} compiles, {len(step._compiler.cache)} cached signatures for {len(set(seqs))} shapes"),
         ("peak as planned, within budget", peak == planned <= budget,
          f"last step's measured peak {peak:,} bytes, predicted {planned:,}, budget {budget:,}"),
     ]

@@ -21,108 +21,17 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 # let the example run from a source checkout without installing pstar-fx
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import pstar_fx as px  # noqa: E402
+from pstar_fx.models.gpt import GPT, GPTConfig, Init  # noqa: E402
 
 # -----------------------------------------------------------------------------
-# model: nanoGPT, minus dropout (this example is about memory, not regularisation)
-
-@dataclass
-class GPTConfig:
-    block_size: int
-    vocab_size: int
-    n_layer: int
-    n_head: int
-    n_embd: int
-
-
-class CausalSelfAttention(nn.Module):
-
-    def __init__(self, config):
-        super().__init__()
-        assert config.n_embd % config.n_head == 0
-        self.n_head = config.n_head
-        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)  # q, k, v in one matmul
-        self.c_proj = nn.Linear(config.n_embd, config.n_embd)
-
-    def forward(self, x):
-        B, T, C = x.size()
-        q, k, v = self.c_attn(x).split(C, dim=2)
-        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)       # (B, nh, T, hs)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)                   # (B, T, C)
-        return self.c_proj(y)
-
-
-class MLP(nn.Module):
-
-    def __init__(self, config):
-        super().__init__()
-        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd)
-        self.gelu = nn.GELU()
-        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd)
-
-    def forward(self, x):
-        return self.c_proj(self.gelu(self.c_fc(x)))
-
-
-class Block(nn.Module):
-
-    def __init__(self, config):
-        super().__init__()
-        self.ln_1 = nn.LayerNorm(config.n_embd)
-        self.attn = CausalSelfAttention(config)
-        self.ln_2 = nn.LayerNorm(config.n_embd)
-        self.mlp = MLP(config)
-
-    def forward(self, x):
-        x = x + self.attn(self.ln_1(x))
-        x = x + self.mlp(self.ln_2(x))
-        return x
-
-
-class GPT(nn.Module):
-
-    def __init__(self, config):
-        super().__init__()
-        self.config = config
-        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
-        self.wpe = nn.Embedding(config.block_size, config.n_embd)
-        self.h = nn.ModuleList(Block(config) for _ in range(config.n_layer))
-        self.ln_f = nn.LayerNorm(config.n_embd)
-        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        self.lm_head.weight = self.wte.weight  # weight tying: one parameter, two names
-        self.apply(self._init_weights)
-        for pn, p in self.named_parameters():  # GPT-2: scale residual projections by depth
-            if pn.endswith("c_proj.weight"):
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
-
-    def _init_weights(self, module):
-        if isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-
-    def forward(self, idx):
-        # idx: (B, T) int64 -> logits (B, T, vocab_size)
-        B, T = idx.size()
-        pos = torch.arange(0, T, dtype=torch.long, device=idx.device)  # (T,)
-        x = self.wte(idx) + self.wpe(pos)                               # (B, T, C)
-        for block in self.h:
-            x = block(x)
-        return self.lm_head(self.ln_f(x))
-
+# model: nanoGPT (pstar_fx/models/gpt.py: the reference GPT, nanoGPT's layout and initialisation), minus dropout
 
 def gpt_loss(model, idx, targets):
     logits = model(idx)  # (B, T, vocab)
@@ -243,8 +152,8 @@ def main():
     preset = PRESETS[args.model]
     train_data, val_data, chars = load_corpus(
         os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "tiny_corpus.txt"))
-    config = GPTConfig(block_size=preset["block_size"], vocab_size=len(chars),
-                       n_layer=preset["n_layer"], n_head=preset["n_head"], n_embd=preset["n_embd"])
+    config = GPTConfig(vocab=len(chars), seq=preset["block_size"], layers=preset["n_layer"], heads=preset["n_head"],
+                       hidden=preset["n_embd"], init=Init.MODULES)
     batch_size = preset["batch_size"] * args.accumulate         # split into micro-batches by pstar-fx
     model = GPT(config)
 
@@ -258,8 +167,8 @@ def main():
     else:
         budget = args.device_memory  # a size string such as "8MiB": pstar-fx parses it
     print(f"corpus: {len(train_data) + len(val_data):,} characters, vocab {len(chars)}")
-    print(f"model '{args.model}': {n_params:,} parameters, {config.n_layer} layers, n_embd {config.n_embd}, "
-          f"batch {batch_size}x{config.block_size} in {args.accumulate} micro-batches")
+    print(f"model '{args.model}': {n_params:,} parameters, {config.layers} layers, n_embd {config.hidden}, "
+          f"batch {batch_size}x{config.seq} in {args.accumulate} micro-batches")
     print(f"model data (fp32 params + grads + Adam m, v): {fmt_bytes(data_bytes)}")
     print(f"device memory budget: {budget if budget is None or isinstance(budget, str) else fmt_bytes(budget)}")
 
@@ -283,7 +192,7 @@ def main():
     def val_loss():
         model.eval()
         vgen = torch.Generator().manual_seed(0)
-        loss = sum(evaluate(*get_batch(val_data, config.block_size, 16, vgen)).item() for _ in range(10)) / 10
+        loss = sum(evaluate(*get_batch(val_data, config.seq, 16, vgen)).item() for _ in range(10)) / 10
         model.train()
         return loss
 
@@ -292,7 +201,7 @@ def main():
     bar = progress(range(first, last), not args.no_progress)
     for it in bar:
         gen = torch.Generator().manual_seed(args.seed * 100_003 + it)   # a step's batch depends on the step only
-        x, y = get_batch(train_data, config.block_size, batch_size, gen)
+        x, y = get_batch(train_data, config.seq, batch_size, gen)
         loss = step(x, y)
         sched.step()
         s = step.last_step
@@ -321,7 +230,7 @@ def main():
 
     print(f"val loss {val_loss():.4f}")
     model.eval()
-    print("sample:\n" + sample(generate, chars, config.block_size, 200, torch.Generator().manual_seed(args.seed)))
+    print("sample:\n" + sample(generate, chars, config.seq, 200, torch.Generator().manual_seed(args.seed)))
 
 
 if __name__ == "__main__":

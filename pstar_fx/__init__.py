@@ -1,16 +1,21 @@
-"""pstar-fx: train models larger than the GPU by compiling the training step and planning every chunk move."""
-from .errors import (BudgetError, CheckpointError, CommitError, DistributedError, ModelHeldError, PstarError,
-                     UntraceableError)
-from .optim import Adam, AdamW
-from .api import compile, CompiledStep
-from .init_empty import EmptyModelError, init_empty
-from .ir import TrainGraph
-from .ownership import sync_model
-from .planning import PlanReport, plan
-from .timeline import plot_memory
+"""pstar-fx: train models larger than the GPU by compiling the training step and planning every chunk move.
 
-__all__ = ["compile", "CompiledStep", "Adam", "AdamW", "BudgetError", "UntraceableError", "PstarError", "CommitError", "ModelHeldError",
-           "CheckpointError",
-           "DistributedError", "TrainGraph", "plot_memory", "init_empty", "EmptyModelError", "plan",
-           "PlanReport", "sync_model"]
+The package follows the pipeline, each folder importing only those before it: ir (the graph every stage shares),
+frontend (tracing), passes (planning), runtime (running), checkpoint (files), api (what users call), models (the
+reference GPT). The public names are these.
+"""
+from .api.compile import compile
+from .api.model_state import sync_model
+from .api.plan import PlanReport, plan
+from .api.step import CompiledStep
+from .api.timeline import plot_memory
+from .errors import (BudgetError, CheckpointError, CommitError, DistributedError, EmptyModelError, ModelHeldError,
+                     PstarError, UntraceableError)
+from .frontend.init_empty import init_empty
+from .ir.graph import TrainGraph
+from .optim import Adam, AdamW
+
+__all__ = ["compile", "CompiledStep", "Adam", "AdamW", "BudgetError", "UntraceableError", "PstarError", "CommitError",
+           "ModelHeldError", "CheckpointError", "DistributedError", "TrainGraph", "plot_memory", "init_empty",
+           "EmptyModelError", "plan", "PlanReport", "sync_model"]
 __version__ = "0.1.0"

@@ -48,10 +48,10 @@ from typing import Callable, Mapping
 import torch
 import torch.fx as fx
 
-from . import ops
-from .graph_utils import mutated_args, storage_key, tensors_of
-from .ir import BufKind, Role, StateHome, TrainGraph
-from .memory import BufKey, all_needs, from_master, shard_numel
+from .ir import ops
+from .ir.fx_utils import mutated_args, storage_key, tensors_of
+from .ir.graph import BufKind, Role, StateHome, TrainGraph
+from .ir.needs import BufKey, all_needs, from_master, shard_numel
 
 INF = float("inf")
 
@@ -70,7 +70,7 @@ class Machine:
     cpu_adam_mixed: float = 2.48e9       # the same with the bf16 gradient converted in, the bf16 parameter out
     cpu_adam_under_copies: float = 2.7 / 4.1   # CPU AdamW's rate while copies run, as a fraction of its rate alone
     gpu_adam: float = 123e9              # parameters per second, torch's fused AdamW on the GPU
-    # fitted (least squares) to the three compute-bound steps measured on the H200 (BENCHMARKS.md, issue 5):
+    # fitted (least squares) to the three compute-bound steps measured on the H200 (BENCHMARKS.md):
     # GPT 1.3B at 8 x 2048 tokens (pstar-fx unlimited 0.2997 s; model 0.290 s), 1.3B at 4 x 2048 (eager
     # 0.149-0.154 s; model 0.169 s), 4.24B at 4 x 2048 (eager 0.417-0.426 s; model 0.412 s)
     kernel_s: float = 20e-6              # per kernel, beyond its FLOPs or bytes (launch gaps, small-kernel tails)
@@ -491,7 +491,7 @@ def seconds(n: fx.Node, m: Machine = H200) -> float:
 
 
 def most_copy_seconds(plan, m: Machine = H200) -> float:
-    """The longest either copy lane can be busy in one step of a scheduled graph with this Plan, by its bytes each
+    """The longest either copy lane can be busy in one step of a scheduled graph with this MemoryPlan, by its bytes each
     way at the slowest rate the model gives a copy (both ways at once, the CPU updating): an upper bound of the
     estimate's busy H2D and D2H seconds, whose copies are at most the plan's bytes (a shard with several ranks)."""
     slowest = min(m.h2d_bytes, m.d2h_bytes, m.duplex_bytes / 2) * min(1.0, m.duplex_cpu_bytes / m.duplex_bytes)

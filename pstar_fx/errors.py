@@ -1,5 +1,28 @@
-"""Exceptions a user can cause. Internal invariants are asserts, not these."""
+"""Exceptions and warnings a user can cause. Internal invariants are asserts, not these."""
 from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_MODELS = os.path.join(_PACKAGE, "models") + os.sep
+
+
+def is_own_file(filename: str) -> bool:
+    """Whether a source file is pstar-fx's own machinery. Its reference models (pstar_fx/models) are not: they are
+    user code like any other, and errors and warnings point into them."""
+    f = os.path.abspath(filename)
+    return f.startswith(_PACKAGE) and not f.startswith(_MODELS)
+
+
+def warn(message: str, category: type[Warning] = UserWarning) -> None:
+    """warnings.warn attributed to the user's line: the first frame outside pstar-fx's own files, however many
+    pstar-fx frames lie between, so that moving code inside pstar-fx never changes where a warning points."""
+    frame, level = sys._getframe(0), 1
+    while frame is not None and is_own_file(frame.f_code.co_filename):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)
 
 
 class PstarError(Exception):
@@ -29,8 +52,9 @@ class BudgetError(PstarError):
 class CommitError(PstarError):
     """A step failed after its commit point, while applying the update (a device fault or a bug: nothing of the
     user's runs there), or, with px.compile(atomic=False), after its first host-side update began. Some chunks were
-    updated and others not, so the compiled step refuses further use until its
-    values are loaded again (`step.load(...)` or `step.load_state_dict(...)`)."""
+    updated and others not, so the compiled step refuses further use until a checkpoint is loaded
+    (`step.load(path)`: parameters, optimizer states and step count together; `load_state_dict` restores only the
+    parameters and does not make the step usable again)."""
 
 
 class ModelHeldError(PstarError):
@@ -44,6 +68,11 @@ class DistributedError(PstarError):
     because another rank failed or exited. Every rank must call the step with batches of the same shapes, from a
     model built the same way; when one rank fails, the others get this error (within the process group's timeout)
     instead of waiting for ever."""
+
+
+class EmptyModelError(PstarError):
+    """A model built under `px.init_empty()` was used before pstar-fx gave it values, or its construction did
+    something the recording cannot replay exactly. The message names the tensor or op and what to change."""
 
 
 class CheckpointError(PstarError, ValueError):

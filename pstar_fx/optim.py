@@ -4,8 +4,8 @@ They take torch.optim.Adam / torch.optim.AdamW's arguments with the same meaning
 one group holds every parameter of the model given to `px.compile`; with it (torch's forms: an iterable of tensors,
 or of `{"params": [...], "lr": ..., ...}` dicts) the groups hold the model's tensors and each group's unspecified
 options take the constructor's values, as in torch. The description is resolved against the model by `px.compile`,
-which builds the live optimizer (`pstar_fx/optimizer.py`, `step.optimizer`). Options pstar-fx does not support raise
-a ValueError that says so, rather than being silently ignored.
+which builds the live optimizer (`pstar_fx/api/live_optimizer.py`, `step.optimizer`). Options pstar-fx does not
+support raise a ValueError that says so, rather than being silently ignored.
 """
 from __future__ import annotations
 

@@ -1,9 +1,16 @@
+"""The tests: unit/ (one component at a time), integration/ (compiled steps end to end, against eager PyTorch or an
+uninterrupted run), distributed/ (several processes over gloo). Shared helpers and the scripts the tests launch as
+subprocesses live in support/, which this puts on sys.path (`from harness import ...`, `from models import ...`).
+
+Markers (pyproject.toml): `cuda` marks the tests worth running on a GPU (`PSTAR_TEST_DEVICE=cuda pytest -m cuda`),
+`multi_gpu` those that need two GPUs of one host, `slow` the ones that take tens of seconds on the CI machine.
+"""
 import os
 import sys
 
 from hypothesis import HealthCheck, settings
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "support"))
 
 settings.register_profile("ci", max_examples=12, deadline=None, derandomize=True,
                           suppress_health_check=[HealthCheck.too_slow])

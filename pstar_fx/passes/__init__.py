@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 import time
 
-from ..ir import TrainGraph
+from ..ir.graph import TrainGraph
 from .assign_chunks import assign_chunks
 from .canonicalize import canonicalize
 from .liveness import liveness

@@ -17,9 +17,9 @@ import math
 
 import torch.fx as fx
 
-from .. import ops
-from ..ir import ChunkGroup, ChunkInfo, NodeAnn, ParamInfo, Phase, Role, TrainGraph, copy_graph, to_module
-from ..graph_utils import mutated_args, node_copy, output_node, storage_key, tensors_of
+from ..ir import ops
+from ..ir.fx_utils import mutated_args, node_copy, output_node, storage_key, tensors_of
+from ..ir.graph import ChunkGroup, ChunkInfo, NodeAnn, ParamInfo, Phase, Role, TrainGraph, copy_graph, to_module
 
 ALIGN = 32                  # element alignment of every parameter inside a chunk (vectorised kernels like it)
 MAX_AUTO_CHUNK = 1 << 26    # largest chunk chosen automatically (elements)

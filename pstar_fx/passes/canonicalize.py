@@ -14,8 +14,8 @@ import dataclasses
 
 import torch.fx as fx
 
-from ..ir import Phase, TrainGraph, copy_graph, to_module
-from ..graph_utils import loss_seed, mutated_args, output_node
+from ..ir.fx_utils import loss_seed, mutated_args, output_node
+from ..ir.graph import Phase, TrainGraph, copy_graph, to_module
 
 
 def canonicalize(g: TrainGraph) -> TrainGraph:

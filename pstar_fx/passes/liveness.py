@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-from ..ir import Role, TrainGraph
-from ..graph_utils import last_uses, storage_bytes, storage_key, tensors_of
+from ..ir.fx_utils import last_uses, storage_bytes, storage_key, tensors_of
+from ..ir.graph import Role, TrainGraph
 
 _NOT_ACTIVATION = (Role.PARAM, Role.PARAM_VIEW, Role.BUFFER, Role.CONSTANT)
 

@@ -28,14 +28,14 @@ import dataclasses
 
 import torch.fx as fx
 
-from .. import ops
 from ..cost import H200, Lane, Machine, compute_seconds, estimate, most_copy_seconds
 from ..errors import BudgetError
-from ..ir import (BufKind, ChunkGroup, NodeAnn, Phase, Role, Scheduled, StateHome, TrainGraph, copy_graph,
-                  to_module)
+from ..ir import ops
+from ..ir.graph import (BufKind, ChunkGroup, NodeAnn, Phase, Role, Scheduled, StateHome, TrainGraph, copy_graph,
+                        to_module)
+from ..ir.needs import NO_NEEDS, all_needs, buf_bytes, needs, shard_numel, state_bytes, static_bytes
 from .liveness import analyze
 from .schedule import schedule
-from ..memory import NO_NEEDS, all_needs, buf_bytes, needs, shard_numel, state_bytes, static_bytes
 
 
 def min_need(g: TrainGraph) -> int:

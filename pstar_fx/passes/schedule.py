@@ -36,14 +36,14 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from .. import ops
 from ..errors import BudgetError
-from ..ir import (BufKind, ChunkGroup, NodeAnn, ParamHome, Phase, Plan, Role, StateHome, TrainGraph, copy_graph,
-                  to_module)
+from ..ir import ops
+from ..ir.fx_utils import output_node
+from ..ir.graph import (BufKind, ChunkGroup, MemoryPlan, NodeAnn, ParamHome, Phase, Role, StateHome, TrainGraph,
+                        copy_graph, to_module)
+from ..ir.needs import BufKey, all_needs, buf_bytes, from_master, static_bytes
 from ..units import format_bytes
 from .liveness import analyze
-from ..graph_utils import output_node
-from ..memory import BufKey, all_needs, buf_bytes, from_master, static_bytes
 
 INF = float("inf")
 _SHRINK_ROUNDS = 6          # rounds that drop carried buffers the step would evict before using them
@@ -366,7 +366,7 @@ def schedule(g: TrainGraph, *, prefetch: int | None = None) -> TrainGraph:
 
 def annotate(g: TrainGraph, carried: tuple = ()) -> TrainGraph:
     """Replay the scheduled graph from the carried set: resident bytes, live bytes and workspace at every node, and
-    the Plan."""
+    the MemoryPlan."""
     nodes = g.nodes
     lv = analyze(nodes, g.ann)
     static = static_bytes(g)
@@ -391,6 +391,6 @@ def annotate(g: TrainGraph, carried: tuple = ()) -> TrainGraph:
         peak = max(peak, static + shown + lv.live[i] + x.workspace)
         ann[n.name] = dataclasses.replace(a, resident_bytes=shown, live_bytes=lv.live[i], bytes=lv.created[i],
                                           workspace_bytes=x.workspace)
-    plan = Plan(budget=g.settings.budget, static_bytes=static, predicted_peak=peak, h2d_bytes=h2d, d2h_bytes=d2h,
-                fetches=fetches, releases=releases, carried=carried)
+    plan = MemoryPlan(budget=g.settings.budget, static_bytes=static, predicted_peak=peak, h2d_bytes=h2d,
+                      d2h_bytes=d2h, fetches=fetches, releases=releases, carried=carried)
     return g.evolve(ann=ann, plan=plan)

@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from .. import ops
-from ..ir import BufKind, ChunkGroup, NodeAnn, Phase, Role, StateHome, TrainGraph, copy_graph, to_module
-from ..memory import BufKey, from_master, shard_numel
+from ..ir import ops
+from ..ir.graph import BufKind, ChunkGroup, NodeAnn, Phase, Role, StateHome, TrainGraph, copy_graph, to_module
+from ..ir.needs import BufKey, from_master, shard_numel
 from .schedule import annotate
 
 

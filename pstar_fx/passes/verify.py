@@ -20,10 +20,11 @@ Checked at every stage (each check applies once the stage has what it is about):
 """
 from __future__ import annotations
 
-from .. import ops
-from ..ir import BufKind, ChunkGroup, ParamHome, Role, StateHome, TrainGraph
+from ..ir import ops
+from ..ir.graph import BufKind, ChunkGroup, ParamHome, Role, StateHome, TrainGraph
+from ..ir.needs import BufKey, all_needs, buf_bytes, static_bytes
+from ..ir.printing import format_lines
 from .liveness import analyze
-from ..memory import BufKey, all_needs, buf_bytes, static_bytes
 
 
 class VerificationError(AssertionError):
@@ -31,7 +32,6 @@ class VerificationError(AssertionError):
 
 
 def _fail(g: TrainGraph, i: int | None, msg: str):
-    from ..printing import format_lines
     context = ""
     if i is not None:
         lines = format_lines(g)

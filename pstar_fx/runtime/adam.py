@@ -28,7 +28,7 @@ def adam_step(cfg: AdamConfig, param: torch.Tensor, grad: torch.Tensor, m: torch
 # unit, so a block's elements round exactly as in one call over the whole chunk. Each block costs three parallel
 # regions and a few Python calls (about 0.1 ms with 14 threads), so it should not be small; its conversions and its
 # update should share the cache, so it should not be large. On the H200 machine's host (14 threads, a 100M-element
-# mixed-precision chunk, benchmarks/host_micro.py): 1M elements 2.54 Gparam/s, 2M 2.84, 4M 2.99, 8M 2.90.
+# mixed-precision chunk, benchmarks/host_pin_and_update.py): 1M elements 2.54 Gparam/s, 2M 2.84, 4M 2.99, 8M 2.90.
 HOST_BLOCK = 1 << 22
 
 

@@ -1,11 +1,13 @@
-"""ChunkStore: where every chunk buffer and optimizer state lives, with every device byte accounted.
+"""ChunkStore: where every chunk buffer and optimizer state lives, and how chunk buffers move between host and device.
 
-The device pool hands out chunk-sized slots and permanent allocations (module buffers, device optimizer states) and
-counts each byte against the budget: an allocation past the budget raises. A released slot's memory goes back to
-torch's allocator at once, so what the pool counts is what it holds. The host side holds
-each chunk's home copy of its parameters (pinned on CUDA machines: pageable copies are much slower), gradient homes
-made at set-up for host-stepped chunks and on first write-back for the others, and the optimizer states placed on
-the host (pageable: only the CPU touches them); see host_memory.py for how they are made.
+Its jobs, one module each: the device pool counts every device byte against the budget (device_pool.py); host memory
+is made and pinned ahead of time (host_memory.py); host-side optimizer updates run on a worker thread
+(host_updates.py); values go in and out by name (store_values.py, `store.values`). This module keeps the buffers
+themselves, their residency and the copies between host and device, ordered with events.
+
+The host side holds each chunk's home copy of its parameters (pinned on CUDA machines: pageable copies are much
+slower), gradient homes made at set-up for host-stepped chunks and on first write-back for the others, and the
+optimizer states placed on the host (pageable: only the CPU touches them); see host_memory.py for how they are made.
 
 On CUDA, copies run on two streams of their own, host->device (H2D) and device->host (D2H), ordered with events only
 (no device-wide synchronize; the CPU waits only before it touches a host buffer a copy still reads or writes):
@@ -20,8 +22,8 @@ Residency across steps: the plan is a cycle, so parameter buffers stay in their 
 (`enter` brings in the set a plan starts from: the prologue before the first step, or after a retrace). A slot
 written on the device (`mark_written`) makes its host home stale until it is written back. Everything that reads or
 replaces host homes goes through one place: `flush` (write stale parameter slots home, wait for every copy; the
-slots stay resident) and `evict_all` (flush, then give every slot back); `param_value`, `load_params`,
-`state_parts` and `set_homes` call them, so readers never see a stale host value.
+slots stay resident) and `evict_all` (flush, then give every slot back); `set_homes` and every reader and writer of
+values (store_values.py) call them, so readers never see a stale host value.
 
 Multi-GPU (`comm`, see comm.py): each rank's host homes, optimizer states and fp32 masters hold its shard of every
 chunk only; a device slot holds the whole chunk. A parameter fetch copies the shard into its place in the slot and
@@ -42,62 +44,13 @@ from concurrent.futures import Future
 
 import torch
 
-from ..ir import BufKind, ChunkGroup, ChunkInfo, ParamHome, ParamInfo, Precision, StateHome
-from ..memory import BufKey, shard_numel, state_floats
-from ..units import format_bytes
+from ..ir.graph import BufKind, ChunkGroup, ChunkInfo, ParamHome, ParamInfo, Precision, StateHome
+from ..ir.needs import BufKey, shard_numel, state_floats
 from .comm import Comm
+from .device_pool import DevicePool
 from .host_memory import BufferSpec, HostMemory, spare_threads
 from .host_updates import HostUpdates
-
-
-class PoolExhausted(RuntimeError):
-    """An allocation would exceed the device budget: the plan and the run disagree (a bug in pstar-fx)."""
-
-
-class DevicePool:
-    def __init__(self, device: torch.device, budget: int | None):
-        self.device = device
-        self.budget = budget
-        self.in_use = 0
-        self.window_peak = 0           # highest in_use since the executor last sampled it
-        self.storages: set[int] = set()   # data_ptrs of the buffers the pool has handed out and not taken back
-
-    def take(self, numel: int, dtype: torch.dtype, what: str = "slot") -> torch.Tensor:
-        """A new buffer, counted. It is allocated before it is counted: an allocation that fails (out of memory)
-        leaves the count as it was."""
-        nbytes = numel * dtype.itemsize
-        if self.budget is not None and self.in_use + nbytes > self.budget:
-            raise PoolExhausted(f"device pool: {what} of {format_bytes(nbytes)} would bring chunk memory to "
-                                f"{format_bytes(self.in_use + nbytes)}, past the budget {format_bytes(self.budget)}")
-        t = torch.empty(numel, dtype=dtype, device=self.device)
-        self.in_use += nbytes
-        self.window_peak = max(self.window_peak, self.in_use)
-        self.storages.add(t.untyped_storage().data_ptr())
-        return t
-
-    def give(self, t: torch.Tensor) -> None:
-        """Take a buffer back. The pool keeps no free list of its own: a cached slot would hold memory the budget no
-        longer counts. The memory goes back to torch's allocator, whose CUDA cache hands the same block to the
-        next slot of that size (no fragmentation while slots share a size)."""
-        self.in_use -= t.numel() * t.dtype.itemsize
-        self.storages.discard(t.untyped_storage().data_ptr())
-
-    def sample(self) -> int:
-        """The highest in_use since the last sample (then starts a new window)."""
-        peak, self.window_peak = self.window_peak, self.in_use
-        return peak
-
-    def owns(self, t: torch.Tensor) -> bool:
-        return t.untyped_storage().data_ptr() in self.storages
-
-    def recount(self, held) -> None:
-        """Make the count exactly the buffers `held` (every buffer taken and not given back), in place (the
-        executor keeps a reference to `storages` during a step)."""
-        held = list(held)
-        self.in_use = sum(t.numel() * t.element_size() for t in held)
-        self.window_peak = self.in_use
-        self.storages.clear()
-        self.storages.update(t.untyped_storage().data_ptr() for t in held)
+from .store_values import StoreValues
 
 
 def host_buffer_specs(chunks: tuple[ChunkInfo, ...], precision: Precision, world: int) -> list[BufferSpec]:
@@ -114,24 +67,6 @@ def host_buffer_specs(chunks: tuple[ChunkInfo, ...], precision: Precision, world
             if c.grad_buf() is BufKind.GRAD:
                 specs.append(BufferSpec(("grad", c.id), shard_numel(c, world), c.dtype, True))
     return specs
-
-
-def staged_copy(dst: torch.Tensor, src: torch.Tensor, stage: torch.Tensor) -> None:
-    """dst (host) <- src (a device's, dst's dtype) through `stage` (host, pinned, any dtype, its contents lost):
-    each piece as large as stage's bytes allow is copied from the device into the stage, then into dst by the CPU
-    (torch's copy, on its intra-op threads). A device's copy into pageable memory runs at 6-7 GB/s on the H200
-    machine (BENCHMARKS.md); into pinned memory at about 50. Without room for one element, a direct copy."""
-    raw = stage.reshape(-1).view(torch.uint8)
-    raw = raw[(-raw.data_ptr()) % dst.element_size():]              # aligned for dst's dtype
-    room = raw.numel() // dst.element_size()
-    if room == 0:
-        dst.copy_(src)
-        return
-    buf = raw[:room * dst.element_size()].view(dst.dtype)
-    for a in range(0, dst.numel(), room):
-        b = min(dst.numel(), a + room)
-        buf[:b - a].copy_(src[a:b])
-        dst[a:b].copy_(buf[:b - a])
 
 
 def worker_threads(device: torch.device) -> int | None:
@@ -187,8 +122,7 @@ class ChunkStore:
                         self.host_grad[c.id] = self.hostmem.zeros(shard_numel(c, self.world), c.dtype,
                                                                   key=("grad", c.id))
                 self.state_home[c.id] = c.state_home or StateHome.HOST
-        self.buffers: dict[str, torch.Tensor] = {}
-        self.frozen_full: dict[str, torch.Tensor] = {}   # mixed precision: frozen parameters at full precision
+        self.buffers: dict[str, torch.Tensor] = {}       # module buffers (always on the device)
         self._reading: dict[int, "torch.cuda.Event"] = {}  # chunk -> event after the last copy from its host buffers
         self._writing: dict[BufKey, "torch.cuda.Event"] = {}  # host buffer -> event after the write-back into it
         self._arriving: dict[BufKey, "torch.cuda.Event"] = {}  # slot -> its fetch's event, until compute waits on it
@@ -201,104 +135,9 @@ class ChunkStore:
         self.hostmem.release_unclaimed()
         self.h2d_stream = torch.cuda.Stream(device) if self.pin else None
         self.d2h_stream = torch.cuda.Stream(device) if self.pin else None
-
-    # -- parameters and buffers -------------------------------------------------------------------------------
-    def load_params(self, values: dict[str, torch.Tensor]) -> None:
-        """Fill the chunks (and the fp32 masters in mixed precision) from full-precision values. Resident slots go
-        home first (the next step brings back what its plan starts from), so no slot keeps an old value."""
-        self.evict_all()
-        for name, v in values.items():
-            p = self.params[name]
-            c = self.chunks[p.chunk]
-            flat = v.detach().reshape(-1)
-            lo, hi, src = self._own(c, p.offset, p.numel)
-            if lo < hi:   # (converted where the value is: from a GPU, only the converted part is copied)
-                value, home = flat[src:src + hi - lo], self.host_param[c.id]
-                if self.precision.mixed and c.group is ChunkGroup.TRAINABLE:
-                    master = self.master(c.id)[lo:hi]
-                    if self.pin and value.is_cuda and not master.is_cuda and home is not None:
-                        # a host master is pageable (a GPU copies into it at 6-7 GB/s): staged through the
-                        # pinned home, which is written after
-                        staged_copy(master, value.to(torch.float32), home[lo:hi])
-                    else:
-                        master.copy_(value.to(torch.float32))
-                if home is not None:
-                    home[lo:hi].copy_(value.to(c.dtype))
-            if self.precision.mixed and c.group is not ChunkGroup.TRAINABLE:
-                # a frozen parameter has no master; keep its full-precision value for state_dict()
-                self.frozen_full[name] = v.detach().to("cpu", copy=True)
-
-    def _own(self, c: ChunkInfo, offset: int, numel: int) -> tuple[int, int, int]:
-        """The part of chunk elements [offset, offset + numel) this rank holds: (lo, hi) in its shard's coordinates
-        and where that part starts in the span (lo == hi: none of it)."""
-        s = shard_numel(c, self.world)
-        first = 0 if self.comm is None else self.comm.rank * s
-        lo, hi = max(offset, first), min(offset + numel, first + s)
-        return lo - first, max(lo, hi) - first, lo - offset
-
-    def piece(self, name: str) -> tuple[int, int, int]:
-        """This rank's piece of parameter `name`: (start, stop, at): it holds elements [start, stop) of the flattened
-        parameter, at [at, at + stop - start) of its chunk's shard (host_param, the master and every state part).
-        start == stop: none of it. Sharded checkpoints (pstar_fx.dcp) read and write these pieces in place."""
-        p = self.params[name]
-        lo, hi, src = self._own(self.chunks[p.chunk], p.offset, p.numel)
-        return src, src + hi - lo, lo
-
-    def full_chunk(self, t: torch.Tensor) -> torch.Tensor:
-        """A chunk-sized flat host buffer made whole from every rank's shard (collective); the buffer itself with
-        one rank."""
-        return t if self.comm is None else self.comm.gather_full(t, self.device)
-
-    def load_buffers(self, values: dict[str, torch.Tensor]) -> None:
-        for name, v in values.items():
-            if name not in self.buffers:
-                t = self.pool.take(v.numel(), v.dtype, what=f"module buffer {name}")
-                self.buffers[name] = t.view(v.shape)
-            self.buffers[name].copy_(v.detach())
-
-    def param_value(self, name: str) -> torch.Tensor:
-        """The full-precision value of a parameter (the fp32 master in mixed precision)."""
-        if name in self.frozen_full:
-            return self.frozen_full[name]
-        return self.param_values([name])[name]
-
-    def param_values(self, names) -> dict[str, torch.Tensor]:
-        """Full-precision values of parameters (fp32 masters in mixed precision). Sharded, a collective: every rank
-        calls it with the same names (each chunk concerned is gathered once)."""
-        out = {n: self.frozen_full[n] for n in names if n in self.frozen_full}
-        by_chunk: dict[int, list[str]] = {}
-        for n in names:
-            if n not in out:
-                by_chunk.setdefault(self.params[n].chunk, []).append(n)
-        for cid in sorted(by_chunk):
-            c = self.chunks[cid]
-            self.flush(cid)
-            src = self.full_chunk(self.master(cid) if self.precision.mixed and c.group is ChunkGroup.TRAINABLE
-                                  else self.host_param[cid])
-            for n in by_chunk[cid]:
-                p = self.params[n]
-                out[n] = src[p.offset:p.offset + p.numel].view(p.shape)
-        return out
+        self.values = StoreValues(self)
 
     # -- optimizer states --------------------------------------------------------------------------------------
-    def state_parts(self, cid: int) -> dict[str, torch.Tensor]:
-        """A chunk's states, m, v, (master), step (0-d), for readers and writers outside a step: first made current
-        (see flush). With one rank, views into the state buffer; sharded, whole-chunk copies gathered from every
-        rank (a collective), which `put_state_parts` writes back."""
-        self.flush(cid)
-        if self.comm is None:
-            return self.parts(cid)
-        parts = self.parts(cid)
-        return {k: v.clone() if k == "step" else self.full_chunk(v) for k, v in parts.items()}
-
-    def put_state_parts(self, cid: int, parts: dict[str, torch.Tensor]) -> None:
-        """After changing what state_parts returned: sharded, write this rank's shard of it back."""
-        if self.comm is None:
-            return
-        own = self.parts(cid)
-        for k, v in parts.items():
-            own[k].copy_(v if k == "step" else self.comm.shard(v))
-
     def parts(self, cid: int) -> dict[str, torch.Tensor]:
         """Views into the state buffer (of this rank's shard), without waiting: for the step, which orders its own
         work."""
@@ -515,17 +354,6 @@ class ChunkStore:
             self.stale.discard(key)
             d2h += self.home_bytes(key)
         return h2d, d2h
-
-    def restore_params_from_masters(self) -> None:
-        """After a step failed before its commit point: in mixed precision a chunk's gradients may have overwritten
-        its half-precision parameters (in place) and reached the host home; the fp32 masters are untouched, and the
-        half-precision parameters are always the masters rounded, so they are rebuilt from them."""
-        if not self.precision.mixed:
-            return
-        self.before_host_write()
-        for c in self.chunks:
-            if c.group is ChunkGroup.TRAINABLE and self.host_param[c.id] is not None:
-                self.host_param[c.id].copy_(self.master(c.id))
 
     def alloc(self, key: BufKey) -> None:
         assert key not in self.slots, key

@@ -9,10 +9,10 @@ world * s elements (`shard`). Collectives work in place on a whole chunk slot, s
   gradient of the mean loss over the global batch). Also asynchronous.
 - `all_reduce(t, op)`: small tensors at the commit point (fp16 overflow, the squared gradient norm) and the loss.
 A rank that fails stops calling collectives; the others would wait for ever, so the process group is created (by
-the user, or by `px.distributed.init`) with a timeout and the step turns a collective that times out into a
+the user, torch.distributed.init_process_group) with a timeout and the step turns a collective that times out into a
 `px.DistributedError` naming the operation and chunk (see api).
 
-Control messages (what the ranks must agree on before a step's collectives, see pstar_fx.agreement) go over a
+Control messages (what the ranks must agree on before a step's collectives, see pstar_fx.api.agreement) go over a
 CPU-side gloo group of the same ranks (`control`), made once per process group, collectively, with its first Comm
 and shared by the later ones: on NCCL, reading a GPU
 collective's result on the CPU would wait for everything queued on the GPU before it, at the start of every step.

@@ -6,256 +6,21 @@ it holds. The largest such total is the step's measured peak, comparable to the 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_map
 
-from .. import ops
 from ..errors import CommitError
-from ..ir import BufKind, Role, StateHome, TrainGraph
-from ..graph_utils import last_uses, mutated_args, storage_bytes, tensors_in, tensors_of, user_frame
-from ..memory import BufKey, constants
+from ..interrupts import DeferredInterrupt
+from ..ir import ops
+from ..ir.fx_utils import last_uses, mutated_args, storage_bytes, tensors_in, tensors_of, user_frame
+from ..ir.graph import Role, TrainGraph
+from ..ir.needs import constants
 from ..units import format_bytes
-from .adam import adam_step, host_step
 from .chunk_store import ChunkStore
-from .interrupts import DeferredInterrupt
+from .step_runtime import Runtime
 
 _RUNTIME_OPS = frozenset(ops.RUNTIME_OPS)
-
-
-@dataclass
-class LossScaler:
-    """fp16 dynamic loss scaling with torch.amp.GradScaler's defaults."""
-    scale: float = 2.0 ** 16
-    growth_factor: float = 2.0
-    backoff_factor: float = 0.5
-    growth_interval: int = 2000
-    good_steps: int = 0
-
-    def update(self, overflow: bool) -> None:
-        if overflow:
-            self.scale *= self.backoff_factor
-            self.good_steps = 0
-        else:
-            self.good_steps += 1
-            if self.good_steps == self.growth_interval:
-                self.scale *= self.growth_factor
-                self.good_steps = 0
-
-
-@dataclass(frozen=True)
-class StepStats:
-    """What one step measured. Tensor-valued figures stay on the device until read (no sync in the step)."""
-    measured_peak: int               # device bytes: pool (chunks, states, buffers, workspace) + activations
-    h2d_bytes: int
-    d2h_bytes: int
-    skipped: bool                    # fp16: the step was skipped on overflow
-    seconds: float = 0.0             # wall time of the step, from call to return
-    lr: tuple[float, ...] = ()       # the learning rate of each optimizer group during the step
-    _grad_norm: torch.Tensor | None = None
-
-    @property
-    def grad_norm(self) -> float | None:
-        """The global L2 norm of the gradients before clipping (None without max_grad_norm)."""
-        return None if self._grad_norm is None else float(self._grad_norm)
-
-
-class Runtime:
-    """The state the inserted operations act on during one step (see pstar_fx.ops)."""
-
-    def __init__(self, g: TrainGraph, store: ChunkStore, scaler: LossScaler | None):
-        self.g = g
-        self.store = store
-        self.scaler = scaler
-        opt = g.settings.optimizer   # each group's options, read and checked at every step (None: no optimizer)
-        self.cfg = opt.configs() if opt is not None else ()
-        self.precision = g.settings.precision
-        self.params = {p.name: p for p in g.params}
-        self.param_index = {p.name: i for i, p in enumerate(g.params)}
-        self.found_inf: torch.Tensor | None = None
-        self.comm = store.comm          # None with one rank
-        # clipping: per parameter, the gradient's norm (one rank); per chunk, its shard's squared norm (sharded)
-        self.norms: dict[int, torch.Tensor] | None = {} if g.settings.max_grad_norm is not None else None
-        self.grad_norm: torch.Tensor | None = None
-        self.clip_coef: torch.Tensor | None = None
-        self._clip_coef_host: torch.Tensor | None = None
-        self.skip = False
-        self.committed = False
-        self.stepped: list[int] = []         # chunks updated so far in this step
-        self.h2d = 0
-        self.d2h = 0
-
-    def param_view(self, name: str) -> torch.Tensor:
-        p = self.params[name]
-        return self.store.slot(BufKey(p.chunk, BufKind.PARAM))[p.offset:p.offset + p.numel].view(p.shape)
-
-    def write_grad(self, name: str, grad: torch.Tensor, accumulate: bool, final: bool) -> None:
-        p = self.params[name]
-        c = self.g.chunks[p.chunk]
-        key = BufKey(c.id, c.grad_buf())
-        dst = self.store.slot(key)[p.offset:p.offset + p.numel].view(p.shape)
-        self.store.mark_written(key)
-        if accumulate:
-            dst.add_(grad)
-        else:
-            dst.copy_(grad)
-        if not final:
-            return
-        if self.found_inf is not None:
-            # max and min propagate NaN and show inf: two reductions, no temporary the size of the gradient
-            bad = ~torch.isfinite(dst.amax()) | ~torch.isfinite(dst.amin())
-            self.found_inf |= bad
-        if self.norms is not None and self.comm is None:
-            self.norms[self.param_index[name]] = torch.linalg.vector_norm(dst, dtype=torch.float32)
-
-    def reduce_scatter(self, chunk: int) -> None:
-        """Sharded: the chunk's final gradient, averaged over ranks, into this rank's shard (in place). Each rank
-        divides its own contribution first, so the sum is the mean without waiting for the collective."""
-        c = self.g.chunks[chunk]
-        key = BufKey(chunk, c.grad_buf())
-        slot = self.store.slot(key)
-        slot.div_(self.comm.world)
-        work = self.comm.reduce_scatter(slot)
-        self.store.reduced.add(chunk)
-        if self.norms is not None:
-            work.wait()
-            self.norms[chunk] = torch.linalg.vector_norm(self.comm.shard(slot), dtype=torch.float32).square()
-        else:
-            self.store.arriving(key, work)
-
-    def fetch(self, chunk: int, buf: BufKind) -> None:
-        self.h2d += self.store.home_bytes(BufKey(chunk, buf))
-        self.store.fetch(BufKey(chunk, buf))
-
-    def alloc(self, chunk: int, buf: BufKind) -> None:
-        self.store.alloc(BufKey(chunk, buf))
-
-    def release(self, chunk: int, buf: BufKind, writeback: bool) -> None:
-        if writeback:
-            self.d2h += self.store.home_bytes(BufKey(chunk, buf))
-        self.store.release(BufKey(chunk, buf), writeback, defer=True)
-
-    def commit(self) -> None:
-        if self.comm is not None:
-            self._commit_sharded()
-            return
-        if self.found_inf is not None:
-            self.skip = bool(self.found_inf.item())
-        if self.norms is not None:
-            # torch.nn.utils.clip_grad_norm_: the norm of the per-parameter norms, in parameter order
-            norms = [self.norms[i] for i in sorted(self.norms)]
-            total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
-            if self.scaler is not None:
-                total = total / self.scaler.scale
-            self.grad_norm = total
-            self.clip_coef = torch.clamp(self.g.settings.max_grad_norm / (total + 1e-6), max=1.0)
-        self.committed = True
-
-    def _commit_sharded(self) -> None:
-        """The commit across ranks, in one all-reduce (every rank issues it, whatever the settings): the count of
-        ranks that saw an inf or NaN gradient (fp16; they agree to skip) and the sum of every shard's squared
-        gradient norm (clipping: the global norm is its square root)."""
-        dev = self.store.device
-        bad = self.found_inf.float() if self.found_inf is not None else torch.zeros((), device=dev)
-        sq = (torch.stack([self.norms[c] for c in sorted(self.norms)]).sum() if self.norms
-              else torch.zeros((), device=dev))
-        both = self.comm.all_reduce(torch.stack([bad.to(dev), sq.to(dev)]))
-        if self.found_inf is not None:
-            self.skip = bool(both[0].item() > 0)
-        if self.norms is not None:
-            total = both[1].sqrt()
-            if self.scaler is not None:
-                total = total / self.scaler.scale
-            self.grad_norm = total
-            self.clip_coef = torch.clamp(self.g.settings.max_grad_norm / (total + 1e-6), max=1.0)
-        self.committed = True
-
-    def _coef_on(self, device: torch.device) -> torch.Tensor:
-        assert device == self.clip_coef.device
-        return self.clip_coef
-
-    def _host_coef(self):
-        """The clip coefficient for host-side updates: copied to the host once, asynchronously, with the event the
-        update waits for (the executor's thread never waits for it)."""
-        if self.clip_coef is None:
-            return None, None
-        if self.clip_coef.device.type == "cpu":
-            return self.clip_coef, None
-        if self._clip_coef_host is None:
-            host = torch.empty((), dtype=self.clip_coef.dtype, pin_memory=True)
-            host.copy_(self.clip_coef, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-            self._clip_coef_host = (host, event)
-        return self._clip_coef_host
-
-    def _host_step(self, chunk: int, cfg, parts) -> None:
-        """Queue the update of a chunk whose states live on the host (on the store's worker thread; inline without
-        one). Everything it reads from this step is fixed now: the copies to wait for, the scale, the skip."""
-        st = self.store
-        c = self.g.chunks[chunk]
-        events = st.take_host_events(chunk)
-        param, grad = st.host_param[chunk], st.host(BufKey(chunk, c.grad_buf()))
-        coef, coef_ready = self._host_coef()
-        inv_scale = 1.0 / self.scaler.scale if self.scaler is not None else None
-        master = parts["master"] if self.precision.mixed else None
-        skip = self.skip
-
-        waits = events + ([coef_ready] if coef_ready is not None else [])
-
-        def update() -> None:
-            host_step(cfg, param, grad, parts["m"], parts["v"], parts["step"], master=master, inv_scale=inv_scale,
-                      coef=coef, skip=skip)
-
-        self.stepped.append(chunk)
-        if st.updates is None:
-            for e in waits:
-                e.synchronize()
-            update()
-        else:
-            st.updates.submit(chunk, update, after=waits)
-
-    def optimizer_step(self, chunk: int, gather: bool = False) -> None:
-        c = self.g.chunks[chunk]
-        cfg = self.cfg[c.opt_group]
-        st = self.store
-        parts = st.parts(chunk)
-        if c.state_home is StateHome.HOST:
-            self._host_step(chunk, cfg, parts)
-            return
-        full = st.slot(BufKey(chunk, BufKind.PARAM))
-        st.mark_written(BufKey(chunk, BufKind.PARAM))
-        grad = st.slot(BufKey(chunk, c.grad_buf()))
-        self.stepped.append(chunk)
-        param = full
-        if self.comm is not None:    # this rank's shard; the whole chunk is gathered again after the update
-            param, grad = self.comm.shard(full), self.comm.shard(grad)
-        self._device_step(chunk, cfg, parts, param, grad)
-        if gather:
-            st.arriving(BufKey(chunk, BufKind.PARAM), self.comm.all_gather(full))
-
-    def _device_step(self, chunk: int, cfg, parts, param: torch.Tensor, grad: torch.Tensor) -> None:
-        st = self.store
-        if not self.precision.mixed:
-            if not self.skip:
-                if self.clip_coef is not None:
-                    grad.mul_(self._coef_on(grad.device))
-                adam_step(cfg, param, grad, parts["m"], parts["v"], parts["step"])
-            return
-        g32 = st.pool.take(param.numel(), torch.float32, what=f"step workspace of chunk {chunk}")
-        try:
-            if not self.skip:
-                g32.copy_(grad)
-                if self.scaler is not None:
-                    g32.mul_(1.0 / self.scaler.scale)
-                if self.clip_coef is not None:
-                    g32.mul_(self._coef_on(g32.device))
-                adam_step(cfg, parts["master"], g32, parts["m"], parts["v"], parts["step"])
-            param.copy_(parts["master"])   # new half-precision parameters (also restores them after a skip)
-        finally:
-            st.pool.give(g32)
 
 
 def mutated_buffers(g: TrainGraph) -> list[str]:
@@ -276,7 +41,7 @@ def mutated_buffers(g: TrainGraph) -> list[str]:
 
 
 def _source(n: fx.Node) -> str:
-    """The user's source line that produced a node, as the trace recorded it (graph_utils.user_frame), for an
+    """The user's source line that produced a node, as the trace recorded it (ir/fx_utils.user_frame), for an
     error message; "" when it recorded none."""
     frame = user_frame(n)
     return "" if frame is None else f" ({frame[0]}: {frame[1]})"
@@ -315,7 +80,7 @@ class Executor:
         propagates. With atomic=False a host-side step may come before the commit: the step is then atomic up to
         the first step node only.
 
-        Ctrl-C: the caller holds SIGINT in `interrupts` (active over its whole call, see interrupts.py), so no
+        Ctrl-C: the caller holds SIGINT in `interrupts` (active over its whole call, see pstar_fx/interrupts.py), so no
         KeyboardInterrupt lands inside the store's bookkeeping. Before the commit point (or the first step node),
         one that arrived is delivered between nodes, and the step is rolled back as for any failure; from there on
         it stays pending until the step is complete, and the caller delivers it after its own bookkeeping (the step
@@ -338,10 +103,10 @@ class Executor:
                     f"({type(e).__name__}: {e}), with "
                     f"{len(rt.stepped)} of {sum(1 for r in self.roles if r is Role.OPTIMIZER_STEP)} chunks "
                     "updated; the compiled step's values are no longer consistent. Load a checkpoint "
-                    "(step.load(path) or step.load_state_dict(...)) to continue.") from e
+                    "with step.load(path) to continue.") from e
             for name, value in saved.items():
                 self.store.buffers[name].copy_(value)
-            self.store.restore_params_from_masters()
+            self.store.values.restore_params_from_masters()
             raise
         return outputs, peak
 

@@ -1,6 +1,6 @@
 """HostMemory: the host buffers of one ChunkStore (parameter and gradient homes, host-side optimizer states).
 
-Three measured facts (BENCHMARKS.md, "Setting up host memory") shape how a buffer is made:
+Three measured facts (docs/measurements.md, "Host memory set-up") shape how a buffer is made:
 - Copies need page-locked memory (pageable copies run at 6-7 GB/s instead of 55). torch's pinned allocator (2.11)
   rounds every allocation up to a power of two, wasting up to half of the host memory offloading lives on, so an
   ordinary allocation of the exact size is pinned with cudaHostRegister (left pageable, with a warning, if that
@@ -15,7 +15,7 @@ Most host bytes are known once the optimizer is placed (the host-stepped chunks'
 homes), before the schedule pass runs: `reserve` makes those buffers on a thread of its own meanwhile (touching and
 pinning release the GIL), and `zeros(..., key=)` takes a reserved buffer instead of making one. Faulting them in can
 take longer than tracing and planning together (a fresh H200 machine faulted in 97 GiB in 19.7 s the first time:
-BENCHMARKS.md, session 9), so a first compile that will need much host memory starts faulting in a pool before it
+BENCHMARKS.md), so a first compile that will need much host memory starts faulting in a pool before it
 traces (`prefault`), and `reserve` lays the buffers out in that pool.
 """
 from __future__ import annotations
@@ -24,10 +24,11 @@ import ctypes
 import mmap
 import threading
 import time
-import warnings
 from dataclasses import dataclass
 
 import torch
+
+from ..errors import warn
 
 # below this size a buffer comes from torch's allocator
 MAPPED_MIN_BYTES = 1 << 21
@@ -62,7 +63,7 @@ def touch(t: torch.Tensor, threads: int | None = None) -> None:
     traced, and the thread that traces should keep a core. On the H200 machine (a virtual machine whose fresh memory
     faults slowly) the 17.26B GPT's trace took about as long as the faulting beside it in first processes (13.6-16.5
     s beside 8.8-16.1 s with zero_(); 12.6 s beside 12.3 s in the one run with touch), 7.3 s beside 2.1 s in a second
-    process: a lost core is not all of that slowdown (BENCHMARKS.md, session 11)."""
+    process: a lost core is not all of that slowdown (BENCHMARKS.md)."""
     nbytes = t.numel() * t.element_size()
     if nbytes == 0:
         return
@@ -93,7 +94,7 @@ def spare_host_bytes(ranks: int = 1) -> int:
 
 def _mapping(nbytes: int) -> mmap.mmap:
     """An anonymous private mapping (zero, no page present yet) advised to use transparent huge pages: the CPU
-    worker's Adam update ran 22% slower on 4 KiB pages on the H200 machine (benchmarks/host_touch.py)."""
+    worker's Adam update ran 22% slower on 4 KiB pages on the H200 machine (benchmarks/host_page_faults.py)."""
     m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):
         try:
@@ -161,7 +162,7 @@ class HostMemory:
     def __init__(self, pin: bool):
         self.pin = pin
         # touch's threads, counted here in the caller's thread: the set-up thread may first ask torch while the
-        # compiling thread runs on one intra-op thread (graph_utils.one_intra_op_thread), and would be told one
+        # compiling thread runs on one intra-op thread (one_intra_op_thread), and would be told one
         self._threads = spare_threads()
         self._registered: list[torch.Tensor] = []
         self.fallbacks: list[tuple[int, int]] = []   # (bytes, cudaError) of buffers cudaHostRegister refused
@@ -188,7 +189,7 @@ class HostMemory:
         there will be: `reserve` lays its buffers out in it (from its start), the thread goes on only as far as
         they need, and any part already faulted in beyond them is given back to the system. A first compile
         calls this before tracing when the device budget cannot hold every optimizer state (see
-        pstar_fx.memory.early_host_bytes): on the H200 machine a fresh machine's first 97 GiB took 19.7 s to fault
+        pstar_fx.ir.needs.early_host_bytes): on the H200 machine a fresh machine's first 97 GiB took 19.7 s to fault
         in, longer than tracing and planning together, so it starts where they start. The thread holds this
         object: follow a prefault with reserve(), release_unclaimed() or cancel()."""
         assert self._reserving is None and self._pool is None, "prefault() before reserve(), once"
@@ -363,9 +364,8 @@ class HostMemory:
             # left pageable: its copies are slower, but torch's pinned allocator would round it up to a power of two
             # (up to twice the host memory the plan counted)
             if not self.fallbacks:
-                warnings.warn(f"cudaHostRegister refused a {nbytes} B host buffer (cudaError {err}): "
-                              "it and any others refused stay pageable, so their copies are slower",
-                              ResourceWarning, stacklevel=2)
+                warn(f"cudaHostRegister refused a {nbytes} B host buffer (cudaError {err}): it and any others "
+                     "refused stay pageable, so their copies are slower", ResourceWarning)
             with self._lock:
                 self.fallbacks.append((nbytes, err))
             return t

@@ -1,0 +1,42 @@
+"""`px.compile`: the one decorator users apply."""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch.nn as nn
+
+from ..optim import OptimizerSpec
+from .evaluate import CompiledEval
+from .step import CompiledStep
+
+
+def compile(model: nn.Module, *, optimizer: OptimizerSpec | None, device_memory: int | str | None = None,
+            precision: str | None = None, chunk_size: int | None = None, device=None, debug: bool = False,
+            prefetch: int | None = None, max_grad_norm: float | None = None,
+            accumulate: int = 1, remat="auto", atomic: bool = True) -> Callable[[Callable], CompiledStep]:
+    """Compile `step(model, *batch) -> loss` into one training step that fits `device_memory`.
+
+    Use as a decorator: `@px.compile(model, optimizer=px.AdamW(lr=3e-4))` over `def step(model, x, y): ...`;
+    then `loss = step(x, y)` runs forward, backward and the optimizer update. With `optimizer=None` the function
+    is compiled forward only (evaluation: no backward, no update) and returns what it returns; it reads the chunks
+    of a training step compiled on the same model. See DESIGN.md for the contract.
+    `remat="auto"` recomputes forward activations in backward where the budget needs it (see passes/remat);
+    `remat=False` never does.
+    `prefetch=None` issues each fetch as early as the budget allows (N: at most N nodes before its use; 0: at it).
+    `atomic=False` lets the CPU start updating a chunk whose optimizer states live on the host as soon as the step
+    has finished with the chunk, during backward, instead of after the last gradient (the commit): faster when the
+    CPU's updates would otherwise delay the next forward. The cost: a step that fails after its first such update
+    raises px.CommitError and leaves the values half-updated (load a checkpoint to continue). Only where the commit
+    decides nothing the updates need (no max_grad_norm, not fp16; otherwise it changes nothing); one rank only.
+    """
+    def wrap(fn: Callable) -> CompiledStep:
+        if optimizer is None:
+            if max_grad_norm is not None or accumulate != 1 or not atomic:
+                raise ValueError("max_grad_norm, accumulate and atomic belong to training steps; a forward-only "
+                                 "function (optimizer=None) takes none of them")
+            return CompiledEval(fn, model, device_memory=device_memory, precision=precision, chunk_size=chunk_size,
+                                device=device, debug=debug, prefetch=prefetch)
+        return CompiledStep(fn, model, optimizer, device_memory=device_memory, precision=precision,
+                            chunk_size=chunk_size, device=device, debug=debug, prefetch=prefetch,
+                            max_grad_norm=max_grad_norm, accumulate=accumulate, remat=remat, atomic=atomic)
+    return wrap

@@ -1,0 +1,199 @@
+"""Compiling a step for a batch's signature: trace, the passes, and the set-up that runs the result (the chunk store on
+the first compile, an executor per signature), each signature compiled once and kept in a TraceCache.
+
+The first compile of a training step also makes the ChunkStore, which every later signature shares: where the budget
+cannot hold every optimizer state, host memory is faulted in while the step is traced, and the host buffers are laid
+out in it as soon as the optimizer is placed, while the schedule pass runs (HostMemory).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import os
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+from ..frontend.trace import FlatBatch, flatten_batch, model_tables, trace_step
+from ..interrupts import DeferredInterrupt
+from ..ir.graph import Settings, TrainGraph
+from ..ir.needs import early_host_bytes
+from ..passes import assign_chunks, canonicalize, collectives, liveness, pipeline, run_passes
+from ..passes.place_optimizer import min_need, place_optimizer
+from ..passes.remat import least_need_graph
+from ..runtime.chunk_store import ChunkStore, host_buffer_specs
+from ..runtime.comm import Comm
+from ..runtime.executor import Executor
+from ..runtime.host_memory import HostMemory, spare_host_bytes
+from .trace_cache import TraceCache
+from .warnings import warn_chunk_padding, warn_host_threads
+
+STAGE_NAMES = ("traced", "canonical", "chunked", "liveness", "remat", "optimizer_placed", "scheduled")  # + "sharded"
+
+
+@contextlib.contextmanager
+def cycle_collection_paused():
+    """Python's cyclic garbage collector off while a step is traced and planned, and one collection at the end.
+
+    Tracing and the passes make millions of objects that stay alive (fake tensors, fx nodes), so every automatic
+    full collection walks them all: planning the 17B GPT of BENCHMARKS.md on this project's CPU machine ran 8 of
+    them, 2.4-2.7 s, and took 18.4 s without them against 20.3-23.7 s with. The one collection at the end frees the
+    cycles the passes dropped (discarded fx graphs); without it the first automatic collection of the training loop
+    would pay the same in a step. It collects the youngest generation only: everything made while the collector was
+    off is there, and the caller's older objects are not walked again. A collector the caller had turned off stays
+    off, uncollected.
+
+    Yields `collect_now()`: that collection at once (where the caller has a better moment for it, such as while
+    host memory is still being faulted in); the one at the end then walks only what was made after it."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield (lambda: gc.collect(0)) if was else (lambda: 0)
+    finally:
+        if was:
+            gc.enable()
+            gc.collect(0)
+
+
+@contextlib.contextmanager
+def one_intra_op_thread():
+    """The calling thread's torch ops on one intra-op thread while a step is traced and planned, its own setting
+    restored after. The passes compute on tensors of one element per node (remat's replay of liveness, the
+    schedule's free bytes): an OpenMP team of every core is slower at that size than one thread, and stalls while
+    threads beside it fault host memory in (`HostMemory.prefault`): on this project's 2-core CI machine, ops on 24k
+    elements took 3.5 times as long beside one faulting thread with two intra-op threads, unchanged with one; on the
+    H200 machine the remat pass took 6.4 s beside the faulting against 2.05 s alone (BENCHMARKS.md).
+    torch's setting is per thread, but a thread that first uses torch meanwhile starts with one intra-op thread:
+    HostMemory counts its threads before."""
+    n = torch.get_num_threads()
+    if n == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
+@dataclass
+class Compiled:
+    """One compiled signature: every stage of its pipeline, and the executor that runs the last one."""
+    stages: dict[str, TrainGraph]
+    executor: Executor
+    setup_seconds: float = 0.0       # the store (on the first compile), the executor, the garbage collection
+    set_up_until: float = 0.0        # perf_counter() when the executor was made
+
+
+Layout = tuple   # (params, chunks, chunk_size) of the first compile: every later signature keeps the same chunks
+
+
+class Compiler:
+    """Compiles `fn(model, *batch)` for each batch signature it is called with, and keeps the results.
+
+    `optimizer` (the live optimizer, None for a forward-only function) is attached to the chunk store once the
+    first compile makes it. A model's train/eval modes and requires_grad flags are part of the signature."""
+
+    def __init__(self, fn: Callable, model: nn.Module, settings: Settings, comm: Comm | None, optimizer, *,
+                 remat: bool, prefetch: int | None):
+        self.fn = fn
+        self.model = model
+        self.settings = settings
+        self.comm = comm
+        self.optimizer = optimizer
+        self.remat = remat
+        self.prefetch = prefetch
+        self.tables = model_tables(model)
+        self.cache: TraceCache[Compiled] = TraceCache()
+        self.latest: Compiled | None = None
+        self.store: ChunkStore | None = None
+        self.layout: Layout | None = None
+
+    def model_key(self) -> tuple:
+        """What of the model a trace depends on besides the batch: each module's train/eval mode and each
+        parameter's requires_grad (a change of either retraces)."""
+        return (tuple(m.training for m in self.model.modules()),
+                tuple(p.requires_grad for p in self.model.parameters()))
+
+    def get(self, batch, interrupts: DeferredInterrupt) -> tuple[Compiled, FlatBatch]:
+        """The compiled step for this batch's signature (compiling it on first sight), and the flattened batch.
+        `interrupts` is held by the caller: a Ctrl-C is delivered after the trace and after each pass (nothing is
+        set up yet), and otherwise waits for the caller's next safe point."""
+        flat = flatten_batch(batch)
+        key = (flat.signature, self.model_key())
+        compiled = self.cache.get(key)
+        if compiled is None:
+            with cycle_collection_paused() as collect_now:   # counted in the set-up time (the collection at the end)
+                compiled = self._compile(batch, collect_now, interrupts)
+            compiled.setup_seconds += time.perf_counter() - compiled.set_up_until
+            self.cache.put(key, compiled)
+        self.latest = compiled
+        return compiled, flat
+
+    def _compile(self, batch, collect_now, interrupts: DeferredInterrupt) -> Compiled:
+        st = self.settings
+        first = self.store is None and self.optimizer is not None      # the first compile makes the store
+        hostmem = HostMemory(pin=st.device.type == "cuda") if first else None
+        if first:
+            # where the budget cannot hold every optimizer state, host memory is faulted in while the step is
+            # traced; the buffers are laid out in it once the optimizer is placed
+            early = early_host_bytes(self.tables.params, st.precision, st.world, st.budget)
+            if early:
+                hostmem.prefault(min(early, spare_host_bytes(int(os.environ.get("LOCAL_WORLD_SIZE", st.world)))))
+
+        def set_up_early(stage: TrainGraph) -> None:
+            interrupts.deliver()        # a safe point between passes
+            # the first compile's host buffers are known once the optimizer is placed: make them while the
+            # schedule pass runs
+            if stage.stage == "optimizer_placed" and first:
+                hostmem.reserve(host_buffer_specs(stage.chunks, st.precision, st.world))
+        try:
+            with one_intra_op_thread():
+                traced = trace_step(self.fn, self.model, batch, st)
+                interrupts.deliver()    # a safe point after the trace
+                passes = pipeline(chunk_size=st.chunk_size, layout=self.layout, prefetch=self.prefetch,
+                                  remat=self.remat, world=st.world)
+                stages = run_passes(traced, passes, after=set_up_early)
+        except BaseException:
+            if hostmem is not None:
+                hostmem.cancel()
+            raise
+        final = stages[-1]
+        if self.comm is not None:
+            self.comm.check_same(collectives(final), "the collectives of the compiled step")
+        t0 = time.perf_counter()
+        if self.store is None:
+            warn_chunk_padding(final)
+            warn_host_threads(final)
+            self.layout = (final.params, final.chunks, final.chunk_size)
+            # the passes' garbage now: on a first compile the store below waits for host memory still being
+            # faulted in, and the collection (0.36 s at 17B) runs beside that instead of after it
+            collect_now()
+            self.store = ChunkStore(final.chunks, final.params, st.precision, st.device, st.budget, comm=self.comm,
+                                    hostmem=hostmem)
+            if self.optimizer is not None:
+                self.optimizer.attach(self.store)
+        executor = Executor(final, self.store)
+        now = time.perf_counter()
+        return Compiled(stages={s.stage: s for s in stages}, executor=executor, setup_seconds=now - t0,
+                        set_up_until=now)
+
+    def min_device_memory(self, batch) -> int:
+        """The smallest device_memory (bytes) under which the step compiles for this batch's shapes, with this
+        chunk layout: every optimizer state on the host and only what each node itself needs on the device, with
+        the activations recomputed that lower it most (unless remat=False)."""
+        with DeferredInterrupt() as interrupts, cycle_collection_paused():   # Ctrl-C: after the trace, or at the end
+            traced = trace_step(self.fn, self.model, batch, self.settings)
+            interrupts.deliver()
+            passes = [p for p in pipeline(chunk_size=self.settings.chunk_size, layout=self.layout, prefetch=0,
+                                          world=self.settings.world)
+                      if getattr(p, "func", p) in (canonicalize, assign_chunks, liveness)]
+            before = run_passes(traced, passes)[-1]
+            if self.remat:
+                before = least_need_graph(before)
+            host_only = before.evolve(settings=dataclasses.replace(before.settings, budget=0))
+            return min_need(place_optimizer(host_only))

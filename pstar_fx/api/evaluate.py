@@ -1,0 +1,114 @@
+"""Forward-only functions: `px.compile(model, optimizer=None)(fn)` for evaluation, sampling, inference.
+
+The function is traced without backward (no gradients, no update) and planned like a training step: its chunks are
+fetched and released under the memory budget, so a model larger than the device runs streamed. It returns what the
+function returns (a loss, logits, a tuple or dict of tensors), detached. It respects `model.eval()` / `model.train()`
+(the mode is part of the signature).
+
+Which chunks it reads: when a training step compiled on the same model holds it (it has run), the evaluation reads
+that step's chunks in place, planned over that step's layout, precision and budget: no copy of the model is made and
+the values are the trained ones. Otherwise it copies the model into chunks of its own and holds the model itself
+(a training step called later takes the model back, as between two training steps).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import optree
+import torch.nn as nn
+
+from ..frontend.trace import FlatBatch, flatten_batch, trace_step
+from ..interrupts import DeferredInterrupt
+from ..passes import pipeline, run_passes
+from ..runtime.chunk_store import ChunkStore
+from ..runtime.executor import Executor
+from ..runtime.run import run_forward
+from .agreement import check_same_step
+from .compiler import Compiled, Compiler, cycle_collection_paused
+from .model_state import holder, holds_own_values, model_tensors
+from .step import CompiledStep
+from .warnings import warn_chunk_padding
+
+
+class EvalCompiler(Compiler):
+    """Compiles the forward-only function over the chunks it reads (see the module docstring)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.own: tuple | None = None        # (store, layout) of chunks of its own, once made
+
+    def trainer(self) -> CompiledStep | None:
+        """The training step holding the model now, whose chunks this function reads; None if none does."""
+        for t in model_tensors(self.model).values():
+            h = holder(t)
+            step = None if h is None else h.step
+            if step is not None and step._optimizer is not None:
+                return step
+        return None
+
+    def get(self, batch, interrupts: DeferredInterrupt) -> tuple[Compiled, FlatBatch]:
+        trainer = self.trainer()
+        flat = flatten_batch(batch)
+        key = (flat.signature, self.model_key(), None if trainer is None else id(trainer._compiler.store))
+        compiled = self.cache.get(key)
+        if compiled is None:
+            compiled = self._compile_for(batch, trainer, interrupts)
+            self.cache.put(key, compiled)
+        self.latest = compiled
+        return compiled, flat
+
+    def _compile_for(self, batch, trainer: CompiledStep | None, interrupts: DeferredInterrupt) -> Compiled:
+        if trainer is not None:
+            # plan over the trainer's chunks as they are now: its layout, precision, budget and state homes
+            params, chunks, size = trainer._compiler.layout
+            store = trainer._compiler.store
+            chunks = tuple(dataclasses.replace(c, state_home=store.state_home[c.id],
+                                               param_home=store.chunks[c.id].param_home) for c in chunks)
+            settings = dataclasses.replace(trainer.settings, optimizer=None, max_grad_norm=None, accumulate=1)
+            layout = (params, chunks, size)
+        else:
+            settings = self.settings
+            store, layout = self.own if self.own is not None else (None, None)
+        with cycle_collection_paused():
+            traced = trace_step(self.fn, self.model, batch, settings)
+            interrupts.deliver()        # safe points: after the trace and after each pass
+            passes = pipeline(chunk_size=settings.chunk_size, layout=layout, prefetch=self.prefetch, train=False,
+                              world=settings.world)
+            stages = run_passes(traced, passes, after=lambda stage: interrupts.deliver())
+        final = stages[-1]
+        if store is None:
+            warn_chunk_padding(final)
+            store = ChunkStore(final.chunks, final.params, settings.precision, settings.device, settings.budget,
+                               comm=self.comm)
+            self.own = (store, (final.params, final.chunks, final.chunk_size))
+        return Compiled(stages={s.stage: s for s in stages}, executor=Executor(final, store))
+
+
+class CompiledEval(CompiledStep):
+    """A forward-only function compiled for a model (see the module docstring)."""
+
+    _compiler_class = EvalCompiler
+
+    def __init__(self, fn: Callable, model: nn.Module, **kw):
+        super().__init__(fn, model, None, **kw)
+
+    def __call__(self, *batch):
+        """Run the function on this batch; returns what it returns, detached. Ctrl-C is held over the call and
+        taken at safe points (after the trace, between passes, between nodes), as in CompiledStep.__call__: one
+        taken there rolls the evaluation back like a failed step (module buffers it writes in train mode too)."""
+        with DeferredInterrupt() as interrupts:
+            if self._comm is not None:     # before its first collective (a compile's own included)
+                check_same_step(self._comm, batch, self._model, self._compiler.model_key(),
+                                holds_own_values(self._model))
+            compiled, flat = self._compiler.get(batch, interrupts)
+            interrupts.deliver()
+            if self._compiler.trainer() is None:
+                self._compiler.store, self._compiler.layout = self._compiler.own
+                self._model_state.take()
+            run = run_forward(compiled.executor, flat.tensors, interrupts, debug=self.debug)
+            self._last_stats = run.stats
+            return optree.tree_unflatten(compiled.executor.g.output_spec, [o.detach() for o in run.outputs])
+
+
+__all__ = ["CompiledEval"]

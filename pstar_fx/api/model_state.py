@@ -1,0 +1,374 @@
+"""Who holds a model's values: the model itself, or a compiled step's chunks. Never both, so never a stale copy, and
+never neither, so never a lost one.
+
+Once a compiled step has copied a model's parameters and buffers into its chunks, it *holds* the model: each of the
+model's parameter and buffer objects is turned, in place (`torch.utils.swap_tensors`, so every reference the user
+kept sees it too), into a `HeldTensor` with the same shape, dtype, device and requires_grad but no data. Using one
+raises `ModelHeldError`, which says how to get the values; the model's own copy of the data is freed (pstar-fx keeps
+one copy of the model, in its chunks). `ModelHold.give_back()` turns the same objects back into real tensors with
+the current values: the model is the user's again, and the next step copies it into the chunks anew, so edits made
+in between are seen.
+
+The values outlive whichever of the two is dropped first. A `ModelHold` (the step's chunk store and how to read a
+model tensor's value out of it) is referenced strongly by the step and by each HeldTensor of the model:
+- the step dropped (a training function that returns the model without `sync_model()`, a notebook cell that compiles
+  again, a throwaway evaluation step, an exception unwinding the training loop): its finalizer gives the model its
+  values back at once, and the chunk memory is freed. With several ranks, giving back is a collective, which a
+  finalizer (run whenever each rank's garbage collector gets to it) cannot issue; nor can pstar-fx's own worker
+  threads, which a finalizer may find itself running on. The hold then stays with the model, the values with it,
+  and the next eager use of one of its tensors gives the model back first (one rank), or raises ModelHeldError saying
+  to call `sync_model()` of a step compiled on the model on every rank (several);
+- the model dropped: the step keeps training on its chunks, and `step.state_dict()` / `save` read them.
+Swapping the model's tensors in or out holds Ctrl-C until every tensor is swapped, so a model is never half held.
+
+What stays readable on a held model: shapes, dtypes, `requires_grad` (and `requires_grad_()`, which the next step
+sees), module structure, `model.train()` / `model.eval()`.
+
+`ModelState` is a compiled step's side of this: it takes the model into the step's chunks, gives it back, and reads
+and loads the model's values by state_dict name, wherever they are.
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn as nn
+
+from ..errors import ModelHeldError, warn
+from ..frontend.init_empty import fill_chunks, is_empty
+from ..interrupts import DeferredInterrupt
+from ..ir.graph import Role
+from ..runtime.comm import Comm
+from .agreement import check_same_values
+
+if TYPE_CHECKING:
+    from .compiler import Compiler
+
+_METADATA_OPS = {torch.ops.aten.detach.default, torch.ops.aten.alias.default}
+_WORKER_THREADS = "pstar-fx"      # the name prefix of pstar-fx's own threads (runtime/host_updates, host_memory)
+
+
+class ModelHold:
+    """A compiled step's claim on a model's values: its chunk store, and where each of the model's tensors lives in
+    it. Shared by the step and by the model's HeldTensors (see the module docstring)."""
+
+    def __init__(self, step, model: nn.Module, store, names: dict[str, tuple[Role, str]], lock: threading.RLock):
+        self._step = weakref.ref(step)
+        self._model = weakref.ref(model)
+        self.store = store
+        self.names = names           # every state name of the model's tensors -> (PARAM or BUFFER, the store's name)
+        self.lock = lock             # the step's: giving back waits for a step running on another thread
+        self.giving_back = False     # inside give_back, which reads the held tensors' metadata
+        finalizer = weakref.finalize(step, _step_dropped, self)
+        finalizer.atexit = False     # at interpreter exit nothing needs the values any more
+
+    @property
+    def step(self):
+        """The step that holds the model, or None once it was dropped."""
+        return self._step()
+
+    def values(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """The current values of the model tensors named (parameters at full precision: fp32 masters in mixed
+        precision), as views of the store's memory. Sharded: a collective (every rank calls it with the same names)."""
+        wanted = sorted({self.names[n][1] for n in names if self.names[n][0] is Role.PARAM})
+        params = self.store.values.param_values(wanted)
+        out = {}
+        for n in names:
+            kind, key = self.names[n]
+            out[n] = params[key] if kind is Role.PARAM else self.store.buffers[key]
+        return out
+
+    def give_back(self) -> None:
+        """The model's tensors held here become real tensors with their current values (the same Python objects).
+        Nothing is given back twice: a second call, or one after another step took the model, does nothing."""
+        with self.lock:
+            model = self._model()
+            if model is None:
+                return
+            held = {n: t for n, t in model_tensors(model).items() if holder(t) is self}
+            if not held:
+                return
+            self.giving_back = True
+            try:
+                values = self.values(list(held))
+                copies = {n: values[n].detach().to(device=t.device, dtype=t.dtype, copy=True)
+                          for n, t in held.items()}
+                release(held, copies)
+            finally:
+                self.giving_back = False
+
+
+def _step_dropped(hold: ModelHold) -> None:
+    """The finalizer of a step that holds (or held) a model: give the model back, where that is safe now."""
+    if hold.store.world > 1 or threading.current_thread().name.startswith(_WORKER_THREADS):
+        return                   # given back at the model's next use (see the module docstring)
+    try:
+        hold.give_back()
+    except Exception as e:  # noqa: BLE001 - a finalizer cannot raise; the values stay with the model
+        warn(f"pstar-fx: a dropped step could not give its model the values back ({type(e).__name__}: {e}); they "
+             "stay with the model and are given back at its next use", RuntimeWarning)
+
+
+class HeldTensor(torch.Tensor):
+    """A model tensor whose value lives in a compiled step's chunks (see the module docstring)."""
+
+    @staticmethod
+    def __new__(cls, like: torch.Tensor, name: str, owner: ModelHold):
+        t = torch.Tensor._make_wrapper_subclass(cls, like.shape, dtype=like.dtype, device=like.device,
+                                                requires_grad=like.requires_grad)
+        t._pstar_name = name
+        t._pstar_owner = owner
+        return t
+
+    def __repr__(self, *, tensor_contents=None) -> str:
+        return (f"HeldTensor({self._pstar_name}, shape={tuple(self.shape)}, dtype={self.dtype}: held by a "
+                "pstar-fx step; step.sync_model() gives it back)")
+
+    def __reduce_ex__(self, protocol):
+        raise _error(self._pstar_name, "saved")
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        held = [a for a in args if isinstance(a, HeldTensor)]
+        if func in _METADATA_OPS and held:
+            return HeldTensor(held[0], held[0]._pstar_name, held[0]._pstar_owner)
+        name = held[0]._pstar_name if held else "?"
+        raise _error(name, f"used by {func}")
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        # a model whose step was dropped without giving it back (see the module docstring): given back now, before
+        # the call reaches the dispatcher (which holds references that swapping a tensor cannot have)
+        for h in _orphans(args):
+            if h.store.world > 1:
+                raise ModelHeldError(
+                    "this model was held by a pstar-fx step that has been dropped; with several ranks its values "
+                    "are given back collectively: call sync_model() of a step compiled on this model (on every "
+                    "rank), or run such a step")
+            h.give_back()
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+
+
+def _orphans(args) -> list[ModelHold]:
+    """The holds of HeldTensors among the arguments (and in lists of them) whose step was dropped: a cheap scan,
+    since every use of a held tensor comes here, `.shape` and `.requires_grad` included."""
+    out: list[ModelHold] = []
+    for a in args:
+        for t in (a if isinstance(a, (list, tuple)) else (a,)):
+            if (isinstance(t, HeldTensor) and t._pstar_owner.step is None and not t._pstar_owner.giving_back
+                    and t._pstar_owner not in out):
+                out.append(t._pstar_owner)
+    return out
+
+
+def _error(name: str, how: str) -> ModelHeldError:
+    return ModelHeldError(
+        f"'{name}' is held by a pstar-fx compiled step and was {how}: its current value lives in the step's chunks, "
+        "not in the model. Call step.sync_model() to write the trained values back into the model (the next step "
+        "takes them again, with any edits you made; pstar_fx.sync_model(model) does the same without the step), or "
+        "read step.state_dict().")
+
+
+def holder(t: torch.Tensor) -> ModelHold | None:
+    """What holds a model tensor's value, or None when the tensor holds its own value."""
+    if not isinstance(t, HeldTensor):
+        return None
+    return t._pstar_owner
+
+
+def holders(model: nn.Module) -> list[ModelHold]:
+    """Whatever holds any of the model's tensors now, in the order of the model's tensors."""
+    out: list[ModelHold] = []
+    for t in model_tensors(model).values():
+        h = holder(t)
+        if h is not None and h not in out:
+            out.append(h)
+    return out
+
+
+def model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every distinct parameter and buffer of the model, by its first name (tied tensors once)."""
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, t in list(model.named_parameters(remove_duplicate=False)) + list(
+            model.named_buffers(remove_duplicate=False)):
+        if t is not None and id(t) not in seen:
+            seen.add(id(t))
+            out[name] = t
+    return out
+
+
+def current_values(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The current value of every tensor of the model (model_tensors' names): each from whichever holds it now (a
+    step's chunks, at full precision, or the tensor itself), not copied. With several holders (steps compiled on the
+    model and on a part of it, or on two models sharing a tensor), each value comes from its own. Sharded: a
+    collective."""
+    tensors = model_tensors(model)
+    out: dict[str, torch.Tensor] = {}
+    by_hold: dict[int, tuple[ModelHold, list[str]]] = {}
+    for name, t in tensors.items():
+        h = holder(t)
+        if h is None:
+            out[name] = t.detach()
+        else:
+            by_hold.setdefault(id(h), (h, []))[1].append(name)
+    for h, names in by_hold.values():
+        with h.lock:
+            values = h.values([tensors[n]._pstar_name for n in names])
+        for n in names:
+            out[n] = values[tensors[n]._pstar_name]
+    return out
+
+
+def sync_model(model: nn.Module) -> nn.Module:
+    """Give the model its values back from whatever holds its tensors (one step or several, live or dropped): the
+    same as `step.sync_model()` of a step compiled on it, for when that step is out of reach (a training function
+    that was interrupted keeps its step alive in the traceback). Returns the model. With several ranks, a collective."""
+    for h in holders(model):
+        h.give_back()
+    return model
+
+
+def hold(model: nn.Module, owner: ModelHold) -> None:
+    """Turn the model's parameters and buffers into HeldTensors held by `owner` (their data is dropped). Each must hold
+    its own value (none held by another step). Ctrl-C waits until every tensor is swapped."""
+    stand_ins = []
+    for name, t in model_tensors(model).items():
+        assert not isinstance(t, HeldTensor), f"{name} is held already"
+        stand_in = HeldTensor(t, name, owner)
+        if isinstance(t, nn.Parameter):
+            stand_in = nn.Parameter(stand_in, requires_grad=t.requires_grad)
+        stand_ins.append((t, stand_in))
+    _swap_all(stand_ins)
+
+
+def release(held: dict[str, torch.Tensor], values: dict[str, torch.Tensor]) -> None:
+    """Give held tensors their values back: each HeldTensor in `held` becomes a real tensor (the same Python object)
+    holding its value from `values` (which it keeps, not copies). Ctrl-C waits until every tensor is swapped."""
+    pairs = []
+    for name, t in held.items():
+        v = values[name]
+        pairs.append((t, nn.Parameter(v, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else v))
+    _swap_all(pairs)
+
+
+def _swap_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    with DeferredInterrupt():                # a Ctrl-C waits until every tensor is swapped
+        for t, new in pairs:
+            torch.utils.swap_tensors(t, new)
+
+
+def holds_own_values(model: nn.Module) -> bool:
+    """Some tensor of the model holds its own value (no step holds it): a step called now takes the model."""
+    return any(holder(t) is None for t in model_tensors(model).values())
+
+
+class ModelState:
+    """A compiled step's side of holding its model: taking the model's values into the step's chunks (and holding
+    it), giving them back, and reading and loading them by state_dict name. The chunk store and layout are the
+    compiler's, once its first compile has made them."""
+
+    def __init__(self, step, model: nn.Module, compiler: "Compiler", comm: Comm | None, lock: threading.RLock):
+        self._step = weakref.ref(step)   # the step owns this object: a strong reference would keep it alive
+        self.model = model
+        self.compiler = compiler
+        self.comm = comm
+        self.lock = lock
+        tables = compiler.tables
+        # every state_dict name (tied aliases too) -> (PARAM or BUFFER, the name the store keeps it under)
+        self.names: dict[str, tuple[Role, str]] = {
+            **{n: (Role.PARAM, p.name) for p in tables.params for n in (p.name,) + p.aliases},
+            **{n: (Role.BUFFER, b.name) for b in tables.buffers for n in (b.name,) + b.aliases}}
+        self.hold: ModelHold | None = None     # this step's claim on the model's values, once its chunks took them
+
+    def holds(self) -> bool:
+        """Whether this step's chunks hold every tensor of the model now (it has run, and no sync_model() or other
+        step took the model since)."""
+        return self.hold is not None and all(holder(t) is self.hold for t in model_tensors(self.model).values())
+
+    def take(self) -> None:
+        """Make the chunks hold the model's current values. If this step holds the model already, nothing to do;
+        otherwise (first step, after sync_model(), or held by another step, whole or in part) every holder gives its
+        values back first, then they are copied in and held."""
+        if self.holds():
+            return
+        for h in holders(self.model):
+            h.give_back()                  # then the values are the model's
+        tensors = model_tensors(self.model)
+        on_meta = [n for n, t in tensors.items() if t.is_meta]
+        if on_meta:
+            raise ValueError(f"the model's tensors {on_meta[:3]}{'...' if len(on_meta) > 3 else ''} are on the "
+                             "meta device: pstar-fx copies the model's values into its chunks at the first "
+                             "step, so give it a model with real values, or build it under px.init_empty()")
+        if self.comm is not None:         # every rank starts from the same values (a collective)
+            check_same_values(self.comm, tensors)
+        store = self.compiler.store
+        named = dict(self.model.named_parameters())
+        # a model built under px.init_empty() is initialised in the chunks themselves (see pstar_fx.frontend.init_empty)
+        params, buffers = fill_chunks(store, {p.name: named[p.name] for p in self.compiler.layout[0]},
+                                      {b.name: tensors[b.name] for b in self.compiler.tables.buffers})
+        store.values.load_params(params)
+        store.values.load_buffers(buffers)
+        if self.hold is None or self.hold.store is not store:
+            self.hold = ModelHold(self._step(), self.model, store, self.names, self.lock)
+        hold(self.model, self.hold)
+
+    def fill_if_empty(self) -> None:
+        """A model built under px.init_empty() gets its values in this step's chunks once the step has them."""
+        if self.compiler.store is not None and any(is_empty(t) for t in model_tensors(self.model).values()):
+            self.take()
+
+    def give_back(self) -> nn.Module:
+        """sync_model(): the model gets its current values back from whichever step holds each of its tensors."""
+        self.fill_if_empty()
+        for h in holders(self.model):
+            h.give_back()
+        return self.model
+
+    def state_dict(self, rank0_only: bool = False) -> dict[str, torch.Tensor]:
+        """The model's state dict at full precision, from wherever each value is now (see CompiledStep.state_dict).
+        rank0_only with several ranks: rank 0 gathers it, chunk by chunk (StoreValues.gather_to_rank0)."""
+        self.fill_if_empty()
+        if rank0_only and self.comm is not None:
+            if self.holds():
+                return self.compiler.store.values.gather_to_rank0(self.names, self.model.state_dict())
+            sd = self._current()     # the model's own values (whole on every rank), or another step's (gathered)
+            return sd if self.comm.rank == 0 else {}
+        return self._current()
+
+    def _current(self) -> dict[str, torch.Tensor]:
+        tensors = model_tensors(self.model)
+        first = {id(t): n for n, t in tensors.items()}
+        values = current_values(self.model)
+        return {key: values[first[id(like)]].to(device=like.device, dtype=like.dtype, copy=True)
+                for key, like in self.model.state_dict(keep_vars=True).items()}
+
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True) -> None:
+        """Parameter and buffer values into the chunks when this step holds the model, else into the model itself
+        (see CompiledStep.load_state_dict)."""
+        self.fill_if_empty()
+        ref = self.model.state_dict()
+        missing = [k for k in ref if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in ref]
+        if strict and (missing or unexpected):
+            raise KeyError(f"load_state_dict: missing keys {missing}, unexpected keys {unexpected}")
+        for k, v in state_dict.items():
+            if k in ref and tuple(v.shape) != tuple(ref[k].shape):
+                raise ValueError(f"load_state_dict: {k} has shape {tuple(v.shape)}, the model has "
+                                 f"{tuple(ref[k].shape)}")
+        if not self.holds():
+            for h in holders(self.model):
+                h.give_back()               # the model's values must be real before they are overwritten
+            self.model.load_state_dict(state_dict, strict=strict)
+            return
+        pv, bv = {}, {}
+        for k, v in state_dict.items():
+            if k in self.names:
+                kind, name = self.names[k]
+                (pv if kind is Role.PARAM else bv)[name] = v
+        with DeferredInterrupt():            # a Ctrl-C waits until every value is in: never half loaded
+            self.compiler.store.values.load_params(pv)
+            self.compiler.store.values.load_buffers(bv)

@@ -1,0 +1,297 @@
+"""`px.plan`: will a model train on a cluster, and how fast? Answered on any machine, without GPUs or a process group.
+
+The step is traced and planned exactly as `px.compile` would on each rank (the same trace, the same passes with
+`Settings(world=world_size, budget=device_memory)`, the shard pass for more than one rank), but nothing runs: the
+answer comes from the plan and from the cost model (`pstar_fx.cost`).
+
+- Device: the plan compiles under `device_memory` (every rank's plan is the same), or the BudgetError says how many
+  bytes the step needs at least. The peak and the bytes moved and communicated are the plan's, per rank.
+- Host: what the ChunkStore of one rank keeps in host memory (its shard of every chunk's parameter home, the gradient
+  homes the plan writes back, the optimizer states placed on the host; at set-up the same but gradient homes),
+  times the ranks of a node, against `host_memory` per node.
+- Speed: `cost.estimate` on the final graph: one steady-state step, and TFLOP/s per GPU counted as
+  6 x parameters x tokens + attention (12 x B x heads x Tq x Tk x head_dim per attention layer: nanoGPT's count,
+  the causal mask not discounted, recompute not counted), over the estimated step time.
+
+The model may live on the meta device (`with torch.device("meta"): model = GPT(cfg)`): only shapes and dtypes are
+read. The batch is what one rank passes to the step: tensors (meta ones allocate nothing) or `(shape, dtype)` pairs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+
+import optree
+import torch
+import torch.nn as nn
+
+from ..cost import H200, FORWARD_ATTENTION, Machine, StepCost, estimate
+from ..errors import BudgetError
+from ..frontend.trace import model_tables, trace_step
+from ..ir.graph import (REMAT, USER_CHECKPOINT, BufKind, ChunkGroup, ParamHome, Precision, Role, Settings, StateHome,
+                        TrainGraph)
+from ..ir.needs import shard_numel, state_bytes
+from ..optim import OptimizerLayout, OptimizerSpec
+from ..passes import pipeline, run_passes
+from ..units import format_bytes, parse_bytes
+from .compiler import cycle_collection_paused, one_intra_op_thread
+from .live_optimizer import build
+
+
+@dataclass(frozen=True)
+class PlanReport:
+    """What `px.plan` answers. Bytes per rank unless the name says otherwise; None where the step does not fit."""
+    world_size: int
+    ranks_per_node: int
+    precision: Precision
+    params: int                      # parameters (a tied tensor once)
+    tokens: int                      # tokens (or samples) one rank processes per step
+    device_memory: int | None        # the budget of each rank's device (None: unlimited)
+    host_memory: int | None          # host memory of a node (None: not checked)
+    device_needed: int | None        # the step does not fit: the least budget it needs (BudgetError.needed)
+    peak_device: int | None          # the plan's predicted peak
+    host_bytes: int                  # one rank's host memory in the steady state
+    host_setup_bytes: int            # one rank's host memory while its store is set up (no gradient homes yet)
+    model_bytes: int                 # the model's own values, which each rank holds at its first step today
+    h2d_bytes: int
+    d2h_bytes: int
+    gathered_bytes: int              # chunk bytes all-gathered per step (a rank receives (w-1)/w of them)
+    reduced_bytes: int               # chunk bytes reduce-scattered per step (a rank sends (w-1)/w of them)
+    chunks: int
+    states_on_device: int
+    trainable_chunks: int
+    model_flops: float               # 6 x params x tokens + attention, per rank per step
+    cost: StepCost | None
+    trace_seconds: float
+    passes_seconds: float
+    traced_on: str                   # the device type the step was traced for ("cpu" where torch has no CUDA)
+    graph: TrainGraph | None = field(default=None, repr=False, compare=False)   # the final stage
+
+    @property
+    def fits_device(self) -> bool:
+        return self.device_needed is None
+
+    @property
+    def host_per_node(self) -> int:
+        return max(self.host_bytes, self.host_setup_bytes) * self.ranks_per_node
+
+    @property
+    def fits_host(self) -> bool | None:
+        return None if self.host_memory is None else self.host_per_node <= self.host_memory
+
+    @property
+    def fits(self) -> bool:
+        return self.fits_device and self.fits_host is not False
+
+    @property
+    def communicated_bytes(self) -> int:
+        """Bytes a rank sends (and receives) per step in collectives: (w-1)/w of every gathered and reduced chunk."""
+        w = self.world_size
+        return (self.gathered_bytes + self.reduced_bytes) * (w - 1) // w
+
+    @property
+    def step_seconds(self) -> float | None:
+        return None if self.cost is None else self.cost.seconds
+
+    @property
+    def tflops(self) -> float | None:
+        """Model TFLOP/s per GPU: model_flops over the estimated step time."""
+        return None if self.cost is None else self.model_flops / self.cost.seconds / 1e12
+
+    def __str__(self) -> str:
+        def fit(ok):
+            return "unknown" if ok is None else ("fits" if ok else "DOES NOT FIT")
+        w, r = self.world_size, self.ranks_per_node
+        budget = "unlimited" if self.device_memory is None else format_bytes(self.device_memory)
+        if self.fits_device:
+            device = f"{fit(True)}: peak {format_bytes(self.peak_device)} of {budget} per GPU"
+        else:
+            device = f"{fit(False)}: needs at least {format_bytes(self.device_needed)} per GPU, has {budget}"
+        host_mem = "not given" if self.host_memory is None else format_bytes(self.host_memory)
+        rows = [
+            ("model", f"{_count(self.params)} parameters, {self.precision.value}; {w} GPU{'s' * (w > 1)}, "
+                      f"{r} per node; {self.tokens} tokens per GPU per step"),
+            ("device memory", device),
+            ("host memory", f"{fit(self.fits_host)}: {format_bytes(self.host_per_node)} per node of {host_mem} "
+                            f"({format_bytes(self.host_bytes)} per GPU, "
+                            f"{format_bytes(self.host_setup_bytes)} while setting up)"),
+            ("verdict", "FITS" if self.fits else "DOES NOT FIT"),
+            ("not counted", f"the model's own values: {format_bytes(self.model_bytes)} in each process if "
+                            "materialised (px.compile copies them in)"),
+        ]
+        if self.fits_device:
+            rows += [
+                ("chunks", f"{self.chunks}, optimizer states of {self.states_on_device} of {self.trainable_chunks} "
+                           "on the GPU"),
+                ("moved per step", f"{format_bytes(self.h2d_bytes)} host->device, {format_bytes(self.d2h_bytes)} "
+                                   "device->host, per GPU"),
+                ("communicated", f"{format_bytes(self.communicated_bytes)} sent per GPU per step "
+                                 f"(all-gather {format_bytes(self.gathered_bytes)}, reduce-scatter "
+                                 f"{format_bytes(self.reduced_bytes)} of chunks)" if w > 1 else "- (one GPU)"),
+            ]
+        if self.cost is not None:
+            busy = ", ".join(f"{k.value} {v:.3f}" for k, v in self.cost.busy.items() if v > 0)
+            rows += [
+                ("step time", f"{self.cost.seconds:.3f} s estimated (first step {self.cost.first_seconds:.3f} s); "
+                              f"busiest lane: {self.cost.bound.value}"),
+                ("lanes busy (s)", busy),
+                ("speed", f"{self.tflops:.4g} TFLOP/s per GPU (6 x params x tokens + attention: "
+                          f"{self.model_flops / 1e12:.4g} TFLOP per GPU per step), "
+                          f"{self.tokens * w / self.cost.seconds:,.0f} tokens/s in all"),
+            ]
+        rows.append(("planned in", f"{self.trace_seconds:.1f} s trace + {self.passes_seconds:.1f} s passes "
+                                   f"(traced for {self.traced_on})"))
+        return "\n".join(f"{k:>15s}: {v}" for k, v in rows)
+
+
+def _count(n: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return str(n)
+
+
+def _batch_leaf(x):
+    """A batch leaf as a meta tensor: a tensor (any device) keeps its shape and dtype; a (shape, dtype) pair."""
+    if isinstance(x, torch.Tensor):
+        return torch.empty(x.shape, dtype=x.dtype, device="meta")
+    return x
+
+
+def _as_batch(batch) -> tuple:
+    out = []
+    for x in batch:
+        if (isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], torch.dtype)
+                and isinstance(x[0], (tuple, list, torch.Size)) and all(isinstance(s, int) for s in x[0])):
+            out.append(torch.empty(tuple(x[0]), dtype=x[1], device="meta"))
+        else:
+            out.append(optree.tree_map(_batch_leaf, x, none_is_leaf=True))
+    return tuple(out)
+
+
+def _tokens(batch: tuple) -> int:
+    """Tokens per step: the elements of the first integer batch tensor (token ids); without one, the first tensor's
+    first dimension (samples)."""
+    leaves = [t for t in optree.tree_leaves(batch, none_is_leaf=True) if isinstance(t, torch.Tensor)]
+    for t in leaves:
+        if not t.is_floating_point() and not t.is_complex() and t.dim() > 0:
+            return t.numel()
+    return leaves[0].shape[0] if leaves and leaves[0].dim() > 0 else 1
+
+
+def host_bytes(g: TrainGraph) -> tuple[int, int]:
+    """One rank's host memory for g's chunks, as the ChunkStore allocates it: (steady state, during set-up).
+    Parameter homes (its shard of each chunk whose home is on the host, not cast from a device master), gradient
+    homes of the buffers the plan writes back (a shard after the reduce-scatter, the whole chunk before it),
+    optimizer states placed on the host, and in mixed precision the frozen parameters at full precision. At set-up
+    each chunk's states start where the plan puts them (gradient homes come later, at the first write-back)."""
+    w, prec = g.settings.world, g.settings.precision
+    params = sum(shard_numel(c, w) * c.dtype.itemsize for c in g.chunks if c.param_home is ParamHome.HOST)
+    grads: set[tuple[int, bool]] = set()     # (chunk, whole)
+    reduced: set[int] = set()
+    for n in g.nodes:
+        a = g.ann[n.name]
+        if a.role is Role.REDUCE_SCATTER:
+            reduced.add(a.chunk)
+        elif a.role is Role.RELEASE and a.buf is BufKind.GRAD and n.kwargs["writeback"]:
+            grads.add((a.chunk, w > 1 and a.chunk not in reduced))
+    grad = sum(g.chunks[c].nbytes if whole else shard_numel(g.chunks[c], w) * g.chunks[c].dtype.itemsize
+               for c, whole in grads)
+    trainable = [c for c in g.chunks if c.group is ChunkGroup.TRAINABLE]
+    on_host = sum(state_bytes(c, prec, w) for c in trainable if c.state_home is StateHome.HOST)
+    frozen = sum(p.numel * p.dtype.itemsize for p in g.params if not p.trainable) if prec.mixed else 0
+    return params + grad + on_host + frozen, params + on_host + frozen
+
+
+def model_flops(g: TrainGraph, tokens: int) -> float:
+    """6 x parameters x tokens + 12 x B x H x Tq x Tk x D per attention layer of the forward (recompute excluded:
+    the user's checkpoints' and the remat pass's)."""
+    attention = 0.0
+    for n in g.nodes:
+        tag = n.meta.get(USER_CHECKPOINT)
+        if n.target in FORWARD_ATTENTION and (tag is None or tag.recompute_of is None) and REMAT not in n.meta:
+            q, k = n.args[0].meta["val"], n.args[1].meta["val"]
+            attention += 12.0 * q.numel() * k.shape[-2]
+    return 6.0 * sum(p.numel for p in g.params) * tokens + attention
+
+
+def _layout(model: nn.Module, optimizer: OptimizerSpec | None) -> OptimizerLayout:
+    if optimizer is not None:
+        return build(optimizer, model).layout
+    names = tuple(p.name for p in model_tables(model).params if p.trainable)
+    return OptimizerLayout(groups=(names,))
+
+
+def plan(model: nn.Module, loss_fn, *batch, world_size: int = 1, device_memory=None, host_memory=None,
+         precision: str = "bf16", chunk_size: int | None = None, accumulate: int = 1,
+         max_grad_norm: float | None = None, optimizer: OptimizerSpec | None = None,
+         gpus_per_node: int | None = None, machine: Machine = H200, tokens: int | None = None,
+         device=None, prefetch: int | None = None, atomic: bool = True) -> PlanReport:
+    """Plan `loss_fn(model, *batch)` for `world_size` GPUs without running it (see the module docstring).
+
+    batch: what ONE rank passes to the step (tensors, meta tensors, or (shape, dtype) pairs). device_memory: bytes
+    or a string ("80GB") per GPU; host_memory: per node; gpus_per_node: ranks sharing a node's host memory and
+    NVLink (default: the machine's, at most world_size). optimizer: px.AdamW(...) when its parameter groups matter
+    (default: one group of every parameter). tokens: per rank per step (default: the first integer batch tensor's
+    elements). device: the device type the step is traced for (default: "cuda" when torch sees one, else "cpu":
+    a CPU-only torch cannot trace for CUDA, and the CPU trace differs only in the attention kernel's name and in
+    autocast's op lists, which keep the same memory for transformers). atomic: as px.compile's."""
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise ValueError(f"world_size must be a number of GPUs >= 1, got {world_size!r}")
+    if not isinstance(atomic, bool) or (not atomic and world_size > 1):
+        raise ValueError(f"atomic must be True or False (False on one GPU only), got {atomic!r} with world_size "
+                         f"{world_size}")
+    try:
+        prec = Precision(precision)
+    except ValueError:
+        raise ValueError(f"precision must be one of 'fp32', 'bf16', 'fp16', got {precision!r}") from None
+    budget = None if device_memory is None else parse_bytes(device_memory)
+    host = None if host_memory is None else parse_bytes(host_memory)
+    per_node = min(world_size, gpus_per_node or machine.gpus_per_node)
+    machine = dataclasses.replace(machine, gpus_per_node=per_node)
+    dev = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("px.plan(device='cuda'): this torch sees no CUDA device, and fake CUDA tensors need one to "
+                         "trace under autocast; leave device=None (or 'cpu') to trace for the CPU, whose plan is the "
+                         "same for transformers (see px.plan's docstring)")
+    if dev.type not in ("cuda", "cpu"):
+        raise ValueError(f"device must be 'cuda' or 'cpu' (or None), got {device!r}")
+    meta_batch = _as_batch(batch)
+    settings = Settings(precision=prec, device=dev, budget=budget, chunk_size=chunk_size,
+                        optimizer=_layout(model, optimizer),
+                        max_grad_norm=None if max_grad_norm is None else float(max_grad_norm),
+                        accumulate=accumulate, world=world_size, atomic=atomic)
+    with cycle_collection_paused(), one_intra_op_thread():
+        traced = trace_step(loss_fn, model, meta_batch, settings)
+        t0 = time.perf_counter()
+        needed = None
+        try:
+            final = run_passes(traced, pipeline(chunk_size=chunk_size, prefetch=prefetch, world=world_size))[-1]
+        except BudgetError as e:
+            needed, final = e.needed, None
+        passes_s = time.perf_counter() - t0      # the collection at the end is not counted
+    n_params = sum(p.numel for p in traced.params)
+    n_tokens = tokens if tokens is not None else _tokens(meta_batch)
+    model_bytes = sum(p.numel * p.dtype.itemsize for p in traced.params)
+    common = dict(world_size=world_size, ranks_per_node=per_node, precision=prec, params=n_params, tokens=n_tokens,
+                  device_memory=budget, host_memory=host, model_bytes=model_bytes, trace_seconds=traced.seconds,
+                  passes_seconds=passes_s, traced_on=dev.type)
+    if final is None:
+        # no plan: the host figure is an estimate, every state on the host and every gradient written back
+        params = sum(p.numel for p in traced.params if p.trainable)
+        per = params / world_size
+        state = (3 if prec.mixed else 2) * 4
+        setup = int(per * (2 * prec.dtype.itemsize + state))
+        return PlanReport(device_needed=needed, peak_device=None, host_bytes=setup, host_setup_bytes=setup,
+                          h2d_bytes=0, d2h_bytes=0, gathered_bytes=0, reduced_bytes=0, chunks=0, states_on_device=0,
+                          trainable_chunks=0, model_flops=6.0 * n_params * n_tokens, cost=None, graph=None, **common)
+    steady, setup = host_bytes(final)
+    trainable = [c for c in final.chunks if c.group is ChunkGroup.TRAINABLE]
+    p = final.plan
+    return PlanReport(device_needed=None, peak_device=p.predicted_peak, host_bytes=steady, host_setup_bytes=setup,
+                      h2d_bytes=p.h2d_bytes, d2h_bytes=p.d2h_bytes, gathered_bytes=p.gathered_bytes,
+                      reduced_bytes=p.reduced_bytes, chunks=len(final.chunks),
+                      states_on_device=sum(c.state_home is StateHome.DEVICE for c in trainable),
+                      trainable_chunks=len(trainable), model_flops=model_flops(final, n_tokens),
+                      cost=estimate(final, machine), graph=final, **common)

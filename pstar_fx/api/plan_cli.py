@@ -1,0 +1,77 @@
+"""Command line: will a GPT train on a cluster, and how fast? (`px.plan` for the reference GPT, pstar_fx.models.gpt)
+
+    pstar-fx-plan --layers 96 --d-model 12288 --heads 96 --seq 2048 --batch 1 --world-size 32 \\
+        --gpus-per-node 8 --device-memory 80GB --host-memory 1TB --checkpoint
+
+Runs on any machine (no GPU, no process group): the model is built on the meta device, the step traced and planned as
+each of the --world-size ranks would, and the cost model (pstar_fx/cost.py) estimates the step time. The GPT is
+nanoGPT's, the one benchmarks/gpt.py trains: vocab 50304 (--vocab), tied head, learned positions, biases and
+LayerNorms, no dropout, loss cross-entropy; --checkpoint wraps every block in torch.utils.checkpoint. --batch is per
+GPU. Exit status: 0 when the model fits, 1 when it does not. `python -m pstar_fx.api.plan_cli` runs it too.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from ..cost import H200, Machine
+from ..models.gpt import GPT, GPTConfig, gpt_loss
+from .plan import PlanReport, plan
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="pstar-fx-plan", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, required=True)
+    ap.add_argument("--d-model", type=int, required=True)
+    ap.add_argument("--heads", type=int, required=True)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--vocab", type=int, default=50304)
+    ap.add_argument("--batch", type=int, default=1, help="sequences per GPU per step")
+    ap.add_argument("--accumulate", type=int, default=1, help="micro-batches per step (--batch is split into them)")
+    ap.add_argument("--checkpoint", action="store_true", help="activation checkpointing per block")
+    ap.add_argument("--world-size", type=int, default=1)
+    ap.add_argument("--gpus-per-node", type=int, default=8)
+    ap.add_argument("--device-memory", default=None, help="per GPU, e.g. 80GB (default: unlimited)")
+    ap.add_argument("--host-memory", default=None, help="per node, e.g. 1TB (default: not checked)")
+    ap.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32"])
+    ap.add_argument("--chunk-size", type=int, default=None, help="elements per chunk (default: chosen)")
+    ap.add_argument("--max-grad-norm", type=float, default=None)
+    ap.add_argument("--no-atomic", action="store_true",
+                    help="px.compile(atomic=False): host-side updates may start during backward (one GPU)")
+    ap.add_argument("--network-gbps", type=float, default=None,
+                    help="NCCL bus bandwidth across nodes in GB/s (default: the cost model's assumption, "
+                         f"{H200.network_bus_bytes / 1e9:.0f})")
+    return ap
+
+
+def main(argv=None) -> PlanReport:
+    args = _parser().parse_args(argv)
+    if args.d_model % args.heads:
+        raise SystemExit(f"--d-model {args.d_model} is not divisible by --heads {args.heads}")
+    cfg = GPTConfig(vocab=args.vocab, seq=args.seq, layers=args.layers, hidden=args.d_model, heads=args.heads)
+    with torch.device("meta"):
+        model = GPT(cfg, checkpoint=args.checkpoint)
+    machine: Machine = H200
+    if args.network_gbps is not None:
+        machine = Machine(network_bus_bytes=args.network_gbps * 1e9)
+    tokens = ((args.batch, args.seq), torch.long)
+    report = plan(model, gpt_loss, tokens, tokens, world_size=args.world_size, device_memory=args.device_memory,
+                  host_memory=args.host_memory, precision=args.precision, chunk_size=args.chunk_size,
+                  accumulate=args.accumulate, max_grad_norm=args.max_grad_norm, gpus_per_node=args.gpus_per_node,
+                  machine=machine, atomic=not args.no_atomic)
+    print(f"GPT {args.layers} layers x d={args.d_model}, {args.heads} heads, seq {args.seq}, vocab {args.vocab}"
+          f"{', activation checkpointing' if args.checkpoint else ''}; batch {args.batch} per GPU")
+    print(report)
+    return report
+
+
+def run(argv=None) -> int:
+    """The console script (`pstar-fx-plan`): exit status 0 when the model fits, 1 when it does not."""
+    return 0 if main(argv).fits else 1
+
+
+if __name__ == "__main__":
+    sys.exit(run())

@@ -1,0 +1,224 @@
+"""CompiledStep: what `px.compile` returns, a training step compiled for a model.
+
+It ties the jobs together, each done elsewhere: its options (options.py), compiling each batch signature
+(compiler.py), holding the model's values (model_state.py), running a step (pstar_fx.runtime.run), checkpoints
+(pstar_fx.checkpoint, through a StepState), the summary and the memory timeline.
+"""
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+from .. import checkpoint
+from ..checkpoint import StepState
+from ..errors import CommitError, PstarError
+from ..interrupts import DeferredInterrupt
+from ..ir.graph import Precision, Settings, TrainGraph
+from ..optim import OptimizerSpec
+from ..runtime.comm import default_comm
+from ..runtime.run import run_training_step
+from ..runtime.step_runtime import LossScaler, StepStats
+from . import timeline
+from .agreement import check_same_step
+from .compiler import Compiler
+from .live_optimizer import build as build_optimizer
+from .model_state import ModelState, holds_own_values
+from .options import check_options, check_world, resolve_budget, resolve_device, resolve_precision
+from .summary import Summary, summarize
+
+
+def _locked(method):
+    """The step's lock held over a method: another thread's step, save or load waits for it."""
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return locked
+
+
+class CompiledStep:
+    """A training step compiled for a model: call it with a batch to run forward, backward and the update."""
+
+    _compiler_class = Compiler
+
+    def __init__(self, fn: Callable, model: nn.Module, optimizer: OptimizerSpec, *, device_memory=None,
+                 precision: str | None = None, chunk_size: int | None = None, device=None, debug: bool = False,
+                 prefetch: int | None = None, max_grad_norm: float | None = None, accumulate: int = 1, remat="auto",
+                 atomic: bool = True):
+        check_options(model, optimizer, chunk_size=chunk_size, prefetch=prefetch, max_grad_norm=max_grad_norm,
+                      accumulate=accumulate, remat=remat, atomic=atomic)
+        self._fn = fn
+        self._model = model
+        dev = resolve_device(device)
+        prec = resolve_precision(precision, dev)
+        self._optimizer = build_optimizer(optimizer, model) if optimizer is not None else None
+        self._comm = default_comm(dev)       # the default process group, when one of 2+ ranks exists
+        self.settings = Settings(precision=prec, device=dev, budget=resolve_budget(device_memory, dev),
+                                 chunk_size=chunk_size,
+                                 optimizer=self._optimizer.layout if self._optimizer is not None else None,
+                                 max_grad_norm=None if max_grad_norm is None else float(max_grad_norm),
+                                 accumulate=accumulate, world=1 if self._comm is None else self._comm.world,
+                                 atomic=atomic)
+        check_world(atomic, self.settings.world)
+        self.debug = debug
+        self.prefetch = prefetch
+        self._lock = threading.RLock()       # held by a step, save and load: another thread never sees half a step
+        self._compiler = self._compiler_class(fn, model, self.settings, self._comm, self._optimizer,
+                                              remat=remat is not False, prefetch=prefetch)
+        self._model_state = ModelState(self, model, self._compiler, self._comm, self._lock)
+        self._scaler = LossScaler() if prec is Precision.FP16 else None
+        self._last_stats: StepStats | None = None
+        self._measured: tuple[TrainGraph, list[int]] | None = None   # debug: device bytes after every node
+        self._broken: str | None = None      # set when a step failed after its commit point
+        self._before_node = None             # tests: called before every node (fault injection)
+        self.__wrapped__ = fn
+
+    # -- running ----------------------------------------------------------------------------------------------
+    def __call__(self, *batch) -> torch.Tensor:
+        """One training step on this batch; returns the loss. Atomic (see Executor.run): a failure before the commit
+        point leaves every value as it was. Another thread's save() or load() waits for the step (a lock). Ctrl-C is
+        held over the whole call and taken only at safe points: after the trace, between the passes, and between
+        nodes before the commit point, where it raises KeyboardInterrupt and the step changes nothing (a compile
+        that finished is kept: the next call does not trace again); from the commit point on the step completes,
+        then raises it (it counts as done). A hang inside one operation is ended by the process group's timeout
+        (px.DistributedError); see pstar_fx/interrupts.py."""
+        with self._lock, DeferredInterrupt() as interrupts:
+            started = time.perf_counter()
+            self._check_callable(batch)
+            compiled, flat = self._compiler.get(batch, interrupts)
+            interrupts.deliver()          # a safe point: compiled, nothing else done yet
+            self._model_state.take()
+            try:
+                run = run_training_step(compiled.executor, flat.tensors, interrupts, scaler=self._scaler,
+                                        started=started, debug=self.debug, before_node=self._before_node)
+            except CommitError as e:
+                self._broken = str(e)
+                raise
+            self._last_stats = run.stats
+            if run.per_node is not None:
+                self._measured = (compiled.executor.g, run.per_node)
+            return run.outputs[0].detach().float()
+
+    def _check_callable(self, batch) -> None:
+        """The step may run: not broken by a failed update, in grad mode, and (several ranks) called alike on every
+        rank, before this step's first collective (a compile's own included)."""
+        if self._broken is not None:
+            raise CommitError(self._broken)
+        if torch.is_inference_mode_enabled() or not torch.is_grad_enabled():
+            ctx = "torch.inference_mode()" if torch.is_inference_mode_enabled() else "torch.no_grad()"
+            raise PstarError(f"pstar-fx step called under {ctx}; a training step needs grad mode; use "
+                             "px.compile(model, optimizer=None) for forward-only evaluation")
+        if self._comm is not None:
+            check_same_step(self._comm, batch, self._model, self._compiler.model_key(),
+                            holds_own_values(self._model))
+
+    def lower(self, *batch) -> dict[str, TrainGraph]:
+        """Compile for this batch's shapes without running a step; returns the stages."""
+        with DeferredInterrupt() as interrupts:        # Ctrl-C: between compile phases only (see Compiler.get)
+            self._compiler.get(batch, interrupts)
+        return self.graphs
+
+    def min_device_memory(self, *batch) -> int:
+        """The smallest device_memory (bytes) under which this step compiles for this batch's shapes, with this
+        chunk layout: every optimizer state on the host and only what each node itself needs on the device, with the
+        activations recomputed that lower it most (unless remat=False)."""
+        return self._compiler.min_device_memory(batch)
+
+    # -- what it compiled and measured ------------------------------------------------------------------------
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The live optimizer: torch.optim.AdamW's (or Adam's) param_groups, read at every step (set lr between
+        steps, or drive it with a torch.optim.lr_scheduler), and its state_dict() / load_state_dict() in torch's
+        format. The compiled step runs its update: do not call step.optimizer.step()."""
+        return self._optimizer
+
+    @property
+    def last_step(self) -> StepStats | None:
+        """Measurements of the most recent step: peak device bytes, bytes moved, whether it was skipped."""
+        return self._last_stats
+
+    @property
+    def loss_scale(self) -> float | None:
+        return None if self._scaler is None else self._scaler.scale
+
+    @property
+    def graphs(self) -> dict[str, TrainGraph]:
+        """Every stage of the latest compiled signature, in pipeline order ("traced" first, "scheduled" last)."""
+        if self._compiler.latest is None:
+            raise RuntimeError("nothing is compiled yet: call the step once (or step.lower(*batch))")
+        return dict(self._compiler.latest.stages)
+
+    @property
+    def final_graph(self) -> TrainGraph:
+        """The graph the step runs: the last stage ("scheduled"; "sharded" with more than one rank)."""
+        return list(self.graphs.values())[-1]
+
+    def summary(self) -> Summary:
+        return summarize(self.final_graph, self._compiler.latest, self._last_stats, self.settings.precision)
+
+    def memory_timeline(self) -> list[timeline.Row]:
+        """Per node of the latest compiled step: predicted device bytes by kind, chunk moves, and the bytes measured
+        after it by the latest debug=True call if that call ran this signature (else None). See
+        pstar_fx.api.timeline."""
+        return timeline.memory_timeline(self.final_graph, self._measured)
+
+    # -- the model and its values -----------------------------------------------------------------------------
+    def holds_model(self) -> bool:
+        """Whether this step's chunks hold every tensor of the model now (it has run, and no sync_model() or other
+        step took the model since)."""
+        return self._model_state.holds()
+
+    @_locked
+    def sync_model(self) -> nn.Module:
+        """Write the current values (parameters at full precision, and buffers) back into the model and give it back
+        to the user: it can be used, saved or edited eagerly. The values come from whichever step holds each of the
+        model's tensors (this one, or another step compiled on the model, on a part of it, or on a model sharing
+        tensors with it). The next step copies the model into the chunks again, so edits made in between are
+        trained on. Returns the model. With several ranks, a collective."""
+        return self._model_state.give_back()
+
+    @_locked
+    def state_dict(self, *, rank0_only: bool = False) -> dict[str, torch.Tensor]:
+        """Keys and shapes of model.state_dict(), full-precision values (fp32 masters in mixed precision): the
+        current values wherever they are (this step's chunks, another step's, or the model). With several ranks a
+        collective (every rank calls it) that gathers every value on every rank; rank0_only: on rank 0 only (the
+        others return {}), chunk by chunk (pstar_fx.runtime.store_values.StoreValues.gather_to_rank0)."""
+        return self._model_state.state_dict(rank0_only)
+
+    @_locked
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True) -> None:
+        """Restore parameter and buffer values (optimizer states are left as they are). When this step does not
+        hold the model (before the first step, after sync_model(), or while another step holds it), the values go
+        into the model itself, from which the next step takes them."""
+        self._model_state.load_state_dict(state_dict, strict)
+
+    # -- checkpoints ------------------------------------------------------------------------------------------
+    @_locked
+    def save(self, path) -> None:
+        """Write a checkpoint directory that resumes exactly (see pstar_fx.checkpoint)."""
+        checkpoint.save(self._step_state(), path)
+
+    @_locked
+    def load(self, path) -> None:
+        """Restore a checkpoint written by save(), before the first step or after a failed one too."""
+        checkpoint.load(self._step_state(), path)
+
+    def _step_state(self) -> StepState:
+        """What a checkpoint reads and writes of this step (see pstar_fx.checkpoint.step_state)."""
+        ms = self._model_state
+        return StepState(model=self._model, settings=self.settings, names=ms.names, comm=self._comm,
+                         store=self._compiler.store, optimizer=self._optimizer, scaler=self._scaler,
+                         holds_model=ms.holds, take_model=ms.take, fill_if_empty=ms.fill_if_empty,
+                         model_values=self.state_dict, load_model_values=self.load_state_dict,
+                         mark_broken=self._mark_broken, clear_broken=self._clear_broken)
+
+    def _mark_broken(self, why: str) -> None:
+        self._broken = why
+
+    def _clear_broken(self) -> None:
+        self._broken = None

@@ -1,0 +1,63 @@
+"""`step.summary()`: the plan of the latest compiled signature and what the last step measured, as one table."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..ir.graph import ChunkGroup, Precision, StateHome, TrainGraph
+from ..ir.needs import state_bytes
+from ..runtime.step_runtime import StepStats
+from ..units import format_bytes
+from .compiler import Compiled
+
+
+@dataclass(frozen=True)
+class Summary:
+    """The plan of the latest compiled signature and what the last step measured."""
+    chunks: int
+    chunk_size: int                  # elements per regular chunk
+    chunk_bytes: int                 # bytes of a regular chunk's buffer
+    own_chunks: int                  # chunks of tensors larger than chunk_size, each exactly its tensor's size
+    model_data_bytes: int            # parameters + gradients + optimizer states, all chunks
+    budget: int | None
+    states_on_device: int            # trainable chunks whose optimizer states live on the device
+    trainable_chunks: int
+    predicted_peak: int
+    measured_peak: int | None
+    h2d_bytes: int
+    d2h_bytes: int
+    nodes: int
+    compile_seconds: tuple[float, float, float] = (0.0, 0.0, 0.0)   # trace, passes, set-up (store and executor)
+
+    def __str__(self) -> str:
+        rows = [
+            ("chunks", f"{self.chunks}: {self.chunks - self.own_chunks} of {self.chunk_size} elements "
+                       f"({format_bytes(self.chunk_bytes)} each), {self.own_chunks} sized to one larger tensor"),
+            ("model data", format_bytes(self.model_data_bytes) + " (params + grads + optimizer states)"),
+            ("budget", "unlimited" if self.budget is None else format_bytes(self.budget)),
+            ("optimizer states", f"{self.states_on_device} of {self.trainable_chunks} chunks on the device"),
+            ("predicted peak", format_bytes(self.predicted_peak)),
+            ("measured peak", "-" if self.measured_peak is None else format_bytes(self.measured_peak)),
+            ("moved per step", f"{format_bytes(self.h2d_bytes)} host->device, "
+                               f"{format_bytes(self.d2h_bytes)} device->host"),
+            ("graph", f"{self.nodes} nodes"),
+            ("compiled in", "{:.1f} s trace + {:.1f} s passes + {:.1f} s set-up".format(*self.compile_seconds)),
+        ]
+        return "\n".join(f"{k:>17s}: {v}" for k, v in rows)
+
+
+def summarize(g: TrainGraph, compiled: Compiled, last: StepStats | None, prec: Precision) -> Summary:
+    """The summary of the final graph `g` of the compiled signature `compiled`, with the last step's measurement,
+    in the step's precision `prec`."""
+    trainable = [c for c in g.chunks if c.group is ChunkGroup.TRAINABLE]
+    model_data = (sum(c.nbytes for c in g.chunks) + sum(c.nbytes for c in trainable if not c.grad_inplace)
+                  + sum(state_bytes(c, prec) for c in trainable))
+    own = sum(c.capacity > g.chunk_size for c in g.chunks)
+    return Summary(
+        chunks=len(g.chunks), chunk_size=g.chunk_size, chunk_bytes=g.chunk_size * prec.dtype.itemsize,
+        own_chunks=own, model_data_bytes=model_data, budget=g.settings.budget,
+        states_on_device=sum(c.state_home is StateHome.DEVICE for c in trainable), trainable_chunks=len(trainable),
+        predicted_peak=g.plan.predicted_peak, measured_peak=None if last is None else last.measured_peak,
+        h2d_bytes=g.plan.h2d_bytes, d2h_bytes=g.plan.d2h_bytes, nodes=len(g.nodes),
+        compile_seconds=(compiled.stages["traced"].seconds,
+                         sum(st.seconds for name, st in compiled.stages.items() if name != "traced"),
+                         compiled.setup_seconds))

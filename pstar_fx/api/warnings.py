@@ -1,0 +1,54 @@
+"""Warnings about settings that work but waste: checked once a graph is compiled."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..errors import warn
+from ..ir.graph import ChunkGroup, StateHome, TrainGraph
+from ..ir.needs import state_bytes
+from ..units import format_bytes
+
+PADDING_WARN_FRACTION = 0.5        # padding above this share of all model data ...
+PADDING_WARN_BYTES = 16 << 20      # ... and above this many bytes: warn
+
+
+def chunk_padding(g: TrainGraph) -> tuple[int, int]:
+    """(bytes of model data that are chunk padding, all model-data bytes): parameter, gradient and optimizer-state
+    buffers of every chunk, each wasting the share of its chunk that holds no parameter."""
+    wasted = total = 0
+    prec = g.settings.precision
+    for c in g.chunks:
+        size = c.nbytes
+        if c.group is ChunkGroup.TRAINABLE:
+            size += (0 if c.grad_inplace else c.nbytes) + state_bytes(c, prec)
+        total += size
+        wasted += size * (c.capacity - c.used) // c.capacity
+    return wasted, total
+
+
+def warn_chunk_padding(g: TrainGraph) -> None:
+    """A chunk size far larger than the model (chunk_size=2e7 for 6k parameters) silently multiplies model data."""
+    wasted, total = chunk_padding(g)
+    if wasted > PADDING_WARN_FRACTION * total and wasted > PADDING_WARN_BYTES:
+        used = sum(c.used for c in g.chunks)
+        warn(
+            f"pstar-fx: chunk_size={g.chunk_size} holds {used} parameter elements in {len(g.chunks)} chunk(s) of "
+            f"{sum(c.capacity for c in g.chunks)} elements: {format_bytes(wasted)} of the {format_bytes(total)} of "
+            "model data (parameters, gradients, optimizer states) is padding. Use chunk_size=None (the size that "
+            "wastes least) or a smaller chunk_size.")
+
+
+def warn_host_threads(g: TrainGraph) -> None:
+    """Optimizer steps of chunks whose states live on the host run on torch's CPU threads; torchrun sets
+    OMP_NUM_THREADS=1 unless it is set, which leaves them one core (measured: a 6.66B step on two H200s took 6.3 s,
+    CPU-bound, with most states on the host)."""
+    on_host = sum(c.group is ChunkGroup.TRAINABLE and c.state_home is StateHome.HOST for c in g.chunks)
+    cores = os.cpu_count() or 1
+    if on_host and torch.get_num_threads() == 1 and cores > 1:
+        warn(
+            f"pstar-fx: the optimizer states of {on_host} chunk(s) live on the host and their updates run on torch's "
+            f"CPU threads, but torch uses 1 thread here (torchrun sets OMP_NUM_THREADS=1 unless it is set) of "
+            f"{cores} cores. Set OMP_NUM_THREADS to the cores per process (e.g. {max(1, cores // g.settings.world)}) "
+            "or call torch.set_num_threads.")

@@ -1,0 +1,163 @@
+"""What a checkpoint's contents must be before `step.load` applies any of it, so that a refused checkpoint changes
+nothing: the model's values (this model's keys, shapes and dtypes), the optimizer's state dict (torch's structure,
+over this optimizer's parameters and groups, options that the optimizer accepts), the loss scaler (finite, positive)
+and the RNG states (the generator accepts them). Each check raises CheckpointError naming the file (or entry) and
+what is wrong; none changes anything.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from ..errors import CheckpointError
+from ..ir.graph import Precision
+from ..optim import check_options
+from ..runtime.step_runtime import LossScaler
+from .step_state import StepState
+
+_SCALER_FIELDS = {f.name for f in dataclasses.fields(LossScaler)}
+_STATE_KEYS = {"step", "exp_avg", "exp_avg_sq"}
+
+
+def _real(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _count(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def model_state(state: StepState, sd, where: str) -> None:
+    """`sd` holds exactly this model's state_dict keys, each a tensor of the model's shape and dtype."""
+    ref = state.model.state_dict()
+    if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
+        raise CheckpointError(f"step.load: {where} is not a state dict of tensors")
+    wrong = sorted(set(sd) ^ set(ref), key=str)
+    if wrong:
+        raise CheckpointError(f"step.load: {where} was saved from another model: keys differ ({wrong[:3]})")
+    for k, v in sd.items():
+        if tuple(v.shape) != tuple(ref[k].shape) or v.dtype != ref[k].dtype:
+            raise CheckpointError(f"step.load: {where} was saved from another model: '{k}' is {v.dtype} of shape "
+                                  f"{tuple(v.shape)}, this model's is {ref[k].dtype} of shape {tuple(ref[k].shape)}")
+
+
+def _plain(x) -> bool:
+    """A value torch.optim keeps among a group's options: numbers, strings, None, and tuples or lists of them."""
+    if isinstance(x, (tuple, list)):
+        return all(_plain(v) for v in x)
+    return x is None or isinstance(x, (bool, int, float, str))
+
+
+def param_groups(opt, groups, where: str) -> None:
+    """Saved param_groups fit this optimizer: as many groups, each over the same parameter indices as its state_dict()
+    packs them, with options the optimizer accepts."""
+    index: dict[int, int] = {}
+    want = [[index.setdefault(id(t), len(index)) for t in g["params"]] for g in opt.param_groups]
+    if not isinstance(groups, list) or len(groups) != len(want):
+        raise CheckpointError(f"step.load: {where}: the optimizer's param_groups are not {len(want)} groups like "
+                              "this optimizer's (saved from another model or another grouping)")
+    for i, (g, w) in enumerate(zip(groups, want)):
+        if not isinstance(g, dict) or not all(isinstance(k, str) for k in g) or g.get("params") != w:
+            raise CheckpointError(f"step.load: {where}: param_groups[{i}] does not hold the parameters this "
+                                  "optimizer's group holds (saved from another model or another grouping)")
+        if not all(_plain(v) for k, v in g.items() if k != "params"):
+            raise CheckpointError(f"step.load: {where}: param_groups[{i}] has options that are not plain values")
+        try:
+            check_options(f"step.load: {where}: param_groups[{i}]", g, opt.decoupled, construction=False)
+        except KeyError as e:
+            raise CheckpointError(f"step.load: {where}: param_groups[{i}] lacks the option {e}") from None
+        except ValueError as e:
+            raise CheckpointError(str(e)) from None
+
+
+def optimizer_state(state: StepState, sd, where: str) -> None:
+    """torch.optim.Adam(W)'s state dict over this optimizer: groups as `param_groups` checks, and each state entry
+    an index of one of its parameters with 'step' (a whole number >= 1) and two floating moments of its shape."""
+    opt = state.optimizer
+    if not isinstance(sd, dict) or set(sd) != {"state", "param_groups"} or not isinstance(sd["state"], dict):
+        raise CheckpointError(f"step.load: {where} is not an optimizer state dict ({{'state', 'param_groups'}})")
+    param_groups(opt, sd["param_groups"], where)
+    index = opt.entries()
+    for i, s in sd["state"].items():
+        if not _count(i) or not 0 <= i < len(index):
+            raise CheckpointError(f"step.load: {where}: state for parameter index {i!r}, this optimizer has "
+                                  f"{len(index)} parameters")
+        shape = tuple(index[i][0].shape)
+        if not isinstance(s, dict) or set(s) != _STATE_KEYS \
+                or not all(isinstance(v, torch.Tensor) for v in s.values()):
+            raise CheckpointError(f"step.load: {where}: the state of parameter {i} ('{index[i][1]}') is not "
+                                  "Adam's step, exp_avg and exp_avg_sq tensors")
+        count = s["step"]
+        if count.numel() != 1 or count.dtype.is_complex or count.dtype == torch.bool \
+                or not _whole(float(count.reshape(()))):
+            raise CheckpointError(f"step.load: {where}: the step count of parameter {i} ('{index[i][1]}') is not a "
+                                  "whole number >= 1")
+        for key in ("exp_avg", "exp_avg_sq"):
+            v = s[key]
+            if not v.is_floating_point() or tuple(v.shape) != shape:
+                raise CheckpointError(f"step.load: {where}: '{key}' of parameter {i} ('{index[i][1]}') is {v.dtype} "
+                                      f"of shape {tuple(v.shape)}, not a floating tensor of shape {shape}")
+
+
+def _whole(x: float) -> bool:
+    return math.isfinite(x) and x >= 1 and x == int(x)
+
+
+def loss_scaler(value, where: str) -> dict | None:
+    """None, or the fp16 loss scaler's fields, finite and in range; returned with their types."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or set(value) != _SCALER_FIELDS:
+        raise CheckpointError(f"step.load: {where}: the loss scaler is not {sorted(_SCALER_FIELDS)}")
+    ok = (_real(value["scale"]) and value["scale"] > 0 and _real(value["growth_factor"])
+          and value["growth_factor"] >= 1 and _real(value["backoff_factor"]) and 0 < value["backoff_factor"] <= 1
+          and _count(value["growth_interval"]) and value["growth_interval"] >= 1
+          and _count(value["good_steps"]) and 0 <= value["good_steps"] < value["growth_interval"])
+    if not ok:
+        raise CheckpointError(f"step.load: {where}: the loss scaler's values are out of range ({value}): a scale must "
+                              "be finite and > 0, good steps a count below the growth interval")
+    return {k: (int if k in ("growth_interval", "good_steps") else float)(v) for k, v in value.items()}
+
+
+def rng(value, device: torch.device, where: str) -> dict:
+    """RNG states that this process's generators accept: torch's CPU state (checked on a fresh generator) and, when
+    the step runs on CUDA, the device's when saved."""
+    if not isinstance(value, dict) or "torch_cpu" not in value or not set(value) <= {"torch_cpu", "torch_cuda"} \
+            or not all(isinstance(v, torch.Tensor) and v.dtype == torch.uint8 and v.dim() == 1
+                       for v in value.values()):
+        raise CheckpointError(f"step.load: {where}: the RNG states are not torch's (uint8 tensors under 'torch_cpu' "
+                              "and 'torch_cuda')")
+    cpu = value["torch_cpu"]
+    try:
+        if cpu.shape != torch.get_rng_state().shape:
+            raise ValueError(f"{cpu.numel()} bytes")
+        torch.Generator().set_state(cpu)
+    except (RuntimeError, ValueError) as e:
+        raise CheckpointError(f"step.load: {where}: the CPU generator refuses the saved RNG state ({e})") from None
+    if "torch_cuda" in value and device.type == "cuda" \
+            and value["torch_cuda"].shape != torch.cuda.get_rng_state(device).shape:
+        raise CheckpointError(f"step.load: {where}: the saved CUDA RNG state has {value['torch_cuda'].numel()} bytes, "
+                              "this device's generator another size")
+    return value
+
+
+def meta(state: StepState, value, where: str, *, fmt: int, keys: set[str]) -> dict:
+    """A meta dict of format `fmt` with exactly `keys`: format, precision, device and loss scaler checked (and the
+    RNG states and optimizer groups when it holds them); returned with the scaler's values typed."""
+    if not isinstance(value, dict) or value.get("format") != fmt:
+        raise CheckpointError(f"step.load: {where} is not a pstar-fx checkpoint's meta of format {fmt}")
+    if set(value) != keys:
+        raise CheckpointError(f"step.load: {where}: the meta has the entries {sorted(value)}, not {sorted(keys)}")
+    if value["precision"] not in {p.value for p in Precision} or value["device"] not in ("cpu", "cuda"):
+        raise CheckpointError(f"step.load: {where}: unknown precision {value['precision']!r} or device "
+                              f"{value['device']!r}")
+    out = dict(value, loss_scaler=loss_scaler(value["loss_scaler"], where))
+    if "rng" in value:
+        rng(value["rng"], state.settings.device, where)
+    if "param_groups" in value:
+        param_groups(state.optimizer, value["param_groups"], where)
+    if "world" in value and not (_count(value["world"]) and value["world"] >= 1):
+        raise CheckpointError(f"step.load: {where}: the saved world size {value['world']!r} is not a count >= 1")
+    return out

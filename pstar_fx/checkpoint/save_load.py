@@ -1,0 +1,227 @@
+"""Saving and loading a checkpoint directory, either format (see pstar_fx.checkpoint for the contract): the save's
+atomic write (a fresh sibling directory, each file fsynced, checksummed and listed in the manifest written last,
+then published by rename) with every rank agreeing at each stage, and the load's verification before anything is
+read, then applied."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
+
+from ..errors import CheckpointError
+from . import checks, dcp_storage, files, plain
+from . import sharded as sharded_format
+from .step_state import StepState
+
+
+def _norm(path) -> str:
+    p = os.path.normpath(os.fspath(path))
+    if p in (".", "/", ""):
+        raise ValueError(f"step.save/load: give a checkpoint directory name (e.g. 'ckpt'), got {path!r}")
+    return p
+
+
+def _agree(comm, value):
+    """Rank 0's value on every rank (a collective); the value itself with one rank."""
+    if comm is None:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(comm.group, 0), group=comm.group)
+    return box[0]
+
+
+def _any(comm, flag: bool) -> bool:
+    """Whether any rank passed True (a collective)."""
+    if comm is None:
+        return flag
+    every: list = [None] * comm.world
+    dist.all_gather_object(every, flag, group=comm.group)
+    return any(every)
+
+
+def _gather(comm, value: dict) -> dict:
+    """Every rank's dict merged (a collective); the dict itself with one rank."""
+    if comm is None:
+        return value
+    every: list = [None] * comm.world
+    dist.all_gather_object(every, value, group=comm.group)
+    return {k: v for d in every for k, v in d.items()}
+
+
+def _save_error(e: BaseException, path: str, tmp: str, rank: int) -> BaseException:
+    """What to raise for a failed part of a save: DCP's wrapper (around any rank's exception, Ctrl-C too) undone, a
+    file system error in it naming the file (this rank's data files, where DCP does not say which) and the cause.
+    Errors of pstar-fx's own writes name their file already."""
+    if not isinstance(e, CheckpointException):
+        return e
+    inner = (e.failures.get(rank) or next(iter(e.failures.values()), (e, None)))[0]
+    if isinstance(inner, OSError):
+        return files.described(inner, inner.filename or os.path.join(tmp, f"__{rank}_*.distcp"),
+                               f"step.save({path!r}): writing")
+    return inner
+
+
+def _every_rank(comm, path: str, tmp: str, fn):
+    """fn() on every rank; if it fails on any, rank 0 removes the temporary directory and every rank raises (the
+    rank that failed its own error, with the previous checkpoint at `path` untouched)."""
+    rank = 0 if comm is None else comm.rank
+    failed, out = None, None
+    try:
+        out = fn()
+    except BaseException as e:   # noqa: BLE001 - every rank must learn of it, Ctrl-C included
+        failed = e
+    if _any(comm, failed is not None):
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if failed is not None:
+            error = _save_error(failed, path, tmp, rank)
+            if error is failed:
+                raise failed
+            raise error from failed
+        raise RuntimeError(f"step.save({path!r}) failed on another rank (its own error says why); nothing was "
+                           "written under that name")
+    return out
+
+
+def _described(fn, file: str, doing: str):
+    try:
+        return fn()
+    except OSError as e:
+        raise files.described(e, file, doing) from e
+
+
+def save(state: StepState, path, *, sharded: bool | None = None) -> None:
+    """Write model values, optimizer state, loss scaler and RNG states to the directory `path` (see the module
+    docstring). sharded: None picks the sharded format with several ranks and plain files with one. Reads values
+    only; the step's state is not changed (a model built under px.init_empty() is first taken into the chunks, as
+    step.state_dict() does). With several ranks, every rank calls it with the same path."""
+    path = _norm(path)
+    state.fill_if_empty()        # a model built under px.init_empty() gets its values in the chunks, if they exist
+    if state.model_is_empty():
+        raise ValueError("step.save: the model was built under px.init_empty() and has no values until the step's "
+                         "chunks exist: call step.lower(*batch) (or run a step) first")
+    comm = state.comm
+    as_sharded = comm is not None if sharded is None else bool(sharded)
+    rank = state.rank
+    contents = None
+    if not as_sharded:
+        # read everything before writing anything (collectives with several ranks: every rank gathers it)
+        contents = plain.contents(state)
+    where, refused = None, None
+    if rank == 0:
+        try:
+            where = files.prepare(path)
+        except (OSError, ValueError) as e:
+            refused, where = e, f"{type(e).__name__}: {e}"
+    where = _agree(comm, where)
+    if refused is not None:
+        raise refused
+    if isinstance(where, str):
+        raise ValueError(f"step.save({path!r}) refused on rank 0: {where}")
+    tmp, old = where
+
+    def write():
+        if as_sharded:
+            return sharded_format.save(state, tmp, state.model_values)      # DCP's metadata on rank 0
+        if rank == 0:
+            for name in files.DATA_FILES:
+                file = os.path.join(tmp, name)
+                _described(lambda: plain.write(contents[name], file), file, f"step.save({path!r}): writing")
+        return None
+    md = _every_rank(comm, path, tmp, write)
+    names = sorted({i.relative_path for i in md.storage_data.values()}) if md is not None else list(files.DATA_FILES)
+    names = _agree(comm, names)
+    # the files read back and checksummed: every rank its share of the sharded files, rank 0 the plain ones
+    share = names[rank::comm.world] if as_sharded and comm is not None else names if rank == 0 else []
+    sums = _every_rank(comm, path, tmp, lambda: {
+        n: _described(lambda: files.checksum(os.path.join(tmp, n)), os.path.join(tmp, n),
+                      f"step.save({path!r}): reading back") for n in share})
+    sums = _gather(comm, sums)
+
+    def finish():
+        if rank == 0:
+            manifest = files.Manifest(files.Kind.SHARDED if as_sharded else files.Kind.PLAIN, sums,
+                                      dcp_storage.metadata_to_json(md) if as_sharded else None)
+            file = os.path.join(tmp, files.MANIFEST_OF[manifest.kind])
+            _described(lambda: files.write_manifest(tmp, manifest), file, f"step.save({path!r}): writing")
+    _every_rank(comm, path, tmp, finish)
+    error = None
+    if rank == 0:
+        try:
+            files.publish(path, tmp, old)
+        except OSError as e:
+            error = files.described(e, e.filename or path, f"step.save({path!r}): publishing")
+    text = _agree(comm, None if error is None else str(error))
+    if error is not None:
+        raise error
+    if text is not None:
+        raise OSError(f"step.save({path!r}) failed on rank 0: {text}")
+
+
+def _open(comm, path: str) -> files.Manifest:
+    """The checkpoint's manifest, with every file it lists verified (with several ranks, each rank checks a share
+    and all agree: every rank raises if any file is bad, the error of the rank that found it)."""
+    failed, manifest = None, None
+    try:
+        manifest = files.locate(path)
+        files.verify_files(path, manifest, (0, 1) if comm is None else (comm.rank, comm.world))
+    except (OSError, CheckpointError) as e:
+        failed = e
+    if comm is None:
+        if failed is not None:
+            raise failed
+        return manifest
+    every: list = [None] * comm.world
+    dist.all_gather_object(every, None if failed is None else (type(failed), failed.args), group=comm.group)
+    first = next((e for e in every if e is not None), None)
+    if failed is not None:
+        raise failed
+    if first is not None:
+        kind, args = first
+        raise kind(*args)
+    return manifest
+
+
+def load(state: StepState, path) -> None:
+    """Restore everything `save` wrote: model values, optimizer state, loss scaler, RNG states, from a checkpoint
+    of either format saved at any world size. Works before the first step (values wait in the model and the
+    optimizer until the chunks exist) and after a failed step (CommitError): every value is replaced, and the step
+    may be called again. Verifies and checks everything first (module docstring): a refused checkpoint raises
+    CheckpointError or FileNotFoundError naming the file and changes nothing. With several ranks, every rank calls
+    it with the same path."""
+    path = _norm(path)
+    if state.store is None and state.model_is_empty():
+        raise ValueError("step.load: the model was built under px.init_empty(), so its values will live in the "
+                         "step's chunks, which do not exist yet: call step.lower(*batch) (or run a step) first, "
+                         "then step.load")
+    manifest = _open(state.comm, path)
+    if manifest.kind is files.Kind.SHARDED:
+        whole = sharded_format.read(state, path, manifest)
+        if whole is not None:
+            model_sd, opt_sd, meta = whole
+            checks.optimizer_state(state, opt_sd, f"{path}/{sharded_format.META}")
+            _apply(state, model_sd, opt_sd, meta, path)
+        return
+    model_sd, opt_sd, meta = plain.read_checked(state, path)
+    _apply(state, model_sd, opt_sd, meta, path)
+
+
+def _apply(state: StepState, model_sd: dict, opt_sd: dict, meta: dict, path: str) -> None:
+    """Whole values into the step: through its chunks when it holds the model, else into the model and the
+    optimizer (the next step takes them)."""
+    ref = state.model.state_dict()
+    if set(model_sd) != set(ref) or any(tuple(v.shape) != tuple(ref[k].shape) for k, v in model_sd.items()):
+        wrong = sorted(set(model_sd) ^ set(ref)) or [k for k, v in model_sd.items() if v.shape != ref[k].shape]
+        raise ValueError(f"step.load: {path!r} was saved from another model: keys or shapes differ ({wrong[:3]})")
+    # optimizer first: it checks everything before it changes anything, so a refused checkpoint changes nothing
+    state.optimizer.load_state_dict(opt_sd)
+    # model values: into the chunks when this step holds the model, else into the model, which the next step takes
+    # (another step holding the model gives it back first); a model built under px.init_empty() has values only in
+    # the chunks, so the step takes it first
+    state.fill_if_empty()
+    state.load_model_values(model_sd)     # into the chunks when this step holds the model, else into the model
+    sharded_format.apply_meta(state, meta)
+    state.clear_broken()

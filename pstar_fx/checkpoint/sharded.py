@@ -1,0 +1,487 @@
+"""Sharded checkpoints through torch.distributed.checkpoint (DCP): with several ranks, each rank writes and reads only
+the pieces of parameters and optimizer states it owns, and a checkpoint saved at any world size loads at any other
+(DCP reshards). `pstar_fx.checkpoint` calls this; see its docstring for when.
+
+What is stored (DCP keys; values at their full precision, shapes as in the model):
+- "model.<name>": every parameter (the fp32 master in mixed precision) and persistent buffer, under its
+  `model.state_dict()` name (a tied parameter once, under its first name; a 0-d parameter as shape (1,));
+- "optim.<name>.exp_avg", "optim.<name>.exp_avg_sq" (fp32) and "optim.<name>.step" (0-d fp32): torch.optim.Adam's
+  state of each parameter that has one (its chunk has stepped);
+- "pstar_fx": an object: the format, the world size, the precision, the fp16 loss scaler and the optimizer's
+  param_groups in torch's format (options, and parameter indices as in `optimizer.state_dict()`);
+- "rng.<r>": rank r's RNG states (torch's CPU generator, and the CUDA one on CUDA).
+The last two are byte entries: `torch.save` of the object, stored by DCP as one opaque entry.
+
+The files and how they are read. The data files are DCP's (`__<rank>_<i>.distcp`, one per rank). `.metadata` is not
+DCP's pickle: rank 0 writes it after every rank has written its data file and checksummed a share of them, as
+pstar-fx's JSON manifest (pstar_fx.checkpoint.files), which holds DCP's metadata as JSON and each data file's size
+and checksums. Loading (pstar_fx.checkpoint.load) verifies the manifest and the data files first (each rank a share;
+the ranks agree), rebuilds DCP's metadata from the JSON, checking every value (pstar_fx.checkpoint.dcp_storage),
+checks it against this model (`_check`: every entry's key, kind, shape and dtype), reads the byte entries with
+`torch.load(weights_only=True)` (DCP's own planner would use weights_only=False) and checks them (format, loss
+scaler, optimizer groups, RNG states, step counts: pstar_fx.checkpoint.checks), and only then writes a value into
+the step. DCP reads the tensor pieces with `torch.load(weights_only=True)`. Nothing is unpickled otherwise: a
+checkpoint cannot run code. The price: torch's own DCP tools (`dcp.load` with its FileSystemReader,
+`dcp_to_torch_save`) do not read pstar-fx's `.metadata`; `read_metadata` here does.
+
+A parameter's piece. ZeRO sharding gives each rank an even slice of every chunk's elements, so a rank owns an element
+range [start, stop) of a flattened parameter (often empty, sometimes all of it), which DTensor's Shard(dim) cannot
+express. The range is stored as a ShardedTensor of the parameter's shape whose local shards are the boxes that
+tile that range (a contiguous range of a row-major tensor is at most 2 * ndim - 1 boxes: a partial row, whole rows,
+a partial row, recursively), each a view into the rank's chunk shard: saving copies nothing first, and loading
+writes straight into the chunk store. A rank that owns none of a parameter holds no shard of it. One rank (no
+process group) stores and loads plain tensors, the whole parameter. Replicated values (buffers, step counts) are
+plain tensors, which DCP writes once. Loading asks for this rank's boxes under the current layout (world size, chunk
+size); DCP reads the overlapping parts of the boxes that were saved, whatever world size saved them.
+
+ShardedTensor: `torch.distributed._shard.sharded_tensor.init_from_local_shards` (public, present from torch 2.0
+through 2.14) builds each one; torch marks the ShardedTensor class as deprecated in favour of DTensor (its
+`__torch_function__` and `reshard` warn) but DCP still saves and loads it, and DTensor has no uneven element-range
+sharding. It is a collective: every rank builds the same entries in the same order.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import math
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor import Shard, init_from_local_shards
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+
+from ..errors import CheckpointError
+from ..ir.graph import ChunkGroup, Role
+from . import checks, files
+from . import dcp_storage as storage
+from .step_state import StepState
+
+FORMAT = 2
+META = "pstar_fx"
+MARKER = files.SHARDED_MANIFEST  # DCP's metadata file name; here pstar-fx's JSON manifest with DCP's metadata
+META_KEYS = {"format", "world", "precision", "device", "loss_scaler", "param_groups"}
+
+
+# -- the geometry of a piece ------------------------------------------------------------------------------------------
+def boxes(shape: tuple[int, ...], start: int, stop: int) -> list[tuple[tuple[int, ...], tuple[int, ...], int]]:
+    """Elements [start, stop) of a row-major tensor of `shape` as boxes (offsets, sizes, first element), in order.
+    Each box is a contiguous run of those elements."""
+    if start >= stop:
+        return []
+    if len(shape) == 1:
+        return [((start,), (stop - start,), start)]
+    inner = math.prod(shape[1:])
+    first, last = -(-start // inner), stop // inner          # whole rows [first, last)
+
+    def in_row(row: int, a: int, b: int):
+        return [((row, *o), (1, *s), row * inner + f) for o, s, f in boxes(shape[1:], a, b)]
+
+    if first > last:                                         # inside one row
+        row = start // inner
+        return in_row(row, start - row * inner, stop - row * inner)
+    out = in_row(first - 1, start - (first - 1) * inner, inner) if start < first * inner else []
+    if first < last:
+        out.append(((first,) + (0,) * (len(shape) - 1), (last - first, *shape[1:]), first * inner))
+    if last * inner < stop:
+        out += in_row(last, 0, stop - last * inner)
+    return out
+
+
+def _shape(shape) -> tuple[int, ...]:
+    return tuple(shape) or (1,)      # a ShardedTensor has at least one dimension
+
+
+def _entry(comm, flat: torch.Tensor, start: int, stop: int, shape: tuple[int, ...]):
+    """The DCP value of elements [start, stop) of a parameter of `shape`, held by `flat` (its piece, in order):
+    views, no copies. One rank: the whole tensor. Sharded: a ShardedTensor (a collective)."""
+    shape = _shape(shape)
+    if comm is None:
+        assert (start, stop) == (0, math.prod(shape)), (start, stop, shape)
+        return flat.view(shape)
+    place = f"rank:{dist.get_rank()}/{flat.device}"
+    shards = [Shard(flat[f - start:f - start + math.prod(s)].view(s), ShardMetadata(list(o), list(s), place))
+              for o, s, f in boxes(shape, start, stop)]
+    return init_from_local_shards(shards, *shape, process_group=comm.group)
+
+
+# -- what a step holds, as DCP entries ---------------------------------------------------------------------------------
+def _canonical(state: StepState) -> tuple[list[str], list[str]]:
+    """Parameter and persistent-buffer names of the model's state dict, each tensor once (tied: the first name)."""
+    params, buffers = [], []
+    for key in state.model.state_dict():
+        kind, name = state.names[key]
+        names = params if kind is Role.PARAM else buffers
+        if name not in names:
+            names.append(name)
+    return params, buffers
+
+
+def _trainable(st) -> list[str]:
+    return [n for n, p in st.params.items() if st.chunks[p.chunk].group is ChunkGroup.TRAINABLE]
+
+
+def _param_groups(opt) -> list[dict]:
+    """torch.optim's param_groups as its state_dict() packs them (indices in group order), without reading state."""
+    out, index = [], {}
+    for g in opt.param_groups:
+        packed = {k: v for k, v in g.items() if k != "params"}
+        packed["params"] = [index.setdefault(id(t), len(index)) for t in g["params"]]
+        out.append(packed)
+    return out
+
+
+def _pack(obj) -> bytes:
+    """An object DCP stores as one opaque entry (it would flatten a dict into entries of its own); read back with
+    weights_only=True."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _unpack(data, path: str, key: str):
+    """An entry `_pack` wrote, read with weights_only=True; a CheckpointError naming it if it is anything else."""
+    if not isinstance(data, bytes):
+        raise CheckpointError(f"step.load: {path!r}: the entry {key!r} is not the bytes a save writes")
+    try:
+        return torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as e:   # noqa: BLE001 - whatever the unpickler refused, named with its entry
+        raise CheckpointError(f"step.load: {path!r}: the entry {key!r} holds something other than tensors and plain "
+                              f"values (torch.load(weights_only=True) refused it: {type(e).__name__}: {e})") from None
+
+
+def rng_state(device: torch.device) -> dict:
+    out = {"torch_cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        out["torch_cuda"] = torch.cuda.get_rng_state(device)
+    return out
+
+
+def _meta(state: StepState) -> dict:
+    scaler = state.scaler
+    comm = state.comm
+    return {"format": FORMAT, "world": 1 if comm is None else comm.world,
+            "precision": state.settings.precision.value, "device": state.settings.device.type,
+            "loss_scaler": None if scaler is None else dataclasses.asdict(scaler),
+            "param_groups": _param_groups(state.optimizer)}
+
+
+def save_entries(state: StepState, model_values) -> dict:
+    """The state dict DCP writes for this rank. `model_values()`: the model's full values (state_dict keys), read
+    only when this step does not hold the model (its values are then whole on every rank anyway)."""
+    comm, st = state.comm, state.store
+    params, buffers = _canonical(state)
+    out: dict = {META: _pack(_meta(state)),
+                 f"rng.{0 if comm is None else comm.rank}": _pack(rng_state(state.settings.device))}
+    if st is not None:
+        st.flush()           # host homes current, pending host-side updates done
+    if state.holds_model():
+        for name in params:
+            p = st.params[name]
+            src = st.values.value_source(name)
+            if src is None:
+                out[f"model.{name}"] = st.values.frozen_full[name].detach().reshape(_shape(p.shape))
+                continue
+            start, stop, at = st.values.piece(name)
+            out[f"model.{name}"] = _entry(comm, src[at:at + stop - start], start, stop, p.shape)
+        for name in buffers:
+            out[f"model.{name}"] = st.buffers[name]
+    else:
+        values = model_values()
+        for name in params + buffers:
+            out[f"model.{name}"] = values[name].reshape(_shape(values[name].shape)) if name in params else values[name]
+    if st is not None:
+        for name in _trainable(st):
+            p = st.params[name]
+            parts = st.parts(p.chunk)
+            step_count = parts["step"].detach().to("cpu", copy=True).reshape(())
+            if float(step_count) == 0:
+                continue
+            start, stop, at = st.values.piece(name)
+            out[f"optim.{name}.step"] = step_count
+            for key, part in (("exp_avg", "m"), ("exp_avg_sq", "v")):
+                out[f"optim.{name}.{key}"] = _entry(comm, parts[part][at:at + stop - start], start, stop, p.shape)
+    else:
+        sd = state.optimizer.state_dict()         # no store yet: the states loaded before it, whole
+        names = [n for _, n, _ in state.optimizer.entries()]
+        for i, s in sd["state"].items():
+            out[f"optim.{names[i]}.step"] = torch.as_tensor(s["step"], dtype=torch.float32).reshape(())
+            for key in ("exp_avg", "exp_avg_sq"):
+                out[f"optim.{names[i]}.{key}"] = s[key].detach().float().reshape(_shape(s[key].shape))
+    return out
+
+
+def save(state: StepState, directory: str, model_values) -> Metadata | None:
+    """Write this rank's entries into `directory` (every rank calls it; the directory is shared by all ranks).
+    `model_values()`: see save_entries. Returns DCP's metadata on rank 0 (None on the others), which the caller
+    writes into the manifest once it has the files' checksums: nothing here writes `.metadata`."""
+    entries = save_entries(state, model_values)
+    writer = storage.Writer(directory, sync_files=True)
+    with _one_process(state):
+        dcp.save(entries, storage_writer=writer, process_group=None if state.comm is None else state.comm.group)
+    return writer.metadata
+
+
+@contextlib.contextmanager
+def _one_process(state: StepState):
+    """One rank without a process group: DCP runs in this process only and says so in a warning, which is how
+    pstar-fx uses it then; hide that one."""
+    with warnings.catch_warnings():
+        if state.comm is None:
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
+# -- loading ---------------------------------------------------------------------------------------------------------
+def metadata(manifest: files.Manifest, path: str) -> Metadata:
+    """DCP's metadata out of a sharded checkpoint's manifest, checked against the files it lists."""
+    try:
+        return storage.metadata_from_json(manifest.dcp, {n: s.size for n, s in manifest.files.items()})
+    except ValueError as e:
+        raise CheckpointError(f"step.load: {path}/{MARKER}: {e}") from None
+
+
+def read_metadata(path: str) -> Metadata:
+    """DCP's metadata of the sharded checkpoint at `path` (its manifest checked; its data files are not read)."""
+    return metadata(files.read_manifest(path, MARKER), path)
+
+
+def _failure(e: CheckpointException, path: str, rank: int) -> BaseException:
+    """What made DCP fail (it wraps every rank's exception, Ctrl-C too): this rank's if it failed, else another's;
+    file system errors and refusals with the checkpoint's name."""
+    failures = e.failures
+    exc = (failures.get(rank) or next(iter(failures.values()), (None, None)))[0]
+    if exc is None or isinstance(exc, (KeyboardInterrupt, SystemExit)):
+        return exc or e
+    if isinstance(exc, CheckpointError):
+        return CheckpointError(f"step.load: {path!r}: {exc}")
+    if isinstance(exc, OSError):
+        return files.described(exc, getattr(exc, "filename", None) or path, "step.load: reading")
+    return CheckpointError(f"step.load: reading {path!r} failed: {type(exc).__name__}: {exc}")
+
+
+def _load(state: StepState, entries: dict, path: str, md: Metadata) -> dict:
+    """DCP reads `entries` (tensors in place) through the checked metadata; returns the byte entries read."""
+    planner = storage.SafeLoadPlanner()
+    try:
+        with _one_process(state):
+            dcp.load(entries, storage_reader=storage.Reader(path, md), planner=planner,
+                     process_group=None if state.comm is None else state.comm.group)
+    except CheckpointException as e:
+        raise _failure(e, path, state.rank) from None
+    return planner.loaded
+
+
+def _tensor(saved, key: str, shape, dtypes, path: str) -> None:
+    m = saved.get(key)
+    if not isinstance(m, TensorStorageMetadata) or tuple(m.size) != tuple(shape) or m.properties.dtype not in dtypes:
+        got = "missing" if m is None else ("bytes" if not isinstance(m, TensorStorageMetadata)
+                                           else f"{m.properties.dtype} of shape {tuple(m.size)}")
+        raise CheckpointError(f"step.load: {path!r}: the entry '{key}' is {got}, not "
+                              f"{' or '.join(map(str, dtypes))} of shape {tuple(shape)}")
+
+
+def _check(state: StepState, md, path: str) -> tuple[list[str], list[str], list[str]]:
+    """The checkpoint's entries against this model: every key, type, shape and dtype, before anything is read.
+    Returns (params, buffers, params with optimizer state)."""
+    params, buffers = _canonical(state)
+    saved = md.state_dict_metadata
+    if not isinstance(saved.get(META), BytesStorageMetadata):
+        raise CheckpointError(f"step.load: {path!r} is a torch.distributed.checkpoint directory but not a pstar-fx "
+                              "checkpoint (no 'pstar_fx' entry)")
+    ref = state.model.state_dict()
+    shapes = {n: _shape(t.shape) for n, t in ref.items()}
+    want = {f"model.{n}": shapes[n] for n in params + buffers}
+    param_names = set(params)
+    have = {k: tuple(v.size) if isinstance(v, TensorStorageMetadata) else None
+            for k, v in saved.items() if k.startswith("model.")}
+    if set(have) != set(want) or any(have[k] != want[k] for k in want):
+        wrong = sorted(set(have) ^ set(want)) or [k for k in want if have[k] != want[k]]
+        raise CheckpointError(f"step.load: {path!r} was saved from another model: keys or shapes differ "
+                              f"({[k.removeprefix('model.') for k in wrong[:3]]})")
+    # a parameter is saved at full precision: fp32 when its chunks hold it, the model's dtype when the model does
+    for n in params + buffers:
+        like = ref[n].dtype
+        dtypes = (like, torch.float32) if like.is_floating_point and like != torch.float32 and n in param_names \
+            else (like,)
+        try:
+            _tensor(saved, f"model.{n}", shapes[n], dtypes, path)
+        except CheckpointError as e:
+            raise CheckpointError(f"{e} (saved from another model)") from None
+    stepped = [n for n in params if f"optim.{n}.step" in saved]
+    known = {META, *want} | {f"optim.{n}.{k}" for n in stepped for k in ("step", "exp_avg", "exp_avg_sq")}
+    stray = sorted(k for k in saved if k not in known and not (k.startswith("rng.") and k[4:].isdigit()))
+    if stray:
+        raise CheckpointError(f"step.load: {path!r} has entries that are not this model's ({stray[:3]}): saved from "
+                              "another model, or an optimizer state without its step count")
+    for n in stepped:
+        _tensor(saved, f"optim.{n}.step", (), (torch.float32,), path)
+        for key in ("exp_avg", "exp_avg_sq"):
+            _tensor(saved, f"optim.{n}.{key}", shapes[n], (torch.float32,), path)
+    return params, buffers, stepped
+
+
+def _small(state: StepState, md, stepped: list[str], buffers: list[str], saved_world: int) -> dict:
+    """The small entries (this rank's RNG, step counts, buffers) as fresh values to load into. Rank r takes the RNG
+    states rank r % saved_world saved (the same rank's, at the same world size)."""
+    saved = md.state_dict_metadata
+    rank = state.rank
+    out: dict = {f"rng.{rank % saved_world}": None}
+    for n in stepped:
+        out[f"optim.{n}.step"] = torch.zeros((), dtype=torch.float32)
+    for n in buffers:
+        t = saved[f"model.{n}"]
+        out[f"model.{n}"] = torch.empty(tuple(t.size), dtype=t.properties.dtype)
+    return out
+
+
+def read(state: StepState, path: str, manifest: files.Manifest) -> tuple[dict, dict, dict] | None:
+    """Load the checkpoint into this step's chunk store, each rank its own pieces, when the store exists (after a
+    step or `step.lower(*batch)`); returns None then. Before that, read it whole (plain tensors) and return
+    (model state dict, optimizer state dict in torch's format, meta as the plain format's) for the single-process
+    path to apply. Everything is checked (entries, meta, RNG states, step counts, optimizer groups) before the
+    first value is written into the step: a refused checkpoint changes nothing. The files were verified against
+    the manifest before (pstar_fx.checkpoint.load)."""
+    md = metadata(manifest, path)
+    params, buffers, stepped = _check(state, md, path)
+    where = f"{path}/{META}"
+    meta = _unpack(_load(state, {META: None}, path, md).get(META), path, META)
+    meta = checks.meta(state, meta, where, fmt=FORMAT, keys=META_KEYS)
+    rank = state.rank
+    rng_key = f"rng.{rank % meta['world']}"
+    if not isinstance(md.state_dict_metadata.get(rng_key), BytesStorageMetadata):
+        raise CheckpointError(f"step.load: {path!r} has no entry {rng_key!r} (the RNG states of a rank of the "
+                              f"{meta['world']} that saved it)")
+    small = _small(state, md, stepped, buffers, meta["world"])
+    rng = _unpack(_load(state, small, path, md).get(rng_key), path, rng_key)
+    meta = dict(meta, rng=checks.rng(rng, state.settings.device, f"{path}/{rng_key}"))
+    for n in stepped:
+        count = float(small[f"optim.{n}.step"])
+        if not (math.isfinite(count) and count >= 1 and count == int(count)):
+            raise CheckpointError(f"step.load: {path!r}: the step count of '{n}' is {count}, not a whole number >= 1")
+    if state.store is None:
+        return _read_whole(state, md, path, params, small, stepped, meta)
+    _read_pieces(state, path, params, buffers, stepped, small, meta, md)
+    return None
+
+
+def _read_whole(state: StepState, md, path, params, small, stepped, meta):
+    saved = md.state_dict_metadata
+    whole = {f"model.{n}": torch.empty(tuple(saved[f"model.{n}"].size), dtype=saved[f"model.{n}"].properties.dtype)
+             for n in params}
+    for n in stepped:
+        for key in ("exp_avg", "exp_avg_sq"):
+            whole[f"optim.{n}.{key}"] = torch.empty(tuple(saved[f"optim.{n}.{key}"].size), dtype=torch.float32)
+    _load(state, whole, path, md)
+    ref = state.model.state_dict()
+    model_sd = {}
+    for key, like in ref.items():
+        _, name = state.names[key]
+        src = whole.get(f"model.{name}", small.get(f"model.{name}"))
+        model_sd[key] = src.view(like.shape)
+    opt_state = {}
+    for i, (t, n, _) in enumerate(state.optimizer.entries()):
+        if n in stepped:
+            opt_state[i] = {"step": small[f"optim.{n}.step"].clone(),
+                            "exp_avg": whole[f"optim.{n}.exp_avg"].view(t.shape),
+                            "exp_avg_sq": whole[f"optim.{n}.exp_avg_sq"].view(t.shape)}
+    opt_sd = {"state": opt_state, "param_groups": meta["param_groups"]}
+    return model_sd, opt_sd, meta
+
+
+def _plan_states(st, stepped: list[str], small: dict) -> dict[int, float]:
+    """Each trainable chunk's step count under this layout, checked as the optimizer checks a loaded state: a
+    chunk's parameters all have state with one step count, or none has."""
+    trainable = set(_trainable(st))
+    foreign = [n for n in stepped if n not in trainable]
+    if foreign:
+        raise CheckpointError(f"step.load: the checkpoint has optimizer state for {foreign[:3]}, which this compiled "
+                              "step does not train (frozen, not reached by the loss, or in no group)")
+    plan = {}
+    for c in st.chunks:
+        if c.group is not ChunkGroup.TRAINABLE:
+            continue
+        have = [n for n in c.params if n in stepped]
+        if have and len(have) != len(c.params):
+            raise CheckpointError(f"step.load: parameters {have[:3]} have optimizer state but "
+                                  f"{[n for n in c.params if n not in stepped][:3]} of the same pstar-fx chunk have "
+                                  "none; pstar-fx steps all parameters of a chunk together")
+        counts = {float(small[f"optim.{n}.step"]) for n in have}
+        if len(counts) > 1:
+            raise CheckpointError(f"step.load: parameters of one pstar-fx chunk have different step counts "
+                                  f"{counts}; pstar-fx steps all parameters of a chunk together (one count per chunk)")
+        plan[c.id] = counts.pop() if counts else 0.0
+    return plan
+
+
+def _set_options(opt, groups: list[dict]) -> None:
+    """The saved options into the live optimizer's param_groups, checked (as its load_state_dict does) before
+    anything else changes; restored if they are refused."""
+    old = opt.param_groups
+    try:
+        torch.optim.Optimizer.load_state_dict(opt, {"state": {}, "param_groups": groups})
+        opt.state.clear()
+        opt.configs()
+    except BaseException:
+        opt.param_groups = old
+        raise
+
+
+def _read_pieces(state: StepState, path, params, buffers, stepped, small, meta, md) -> None:
+    st = state.store
+    comm = state.comm
+    plan = _plan_states(st, stepped, small)
+    if not state.holds_model():
+        state.take_model()       # the chunks take the model (whole on every rank until now), then the values below
+    _set_options(state.optimizer, meta["param_groups"])
+    st.evict_all()
+    state.mark_broken(f"step.load({path!r}) failed while it was writing values into the step: load a checkpoint "
+                      "again before the next step")
+    entries: dict = {}
+    whole: dict[str, torch.Tensor] = {}
+    for name in params:
+        p = st.params[name]
+        src = st.values.value_source(name)
+        if src is None:
+            whole[name] = entries[f"model.{name}"] = torch.empty(_shape(p.shape), dtype=torch.float32)
+            continue
+        start, stop, at = st.values.piece(name)
+        entries[f"model.{name}"] = _entry(comm, src[at:at + stop - start], start, stop, p.shape)
+    for name in stepped:
+        p = st.params[name]
+        parts = st.parts(p.chunk)
+        start, stop, at = st.values.piece(name)
+        for key, part in (("exp_avg", "m"), ("exp_avg_sq", "v")):
+            entries[f"optim.{name}.{key}"] = _entry(comm, parts[part][at:at + stop - start], start, stop, p.shape)
+    for cid, count in plan.items():
+        parts = st.parts(cid)
+        if count == 0:
+            parts["m"].zero_()
+            parts["v"].zero_()
+        parts["step"].fill_(count)
+    _load(state, entries, path, md)
+    # mixed precision: the half-precision parameters are the masters rounded; frozen ones come from their whole value
+    st.values.restore_params_from_masters()
+    for name, v in whole.items():
+        p = st.params[name]
+        st.values.frozen_full[name] = v.view(p.shape)
+        start, stop, at = st.values.piece(name)
+        st.host_param[p.chunk][at:at + stop - start].copy_(v.reshape(-1)[start:stop])
+    st.values.load_buffers({n: small[f"model.{n}"] for n in buffers})
+    apply_meta(state, meta)
+    state.clear_broken()
+
+
+def apply_meta(state: StepState, meta: dict) -> None:
+    """The loss scaler and this rank's RNG states."""
+    if state.scaler is not None and meta["loss_scaler"] is not None:
+        for k, v in meta["loss_scaler"].items():
+            setattr(state.scaler, k, v)
+    rng = meta["rng"]
+    torch.set_rng_state(rng["torch_cpu"])
+    if "torch_cuda" in rng and state.settings.device.type == "cuda":
+        torch.cuda.set_rng_state(rng["torch_cuda"], state.settings.device)

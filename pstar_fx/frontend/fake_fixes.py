@@ -1,0 +1,75 @@
+"""Ops whose fake (meta) kernel rejects inputs that the real kernel accepts, traced through an opaque op instead.
+
+`torch._grouped_mm` (transformers' default Mixture-of-Experts implementation, `experts_implementation="grouped_mm"`)
+has a meta kernel that copies the CUDA kernel's checks and accepts bf16 only, while the CPU kernel also computes
+fp32; so an fp32 Mixtral cannot be traced over fake tensors although eager PyTorch runs it. While tracing,
+`FakeKernelFixes` sends such calls to `pstar::grouped_mm`, a custom op with a fake kernel for the shapes (the
+output shape does not depend on values: (S, N) for S grouped rows) whose real kernel is `torch._grouped_mm` itself,
+and whose backward is a second opaque op computing torch's own backward formula with the same kernel. The graph thus
+computes what eager computes, bit for bit. Temporaries inside the kernels are not planned, as for any aten op.
+"""
+from __future__ import annotations
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_GROUPED_MM = tuple(f for f in (getattr(torch, "_grouped_mm", None),
+                                getattr(torch.nn.functional, "grouped_mm", None)) if f is not None)
+
+
+@torch.library.custom_op("pstar::grouped_mm", mutates_args=())
+def grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return torch._grouped_mm(mat_a, mat_b, offs=offs)
+
+
+@grouped_mm.register_fake
+def _(mat_a, mat_b, offs):
+    assert mat_a.dim() == 2 and mat_b.dim() == 3, "pstar::grouped_mm: (S, K) x (G, K, N) only"
+    return mat_a.new_empty((mat_a.shape[0], mat_b.shape[2]))
+
+
+@torch.library.custom_op("pstar::grouped_mm_backward", mutates_args=())
+def grouped_mm_backward(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor,
+                        grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # torch's formula (derivatives.yaml: _grouped_mm_mat1_backward / _grouped_mm_mat2_backward), equal bit for bit
+    # to autograd's on the CPU (tests/integration/test_moe.py checks it)
+    ga = torch._grouped_mm(grad, mat_b.transpose(-2, -1), offs=offs)
+    gb = torch._grouped_mm(mat_a.t(), grad, offs=offs)
+    return ga, gb
+
+
+@grouped_mm_backward.register_fake
+def _(mat_a, mat_b, offs, grad):
+    return torch.empty_like(mat_a), torch.empty_like(mat_b)
+
+
+def _setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _backward(ctx, grad):
+    mat_a, mat_b, offs = ctx.saved_tensors
+    ga, gb = grouped_mm_backward(mat_a, mat_b, offs, grad)
+    return ga, gb, None
+
+
+grouped_mm.register_autograd(_backward, setup_context=_setup)
+
+
+def _meta_rejects(args, kwargs) -> bool:
+    """The plain (S, K) x (G, K, N) form with offsets, in a dtype the meta kernel refuses."""
+    a, b = args[0], args[1]
+    offs = kwargs.get("offs", args[2] if len(args) > 2 else None)
+    extra = {k: v for k, v in kwargs.items() if k != "offs" and v is not None} or len(args) > 3
+    return (not extra and offs is not None and a.dim() == 2 and b.dim() == 3
+            and a.dtype != torch.bfloat16)
+
+
+class FakeKernelFixes(TorchFunctionMode):
+    """Active while a step is traced: routes the calls described in the module docstring to their opaque ops."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _GROUPED_MM and _meta_rejects(args, kwargs):
+            return grouped_mm(args[0], args[1], kwargs.get("offs", args[2] if len(args) > 2 else None))
+        return func(*args, **kwargs)

@@ -1,0 +1,327 @@
+"""The IR: an aten-level fx graph wrapped in a `TrainGraph` with typed tables.
+
+Every table is a tuple of frozen dataclasses and every per-node fact is a `NodeAnn` keyed by the node's name (fx keeps
+names unique within a graph). Roles, phases and chunk states are enums; nothing is parsed back out of strings.
+A `TrainGraph` is immutable: passes build a new one with `TrainGraph.evolve`.
+
+Facts about single nodes that a pass or the tracer records for later stages live in `node.meta` under the tag keys
+defined here (`USER_CHECKPOINT`, `REMAT`), each holding a frozen dataclass: the printer, the planner and the passes
+read them without importing whoever wrote them.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import enum
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Mapping
+
+import torch
+import torch.fx as fx
+
+from ..optim import OptimizerLayout
+
+
+class _Enum(enum.Enum):
+    """An enum hashed by identity, as it is compared: its members are singletons. Enum's own __hash__ is a Python
+    call (it hashes the name); buffer keys of these are hashed millions of times in planning a largest model."""
+    __hash__ = object.__hash__
+
+
+class Precision(_Enum):
+    FP32 = "fp32"
+    BF16 = "bf16"
+    FP16 = "fp16"
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return {Precision.FP32: torch.float32, Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}[self]
+
+    @property
+    def mixed(self) -> bool:
+        """Half-precision compute with fp32 master weights."""
+        return self is not Precision.FP32
+
+
+class Phase(_Enum):
+    INPUT = "input"          # placeholders
+    FORWARD = "forward"
+    BACKWARD = "backward"    # data-dependent on the loss seed (ones_like(loss))
+    OPTIMIZER = "optimizer"
+    OUTPUT = "output"
+
+
+class Role(_Enum):
+    PARAM = "param"                  # placeholder of a parameter (before assign_chunks)
+    BUFFER = "buffer"                # placeholder of a module buffer (always resident, mutated in place)
+    CONSTANT = "constant"            # get_attr: a tensor constant made while tracing (torch.tensor(...) in forward)
+    INPUT = "input"                  # placeholder of a batch tensor
+    SCALE = "scale"                  # placeholder of the fp16 loss scale
+    COMPUTE = "compute"              # an aten op of the user's program
+    OUTPUT = "output"
+    PARAM_VIEW = "param_view"        # a parameter read out of its (resident) chunk
+    WRITE_GRAD = "write_grad"        # a final gradient copied into its chunk
+    FETCH = "fetch"                  # host -> device copy of a chunk buffer
+    RELEASE = "release"              # a chunk buffer leaves the device (written back if dirty)
+    OPTIMIZER_STEP = "optimizer_step"
+    COMMIT = "commit"                # the commit point: every gradient final; overflow / norm decided; updates follow
+    REDUCE_SCATTER = "reduce_scatter"  # multi-GPU: a chunk's final gradient summed over ranks, each keeping its shard
+
+
+class ChunkGroup(_Enum):
+    TRAINABLE = "trainable"          # parameters with gradients: grad buffer and optimizer states
+    FROZEN = "frozen"                # parameters without gradients: no grad, no optimizer state
+
+
+class BufKind(_Enum):
+    PARAM = "param"                  # the parameter values (compute dtype)
+    GRAD = "grad"                    # the gradient (compute dtype); absent when the chunk's grads are in place
+
+
+class StateHome(_Enum):
+    DEVICE = "device"
+    HOST = "host"
+
+
+class ParamHome(_Enum):
+    """Where a chunk's parameters are kept while its PARAM buffer is not on the device."""
+    HOST = "host"        # a host buffer (this rank's shard of it): fetched host -> device, written back
+    MASTER = "master"    # mixed precision, states on the device: the fp32 master there; a fetch casts it (no copy)
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    name: str                        # as in model.state_dict()
+    shape: tuple[int, ...]
+    dtype: torch.dtype               # the model's own dtype (state_dict() returns this)
+    trainable: bool                  # requires_grad and reached by the loss
+    aliases: tuple[str, ...] = ()    # other state_dict names of the same (tied) tensor
+    chunk: int | None = None
+    offset: int | None = None        # element offset inside the chunk
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+@dataclass(frozen=True)
+class BufferInfo:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    aliases: tuple[str, ...] = ()
+    persistent: bool = True          # part of state_dict()
+
+    @property
+    def nbytes(self) -> int:
+        n = self.dtype.itemsize
+        for s in self.shape:
+            n *= s
+        return n
+
+
+@dataclass(frozen=True)
+class InputInfo:
+    index: int                       # position in step(*batch)
+    shape: tuple[int, ...]
+    dtype: torch.dtype               # dtype as traced (floating inputs are cast to the compute dtype)
+
+
+@dataclass(frozen=True)
+class ChunkInfo:
+    id: int
+    group: ChunkGroup
+    capacity: int                    # elements
+    dtype: torch.dtype               # dtype of the device-side buffers (the compute dtype)
+    params: tuple[str, ...]          # in offset order
+    used: int                        # elements holding parameters (capacity - used is padding)
+    grad_inplace: bool = False       # the gradient overwrites the parameter in the PARAM buffer
+    state_home: StateHome | None = None   # where the optimizer states live (TRAINABLE only)
+    opt_group: int | None = None     # TRAINABLE: the optimizer parameter group of every parameter in the chunk
+    param_home: ParamHome = ParamHome.HOST   # set by the schedule
+
+    @property
+    def nbytes(self) -> int:
+        return self.capacity * self.dtype.itemsize
+
+    def buffers(self) -> tuple[BufKind, ...]:
+        if self.group is ChunkGroup.TRAINABLE and not self.grad_inplace:
+            return (BufKind.PARAM, BufKind.GRAD)
+        return (BufKind.PARAM,)
+
+    def grad_buf(self) -> BufKind:
+        assert self.group is ChunkGroup.TRAINABLE
+        return BufKind.PARAM if self.grad_inplace else BufKind.GRAD
+
+
+@dataclass(frozen=True)
+class NodeAnn:
+    role: Role
+    phase: Phase
+    bytes: int = 0                   # bytes of new storage the node's output occupies (0 for views)
+    live_bytes: int | None = None    # activation bytes live while the node runs (liveness)
+    resident_bytes: int | None = None  # chunk buffer bytes on the device while the node runs (schedule)
+    workspace_bytes: int = 0         # temporary device bytes the node itself needs (optimizer step)
+    param: str | None = None         # PARAM / PARAM_VIEW / WRITE_GRAD: the parameter
+    chunk: int | None = None         # FETCH / RELEASE / OPTIMIZER_STEP: the chunk
+    buf: BufKind | None = None       # FETCH / RELEASE: which buffer of the chunk
+
+
+@dataclass(frozen=True)
+class Settings:
+    precision: Precision
+    device: torch.device
+    budget: int | None               # device bytes for everything pstar-fx places there; None: unlimited
+    chunk_size: int | None           # elements; None: chosen by assign_chunks
+    optimizer: OptimizerLayout | None   # which parameters form each optimizer group; None: forward only (evaluation)
+    max_grad_norm: float | None = None   # clip gradients by their global L2 norm before the update
+    accumulate: int = 1              # micro-batches per step (the batch is split along dim 0)
+    world: int = 1                   # ranks sharing the chunks (data parallel; each owns 1/world of every chunk)
+    atomic: bool = True              # False: host-side updates may start before the commit (place_optimizer)
+
+    @property
+    def commit_decides(self) -> bool:
+        """Every update needs something only the commit knows: the clip coefficient, the fp16 overflow flag."""
+        return self.max_grad_norm is not None or self.precision.dtype is torch.float16
+
+    @property
+    def early_updates(self) -> bool:
+        """Host-side steps come right after their chunk's last use, before the commit (atomic=False, one rank)."""
+        return not self.atomic and not self.commit_decides and self.world == 1
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """What the schedule predicts for one step: device bytes, chunk traffic, and what stays resident across steps."""
+    budget: int | None
+    static_bytes: int                # always on the device: model buffers + device optimizer states
+    predicted_peak: int              # max over nodes of static + resident + live + workspace bytes
+    h2d_bytes: int                   # host -> device chunk traffic per step
+    d2h_bytes: int                   # device -> host chunk traffic per step (write-backs, host-side steps)
+    fetches: int
+    releases: int
+    carried: tuple = ()              # ((BufKey, dirty), ...): resident at the start and at the end of every step
+    gathered_bytes: int = 0          # multi-GPU: chunk bytes all-gathered per step (each rank receives (w-1)/w)
+    reduced_bytes: int = 0           # multi-GPU: chunk bytes reduce-scattered per step (each rank sends (w-1)/w)
+
+
+# -- node tags (node.meta keys and their values) ------------------------------------------------------------------
+USER_CHECKPOINT = "pstar_checkpoint"     # node.meta key of a UserCheckpointTag (frontend/user_checkpoint.py)
+
+
+@dataclass(frozen=True)
+class UserCheckpointTag:
+    """A node of a region the user's step wraps in activation checkpointing (torch.utils.checkpoint)."""
+    region: int                      # checkpointed region id, in order of the region's first recompute node
+    recompute_of: str | None = None  # recompute node: its forward twin's name; None on the forward twin itself.
+    # A twin only backward needed (a layer norm's saved mean) has no user once backward reads the recompute's copy,
+    # so canonicalize drops it: then the name is of no node and there is nothing to reuse.
+
+
+REMAT = "pstar_remat"                    # node.meta key of a RematTag (passes/remat)
+
+
+@dataclass(frozen=True)
+class RematTag:
+    """A forward node's copy that the remat pass placed in backward, to compute the value again there."""
+    segment: int                     # the remat Segment it belongs to
+    recompute_of: str                # the forward node whose value it computes again
+
+
+@dataclass(frozen=True)
+class Scheduled:
+    """The schedule pass's result (default prefetch) for one graph, computed by place_optimizer, which schedules the
+    placement it keeps to compare it with others: the schedule pass returns it instead of scheduling the same graph
+    again (about 2 s for the 17.26B GPT). Valid only for the graph it was made from: the same module, annotations,
+    chunks and settings."""
+    gm: fx.GraphModule
+    ann: Mapping
+    chunks: tuple
+    settings: "Settings"
+    result: "TrainGraph"
+
+    def of(self, g: "TrainGraph") -> "TrainGraph | None":
+        same = g.gm is self.gm and g.ann is self.ann and g.chunks == self.chunks and g.settings == self.settings
+        return self.result if same else None
+
+
+@dataclass(frozen=True)
+class TrainGraph:
+    gm: fx.GraphModule
+    stage: str                       # "traced", "canonical", ..., "scheduled"
+    made_by: str                     # the function that produced this stage
+    settings: Settings
+    params: tuple[ParamInfo, ...]
+    buffers: tuple[BufferInfo, ...]
+    inputs: tuple[InputInfo, ...]
+    ann: Mapping[str, NodeAnn]
+    grad_outputs: tuple[str, ...] = ()   # canonical+: the parameter of each gradient output (after the loss)
+    chunks: tuple[ChunkInfo, ...] = ()
+    chunk_size: int | None = None    # chunked+: elements per regular chunk (larger tensors get their own chunk)
+    plan: MemoryPlan | None = None
+    output_spec: object = None       # forward only (optimizer=None): the optree spec of what the function returns
+    seconds: float = 0.0             # how long the pass took (kept out of the printed text)
+    scheduled: Scheduled | None = dataclasses.field(default=None, repr=False, compare=False)  # optimizer_placed
+
+    def evolve(self, **changes) -> "TrainGraph":
+        if "ann" in changes:
+            changes["ann"] = MappingProxyType(dict(changes["ann"]))
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def nodes(self) -> list[fx.Node]:
+        return list(self.gm.graph.nodes)
+
+    @functools.cached_property
+    def _param_index(self) -> dict[str, ParamInfo]:
+        return {p.name: p for p in self.params}
+
+    def param(self, name: str) -> ParamInfo:
+        return self._param_index[name]
+
+    def chunk_of(self, param: str) -> ChunkInfo:
+        return self.chunks[self.param(param).chunk]
+
+    def __str__(self) -> str:
+        from .printing import format_graph
+        return format_graph(self)
+
+    __repr__ = __str__
+
+
+def copy_graph(g: TrainGraph) -> tuple[fx.Graph, dict[fx.Node, fx.Node]]:
+    """A fresh fx.Graph with the same nodes (names and meta kept); the map old node -> new node."""
+    new = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    out = new.graph_copy(g.gm.graph, env)
+    new.output(out)
+    return new, env
+
+
+def to_module(graph: fx.Graph, root: torch.nn.Module) -> fx.GraphModule:
+    """A GraphModule for graph; tensor constants that get_attr nodes name are taken from root. Its Python code is
+    generated only when something asks for it (torch's lazy GraphModule, where this torch has one): the executor
+    walks the nodes, and generating code for a largest model's graph (16k nodes) took about a second per pass."""
+    return _GraphModule(root, graph)
+
+
+def lazy_modules():
+    """A context in which torch makes its GraphModules lazy too (make_fx's result: its code, which nothing here
+    runs, is not generated; about 0.9 s for a 17B GPT's 12.5k-node trace on the CI machine)."""
+    return _use_lazy() if _use_lazy is not None else contextlib.nullcontext()
+
+
+try:      # torch >= 2.3; private names, so fall back to the eager class if they ever move
+    from torch.fx._lazy_graph_module import _LazyGraphModule as _GraphModule
+    from torch.fx._lazy_graph_module import _use_lazy_graph_module
+
+    def _use_lazy():
+        return _use_lazy_graph_module(True)
+except ImportError:                     # pragma: no cover
+    _GraphModule = fx.GraphModule
+    _use_lazy = None

@@ -1,0 +1,152 @@
+"""What each node needs on the device: the chunk buffers it reads and writes and its workspace, as a table keyed by
+role. The place_optimizer and schedule passes plan with it and the verifier checks with it, so all three agree."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, NamedTuple
+
+import torch
+import torch.fx as fx
+
+from .fx_utils import storage_key, tensors_of
+from .graph import BufKind, ChunkInfo, NodeAnn, ParamHome, Precision, Role, StateHome, TrainGraph
+
+
+class BufKey(NamedTuple):
+    chunk: int
+    buf: BufKind
+
+    def order(self) -> tuple[int, str]:
+        """A total order for deterministic iteration (enums do not compare)."""
+        return (self.chunk, self.buf.value)
+
+
+@dataclass(frozen=True)
+class Needs:
+    reads: frozenset[BufKey] = frozenset()
+    writes: frozenset[BufKey] = frozenset()
+    workspace: int = 0
+    resident: frozenset[BufKey] = field(init=False, repr=False, compare=False)   # reads | writes
+
+    def __post_init__(self):
+        object.__setattr__(self, "resident", self.reads | self.writes)   # read for every node by every planner
+
+
+NO_NEEDS = Needs()
+
+
+def shard_numel(chunk: ChunkInfo, world: int) -> int:
+    """Elements of a chunk each of `world` ranks owns (assign_chunks makes capacities multiples of world)."""
+    assert chunk.capacity % world == 0, (chunk.id, chunk.capacity, world)
+    return chunk.capacity // world
+
+
+def state_floats(chunk: ChunkInfo, precision: Precision, world: int = 1) -> int:
+    """Optimizer-state fp32 elements of a chunk's shard (the whole chunk on one rank), in one buffer: m, v, the
+    master copy in mixed precision, and the step count (one element, as the fused kernels take it)."""
+    return shard_numel(chunk, world) * (3 if precision.mixed else 2) + 1
+
+
+def state_bytes(chunk: ChunkInfo, precision: Precision, world: int = 1) -> int:
+    return state_floats(chunk, precision, world) * 4
+
+
+def early_host_bytes(params, precision: Precision, world: int, budget: int | None) -> int:
+    """Before tracing, from the parameters alone: the most host memory a first compile's buffers could take, or 0
+    when the device budget could hold every optimizer state (the plan may then keep all of them there). When it
+    cannot, the states that do not fit live on the host, with their chunks' parameter and gradient homes, and how
+    many more join them only the plan knows: this is every trainable parameter's states and both homes, per rank
+    (the chunks' padding aside).
+    The compiler faults that much in while it traces (capped by the host's free memory) and gives back what the
+    plan does not use (HostMemory.prefault)."""
+    trainable = sum(-(-p.numel // world) for p in params if p.trainable)
+    states = trainable * (3 if precision.mixed else 2) * 4
+    if budget is None or states <= budget:
+        return 0
+    return states + 2 * trainable * precision.dtype.itemsize
+
+
+def step_workspace(chunk: ChunkInfo, precision: Precision, world: int = 1) -> int:
+    """A device-side step in mixed precision converts the gradient (of its shard) to fp32 first."""
+    return shard_numel(chunk, world) * 4 if precision.mixed else 0
+
+
+def _param_view(g: TrainGraph, a: NodeAnn) -> Needs:
+    return Needs(reads=frozenset({BufKey(g.param(a.param).chunk, BufKind.PARAM)}))
+
+
+def _write_grad(g: TrainGraph, a: NodeAnn) -> Needs:
+    c = g.chunk_of(a.param)
+    return Needs(writes=frozenset({BufKey(c.id, c.grad_buf())}))
+
+
+def _optimizer_step(g: TrainGraph, a: NodeAnn) -> Needs:
+    c = g.chunks[a.chunk]
+    if c.state_home is StateHome.HOST:
+        return NO_NEEDS   # runs on the host; the schedule releases the chunk's buffers first
+    keys = frozenset(BufKey(c.id, b) for b in c.buffers())
+    return Needs(reads=keys, writes=frozenset({BufKey(c.id, BufKind.PARAM)}),
+                 workspace=step_workspace(c, g.settings.precision, g.settings.world))
+
+
+def _reduce_scatter(g: TrainGraph, a: NodeAnn) -> Needs:
+    key = BufKey(a.chunk, g.chunks[a.chunk].grad_buf())
+    return Needs(reads=frozenset({key}), writes=frozenset({key}))
+
+
+NEEDS_BY_ROLE: dict[Role, Callable[[TrainGraph, NodeAnn], Needs]] = {
+    Role.PARAM_VIEW: _param_view,
+    Role.WRITE_GRAD: _write_grad,
+    Role.OPTIMIZER_STEP: _optimizer_step,
+    Role.REDUCE_SCATTER: _reduce_scatter,
+}
+
+
+def needs(g: TrainGraph, a: NodeAnn) -> Needs:
+    """A node's own needs, from its role alone."""
+    rule = NEEDS_BY_ROLE.get(a.role)
+    return rule(g, a) if rule else NO_NEEDS
+
+
+def all_needs(g: TrainGraph) -> list[Needs]:
+    """Every node's needs, in graph order: its role's own, plus the chunk buffer behind every input that is a
+    parameter view (or a view of one), since a view is only valid while its chunk stays where it was."""
+    alias: dict[fx.Node, BufKey] = {}
+    out = []
+    for n in g.gm.graph.nodes:
+        a = g.ann[n.name]
+        x = needs(g, a)
+        held = {alias[i] for i in n.all_input_nodes if i in alias}
+        if a.role is Role.PARAM_VIEW:
+            alias[n] = BufKey(g.param(a.param).chunk, BufKind.PARAM)
+        elif held and n.op == "call_function":
+            keys = {storage_key(t) for t in tensors_of(n)}
+            for i in n.all_input_nodes:
+                if i in alias and keys & {storage_key(t) for t in tensors_of(i)}:
+                    alias[n] = alias[i]
+                    break
+        if held:
+            x = Needs(reads=x.reads | held, writes=x.writes, workspace=x.workspace)
+        out.append(x)
+    return out
+
+
+def from_master(g: TrainGraph, a: NodeAnn) -> bool:
+    """A fetch (or all-gather) that casts the chunk's fp32 master on the device instead of copying a host home."""
+    return a.buf is BufKind.PARAM and g.chunks[a.chunk].param_home is ParamHome.MASTER
+
+
+def buf_bytes(g: TrainGraph, key: BufKey) -> int:
+    return g.chunks[key.chunk].nbytes
+
+
+def constants(g: TrainGraph) -> dict[str, torch.Tensor]:
+    """The tensor constants the graph's get_attr nodes read (made while tracing, e.g. torch.tensor(...))."""
+    return {n.target: getattr(g.gm, n.target) for n in g.gm.graph.nodes if n.op == "get_attr"}
+
+
+def static_bytes(g: TrainGraph) -> int:
+    """Bytes always on the device during a step: module buffers, tensor constants, the optimizer states there."""
+    states = sum(state_bytes(c, g.settings.precision, g.settings.world) for c in g.chunks if c.state_home is StateHome.DEVICE)
+    consts = sum(t.numel() * t.element_size() for t in constants(g).values())
+    return sum(b.nbytes for b in g.buffers) + states + consts

@@ -1,0 +1,64 @@
+"""The operations pstar-fx inserts into a graph. Each is a real, named callable of the runtime, so the scheduled graph
+prints (and runs) as the program it is: `fetch(chunk=3, buf=param)`, `optimizer_step(chunk=3)`.
+
+Every one takes the runtime (`runtime.executor.Runtime`) as its first argument; the executor passes it.
+"""
+from __future__ import annotations
+
+import torch
+
+from .graph import BufKind
+
+
+def param_view(rt, *, param: str) -> torch.Tensor:
+    """The parameter as a view into its chunk's device buffer (the chunk must be resident)."""
+    return rt.param_view(param)
+
+
+def write_grad(rt, grad: torch.Tensor, *, param: str, accumulate: bool = False, final: bool = True) -> None:
+    """Copy a gradient into its chunk (the grad buffer, or the parameter's own slot when in place); `accumulate`
+    adds it to what earlier micro-batches wrote; `final` marks the write after which the gradient is complete."""
+    rt.write_grad(param, grad, accumulate, final)
+
+
+def fetch(rt, *, chunk: int, buf: BufKind) -> None:
+    """Bring a chunk buffer onto the device: host -> device copy into a free slot."""
+    rt.fetch(chunk, buf)
+
+
+def all_gather(rt, *, chunk: int, buf: BufKind) -> None:
+    """Multi-GPU fetch: this rank's shard of the chunk buffer goes host -> device into its place in a free slot,
+    and the ranks gather the other shards into it (asynchronously; the slot's first use waits for it)."""
+    rt.fetch(chunk, buf)
+
+
+def reduce_scatter(rt, *, chunk: int) -> None:
+    """Multi-GPU: the chunk's final gradient, summed over ranks and divided by their number, lands in this rank's
+    shard of the gradient buffer (in place); only that shard is written home and stepped."""
+    rt.reduce_scatter(chunk)
+
+
+def alloc(rt, *, chunk: int, buf: BufKind) -> None:
+    """Give a chunk buffer a zeroed device slot without copying (a gradient buffer before its first write)."""
+    rt.alloc(chunk, buf)
+
+
+def release(rt, *, chunk: int, buf: BufKind, writeback: bool) -> None:
+    """Free a chunk buffer's device slot, first copying it to its host home when it was written on the device."""
+    rt.release(chunk, buf, writeback)
+
+
+def commit(rt) -> None:
+    """The commit point. Every gradient is final: decide whether the step is skipped (fp16 overflow) and the clip
+    coefficient (global norm). Nothing before it changes parameters or optimizer states; what follows applies the
+    update and runs to the end (a KeyboardInterrupt is held until the step is complete)."""
+    rt.commit()
+
+
+def optimizer_step(rt, *, chunk: int, gather: bool = False) -> None:
+    """Adam/AdamW on one whole flat chunk (with several ranks: this rank's shard of it), where its optimizer states
+    live; `gather` (several ranks, device-side states): all-gather the updated chunk, which stays resident."""
+    rt.optimizer_step(chunk, gather)
+
+
+RUNTIME_OPS = (param_view, write_grad, fetch, all_gather, alloc, release, reduce_scatter, commit, optimizer_step)

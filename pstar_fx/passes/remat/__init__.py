@@ -1,0 +1,99 @@
+"""remat: recompute forward activations in backward where the budget needs it, a transformer block at a time.
+
+Invariant after: the input graph's nodes are all present, in the same order, computing the same values; for every
+chosen segment, copies of some of its forward nodes (tagged `node.meta[REMAT]`, a `RematTag`) run right before the
+first backward node that reads one of the segment's saved values, applying the same ops to the same inputs, and every
+backward use of such a value reads its copy, so the forward value dies in forward. Nothing random is recomputed.
+Liveness annotations are those of the output graph. At an unlimited budget, or one the step fits without
+recomputation (`comfort`, see choice.py), the graph is the input's.
+
+How (one module each): segments.py finds the candidate segments, a transformer block at a time; replay.py replays
+liveness for any choice of them without building the graph; choice.py chooses by the cost model; rewrite.py builds
+the graph with the chosen segments recomputed (and undoes the user's own checkpoints where they are not needed).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from ...errors import BudgetError
+from ...ir.graph import TrainGraph
+from ...ir.needs import all_needs, buf_bytes, static_bytes
+from ...units import format_bytes
+from ..liveness import analyze
+from ..place_optimizer import min_need, place_optimizer
+from .choice import choose, least_need
+from .replay import Replay
+from .rewrite import apply, keep_forward_values
+from .segments import GraphFacts, Segment, block_paths, find_segments
+
+
+def remat(g: TrainGraph, *, enabled: bool = True) -> TrainGraph:
+    """The pass (see the module docstring); enabled=False passes the graph through, the user's checkpoints kept."""
+    budget = g.settings.budget
+    unchanged = g.evolve(stage="remat", made_by="remat")
+    if not enabled or g.settings.optimizer is None:
+        return unchanged      # remat=False: nothing recomputed beyond the user's own checkpoints, which stay
+    # the user's checkpoints are hints: where the step fits with their activations kept and nothing moving, keeping
+    # them is faster than recomputing; otherwise they stay and more may be recomputed below
+    undone = "remat (user checkpoints undone: the activations fit)"
+    if budget is None:
+        kept = keep_forward_values(g)
+        return unchanged if kept is g else kept.evolve(stage="remat", made_by=undone)
+    G = GraphFacts(g)
+    replay = Replay(g, G, budget)
+    if replay.figures(()).excess == 0:         # comfort fits: nothing would move
+        # keeping the forward values holds at every node at least what recomputing them does, so only a step that
+        # fits with its checkpoints can fit without them: the graph without them is made only then
+        kept = keep_forward_values(g)
+        if kept is not g and Replay(kept, GraphFacts(kept), budget).figures(()).excess == 0:
+            return kept.evolve(stage="remat", made_by=undone)
+        return unchanged
+    segments = find_segments(g, G)
+    replay.add(segments)
+    chosen = choose(replay, segments, budget)
+    if replay.figures(chosen).need > budget:
+        chosen = least_need(replay, segments)
+        if replay.figures(chosen).need > budget:
+            raise _budget_error(apply(g, [s for s in segments if s.id in chosen]), budget)
+    out = apply(g, [s for s in segments if s.id in chosen])
+    assert replay.live(chosen) == [out.ann[n.name].live_bytes for n in out.nodes], \
+        "remat's replay of liveness disagrees with liveness on the rewritten graph"
+    return out.evolve(stage="remat", made_by="remat")
+
+
+def least_need_graph(g: TrainGraph) -> TrainGraph:
+    """g with the segments recomputed that give the least need (step.min_device_memory): the smallest budget the
+    step compiles under with recomputation."""
+    if g.settings.optimizer is None:
+        return g
+    G = GraphFacts(g)
+    segments = find_segments(g, G)
+    replay = Replay(g, G, None)
+    replay.add(segments)
+    chosen = least_need(replay, segments)
+    return apply(g, [s for s in segments if s.id in chosen])
+
+
+def _budget_error(g: TrainGraph, budget: int) -> BudgetError:
+    """The least budget with recomputation (what step.min_device_memory reports) and the node that needs it."""
+    host = place_optimizer(g.evolve(settings=dataclasses.replace(g.settings, budget=0)))
+    need = min_need(host)
+    nodes = host.nodes
+    lv = analyze(nodes, host.ann)
+    nd = all_needs(host)
+    own = [lv.live[i] + x.workspace + sum(buf_bytes(host, k) for k in x.resident) for i, x in enumerate(nd)]
+    i = max(range(len(own)), key=own.__getitem__)
+    chunks = sum(buf_bytes(host, k) for k in nd[i].resident)
+    n = nodes[i]
+    what = n.target.__name__ if callable(n.target) and hasattr(n.target, "__name__") else n.target
+    return BudgetError(
+        f"device_memory budget {format_bytes(budget)} ({budget} bytes) is too small: even recomputing activations "
+        f"in backward (remat), this step needs at least {format_bytes(need)} ({need} bytes), at node '{n.name}' "
+        f"({what}): live activations {format_bytes(lv.live[i])} + its chunk buffers {format_bytes(chunks)} + "
+        f"workspace {format_bytes(nd[i].workspace)} + always-resident {format_bytes(static_bytes(host))} (module "
+        "buffers and constants; every optimizer state on the host). Raise device_memory, or lower chunk_size or the "
+        "batch size.", node=n.name, needed=need, available=budget)
+
+
+__all__ = ["remat", "least_need_graph", "keep_forward_values", "apply", "choose", "least_need", "find_segments",
+           "block_paths", "GraphFacts", "Replay", "Segment"]

@@ -1,0 +1,90 @@
+"""One compiled step through the runtime: the batch onto the device, the store set up for the graph's plan, the
+executor run, the loss scaler updated, and what the step measured.
+
+A step's call comes here once its graph is compiled and the chunks hold the model (pstar_fx.api.step), and goes no
+higher again: everything a step does to run is below this line.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..interrupts import DeferredInterrupt
+from ..ir.fx_utils import bounded_live
+from ..ir.graph import TrainGraph
+from .executor import Executor
+from .step_runtime import LossScaler, Runtime, StepStats
+
+
+@dataclass(frozen=True)
+class StepRun:
+    """What one run of a compiled graph returned and measured."""
+    outputs: list[torch.Tensor]      # the graph's outputs (a training step's: [loss], the mean over the ranks')
+    stats: StepStats
+    per_node: list[int] | None       # debug=True: the device bytes measured after every node
+
+
+def run_training_step(executor: Executor, tensors: list[torch.Tensor], interrupts: DeferredInterrupt, *,
+                      scaler: LossScaler | None, started: float, debug: bool = False, before_node=None) -> StepRun:
+    """Forward, backward and the update, atomically (see Executor.run). The optimizer states first move where this
+    graph's plan keeps them; with several ranks the loss returned is the mean over the ranks' batches; the fp16 loss
+    scaler is updated. `started`: time.perf_counter() at the start of the step's call (the stats' seconds count
+    from it, compile included). `before_node(i, node)`: called before every node (fault injection in tests)."""
+    g, store = executor.g, executor.store
+    store.set_homes(g.chunks)
+    rt = Runtime(g, store, scaler)
+    inputs = [prepare_input(x, info.dtype, store.device) for x, info in zip(tensors, g.inputs)]
+    scale = None
+    if scaler is not None:
+        scale = torch.tensor(scaler.scale, dtype=torch.float32, device=store.device)
+        rt.found_inf = torch.zeros((), dtype=torch.bool, device=store.device)
+    per_node: list[int] | None = [] if debug else None
+    outputs, peak = executor.run(inputs, scale, rt, interrupts, trace_peaks=per_node, before_node=before_node)
+    if store.comm is not None:        # the loss reported is the mean over every rank's batch
+        outputs = [store.comm.all_reduce(outputs[0].detach().float().clone()) / store.comm.world]
+    if scaler is not None:
+        scaler.update(rt.skip)
+    stats = StepStats(measured_peak=peak, h2d_bytes=rt.h2d, d2h_bytes=rt.d2h, skipped=rt.skip,
+                      seconds=time.perf_counter() - started, lr=tuple(c.lr for c in rt.cfg), _grad_norm=rt.grad_norm)
+    if per_node is not None:
+        check_measured(g, per_node)
+    return StepRun(outputs, stats, per_node)
+
+
+def run_forward(executor: Executor, tensors: list[torch.Tensor], interrupts: DeferredInterrupt, *,
+                debug: bool = False) -> StepRun:
+    """A forward-only graph (evaluation) over the chunks as they are: nothing is updated; a failure or a Ctrl-C
+    before the end rolls back what it wrote (module buffers in train mode) like a failed step."""
+    g, store = executor.g, executor.store
+    rt = Runtime(g, store, None)
+    inputs = [prepare_input(x, info.dtype, store.device) for x, info in zip(tensors, g.inputs)]
+    per_node: list[int] | None = [] if debug else None
+    with torch.no_grad():
+        outputs, peak = executor.run(inputs, None, rt, interrupts, trace_peaks=per_node)
+    stats = StepStats(measured_peak=peak, h2d_bytes=rt.h2d, d2h_bytes=rt.d2h, skipped=False)
+    if per_node is not None:
+        check_measured(g, per_node)
+    return StepRun(outputs, stats, per_node)
+
+
+def prepare_input(x: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A batch tensor on the compute device, in the dtype it was traced with, with a storage of its own: the
+    executor accounts storages, so a batch that is a view of a larger tensor is copied."""
+    t = x.detach().to(device, dtype)
+    if t.untyped_storage().nbytes() != t.numel() * t.element_size() or not t.is_contiguous():
+        t = t.clone(memory_format=torch.contiguous_format)
+    return t
+
+
+def check_measured(g: TrainGraph, per_node: list[int]) -> None:
+    """debug=True: the device bytes measured after every node equal the plan's prediction for it; where a storage of
+    data-dependent size is alive, planned at its upper bound, they are at most the prediction (ir/fx_utils)."""
+    bounded = bounded_live(g.nodes)
+    for n, measured, loose in zip(g.nodes, per_node, bounded):
+        a = g.ann[n.name]
+        predicted = g.plan.static_bytes + a.resident_bytes + a.live_bytes + a.workspace_bytes
+        if measured != predicted and not (loose and measured <= predicted):
+            raise AssertionError(f"pstar-fx plan mismatch at node {n.name}: measured {measured} device bytes, "
+                                 f"the plan predicted {predicted}")

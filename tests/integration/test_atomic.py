@@ -1,0 +1,157 @@
+"""A step is atomic: a failure or interruption at any node leaves every value as it was, or completes the step.
+
+The fault-injection fixture raises at every node position of a small model's scheduled graph in turn (fp32, bf16,
+fp16; unlimited and tight budgets). Before the commit point an exception propagates and every value (parameters,
+optimizer states and step counts, module buffers, the loss scale, the half-precision chunk homes) is exactly as
+before the step, and the next step equals a run that never saw the failed one. From the commit point on, Ctrl-C is
+held until the update is complete, then delivered; any other failure there is a CommitError and the step refuses
+further use.
+"""
+import signal
+
+import pytest
+import torch
+
+import pstar_fx as px
+from pstar_fx.ir import Role
+
+from harness import compiled_step, tight_budget
+from models import CASES_BY_NAME, assert_state_close
+
+pytestmark = pytest.mark.cuda
+
+CASE = CASES_BY_NAME["cnn_bn"]       # parameters, BatchNorm buffers mutated in place, an int64 counter
+HALF_CASE = CASES_BY_NAME["gpt_tied"]  # tied weights; gradients overwrite half-precision parameters in place
+
+
+def _case(precision):
+    return CASE if precision == "fp32" else HALF_CASE
+
+
+def _snapshot(step) -> dict:
+    """Everything a step may change, cloned (names made unique by prefixes)."""
+    store = step._compiler.store
+    store.flush()                        # resident slots written on the device: host homes made current first
+    snap = {f"sd.{k}": v.clone() for k, v in step.state_dict().items()}
+    snap.update({f"states.{i}": s.detach().cpu().clone() for i, s in enumerate(store.states) if s is not None})
+    # (a chunk whose parameters are cast from its device master has no host home: its states hold them)
+    snap.update({f"host_param.{i}": h.clone() for i, h in enumerate(store.host_param) if h is not None})
+    snap["loss_scale"] = torch.tensor(step.loss_scale if step.loss_scale is not None else 0.0)
+    snap["good_steps"] = torch.tensor(step._scaler.good_steps if step._scaler is not None else 0)
+    return snap
+
+
+def _assert_same(a: dict, b: dict, where: str) -> None:
+    assert a.keys() == b.keys(), where
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{where}: {k} differs"
+
+
+def _make(precision, tight):
+    """tight: True (the least budget), "roomy" (a budget where some chunks stay resident across steps, stale on the
+    host, while others move), or False (unlimited: every chunk stays resident)."""
+    case = _case(precision)
+    budget = tight_budget(case, chunk_size=256, slack=1.6 if tight == "roomy" else 1.05) if tight else None
+    return compiled_step(case, budget=budget, chunk_size=256, precision=precision, debug=False)
+
+
+def _raiser(at: int, exc: BaseException):
+    def hook(i, node):
+        if i == at:
+            raise exc
+    return hook
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("tight", [False, True, "roomy"], ids=["unlimited", "tight", "roomy"])
+def test_failure_at_every_node_before_the_commit_changes_nothing(precision, tight):
+    CASE = _case(precision)
+    ref = _make(precision, tight)
+    for i in range(3):
+        ref(*CASE.batch(i))
+    want = _snapshot(ref)
+
+    step = _make(precision, tight)
+    step(*CASE.batch(0))
+    step(*CASE.batch(1))
+    nodes = step.graphs["scheduled"].nodes
+    roles = [step.graphs["scheduled"].ann[n.name].role for n in nodes]
+    commit = roles.index(Role.COMMIT)
+    before = _snapshot(step)
+    errors = [RuntimeError("injected"), KeyboardInterrupt(), torch.OutOfMemoryError("injected out of memory")]
+    for at in range(commit + 1):         # the commit node itself may fail (fp16: reading the overflow flag)
+        exc = errors[at % len(errors)]
+        step._before_node = _raiser(at, exc)
+        with pytest.raises(type(exc)):
+            step(*CASE.batch(99))        # a batch the reference never sees
+        step._before_node = None
+        _assert_same(_snapshot(step), before, f"{precision}, failure before node {at} ({nodes[at].name})")
+    step(*CASE.batch(2))
+    _assert_same(_snapshot(step), want, f"{precision}: the step after {commit + 1} failed ones")
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("tight", [False, True], ids=["unlimited", "tight"])
+def test_ctrl_c_after_the_commit_is_held_until_the_step_is_complete(precision, tight, tmp_path):
+    """Each position after the commit point in turn: Ctrl-C there, then the state equals an uninterrupted step's.
+    Every trial but the first starts from a checkpoint of the state after the first batch (one compile instead of
+    one per position; checkpoints resume exactly, tests/integration/test_checkpoint.py)."""
+    CASE = _case(precision)
+    ref = _make(precision, tight)
+    ref(*CASE.batch(0))
+    ref(*CASE.batch(1))
+    want = _snapshot(ref)
+
+    trial = _make(precision, tight)
+    trial(*CASE.batch(0))
+    trial.save(tmp_path / "after_batch_0")
+    nodes = trial.graphs["scheduled"].nodes
+    roles = [trial.graphs["scheduled"].ann[n.name].role for n in nodes]
+    commit = roles.index(Role.COMMIT)
+    positions = list(range(commit + 1, len(nodes)))
+    assert any(roles[i] is Role.OPTIMIZER_STEP for i in positions)
+    snaps = []
+    for k, at in enumerate(positions):
+        if k:
+            trial.load(tmp_path / "after_batch_0")
+        trial._before_node = lambda i, n, at=at: signal.raise_signal(signal.SIGINT) if i == at else None
+        with pytest.raises(KeyboardInterrupt):
+            trial(*CASE.batch(1))
+        trial._before_node = None
+        snaps.append((at, _snapshot(trial)))
+    for at, snap in snaps:
+        _assert_same(snap, want, f"{precision}: Ctrl-C before node {at} ({nodes[at].name})")
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_failure_after_the_commit_is_a_clear_error_and_the_step_refuses_further_use():
+    step = _make("fp32", False)
+    step(*CASE.batch(0))
+    g = step.graphs["scheduled"]
+    roles = [g.ann[n.name].role for n in g.nodes]
+    second_update = [i for i, r in enumerate(roles) if r is Role.OPTIMIZER_STEP][1]
+    step._before_node = _raiser(second_update, RuntimeError("device fault"))
+    with pytest.raises(px.CommitError, match="1 of .* chunks updated"):
+        step(*CASE.batch(1))
+    step._before_node = None
+    with pytest.raises(px.CommitError, match="Load a checkpoint"):
+        step(*CASE.batch(2))
+
+
+def test_failed_step_then_training_matches_eager_that_never_saw_it():
+    """fp32, tight budget: a step that fails in backward leaves no trace; training goes on equal to eager."""
+    from harness import eager_run
+    budget = tight_budget(CASE, chunk_size=256)
+    step = compiled_step(CASE, budget=budget, chunk_size=256)
+    losses = [step(*CASE.batch(0)).item()]
+    g = step.graphs["scheduled"]
+    last_write = max(i for i, n in enumerate(g.nodes) if g.ann[n.name].role is Role.WRITE_GRAD)
+    step._before_node = _raiser(last_write, RuntimeError("injected in backward"))
+    with pytest.raises(RuntimeError, match="injected in backward"):
+        step(*CASE.batch(1))
+    step._before_node = None
+    losses += [step(*CASE.batch(i)).item() for i in (1, 2, 3)]
+    want_losses, want_sd = eager_run(CASE, 4)
+    assert max(abs(a - b) / abs(b) for a, b in zip(losses, want_losses)) < 1e-6
+    assert_state_close(step.state_dict(), want_sd, rtol=1e-6)

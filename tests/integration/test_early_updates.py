@@ -1,0 +1,121 @@
+"""px.compile(atomic=False): host-side updates start as soon as the step is done with their chunk, during backward.
+
+Bit for bit the atomic step's training (losses, parameters, optimizer states), in bf16 and fp32 at a tight budget
+that puts states on the host; the graph puts each host-side step right after its chunk's last use, before the commit,
+and the verifier allows that only there; clipping and fp16 keep every step after the commit; a failure before the
+first early update changes nothing, one after it is a CommitError. With PSTAR_TEST_DEVICE=cuda the steps run on the
+GPU (copy streams, events, the CPU worker taking updates while backward runs).
+"""
+import dataclasses
+
+import pytest
+import torch
+
+import pstar_fx as px
+from pstar_fx.ir import Role, StateHome
+from pstar_fx.ir.needs import all_needs
+from pstar_fx.passes import verify
+from pstar_fx.passes.verify import VerificationError
+
+from harness import DEVICE, HYPER, small_batches, tight_budget
+from models import CASES_BY_NAME
+
+pytestmark = pytest.mark.cuda
+
+CASE = small_batches(CASES_BY_NAME["gpt_tied"])
+
+
+def _make(atomic, precision="bf16", clip=None):
+    budget = tight_budget(CASE, 1024, 1.3)
+    return px.compile(CASE.build_model(), optimizer=px.AdamW(**HYPER), device_memory=budget, chunk_size=1024,
+                      precision=precision, device=DEVICE, atomic=atomic, max_grad_norm=clip,
+                      debug=True)(CASE.loss_fn)
+
+
+def _everything(step) -> dict:
+    step._compiler.store.flush()
+    out = {f"sd.{k}": v.clone() for k, v in step.state_dict().items()}
+    for i, s in step.optimizer.state_dict()["state"].items():
+        out.update({f"opt.{i}.{k}": v.clone() for k, v in s.items()})
+    return out
+
+
+def _steps(g):
+    return [(i, g.ann[n.name]) for i, n in enumerate(g.nodes) if g.ann[n.name].role is Role.OPTIMIZER_STEP]
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_early_updates_train_bit_for_bit_as_the_atomic_step(precision):
+    runs = {}
+    for atomic in (True, False):
+        step = _make(atomic, precision)
+        losses = [step(*CASE.batch(i)) for i in range(3)]
+        runs[atomic] = (torch.stack(losses), _everything(step), step.final_graph)
+    assert torch.equal(runs[True][0], runs[False][0])
+    assert runs[True][1].keys() == runs[False][1].keys()
+    for k, v in runs[True][1].items():
+        assert torch.equal(v, runs[False][1][k]), k
+    g = runs[False][2]
+    commit = next(i for i, n in enumerate(g.nodes) if g.ann[n.name].role is Role.COMMIT)
+    early = [(i, a.chunk) for i, a in _steps(g) if i < commit]
+    host = [c.id for c in g.chunks if c.state_home is StateHome.HOST]
+    assert len(host) >= 2 and sorted(c for _, c in early) == sorted(host)     # every host-side step is early
+    assert all(g.chunks[a.chunk].state_home is StateHome.DEVICE for i, a in _steps(g) if i > commit)
+    nd = all_needs(g)
+    for i, c in early:         # nothing after a chunk's update uses the chunk's device buffers in this step
+        assert not any(k.chunk == c for x in nd[i + 1:commit] for k in x.resident)
+    atomic = runs[True][2]
+    commit = next(i for i, n in enumerate(atomic.nodes) if atomic.ann[n.name].role is Role.COMMIT)
+    assert all(i > commit for i, _ in _steps(atomic))
+
+
+def test_the_verifier_allows_early_steps_only_for_host_states_with_atomic_false():
+    step = _make(False)
+    step.lower(*CASE.batch(0))
+    placed = step.graphs["optimizer_placed"]
+    verify(placed)
+    with pytest.raises(VerificationError, match="before the commit"):
+        verify(placed.evolve(settings=dataclasses.replace(placed.settings, atomic=True)))
+    with pytest.raises(VerificationError, match="before the commit"):   # a device-side step is never early
+        first_host = next(a.chunk for _, a in _steps(placed))
+        device = next(c for c in placed.chunks if c.state_home is StateHome.DEVICE)
+        chunks = list(placed.chunks)
+        chunks[first_host] = dataclasses.replace(chunks[first_host], state_home=StateHome.DEVICE)
+        chunks[device.id] = dataclasses.replace(device, state_home=StateHome.HOST)
+        verify(placed.evolve(chunks=tuple(chunks)))
+
+
+@pytest.mark.parametrize("precision,clip", [("bf16", 1.0), ("fp16", None)])
+def test_when_the_commit_decides_every_step_waits_for_it(precision, clip):
+    step = _make(False, precision, clip)
+    step(*CASE.batch(0))
+    g = step.final_graph
+    commit = next(i for i, n in enumerate(g.nodes) if g.ann[n.name].role is Role.COMMIT)
+    assert _steps(g) and all(i > commit for i, _ in _steps(g))
+
+
+def test_a_failure_before_the_first_update_changes_nothing_and_after_it_is_a_commit_error():
+    step = _make(False)
+    step(*CASE.batch(0))
+    g = step.graphs["scheduled"]
+    first = _steps(g)[0][0]
+    before = _everything(step)
+    step._before_node = lambda i, n: (_ for _ in ()).throw(RuntimeError("injected")) if i == first else None
+    with pytest.raises(RuntimeError, match="injected"):
+        step(*CASE.batch(1))
+    step._before_node = None
+    after = _everything(step)
+    for k, v in before.items():
+        assert torch.equal(v, after[k]), k
+    step._before_node = lambda i, n: (_ for _ in ()).throw(RuntimeError("injected")) if i == first + 1 else None
+    with pytest.raises(px.CommitError, match="after its first update"):
+        step(*CASE.batch(1))
+
+
+def test_bad_atomic_arguments_say_what_to_change():
+    with pytest.raises(ValueError, match="atomic must be True or False"):
+        px.compile(CASE.build_model(), optimizer=px.AdamW(**HYPER), device="cpu", atomic="no")(CASE.loss_fn)
+    with pytest.raises(ValueError, match="atomic"):
+        px.compile(CASE.build_model(), optimizer=None, device="cpu", atomic=False)(CASE.loss_fn)
+    with pytest.raises(ValueError, match="one GPU only"):
+        px.plan(CASE.build_model(), CASE.loss_fn, *CASE.batch(0), world_size=2, atomic=False, device="cpu")

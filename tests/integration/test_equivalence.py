@@ -1,0 +1,65 @@
+"""fp32: a compiled step trains exactly what eager PyTorch + torch.optim.AdamW trains, at any budget."""
+import dataclasses
+
+import pytest
+
+from harness import compiled_run, eager_run, fetch_counts, host_params, rel_err, small_batches, tight_budget
+from models import CASES, CASES_BY_NAME, MLP, assert_state_close, tiny_llama
+
+pytestmark = pytest.mark.cuda
+
+STEPS = 5
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_unlimited_budget_matches_eager(case):
+    ref_losses, ref_sd = eager_run(case, STEPS)
+    losses, sd, step = compiled_run(case, STEPS)
+    assert rel_err(losses, ref_losses) <= 1e-6, (losses, ref_losses)
+    assert_state_close(sd, ref_sd, rtol=1e-6)
+    assert step.last_step.measured_peak == step.graphs["scheduled"].plan.predicted_peak
+
+
+# mlp_mse is one 64x64 weight and small tensors: at its least budget nothing needs fetching twice, so the tight
+# test uses a deeper version of it.
+TIGHT_CASES = [small_batches(c) for c in CASES if c.name != "mlp_mse"] + [small_batches(dataclasses.replace(
+    CASES_BY_NAME["mlp_mse"], name="mlp_mse_deep", build=lambda: MLP(16, 64, 8, n_layers=6, act="gelu")))]
+
+
+@pytest.mark.parametrize("case", TIGHT_CASES, ids=lambda c: c.name)
+def test_tight_budget_evicts_and_matches_eager(case):
+    chunk_size = 1024
+    budget = tight_budget(case, chunk_size)
+    losses, sd, step = compiled_run(case, STEPS, budget=budget, chunk_size=chunk_size)
+    ref_losses, ref_sd = eager_run(case, STEPS, host_params=host_params(step))
+    g = step.graphs["scheduled"]
+    model_data = step.summary().model_data_bytes
+    assert budget < model_data / 2, f"budget {budget} is not well below the model data {model_data}"
+    assert max(fetch_counts(g).values()) >= 2, "no chunk was evicted and fetched again"
+    assert rel_err(losses, ref_losses) <= 1e-6, (losses, ref_losses)
+    assert_state_close(sd, ref_sd, rtol=1e-6)
+    assert step.last_step.measured_peak <= budget
+    assert step.last_step.measured_peak == g.plan.predicted_peak
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.name in ("gpt_tied", "hf_llama")], ids=lambda c: c.name)
+def test_reference_adam_is_bitwise_single_tensor_adamw(case):
+    """fused=False applies torch.optim's single-tensor formula: equal to torch.optim.AdamW(foreach=False)."""
+    ref_losses, ref_sd = eager_run(case, STEPS, fused=False)
+    losses, sd, _ = compiled_run(case, STEPS, fused=False)
+    assert losses == ref_losses
+    assert_state_close(sd, ref_sd, rtol=1e-6)
+
+
+def test_llama_with_transformers_defaults_traces_and_trains_like_eager():
+    """sdpa attention with grouped-query heads, no attention mask: traced and trained as users call it. Here the
+    recorded aten graph itself already computes gradients that differ from eager autograd's by ~1e-8 absolute
+    (measured by running the traced graph with fx.Interpreter, no pstar-fx runtime involved), which five Adam steps
+    grow to 1.4e-6 relative on this machine's CPU and 1.06e-5 on an H200: the bound is 1e-4 for this configuration
+    only."""
+    case = dataclasses.replace(CASES_BY_NAME["hf_llama"], name="hf_llama_sdpa",
+                               build=lambda: tiny_llama(attn_implementation="sdpa"))
+    ref_losses, ref_sd = eager_run(case, STEPS)
+    losses, sd, _ = compiled_run(case, STEPS)
+    assert rel_err(losses, ref_losses) <= 1e-6
+    assert_state_close(sd, ref_sd, rtol=1e-4)

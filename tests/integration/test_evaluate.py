@@ -1,0 +1,89 @@
+"""Forward-only functions: px.compile(model, optimizer=None)."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import pstar_fx as px
+from pstar_fx.ir import Role
+
+from harness import HYPER, eager_run, tight_budget
+from models import CASES_BY_NAME
+
+pytestmark = pytest.mark.cuda
+
+CASE = CASES_BY_NAME["gpt_tied"]
+
+
+def _eval_loss(m, idx, targets):
+    logits = m(idx)
+    logits = logits[0] if isinstance(logits, tuple) else logits
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten()), logits
+
+
+@pytest.mark.parametrize("tight", [False, True], ids=["unlimited", "tight"])
+def test_evaluation_reads_the_training_steps_chunks(tight):
+    budget = tight_budget(CASE, chunk_size=512) if tight else None
+    model = CASE.build_model()
+    train = px.compile(model, optimizer=px.AdamW(**HYPER), device="cpu", chunk_size=512, device_memory=budget,
+                       debug=True)(CASE.loss_fn)
+    evaluate = px.compile(model, optimizer=None, device="cpu", chunk_size=512, debug=True)(_eval_loss)
+    for i in range(3):
+        train(*CASE.batch(i))
+    x, y = CASE.batch(10)
+    model.eval()
+    loss, logits = evaluate(x, y)                   # a tuple, as the function returns it
+    model.train()
+    _, want_sd = eager_run(CASE, 3)
+    ref = CASE.build_model()
+    ref.load_state_dict(want_sd)
+    ref.eval()
+    with torch.no_grad():
+        want_loss, want_logits = _eval_loss(ref, x, y)
+    assert abs(loss.item() - want_loss.item()) <= 1e-6 * abs(want_loss.item())
+    torch.testing.assert_close(logits, want_logits, rtol=1e-5, atol=1e-6)
+    assert not logits.requires_grad
+    g = evaluate.graphs["scheduled"]
+    roles = {g.ann[n.name].role for n in g.nodes}
+    assert Role.WRITE_GRAD not in roles and Role.OPTIMIZER_STEP not in roles and Role.COMMIT not in roles
+    assert g.plan.budget == train.settings.budget      # planned over the training step's pool
+    with pytest.raises(px.ModelHeldError):           # the training step still holds the model
+        model(x)
+    train(*CASE.batch(3))                            # training goes on, undisturbed
+
+
+def test_evaluation_streams_a_model_larger_than_its_budget():
+    """No training step: the function copies the model into chunks of its own and streams them under a budget
+    below the model's parameter bytes."""
+    model = CASE.build_model()
+    param_bytes = sum(p.numel() * 4 for p in model.parameters())
+    x, y = CASE.batch(0)
+    with torch.no_grad():
+        want, _ = _eval_loss(model, x, y)
+    probe = px.compile(model, optimizer=None, device="cpu", chunk_size=512)(_eval_loss)
+    probe.lower(x, y)
+    budget = int(probe.min_device_memory(x, y) * 1.05)
+    evaluate = px.compile(model, optimizer=None, device="cpu", chunk_size=512, device_memory=budget,
+                          debug=True)(_eval_loss)
+    loss, _ = evaluate(x, y)
+    g = evaluate.graphs["scheduled"]
+    assert budget < param_bytes
+    assert g.plan.h2d_bytes >= param_bytes          # every chunk streamed in
+    assert abs(loss.item() - want.item()) <= 1e-6 * abs(want.item())
+
+
+def test_evaluation_respects_eval_mode_and_runs_under_no_grad():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Dropout(0.5), torch.nn.Linear(32, 2))
+    evaluate = px.compile(model, optimizer=None, device="cpu")(lambda m, x: m(x))
+    x = torch.randn(16, 8)
+    model.eval()
+    with torch.no_grad():
+        a, b = evaluate(x), evaluate(x)
+    assert torch.equal(a, b)
+    model.train()
+    assert not torch.equal(evaluate(x), evaluate(x))
+
+
+def test_forward_only_rejects_training_options():
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="forward-only"):
+        px.compile(model, optimizer=None, accumulate=2)(lambda m, x: m(x))

@@ -1,0 +1,63 @@
+"""The main job, examples/train_gpt.py, runs from a checkout: the loss falls and the plan summary is printed."""
+import re
+import subprocess
+import sys
+
+import pytest
+
+from ranks import ROOT
+
+
+def test_train_gpt_example_trains_under_a_budget(tmp_path):
+    out = subprocess.run([sys.executable, "examples/train_gpt.py", "--model", "tiny", "--steps", "60",
+                          "--device", "cpu", "--log-every", "59", "--no-progress", "--out", str(tmp_path)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    text = out.stdout
+    losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", text)]
+    assert len(losses) >= 2 and losses[-1] < losses[0] - 1.0, text
+    for field in ("chunks:", "budget:", "predicted peak:", "measured peak:", "moved per step:"):
+        assert field in text, f"summary lacks {field!r}:\n{text}"
+    predicted = re.search(r"predicted peak: (.*)", text).group(1)
+    measured = re.search(r"measured peak: (.*)", text).group(1)
+    assert predicted == measured
+    budget = _bytes(re.search(r"device memory budget: (.*)", text).group(1))
+    data = _bytes(re.search(r"model data \(.*\): (.*)", text).group(1))
+    assert budget < data, "the default budget must be smaller than the model data"
+
+
+def _bytes(s: str) -> float:
+    value, unit = re.match(r"([\d.]+) (B|KiB|MiB|GiB)", s.strip()).groups()
+    return float(value) * {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[unit]
+
+
+@pytest.mark.slow
+def test_train_gpt_example_resumes_exactly(tmp_path):
+    """Stopped after step 19 and resumed with --resume in a new process: the same losses as one run of 40 steps."""
+    def run(*extra, out):
+        args = [sys.executable, "examples/train_gpt.py", "--model", "tiny", "--steps", "40", "--device", "cpu",
+                "--log-every", "13", "--eval-every", "1000", "--no-progress", "--out", str(out), *extra]
+        res = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0, res.stderr[-3000:]
+        return dict(re.findall(r"^step +(\d+) \| loss (\d+\.\d+)", res.stdout, re.M))
+    whole = run(out=tmp_path / "a")
+    first = run("--stop-after", "19", out=tmp_path / "b")
+    second = run("--resume", out=tmp_path / "b")
+    assert set(first) == {"0", "13", "19"} and set(second) == {"26", "39"}
+    for k in ("0", "13", "26", "39"):
+        assert (first.get(k) or second.get(k)) == whole[k], (k, whole, first, second)
+
+
+@pytest.mark.slow
+def test_benchmark_finds_the_largest_gpt_each_system_trains():
+    """benchmarks/gpt.py --largest tries the layer counts in turn per system and stops at the first failure: eager
+    trains both tiny GPTs; pstar-fx at a budget below any plan's need trains none, and says why."""
+    out = subprocess.run([sys.executable, "benchmarks/gpt.py", "--device", "cpu", "--tiny", "--systems", "eager,pstar",
+                          "--budgets", "600KiB", "--largest", "1,2", "--warmup", "1", "--steps", "5"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = {line.split("|")[1].strip(): line for line in out.stdout.splitlines()
+               if line.startswith("| eager:") and "largest" not in line and "layers)" in line
+               or line.startswith("| pstar:600KiB | none")}
+    assert "(2 layers)" in summary["eager:plain"] and "all trained" in summary["eager:plain"], out.stdout
+    assert "1 layers: BudgetError" in summary["pstar:600KiB"], out.stdout

@@ -1,0 +1,160 @@
+"""Shared test helpers: run a case compiled and eagerly on the same batches, and pick budgets that force eviction."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+
+import torch
+
+import pstar_fx as px
+from pstar_fx.ir import Role, ops
+
+from models import Case, assert_state_close
+
+# PSTAR_TEST_DEVICE=cuda runs the compiled steps and their eager references on the GPU (see BENCHMARKS.md).
+DEVICE = os.environ.get("PSTAR_TEST_DEVICE", "cpu")
+HYPER = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+
+def small_batches(case: Case) -> Case:
+    """The same case with a smaller batch, so that model data, not activations, dominates device memory."""
+    kw = {"hf_gpt2": dict(B=1, T=8), "hf_llama": dict(B=1, T=8), "gpt_tied": dict(B=1, T=8),
+          "cnn_bn": dict(B=2, H=4, W=4)}.get(case.name, dict(B=2))
+    return dataclasses.replace(case, make_batch=functools.partial(case.make_batch, **kw))
+
+
+def eager_run(case: Case, steps: int, *, fused: bool | None = None, hyper=HYPER, host_params=()):
+    """torch.optim.AdamW on the eager model. fused=None (pstar-fx's default, torch's fused kernel) compares with
+    torch's fused AdamW; fused=False with the single-tensor implementation.
+
+    host_params: parameters whose AdamW update runs on the CPU, on fp32 copies, as pstar-fx does for chunks whose
+    optimizer states it placed on the host (ZeRO-Offload style); or a list with one such collection per step, when
+    the placement changes between steps (a retrace with another plan). On a GPU this matters: torch's CPU and CUDA
+    AdamW kernels round differently in the last bit, and Adam turns last-bit differences on near-zero gradients (a
+    transformer's key bias) into visible ones. On the CPU both are the same kernel."""
+    per_step = isinstance(host_params, list) and all(isinstance(h, (set, frozenset)) for h in host_params)
+    model = case.build_model().to(DEVICE)
+    kw = dict(fused=True) if fused is None else dict(foreach=False)
+    opt = EagerAdamW(model, host_params[0] if per_step else host_params, **hyper, **kw)
+    losses = []
+    for i in range(steps):
+        if per_step:
+            opt.place(host_params[i])
+        loss = case.loss_fn(model, *[x.to(DEVICE) for x in case.batch(i)])
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+class EagerAdamW:
+    """torch.optim.AdamW over a model, with the parameters named in host_params updated on the CPU on fp32 copies,
+    as pstar-fx does for chunks whose optimizer states live on the host (see eager_run). step() also zeroes the
+    gradients; place() moves parameters (with their optimizer states) between the two."""
+
+    def __init__(self, model, host_params=(), **options):
+        self.params = dict(model.named_parameters())
+        self.options = options
+        self.host = None
+        self.opts, self.on_device, self.offloaded = [], [], []
+        self.place(host_params)
+
+    def place(self, host_params) -> None:
+        host = frozenset(host_params)
+        if host == self.host:
+            return
+        states = {}       # name -> its optimizer state, from the optimizers of the previous placement
+        if self.host is not None:
+            updated = {id(p): n for n, p in self.params.items() if n not in self.host}
+            updated.update({id(c): n for n, p in self.params.items() for q, c in self.offloaded if q is p})
+            for opt in self.opts:
+                for q, st in opt.state.items():
+                    states[updated[id(q)]] = st
+        self.host = host
+        self.on_device = [p for n, p in self.params.items() if n not in host]
+        self.offloaded = [(p, p.detach().cpu().clone()) for n, p in self.params.items() if n in host]
+        self.opts = [torch.optim.AdamW(self.on_device, **self.options)] if self.on_device else []
+        if self.offloaded:
+            self.opts.append(torch.optim.AdamW([c for _, c in self.offloaded], **self.options))
+        names = {id(p): n for n, p in self.params.items()}
+        for p in self.on_device:
+            if names[id(p)] in states:
+                self.opts[0].state[p] = {k: v.to(p.device) for k, v in states[names[id(p)]].items()}
+        for p, c in self.offloaded:
+            if names[id(p)] in states:
+                self.opts[-1].state[c] = {k: v.to("cpu") for k, v in states[names[id(p)]].items()}
+
+    def step(self) -> None:
+        for p, c in self.offloaded:
+            c.grad = p.grad.cpu() if p.grad is not None else None
+        for opt in self.opts:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for p, c in self.offloaded:
+                p.copy_(c)
+                p.grad = None
+
+
+def check_tight_budget_matches_eager(case: Case, steps: int, chunk_size: int = 1024, bounded_sizes: bool = False
+                                     ) -> None:
+    """Under a budget just above the least feasible one (below half the model data): chunks are evicted and fetched
+    again, and losses and final values equal eager's to 1e-6; the measured peak is the plan's and within budget.
+    bounded_sizes: the step has data-dependent sizes, planned at their upper bound, so the measured peak is at most
+    the plan's instead of equal to it."""
+    budget = tight_budget(case, chunk_size)
+    losses, sd, step = compiled_run(case, steps, budget=budget, chunk_size=chunk_size)
+    ref_losses, ref_sd = eager_run(case, steps, host_params=host_params(step))
+    g = step.graphs["scheduled"]
+    assert budget < step.summary().model_data_bytes / 2
+    assert max(fetch_counts(g).values()) >= 2, "no chunk was evicted and fetched again"
+    assert rel_err(losses, ref_losses) <= 1e-6, (losses, ref_losses)
+    assert_state_close(sd, ref_sd, rtol=1e-6)
+    assert step.last_step.measured_peak <= g.plan.predicted_peak <= budget
+    if not bounded_sizes:
+        assert step.last_step.measured_peak == g.plan.predicted_peak
+
+
+def compiled_step(case: Case, *, budget=None, chunk_size=None, precision="fp32", fused=None, hyper=HYPER,
+                  debug=True, prefetch=None):
+    model = case.build_model()
+    return px.compile(model, optimizer=px.AdamW(**hyper, fused=fused), device_memory=budget, chunk_size=chunk_size,
+                      precision=precision, device=DEVICE, debug=debug, prefetch=prefetch)(case.loss_fn)
+
+
+def compiled_run(case: Case, steps: int, **kw):
+    step = compiled_step(case, **kw)
+    losses = [step(*case.batch(i)).item() for i in range(steps)]
+    return losses, step.state_dict(), step
+
+
+def tight_budget(case: Case, chunk_size: int, slack: float = 1.05) -> int:
+    """A budget just above the least this case can run in: most chunks cannot stay on the device."""
+    step = compiled_step(case, chunk_size=chunk_size)
+    return int(step.min_device_memory(*case.batch(0)) * slack)
+
+
+def host_params(step) -> set[str]:
+    """Parameters (all their state_dict names) whose chunk's optimizer states the plan put on the host."""
+    g = step.graphs["scheduled"]
+    names = set()
+    for p in g.params:
+        c = g.chunks[p.chunk]
+        if c.state_home is not None and c.state_home.value == "host":
+            names |= {p.name, *p.aliases}
+    return names if DEVICE != "cpu" else set()
+
+
+def fetch_counts(g) -> dict[int, int]:
+    """How often each chunk's parameters are fetched in one step."""
+    counts: dict[int, int] = {}
+    for n in g.nodes:
+        a = g.ann[n.name]
+        if a.role is Role.FETCH and n.target is ops.fetch and a.buf.value == "param":
+            counts[a.chunk] = counts.get(a.chunk, 0) + 1
+    return counts
+
+
+def rel_err(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))

@@ -1,0 +1,185 @@
+"""The public surface: arguments, their validation, Adam (L2) and AdamW options, the accounted device pool."""
+import gc
+import inspect
+import weakref
+
+import pytest
+import torch
+import torch.nn as nn
+
+import pstar_fx as px
+from pstar_fx.api.compiler import cycle_collection_paused
+from pstar_fx.runtime.device_pool import DevicePool, PoolExhausted
+from pstar_fx.units import format_bytes, parse_bytes
+
+from models import CASES_BY_NAME, assert_state_close
+
+
+@pytest.mark.parametrize("text,value", [("8GiB", 8 * 2**30), ("512MiB", 512 * 2**20), ("1.5GB", 1_500_000_000),
+                                        ("4096", 4096), (" 2 kib ", 2048), (123, 123)])
+def test_parse_bytes(text, value):
+    assert parse_bytes(text) == value
+
+
+@pytest.mark.parametrize("bad", ["abc", "8 GiBs", "-1GiB", 0, -5, True, 1.5, "0MiB"])
+def test_parse_bytes_rejects(bad):
+    with pytest.raises((ValueError, TypeError)):
+        parse_bytes(bad)
+
+
+def test_format_bytes():
+    assert format_bytes(1536) == "1.50 KiB" and format_bytes(12) == "12 B" and format_bytes(3 * 2**30) == "3.00 GiB"
+
+
+@pytest.mark.parametrize("kwargs,match", [(dict(amsgrad=True), "amsgrad"), (dict(lr=-1.0), "learning rate"),
+                                          (dict(betas=(0.9, 1.0)), "betas"), (dict(eps=-1.0), "epsilon"),
+                                          (dict(weight_decay=-0.1), "weight_decay"),
+                                          (dict(foreach=True), "foreach"), (dict(capturable=True), "capturable"),
+                                          (dict(lr=torch.tensor(0.1)), "tensor learning rates")])
+def test_optimizer_arguments_are_checked(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        px.AdamW(**kwargs)
+
+
+def test_optimizer_defaults_are_torchs():
+    import inspect
+    for ours, theirs in ((px.Adam, torch.optim.Adam), (px.AdamW, torch.optim.AdamW)):
+        sig = inspect.signature(theirs).parameters
+        spec = ours()
+        for k in ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "foreach", "capturable",
+                  "differentiable", "fused"):
+            assert spec.defaults[k] == sig[k].default, k
+        assert list(inspect.signature(ours).parameters)[:6] == list(sig)[:6]   # params first, as in torch
+
+
+@pytest.mark.parametrize("kwargs,exc,match", [
+    (dict(optimizer=torch.optim.AdamW), TypeError, "px.Adam"),
+    (dict(device_memory="abc"), ValueError, "cannot read"),
+    (dict(precision="fp8"), ValueError, "precision"),
+    (dict(chunk_size=0), ValueError, "chunk_size"),
+    (dict(device="mps"), ValueError, "device"),
+])
+def test_compile_arguments_are_checked(kwargs, exc, match):
+    args = dict(optimizer=px.AdamW())
+    args.update(kwargs)
+    with pytest.raises(exc, match=match):
+        px.compile(nn.Linear(2, 2), **args)(lambda m, x: m(x).sum())
+
+
+def test_model_must_be_a_module():
+    with pytest.raises(TypeError, match="nn.Module"):
+        px.compile(lambda x: x, optimizer=px.AdamW())(lambda m, x: m(x).sum())
+
+
+def test_adam_with_l2_weight_decay_and_maximize_match_torch():
+    case = CASES_BY_NAME["mlp_ce"]
+    hyper = dict(lr=1e-3, betas=(0.8, 0.99), eps=1e-7, weight_decay=0.05)
+    for maximize in (False, True):
+        model = case.build_model()
+        opt = torch.optim.Adam(model.parameters(), **hyper, maximize=maximize, fused=True)
+        ref = []
+        for i in range(4):
+            loss = case.loss_fn(model, *case.batch(i))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            ref.append(loss.item())
+        step = px.compile(case.build_model(), optimizer=px.Adam(**hyper, maximize=maximize), device="cpu")(
+            case.loss_fn)
+        got = [step(*case.batch(i)).item() for i in range(4)]
+        assert got == ref
+        assert_state_close(step.state_dict(), model.state_dict(), rtol=1e-6)
+
+
+def test_device_pool_refuses_past_its_budget():
+    pool = DevicePool(torch.device("cpu"), budget=1000)
+    a = pool.take(200, torch.float32)            # 800 bytes
+    with pytest.raises(PoolExhausted, match="past the budget"):
+        pool.take(100, torch.float32)
+    import weakref
+    ref = weakref.ref(a)
+    pool.give(a)
+    del a
+    assert pool.in_use == 0 and ref() is None, "a slot given back holds no memory the budget does not count"
+    pool.take(250, torch.float32)                # the whole budget is available again
+
+
+def test_step_before_compile_and_state_dict_before_step():
+    model = nn.Linear(3, 1)
+    step = px.compile(model, optimizer=px.AdamW(), device="cpu")(lambda m, x: m(x).sum())
+    with pytest.raises(RuntimeError, match="nothing is compiled yet"):
+        step.graphs
+    sd = step.state_dict()
+    assert torch.equal(sd["weight"], model.weight.detach())
+
+
+def test_loss_that_does_not_depend_on_parameters_is_rejected():
+    step = px.compile(nn.Linear(3, 1), optimizer=px.AdamW(lr=0.1), device="cpu")(lambda m, x: (x * 2).sum())
+    with pytest.raises(px.UntraceableError, match="does not depend on any trainable parameter"):
+        step(torch.randn(4, 3))
+
+
+def test_model_without_parameters_is_rejected_as_torch_optim_does():
+    with pytest.raises(ValueError, match="empty parameter list"):
+        px.compile(nn.Identity(), optimizer=px.AdamW(lr=0.1), device="cpu")(lambda m, x: (x * 2).sum())
+
+
+@pytest.mark.parametrize("kwargs", [dict(betas=0.9), dict(eps=None), dict(weight_decay="0.1"), dict(fused="yes")])
+def test_optimizer_argument_types_are_checked(kwargs):
+    with pytest.raises(ValueError, match="px.AdamW"):
+        px.AdamW(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [dict(chunk_size=True), dict(prefetch=-1), dict(prefetch=1.5)])
+def test_compile_integer_settings_are_checked(kwargs):
+    with pytest.raises(ValueError):
+        px.compile(nn.Linear(2, 2), optimizer=px.AdamW(), **kwargs)(lambda m, x: m(x).sum())
+
+
+def test_a_failing_step_names_the_node_and_leaves_the_step_usable():
+    """Integer inputs into a Linear trace (fake kernels do not check dtypes) but fail when run."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    line = inspect.currentframe().f_lineno + 1
+    step = px.compile(model, optimizer=px.AdamW(), device="cpu", device_memory="1MiB")(lambda m, x: m(x).sum())
+    with pytest.raises(RuntimeError, match="failed at node") as e:
+        step(torch.ones(4, 3, dtype=torch.long))
+    assert f'test_api.py", line {line}' in str(e.value)       # the user's source line of the failing node
+    assert step._compiler.store.pool.in_use == step.graphs["scheduled"].plan.static_bytes   # nothing left on the device
+    assert step(torch.randn(4, 3)).dim() == 0
+
+
+def test_model_on_the_meta_device_is_rejected_clearly():
+    with torch.device("meta"):
+        model = nn.Linear(3, 2)
+    step = px.compile(model, optimizer=px.AdamW(), device="cpu")(lambda m, x: m(x).sum())
+    with pytest.raises(ValueError, match="meta device"):
+        step(torch.randn(4, 3))
+
+
+class _Cycle:
+    def __init__(self):
+        self.me = self
+
+
+def test_the_compile_collects_cycles_when_asked_and_leaves_a_disabled_collector_alone():
+    """cycle_collection_paused (around every compile): no automatic collection inside; collect_now() collects the
+    cycles made so far (the compile calls it before the store waits for host memory); a collector the caller had
+    turned off is neither collected nor turned on."""
+    with cycle_collection_paused() as collect_now:
+        assert not gc.isenabled()
+        dropped = weakref.ref(_Cycle())
+        assert dropped() is not None                 # a cycle: only the collector frees it
+        collect_now()
+        assert dropped() is None
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with cycle_collection_paused() as collect_now:
+            kept = weakref.ref(_Cycle())
+            collect_now()
+            assert kept() is not None
+        assert not gc.isenabled() and kept() is not None
+    finally:
+        gc.enable()
+        gc.collect()

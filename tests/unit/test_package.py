@@ -1,0 +1,67 @@
+"""The house rules the package keeps about itself: public names that no import rebinds, files of a readable size,
+and no development history in the product's words."""
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+import pkgutil
+import re
+
+import pytest
+
+import pstar_fx as px
+
+ROOT = os.path.dirname(os.path.dirname(px.__file__))
+MAX_LINES = 700
+HISTORY = re.compile(r"\b(session|issue)s? #?[0-9]", re.IGNORECASE)
+PUBLIC = {"compile", "CompiledStep", "Adam", "AdamW", "BudgetError", "UntraceableError", "PstarError", "CommitError",
+          "ModelHeldError", "CheckpointError", "DistributedError", "TrainGraph", "plot_memory", "init_empty",
+          "EmptyModelError", "plan", "PlanReport", "sync_model"}
+
+
+def _python_files(*folders: str) -> list[str]:
+    out = []
+    for folder in folders:
+        for d, _, files in os.walk(os.path.join(ROOT, folder)):
+            out += [os.path.join(d, f) for f in files if f.endswith(".py")]
+    return sorted(out)
+
+
+def test_importing_any_module_rebinds_no_public_name():
+    """`import pstar_fx.api.plan` (or any module) leaves px.plan the function, px.compile the decorator, and every
+    other public name what it was."""
+    assert set(px.__all__) == PUBLIC
+    before = {name: getattr(px, name) for name in px.__all__}
+    for m in pkgutil.walk_packages(px.__path__, "pstar_fx."):
+        importlib.import_module(m.name)
+    changed = [name for name in px.__all__ if getattr(px, name) is not before[name]]
+    assert not changed, f"importing the package's modules rebound {changed}"
+    assert inspect.isfunction(px.plan) and inspect.isfunction(px.compile)
+
+
+@pytest.mark.parametrize("folder", ["pstar_fx", "tests", "examples"])
+def test_no_module_is_over_700_lines(folder):
+    long = {os.path.relpath(f, ROOT): n for f in _python_files(folder)
+            if (n := sum(1 for _ in open(f, encoding="utf-8"))) > MAX_LINES}
+    assert not long, f"modules over {MAX_LINES} lines (split them by concern): {long}"
+
+
+@pytest.mark.parametrize("folder", ["pstar_fx", "tests", "examples"])
+def test_no_development_history_in_the_code(folder):
+    """Docstrings and comments state the contract and the why; where a run figure explains a constant it cites
+    BENCHMARKS.md, not the work session that measured it."""
+    hits = [f"{os.path.relpath(f, ROOT)}:{i}: {line.strip()}" for f in _python_files(folder)
+            for i, line in enumerate(open(f, encoding="utf-8"), 1) if HISTORY.search(line)]
+    assert not hits, "development history:\n" + "\n".join(hits)
+
+
+def test_the_packaging_finds_every_package_and_the_command():
+    """pyproject.toml finds the packages (every folder of pstar_fx is one) and `pstar-fx-plan` names a function."""
+    text = open(os.path.join(ROOT, "pyproject.toml"), encoding="utf-8").read()
+    assert re.search(r'^include = \["pstar_fx\*"\]$', text, re.M), "pyproject.toml must find pstar_fx's packages"
+    folders = {d for d, _, files in os.walk(os.path.dirname(px.__file__))
+               if any(f.endswith(".py") for f in files)}
+    assert all(os.path.exists(os.path.join(d, "__init__.py")) for d in folders), "a folder that is no package"
+    module, func = re.search(r'^pstar-fx-plan = "([\w.]+):(\w+)"$', text, re.M).groups()
+    assert inspect.isfunction(getattr(importlib.import_module(module), func))
