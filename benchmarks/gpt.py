@@ -67,10 +67,17 @@ GiB = 2 ** 30
 # -----------------------------------------------------------------------------
 # model: nanoGPT without dropout, the reference GPT that `pstar-fx-plan` plans
 
-from pstar_fx.models.gpt import GPT, GPTConfig, gpt_loss  # noqa: E402  (after ROOT is on the path)
+from pstar_fx.models.gpt import GPTConfig  # noqa: E402  (after ROOT is on the path)
+import models  # noqa: E402  (benchmarks/, beside this file)
 from trace_steps import intersect, length, stream_lanes, union  # noqa: E402  (benchmarks/, beside this file)
 
 IMPORT_SECONDS = time.perf_counter() - _STARTED     # torch's and pstar-fx's imports (not in compile time)
+
+
+def spec_of(args, layers: int) -> models.ModelSpec:
+    return models.ModelSpec(models.Kind(args.model), GPTConfig(vocab=args.vocab, seq=args.seq, layers=layers,
+                                                               hidden=args.hidden, heads=args.heads),
+                            args.intermediate)
 
 
 def n_params(model) -> int:
@@ -83,11 +90,11 @@ def flops_per_step(n: int, cfg: GPTConfig, batch: int) -> float:
     return 6 * n * tokens + 12 * cfg.layers * cfg.hidden * cfg.seq * tokens
 
 
-def build(cfg: GPTConfig, device: torch.device, where: str = "device") -> nn.Module:
+def build(spec: models.ModelSpec, device: torch.device, where: str = "device") -> nn.Module:
     """fp32 model, initialised on the compute device (fast) and moved to the host when where == 'host'."""
     torch.manual_seed(0)
     with torch.device(device):
-        model = GPT(cfg)
+        model = models.make(spec)
     if where == "host" and device.type == "cuda":
         model = model.cpu()
         torch.cuda.empty_cache()
@@ -160,7 +167,7 @@ def torch_step(model, batch, accumulate: int, autocast: str | None):
         total = 0.0
         for x, y in micro_batches(batch, accumulate):
             with torch.autocast(autocast or "cpu", dtype=torch.bfloat16, enabled=autocast is not None):
-                loss = gpt_loss(model, x, y) / accumulate
+                loss = models.loss(model, x, y) / accumulate
             loss.backward()
             total = total + loss.detach()
         opt.step()
@@ -171,7 +178,7 @@ def torch_step(model, batch, accumulate: int, autocast: str | None):
 
 def run_eager(cfg, args, device, batch, checkpoint: bool) -> dict:
     model = build(cfg, device)
-    model.checkpoint = checkpoint
+    models.set_checkpoint(model, checkpoint)
     step = torch_step(model, batch, args.accumulate, autocast=device.type)
     warm, times = timed_steps(step, device, args.warmup, args.steps)
     return dict(n=n_params(model), warm=warm, times=times, h2d=0, d2h=0, checkpoint=checkpoint)
@@ -198,11 +205,11 @@ def run_fsdp2(cfg, args, device, batch, offload: bool = True) -> dict:
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
     init_group(device)
     model = build(cfg, device)
-    model.checkpoint = args.checkpoint == "on"      # per-block checkpoints only when asked (auto: without)
+    models.set_checkpoint(model, args.checkpoint == "on")    # per-block checkpoints only when asked (auto: without)
     kw = dict(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
     if device.type == "cuda" and offload:
         kw["offload_policy"] = CPUOffloadPolicy(pin_memory=True)
-    for block in model.h:
+    for block in models.blocks(model):
         fully_shard(block, **kw)
     fully_shard(model, **kw)
     n = n_params(model)
@@ -232,18 +239,18 @@ def run_pstar(cfg, args, device, batch, budget: str) -> dict:
     if args.init_empty:
         torch.manual_seed(0)
         with px.init_empty(device=device):      # nothing allocated; the first step makes the values on the device
-            model = GPT(cfg)
+            model = models.make(cfg)
     else:
         model = build(cfg, device, where="host")
-    model.checkpoint = args.checkpoint == "on"    # the user's per-block checkpoints (remat may undo them)
+    models.set_checkpoint(model, args.checkpoint == "on")    # the user's per-block checkpoints (remat may undo them)
     n = n_params(model)
     dm = None if budget == "none" else budget
     opt = px.AdamW(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
     step = px.compile(model, optimizer=opt, device_memory=dm, precision=args.precision, device=device,
                       chunk_size=args.chunk_size, accumulate=args.accumulate, atomic=not args.no_atomic,
-                      **prefetch_kw(args))(gpt_loss)
+                      **prefetch_kw(args))(models.loss)
     if args.plan_only:       # px.plan of this very step (model, optimizer, budget, ranks), without a store
-        report = px.plan(model, gpt_loss, *batch, world_size=world(), device_memory=dm, precision=args.precision,
+        report = px.plan(model, models.loss, *batch, world_size=world(), device_memory=dm, precision=args.precision,
                          chunk_size=args.chunk_size, accumulate=args.accumulate, atomic=not args.no_atomic,
                          optimizer=opt, device=device.type, **prefetch_kw(args))
         print(f"plan of rank {os.environ.get('RANK', 0)}:\n{report}", file=sys.stderr, flush=True)
@@ -293,7 +300,9 @@ def run_pstar(cfg, args, device, batch, budget: str) -> dict:
                init_empty=args.init_empty, atomic=not args.no_atomic, host_threads=args.host_threads,
                prefetch=args.prefetch,
                predicted_peak=s.predicted_peak, measured_peak=st.measured_peak, chunks=s.chunks,
-               states_on_device=f"{s.states_on_device}/{s.trainable_chunks}", nodes=s.nodes)
+               states_on_device=f"{s.states_on_device}/{s.trainable_chunks}", nodes=s.nodes,
+               budget=s.default_budget or fmt_bytes(s.budget), alloc_retries=st.alloc_retries,
+               estimated_s=None if s.estimated_seconds is None else round(s.estimated_seconds, 3))
     if args.profile:
         out["profile"] = profile_step(lambda: step(*batch), device, args.profile, f"pstar_{budget}",
                                       steps=args.profile_steps)
@@ -333,9 +342,9 @@ def child(args) -> None:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
     if device.type == "cuda":
         torch.cuda.set_device(device)     # set_device, NCCL and FSDP2 want an index
-    cfg = GPTConfig(vocab=args.vocab, seq=args.seq, layers=args.layers, hidden=args.hidden, heads=args.heads)
+    cfg = spec_of(args, args.layers)
     g = torch.Generator().manual_seed(1)
-    batch = tuple(torch.randint(0, cfg.vocab, (args.batch, cfg.seq), generator=g).to(device) for _ in range(2))
+    batch = tuple(torch.randint(0, cfg.cfg.vocab, (args.batch, cfg.cfg.seq), generator=g).to(device) for _ in range(2))
     system, _, variant = args.child.partition(":")
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -467,10 +476,10 @@ def row(label, cfg, args, r) -> dict:
         return dict(system=label, error=r["error"] + (": " + r.get("detail", "") if r.get("detail") else ""))
     med = statistics.median(r["times"])
     n = r["n"]
-    tflops = flops_per_step(n, cfg, args.batch) / med / 1e12        # per GPU: each runs --batch sequences
+    tflops = flops_per_step(n, cfg.cfg, args.batch) / med / 1e12        # per GPU: each runs --batch sequences
     gpus = r.get("gpus", 1)
     out = dict(system=label, gpus=gpus, params=f"{n / 1e9:.3f}B" if n >= 1e8 else f"{n / 1e6:.3f}M",
-               step_s=round(med, 4), tokens_per_s=round(gpus * args.batch * cfg.seq / med),
+               step_s=round(med, 4), tokens_per_s=round(gpus * args.batch * cfg.cfg.seq / med),
                tflops=round(tflops, 1) if tflops >= 1 else float(f"{tflops:.3g}"),
                peak_gpu=fmt_bytes(r.get("peak_gpu")), peak_rss=fmt_bytes(r.get("peak_rss")),
                h2d=("~" if r.get("moved_estimated") else "") + fmt_bytes(r["h2d"]),
@@ -489,7 +498,8 @@ def row(label, cfg, args, r) -> dict:
                    first_minus_steady_s=round(r["warm"][0] - med, 2),
                    predicted_peak=fmt_bytes(r["predicted_peak"]), measured_peak=fmt_bytes(r["measured_peak"]),
                    states_on_device=r["states_on_device"], chunks=r["chunks"], nodes=r["nodes"],
-                   cpu_worker_per_step=r.get("cpu_worker_per_step"))
+                   cpu_worker_per_step=r.get("cpu_worker_per_step"), budget=r.get("budget"),
+                   estimated_s=r.get("estimated_s"), alloc_retries=r.get("alloc_retries"))
     for k in ("compile_parts", "per_step"):
         if r.get(k):
             out[k] = r[k]
@@ -543,6 +553,9 @@ def main():
     ap.add_argument("--json", default=None, help="also write the rows (and the children's logs) to this file")
     ap.add_argument("--largest", default=None, metavar="L1,L2,...",
                     help="find the largest GPT each system trains: these layer counts in turn, up to the first failure")
+    ap.add_argument("--model", choices=[k.value for k in models.Kind], default="gpt",
+                    help="gpt (the reference GPT) or llama (transformers' LlamaForCausalLM; see benchmarks/models.py)")
+    ap.add_argument("--intermediate", type=int, default=0, help="the Llama's MLP width (0: 8/3 x hidden)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.tiny:
@@ -552,8 +565,8 @@ def main():
     assert args.steps >= 5, "the median is over at least 5 steps"
     assert args.batch % args.accumulate == 0, "--batch must split evenly into --accumulate micro-batches"
     assert args.warmup >= 1 or not args.init_empty, "--init-empty reports the first step: --warmup 1 or more"
-    cfg = GPTConfig(vocab=args.vocab, seq=args.seq, layers=args.layers, hidden=args.hidden, heads=args.heads)
-    passthrough = ["--layers", str(args.layers), "--hidden", str(args.hidden), "--heads", str(args.heads),
+    cfg = spec_of(args, args.layers)
+    passthrough = ["--model", args.model, "--intermediate", str(args.intermediate), "--layers", str(args.layers), "--hidden", str(args.hidden), "--heads", str(args.heads),
                    "--batch", str(args.batch), "--seq", str(args.seq), "--vocab", str(args.vocab),
                    "--warmup", str(args.warmup), "--steps", str(args.steps), "--device", args.device,
                    "--precision", args.precision, "--checkpoint", args.checkpoint,
@@ -572,7 +585,7 @@ def main():
         passthrough += ["--host-threads", str(args.host_threads)]
     if args.prefetch:
         passthrough += ["--prefetch", args.prefetch]
-    print(f"GPT {cfg}, batch {args.batch} x {args.seq} tokens"
+    print(f"{cfg}, batch {args.batch} x {args.seq} tokens"
           f"{f' in {args.accumulate} micro-batches' if args.accumulate > 1 else ''}, device {args.device}"
           f"{' (' + torch.cuda.get_device_name() + ')' if args.device.startswith('cuda') else ''}, "
           f"torch {torch.__version__}; TFLOP/s = (6*N*tokens + 12*layers*hidden*seq*tokens) / median step time",
@@ -622,7 +635,7 @@ def largest(args, passthrough: list[str]) -> None:
             for layers in counts:
                 argv = list(passthrough)
                 argv[at] = str(layers)
-                cfg = GPTConfig(vocab=args.vocab, seq=args.seq, layers=layers, hidden=args.hidden, heads=args.heads)
+                cfg = spec_of(args, layers)
                 r = run_child(argv + ["--child", label], label, args.timeout)
                 if system == "eager" and args.checkpoint == "auto" and r.get("error") == "out of memory":
                     r = run_child(argv + ["--child", "eager:ckpt"], "eager:ckpt", args.timeout)

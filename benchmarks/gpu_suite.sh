@@ -67,6 +67,9 @@ gpt() {   # run name, seconds, gpt.py flags...: one benchmarks/gpt.py run, its r
 # activation checkpoints (the remat pass chooses what to recompute), at a 137 GiB budget on the 140 GiB H200
 shape17=(--layers 54 --hidden 5120 --heads 40 --batch 8 --checkpoint off --systems pstar --budgets 137GiB
          --init-empty --warmup 1 --steps 5)
+# transformers' LlamaForCausalLM of Llama-2-13B's shape, built under px.init_empty(device="cuda"), 4 x 2048 tokens
+llama13=(--model llama --layers 40 --hidden 5120 --heads 40 --intermediate 13824 --vocab 32000 --batch 4
+         --checkpoint off --systems pstar --init-empty --warmup 1 --steps 5)
 gpt17() {   # run name, extra flags...: one 17.26B run, then its compile parts, host pool and per-step counters
   local name=$1; shift
   gpt "$name" 330 "${shape17[@]}" "$@"
@@ -120,6 +123,17 @@ stage() {
       gpt17 gpt17b_free --no-atomic
       gpt17 gpt17b_atomic
       gpt17 gpt17b_default_budget --no-atomic --budgets none ;;
+    defaults)     # device_memory=None: the 17.26B GPT atomic under expandable segments and under torch's default
+                  # segments, then transformers' Llama-2-13B shape (40 x 5120, 13824, vocab 32000, 4 x 2048 tokens)
+      gpt17 gpt17b_default --budgets none
+      PYTORCH_CUDA_ALLOC_CONF= gpt17 gpt17b_default_segments --budgets none
+      gpt llama13b_default 330 "${llama13[@]}" --budgets none ;;
+    llama8b)      # transformers' Llama 8B shape (32 x 4096, 14336, vocab 128256, 4 x 2048): eager, pstar-fx default
+      gpt llama8b 420 --model llama --layers 32 --hidden 4096 --heads 32 --intermediate 14336 --vocab 128256 \
+          --batch 4 --systems eager,pstar --budgets none --timeout 200 ;;
+    llama13b)     # the Llama-2-13B shape at the default budget, atomic and atomic=False
+      gpt llama13b_default 330 "${llama13[@]}" --budgets none
+      gpt llama13b_free 330 "${llama13[@]}" --budgets none --no-atomic ;;
     gpt17b_ckpt)  # 17.26B built with per-block torch.utils.checkpoint, atomic=False
       gpt17 gpt17b_ckpt --checkpoint on --no-atomic ;;
     gpt17b_budgets) # 17.26B, atomic=False, at 135 and 133 GiB (headroom for the CUDA allocator)

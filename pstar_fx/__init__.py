@@ -9,13 +9,13 @@ from .api.model_state import sync_model
 from .api.plan import PlanReport, plan
 from .api.step import CompiledStep
 from .api.timeline import plot_memory
-from .errors import (BudgetError, CheckpointError, CommitError, DistributedError, EmptyModelError, ModelHeldError,
-                     PstarError, UntraceableError)
+from .errors import (BudgetError, CheckpointError, CommitError, DeviceMemoryError, DistributedError, EmptyModelError,
+                     ModelHeldError, PstarError, UntraceableError)
 from .frontend.init_empty import init_empty
 from .ir.graph import TrainGraph
 from .optim import Adam, AdamW
 
-__all__ = ["compile", "CompiledStep", "Adam", "AdamW", "BudgetError", "UntraceableError", "PstarError", "CommitError",
-           "ModelHeldError", "CheckpointError", "DistributedError", "TrainGraph", "plot_memory", "init_empty",
-           "EmptyModelError", "plan", "PlanReport", "sync_model"]
+__all__ = ["compile", "CompiledStep", "Adam", "AdamW", "BudgetError", "DeviceMemoryError", "UntraceableError",
+           "PstarError", "CommitError", "ModelHeldError", "CheckpointError", "DistributedError", "TrainGraph",
+           "plot_memory", "init_empty", "EmptyModelError", "plan", "PlanReport", "sync_model"]
 __version__ = "0.1.0"

@@ -5,6 +5,8 @@ import os
 import sys
 import warnings
 
+import torch
+
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _MODELS = os.path.join(_PACKAGE, "models") + os.sep
 
@@ -39,7 +41,11 @@ class UntraceableError(PstarError):
 class BudgetError(PstarError):
     """The device-memory budget cannot hold what some node needs.
 
-    Raised at compile time, before anything runs. Carries the node, the bytes it needs and the bytes available.
+    Raised at compile time, before anything runs, when the plan cannot fit; and at run time when the device could not
+    give what the plan counted on (memory the plan does not see: another process, tensors kept outside the step, the
+    allocator's fragmentation), in which case the step changed nothing. Carries the node, the bytes it needs (at run
+    time: the allocation that failed, 0 if torch did not say) and the bytes available (at run time: the device's free
+    memory then).
     """
 
     def __init__(self, message: str, *, node: str, needed: int, available: int):
@@ -47,6 +53,12 @@ class BudgetError(PstarError):
         self.node = node
         self.needed = needed
         self.available = available
+
+
+class DeviceMemoryError(BudgetError, torch.OutOfMemoryError):
+    """A BudgetError at run time: the device refused an allocation the plan counted within the budget. It is also a
+    torch.OutOfMemoryError, so code that already handles the device running out of memory (a batch-size finder, a
+    retry loop) handles it too. The step changed nothing."""
 
 
 class CommitError(PstarError):

@@ -3,7 +3,6 @@ resolved (device, precision, budget), before anything is traced."""
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import torch.nn as nn
@@ -11,6 +10,7 @@ import torch.nn as nn
 from ..ir.graph import Precision
 from ..optim import OptimizerSpec
 from ..units import parse_bytes
+from .device_budget import DefaultBudget, default_cpu_budget, default_cuda_budget
 
 
 def check_options(model, optimizer, *, chunk_size, prefetch, max_grad_norm, accumulate, remat, atomic) -> None:
@@ -72,10 +72,17 @@ def resolve_precision(precision, device: torch.device) -> Precision:
         raise ValueError(f"precision must be one of 'fp32', 'bf16', 'fp16', got {precision!r}") from None
 
 
-def resolve_budget(device_memory, device: torch.device) -> int:
-    """Bytes: device_memory parsed, or (None) the device's free memory (on the CPU, the available physical pages)."""
+def resolve_budget(device_memory, device: torch.device, world: int) -> tuple[int, DefaultBudget | None]:
+    """Bytes: device_memory parsed, or (None) what the device can give pstar-fx's tensors: on a GPU its free memory
+    less the room the process needs beside them (see api/device_budget.py; the DefaultBudget says how much), on the
+    CPU the available physical memory."""
     if device_memory is not None:
-        return parse_bytes(device_memory)
+        return parse_bytes(device_memory), None
     if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        default = default_cuda_budget(device, world)
+        if default.budget <= 0:
+            raise ValueError(f"device_memory=None: {device} has {default.free} bytes free, less than the room the "
+                             f"process needs beside pstar-fx's tensors ({default}); free device memory, or pass "
+                             "device_memory explicitly")
+        return default.budget, default
+    return default_cpu_budget(), None

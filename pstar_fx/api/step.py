@@ -58,11 +58,13 @@ class CompiledStep:
         prec = resolve_precision(precision, dev)
         self._optimizer = build_optimizer(optimizer, model) if optimizer is not None else None
         self._comm = default_comm(dev)       # the default process group, when one of 2+ ranks exists
-        self.settings = Settings(precision=prec, device=dev, budget=resolve_budget(device_memory, dev),
+        world = 1 if self._comm is None else self._comm.world
+        budget, self._default_budget = resolve_budget(device_memory, dev, world)
+        self.settings = Settings(precision=prec, device=dev, budget=budget,
                                  chunk_size=chunk_size,
                                  optimizer=self._optimizer.layout if self._optimizer is not None else None,
                                  max_grad_norm=None if max_grad_norm is None else float(max_grad_norm),
-                                 accumulate=accumulate, world=1 if self._comm is None else self._comm.world,
+                                 accumulate=accumulate, world=world,
                                  atomic=atomic)
         check_world(atomic, self.settings.world)
         self.debug = debug
@@ -159,7 +161,8 @@ class CompiledStep:
         return list(self.graphs.values())[-1]
 
     def summary(self) -> Summary:
-        return summarize(self.final_graph, self._compiler.latest, self._last_stats, self.settings.precision)
+        return summarize(self.final_graph, self._compiler.latest, self._last_stats, self.settings.precision,
+                         self._default_budget)
 
     def memory_timeline(self) -> list[timeline.Row]:
         """Per node of the latest compiled step: predicted device bytes by kind, chunk moves, and the bytes measured

@@ -3,11 +3,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..cost import estimate
 from ..ir.graph import ChunkGroup, Precision, StateHome, TrainGraph
 from ..ir.needs import state_bytes
 from ..runtime.step_runtime import StepStats
 from ..units import format_bytes
 from .compiler import Compiled
+from .device_budget import DefaultBudget
 
 
 @dataclass(frozen=True)
@@ -27,27 +29,38 @@ class Summary:
     d2h_bytes: int
     nodes: int
     compile_seconds: tuple[float, float, float] = (0.0, 0.0, 0.0)   # trace, passes, set-up (store and executor)
+    default_budget: str | None = None       # device_memory=None on a GPU: how the budget was chosen
+    estimated_seconds: float | None = None  # the cost model's steady-state step (H200 rates; None off CUDA)
+    measured_seconds: float | None = None   # the last step's wall time, call to return
+    alloc_retries: int | None = None        # the last step's caching-allocator retries (CUDA)
 
     def __str__(self) -> str:
         rows = [
             ("chunks", f"{self.chunks}: {self.chunks - self.own_chunks} of {self.chunk_size} elements "
                        f"({format_bytes(self.chunk_bytes)} each), {self.own_chunks} sized to one larger tensor"),
             ("model data", format_bytes(self.model_data_bytes) + " (params + grads + optimizer states)"),
-            ("budget", "unlimited" if self.budget is None else format_bytes(self.budget)),
+            ("budget", "unlimited" if self.budget is None else
+                       self.default_budget if self.default_budget is not None else format_bytes(self.budget)),
             ("optimizer states", f"{self.states_on_device} of {self.trainable_chunks} chunks on the device"),
             ("predicted peak", format_bytes(self.predicted_peak)),
             ("measured peak", "-" if self.measured_peak is None else format_bytes(self.measured_peak)),
             ("moved per step", f"{format_bytes(self.h2d_bytes)} host->device, "
                                f"{format_bytes(self.d2h_bytes)} device->host"),
+            ("step time", ("-" if self.estimated_seconds is None else
+                           f"{self.estimated_seconds:.3f} s estimated (the cost model's H200 rates)") + ", "
+                          + ("-" if self.measured_seconds is None else f"{self.measured_seconds:.3f} s measured")
+                          + ("" if self.alloc_retries is None else f", {self.alloc_retries} allocator retries")),
             ("graph", f"{self.nodes} nodes"),
             ("compiled in", "{:.1f} s trace + {:.1f} s passes + {:.1f} s set-up".format(*self.compile_seconds)),
         ]
         return "\n".join(f"{k:>17s}: {v}" for k, v in rows)
 
 
-def summarize(g: TrainGraph, compiled: Compiled, last: StepStats | None, prec: Precision) -> Summary:
+def summarize(g: TrainGraph, compiled: Compiled, last: StepStats | None, prec: Precision,
+              default_budget: DefaultBudget | None = None) -> Summary:
     """The summary of the final graph `g` of the compiled signature `compiled`, with the last step's measurement,
-    in the step's precision `prec`."""
+    in the step's precision `prec`. On CUDA it estimates the step with the cost model (H200 rates: on another GPU the
+    estimate is the H200's)."""
     trainable = [c for c in g.chunks if c.group is ChunkGroup.TRAINABLE]
     model_data = (sum(c.nbytes for c in g.chunks) + sum(c.nbytes for c in trainable if not c.grad_inplace)
                   + sum(state_bytes(c, prec) for c in trainable))
@@ -60,4 +73,8 @@ def summarize(g: TrainGraph, compiled: Compiled, last: StepStats | None, prec: P
         h2d_bytes=g.plan.h2d_bytes, d2h_bytes=g.plan.d2h_bytes, nodes=len(g.nodes),
         compile_seconds=(compiled.stages["traced"].seconds,
                          sum(st.seconds for name, st in compiled.stages.items() if name != "traced"),
-                         compiled.setup_seconds))
+                         compiled.setup_seconds),
+        default_budget=None if default_budget is None else str(default_budget),
+        estimated_seconds=estimate(g).seconds if g.settings.device.type == "cuda" and g.plan is not None else None,
+        measured_seconds=None if last is None else last.seconds,
+        alloc_retries=None if last is None else last.alloc_retries)

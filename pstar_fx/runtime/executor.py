@@ -6,17 +6,19 @@ it holds. The largest such total is the step's measured peak, comparable to the 
 """
 from __future__ import annotations
 
+import re
+
 import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_map
 
-from ..errors import CommitError
+from ..errors import CommitError, DeviceMemoryError
 from ..interrupts import DeferredInterrupt
 from ..ir import ops
 from ..ir.fx_utils import last_uses, mutated_args, storage_bytes, tensors_in, tensors_of, user_frame
 from ..ir.graph import Role, TrainGraph
 from ..ir.needs import constants
-from ..units import format_bytes
+from ..units import format_bytes, parse_bytes
 from .chunk_store import ChunkStore
 from .step_runtime import Runtime
 
@@ -45,6 +47,30 @@ def _source(n: fx.Node) -> str:
     error message; "" when it recorded none."""
     frame = user_frame(n)
     return "" if frame is None else f" ({frame[0]}: {frame[1]})"
+
+
+def out_of_memory(e: BaseException) -> torch.OutOfMemoryError | None:
+    """The device's out-of-memory error behind a failed node, if that is what failed."""
+    for err in (e, e.__cause__):
+        if isinstance(err, torch.OutOfMemoryError):
+            return err
+    return None
+
+
+def device_memory_error(n: fx.Node, oom: torch.OutOfMemoryError, store: ChunkStore) -> DeviceMemoryError:
+    """A BudgetError for an allocation the device refused at node n, though the plan kept within the budget."""
+    m = re.search(r"Tried to allocate ([0-9.]+ [KMGT]?i?B)", str(oom))
+    asked = parse_bytes(m.group(1).replace(" ", "")) if m else 0
+    free = torch.cuda.mem_get_info(store.device)[0] if store.device.type == "cuda" else 0
+    budget = store.pool.budget
+    return DeviceMemoryError(
+        f"pstar-fx: the device ran out of memory at node {n.name}{_source(n)}: "
+        f"{format_bytes(asked) if asked else 'an allocation'} asked, {format_bytes(free)} free on {store.device}, "
+        f"though the plan kept this step within its budget "
+        f"({'unlimited' if budget is None else format_bytes(budget)}). Memory the plan does not see took the rest "
+        "(another process, tensors kept outside the step, the allocator's fragmentation). The step changed nothing: "
+        "pass a smaller device_memory, free that memory, or set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "
+        "before the process starts.", node=n.name, needed=asked, available=free)
 
 
 class Executor:
@@ -86,6 +112,7 @@ class Executor:
         it stays pending until the step is complete, and the caller delivers it after its own bookkeeping (the step
         counts as done). `before_node(i, node)` is called before every node (fault injection in tests)."""
         saved = {name: self.store.buffers[name].clone() for name in self.mutated_buffers}
+        self._at = 0                    # the node running (an out-of-memory error names it)
         try:
             h2d, d2h = self.store.enter(self.g.plan.carried)   # the prologue: nothing moves in the steady state
             rt.h2d += h2d
@@ -107,6 +134,9 @@ class Executor:
             for name, value in saved.items():
                 self.store.buffers[name].copy_(value)
             self.store.values.restore_params_from_masters()
+            oom = out_of_memory(e)
+            if oom is not None:
+                raise device_memory_error(self.nodes[self._at], oom, self.store) from e
             raise
         return outputs, peak
 
@@ -164,6 +194,7 @@ class Executor:
             store = self.store
             holding = False          # from the commit (or the first step node) on, Ctrl-C waits for the end
             for i, n in enumerate(self.nodes):
+                self._at = i
                 role = self.roles[i]
                 draining = 0              # released slots still being written back: device bytes the plan freed
                 if store.draining:

@@ -41,13 +41,17 @@ def run_training_step(executor: Executor, tensors: list[torch.Tensor], interrupt
         scale = torch.tensor(scaler.scale, dtype=torch.float32, device=store.device)
         rt.found_inf = torch.zeros((), dtype=torch.bool, device=store.device)
     per_node: list[int] | None = [] if debug else None
+    retries = alloc_retries(store.device)
     outputs, peak = executor.run(inputs, scale, rt, interrupts, trace_peaks=per_node, before_node=before_node)
+    if retries is not None:
+        retries = alloc_retries(store.device) - retries
     if store.comm is not None:        # the loss reported is the mean over every rank's batch
         outputs = [store.comm.all_reduce(outputs[0].detach().float().clone()) / store.comm.world]
     if scaler is not None:
         scaler.update(rt.skip)
     stats = StepStats(measured_peak=peak, h2d_bytes=rt.h2d, d2h_bytes=rt.d2h, skipped=rt.skip,
-                      seconds=time.perf_counter() - started, lr=tuple(c.lr for c in rt.cfg), _grad_norm=rt.grad_norm)
+                      seconds=time.perf_counter() - started, lr=tuple(c.lr for c in rt.cfg), _grad_norm=rt.grad_norm,
+                      alloc_retries=retries)
     if per_node is not None:
         check_measured(g, per_node)
     return StepRun(outputs, stats, per_node)
@@ -67,6 +71,15 @@ def run_forward(executor: Executor, tensors: list[torch.Tensor], interrupts: Def
     if per_node is not None:
         check_measured(g, per_node)
     return StepRun(outputs, stats, per_node)
+
+
+def alloc_retries(device: torch.device) -> int | None:
+    """How many times torch's CUDA caching allocator has retried an allocation after freeing its cache (each retry
+    synchronizes the device and returns every cached block to the driver: idle GPU), so far in this process; None
+    off CUDA."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
 
 
 def prepare_input(x: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -42,6 +42,7 @@ class StepStats:
     seconds: float = 0.0             # wall time of the step, from call to return
     lr: tuple[float, ...] = ()       # the learning rate of each optimizer group during the step
     _grad_norm: torch.Tensor | None = None
+    alloc_retries: int | None = None  # CUDA: the caching allocator's retries during the step (each frees its cache)
 
     @property
     def grad_norm(self) -> float | None:

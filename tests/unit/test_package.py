@@ -15,7 +15,7 @@ import pstar_fx as px
 ROOT = os.path.dirname(os.path.dirname(px.__file__))
 MAX_LINES = 700
 HISTORY = re.compile(r"\b(session|issue)s? #?[0-9]", re.IGNORECASE)
-PUBLIC = {"compile", "CompiledStep", "Adam", "AdamW", "BudgetError", "UntraceableError", "PstarError", "CommitError",
+PUBLIC = {"compile", "CompiledStep", "Adam", "AdamW", "BudgetError", "DeviceMemoryError", "UntraceableError", "PstarError", "CommitError",
           "ModelHeldError", "CheckpointError", "DistributedError", "TrainGraph", "plot_memory", "init_empty",
           "EmptyModelError", "plan", "PlanReport", "sync_model"}
 
