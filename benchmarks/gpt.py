@@ -360,6 +360,10 @@ def child(args) -> None:
     except Exception as e:   # report and let the other systems run
         r = dict(error=type(e).__name__, detail=str(e).splitlines()[0][:300] if str(e) else "")
     r["peak_gpu"] = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    if device.type == "cuda":     # what the allocator held beyond its tensors, and what the process held beyond it
+        free, total = torch.cuda.mem_get_info(device)
+        r["peak_reserved"] = torch.cuda.max_memory_reserved(device)
+        r["outside_torch"] = total - free - torch.cuda.memory_reserved(device)
     r["peak_rss"] = rss_peak()
     r["gpus"] = world()
     import torch.distributed as dist
@@ -499,7 +503,8 @@ def row(label, cfg, args, r) -> dict:
                    predicted_peak=fmt_bytes(r["predicted_peak"]), measured_peak=fmt_bytes(r["measured_peak"]),
                    states_on_device=r["states_on_device"], chunks=r["chunks"], nodes=r["nodes"],
                    cpu_worker_per_step=r.get("cpu_worker_per_step"), budget=r.get("budget"),
-                   estimated_s=r.get("estimated_s"), alloc_retries=r.get("alloc_retries"))
+                   estimated_s=r.get("estimated_s"), alloc_retries=r.get("alloc_retries"),
+                   peak_reserved=fmt_bytes(r.get("peak_reserved")), outside_torch=fmt_bytes(r.get("outside_torch")))
     for k in ("compile_parts", "per_step"):
         if r.get(k):
             out[k] = r[k]
