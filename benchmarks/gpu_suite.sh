@@ -125,9 +125,9 @@ stage() {
       gpt17 gpt17b_default_budget --no-atomic --budgets none ;;
     defaults)     # device_memory=None: the 17.26B GPT atomic under expandable segments and under torch's default
                   # segments, then transformers' Llama-2-13B shape (40 x 5120, 13824, vocab 32000, 4 x 2048 tokens)
-      gpt17 gpt17b_default --budgets none
+      gpt17 gpt17b_default --budgets none --watch 5
       PYTORCH_CUDA_ALLOC_CONF= gpt17 gpt17b_default_segments --budgets none
-      gpt llama13b_default 330 "${llama13[@]}" --budgets none ;;
+      [[ ${SKIP_LLAMA:-} ]] || gpt llama13b_default 330 "${llama13[@]}" --budgets none ;;
     llama8b)      # transformers' Llama 8B shape (32 x 4096, 14336, vocab 128256, 4 x 2048): eager, pstar-fx default
       gpt llama8b 420 --model llama --layers 32 --hidden 4096 --heads 32 --intermediate 14336 --vocab 128256 \
           --batch 4 --systems eager,pstar --budgets none --timeout 200 ;;

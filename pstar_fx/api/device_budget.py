@@ -26,9 +26,13 @@ from ..units import format_bytes
 
 MiB, GiB = 1 << 20, 1 << 30
 
-KERNELS = 1 * GiB                 # lazily loaded kernel images of a large transformer step
-ALLOCATOR_EXPANDABLE = 512 * MiB  # rounding to 2 MiB pages, the last partial page of each live tensor
-ALLOCATOR_SEGMENTS = 0.02         # of the device's total memory, with fixed-size segments
+# Measured on one H200 (docs/memory.md): the process held 0.70 GiB outside torch's allocator when the budget was read
+# and 0.78-0.83 GiB after 17B GPT and 13B Llama steps; at a 137.6 GiB budget under expandable segments the allocator
+# reserved up to 1.24 GiB beyond its peak of live tensors (its retries give that back); under fixed segments a
+# 135.3 GiB plan ran out of memory with 3.7 GiB reserved beyond the live tensors.
+KERNELS = 512 * MiB               # lazily loaded kernel images of a large transformer step
+ALLOCATOR_EXPANDABLE = 1 * GiB    # rounding to 2 MiB pages and blocks freed but not yet given back
+ALLOCATOR_SEGMENTS = 0.04         # of the device's total memory, with fixed-size segments
 NCCL = 1 * GiB                    # communicator buffers, several ranks
 
 
@@ -48,7 +52,11 @@ class DefaultBudget:
         parts = [f"{format_bytes(self.kernels)} for kernels", f"{format_bytes(self.allocator)} for the allocator"]
         if self.nccl:
             parts.append(f"{format_bytes(self.nccl)} for NCCL")
-        return f"{format_bytes(self.budget)} = {format_bytes(self.free)} free - " + " - ".join(parts)
+        text = f"{format_bytes(self.budget)} = {format_bytes(self.free)} free - " + " - ".join(parts)
+        if self.allocator > ALLOCATOR_EXPANDABLE:
+            text += (f" (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, set before the process starts, would "
+                     f"leave {format_bytes(self.allocator - ALLOCATOR_EXPANDABLE)} more)")
+        return text
 
 
 def expandable_segments() -> bool:
