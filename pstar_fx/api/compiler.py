@@ -87,6 +87,7 @@ class Compiled:
     executor: Executor
     setup_seconds: float = 0.0       # the store (on the first compile), the executor, the garbage collection
     set_up_until: float = 0.0        # perf_counter() when the executor was made
+    estimated_seconds: float | None = None   # the cost model's step time, once step.summary() has asked (CUDA)
 
 
 Layout = tuple   # (params, chunks, chunk_size) of the first compile: every later signature keeps the same chunks

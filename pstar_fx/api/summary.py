@@ -75,6 +75,16 @@ def summarize(g: TrainGraph, compiled: Compiled, last: StepStats | None, prec: P
                          sum(st.seconds for name, st in compiled.stages.items() if name != "traced"),
                          compiled.setup_seconds),
         default_budget=None if default_budget is None else str(default_budget),
-        estimated_seconds=estimate(g).seconds if g.settings.device.type == "cuda" and g.plan is not None else None,
+        estimated_seconds=_estimated(g, compiled),
         measured_seconds=None if last is None else last.seconds,
         alloc_retries=None if last is None else last.alloc_retries)
+
+
+def _estimated(g: TrainGraph, compiled: Compiled) -> float | None:
+    """The cost model's steady-state step time of g on CUDA, computed once per compiled signature (seconds of CPU
+    for a large graph); None on the CPU, where the H200's rates mean nothing."""
+    if g.settings.device.type != "cuda" or g.plan is None:
+        return None
+    if compiled.estimated_seconds is None:
+        compiled.estimated_seconds = estimate(g).seconds
+    return compiled.estimated_seconds
