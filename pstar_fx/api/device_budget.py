@@ -29,10 +29,10 @@ MiB, GiB = 1 << 20, 1 << 30
 # Measured on one H200 (docs/memory.md): the process held 0.70 GiB outside torch's allocator when the budget was read
 # and 0.78-0.83 GiB after 17B GPT and 13B Llama steps; at a 137.6 GiB budget under expandable segments the allocator
 # reserved up to 1.24 GiB beyond its peak of live tensors (its retries give that back); under fixed segments a
-# 135.3 GiB plan ran out of memory with 3.7 GiB reserved beyond the live tensors.
+# 135.3 GiB plan ran out of memory with 3.7 GiB reserved beyond the live tensors, a 133.0 GiB plan with 5.9 GiB.
 KERNELS = 512 * MiB               # lazily loaded kernel images of a large transformer step
 ALLOCATOR_EXPANDABLE = 1 * GiB    # rounding to 2 MiB pages and blocks freed but not yet given back
-ALLOCATOR_SEGMENTS = 0.04         # of the device's total memory, with fixed-size segments
+ALLOCATOR_SEGMENTS = 0.10         # of the device's total memory, with fixed-size segments
 NCCL = 1 * GiB                    # communicator buffers, several ranks
 
 

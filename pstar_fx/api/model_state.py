@@ -29,6 +29,7 @@ and loads the model's values by state_dict name, wherever they are.
 """
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 from typing import TYPE_CHECKING
@@ -41,6 +42,7 @@ from ..frontend.init_empty import fill_chunks, is_empty
 from ..interrupts import DeferredInterrupt
 from ..ir.graph import Role
 from ..runtime.comm import Comm
+from ..units import format_bytes
 from .agreement import check_same_values
 
 if TYPE_CHECKING:
@@ -104,11 +106,46 @@ def _step_dropped(hold: ModelHold) -> None:
     """The finalizer of a step that holds (or held) a model: give the model back, where that is safe now."""
     if hold.store.world > 1 or threading.current_thread().name.startswith(_WORKER_THREADS):
         return                   # given back at the model's next use (see the module docstring)
+    short = _room_short(hold)
+    if short is not None:
+        warn(f"pstar-fx: a dropped step holds its model's values, and giving them back now needs {short}; they stay "
+             "with the model (its chunk memory too) and are given back at its next use, or dropped with it",
+             RuntimeWarning)
+        return
     try:
         hold.give_back()
     except Exception as e:  # noqa: BLE001 - a finalizer cannot raise; the values stay with the model
         warn(f"pstar-fx: a dropped step could not give its model the values back ({type(e).__name__}: {e}); they "
              "stay with the model and are given back at its next use", RuntimeWarning)
+
+
+def _room_short(hold: ModelHold) -> str | None:
+    """What giving the model back would need beyond the memory free now (the copies are made before the chunks are
+    freed), or None when it fits: a finalizer that runs out of host memory ends the process."""
+    model = hold._model()
+    if model is None:
+        return None
+    need: dict[torch.device, int] = {}
+    hold.giving_back = True          # reading the held tensors' sizes must not give them back (see _orphans)
+    try:
+        for t in model_tensors(model).values():
+            if holder(t) is hold:
+                need[t.device] = need.get(t.device, 0) + t.numel() * t.element_size()
+    finally:
+        hold.giving_back = False
+    for device, nbytes in need.items():
+        free = _free_bytes(device)
+        if free is not None and nbytes > free * 0.9:
+            return f"{format_bytes(nbytes)} on {device} where {format_bytes(free)} is free"
+    return None
+
+
+def _free_bytes(device: torch.device) -> int | None:
+    if device.type == "cpu":
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return None
 
 
 class HeldTensor(torch.Tensor):

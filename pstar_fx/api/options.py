@@ -7,10 +7,16 @@ import math
 import torch
 import torch.nn as nn
 
+from ..errors import warn
 from ..ir.graph import Precision
 from ..optim import OptimizerSpec
 from ..units import parse_bytes
-from .device_budget import DefaultBudget, default_cpu_budget, default_cuda_budget
+from .device_budget import (
+    ALLOCATOR_EXPANDABLE,
+    DefaultBudget,
+    default_cpu_budget,
+    default_cuda_budget,
+)
 
 
 def check_options(model, optimizer, *, chunk_size, prefetch, max_grad_norm, accumulate, remat, atomic) -> None:
@@ -84,5 +90,10 @@ def resolve_budget(device_memory, device: torch.device, world: int) -> tuple[int
             raise ValueError(f"device_memory=None: {device} has {default.free} bytes free, less than the room the "
                              f"process needs beside pstar-fx's tensors ({default}); free device memory, or pass "
                              "device_memory explicitly")
+        if default.allocator > ALLOCATOR_EXPANDABLE:
+            warn(f"pstar-fx: torch's CUDA allocator uses fixed-size segments, which fragment under a plan that fills "
+                 f"the device: device_memory=None leaves {default.allocator / 2**30:.1f} GiB for that. Set "
+                 "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before the process starts to plan with "
+                 f"{(default.allocator - ALLOCATOR_EXPANDABLE) / 2**30:.1f} GiB more (see docs/memory.md)")
         return default.budget, default
     return default_cpu_budget(), None

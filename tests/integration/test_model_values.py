@@ -255,3 +255,26 @@ def test_checkpoint_of_a_model_sharing_a_tensor_holds_its_own_values(tmp_path):
     saved = torch.load(tmp_path / "m1" / "model.pt", weights_only=True)
     assert_state_close(saved, want1, rtol=1e-6)
     assert not torch.equal(saved["out.weight"], r2.state_dict()["out.weight"])
+
+
+def test_a_dropped_step_whose_model_does_not_fit_in_free_memory_keeps_the_values_with_the_model(monkeypatch):
+    """Giving back copies every value before the chunks are freed; where the copies would not fit in the memory free
+    now (a 17B model's 64 GiB beside a 100 GiB store), a finalizer must not try: the process would be killed. The
+    values stay with the model, which gives them back at its next use."""
+    from pstar_fx.api import model_state
+
+    model = CASE.build_model()
+    step = _compile(model)
+    for i in range(2):
+        step(*CASE.batch(i))
+    monkeypatch.setattr(model_state, "_free_bytes", lambda device: 1024)
+    with pytest.warns(RuntimeWarning, match="stay with the model"):
+        del step
+        gc.collect()
+    assert any(model_state.holder(t) is not None for t in model.parameters())
+    monkeypatch.undo()
+    _, want = eager_run(CASE, 2)
+    model.eval()
+    model(CASE.batch(0)[0])                              # given back on use
+    assert all(model_state.holder(t) is None for t in model.parameters())
+    assert_state_close(model.state_dict(), want, rtol=1e-6)
