@@ -91,9 +91,10 @@ def resolve_budget(device_memory, device: torch.device, world: int) -> tuple[int
                              f"process needs beside pstar-fx's tensors ({default}); free device memory, or pass "
                              "device_memory explicitly")
         if default.allocator > ALLOCATOR_EXPANDABLE:
-            warn(f"pstar-fx: torch's CUDA allocator uses fixed-size segments, which fragment under a plan that fills "
-                 f"the device: device_memory=None leaves {default.allocator / 2**30:.1f} GiB for that. Set "
-                 "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before the process starts to plan with "
-                 f"{(default.allocator - ALLOCATOR_EXPANDABLE) / 2**30:.1f} GiB more (see docs/memory.md)")
+            warn("pstar-fx: torch's CUDA allocator uses fixed-size segments, which fragment without bound under a "
+                 "plan that fills the device (on an H200 a 17B GPT planned to 125.8 GiB ran out of memory with 14 "
+                 f"GiB in fragments). device_memory=None leaves {default.allocator / 2**30:.1f} GiB for them, which "
+                 "may not be enough: set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before the process "
+                 "starts (see docs/memory.md)")
         return default.budget, default
     return default_cpu_budget(), None
