@@ -24,9 +24,9 @@ GiB = 1 << 30
 
 
 def test_default_budget_leaves_room_for_kernels_allocator_and_nccl():
-    one = device_budget.DefaultBudget(free=100 * GiB, kernels=GiB, allocator=2 * GiB, nccl=0)
-    assert one.budget == 97 * GiB
-    assert str(one).startswith("97.00 GiB = 100.00 GiB free - 1.00 GiB for kernels - 2.00 GiB for the allocator")
+    one = device_budget.DefaultBudget(free=100 * GiB, kernels=GiB, allocator=3 * GiB, nccl=0)
+    assert one.budget == 96 * GiB
+    assert str(one).startswith("96.00 GiB = 100.00 GiB free - 1.00 GiB for kernels - 3.00 GiB for the allocator")
     assert "expandable_segments:True" in str(one)         # fixed segments: what the other allocator would give
     small = device_budget.DefaultBudget(free=100 * GiB, kernels=GiB, allocator=device_budget.ALLOCATOR_EXPANDABLE,
                                         nccl=0)
