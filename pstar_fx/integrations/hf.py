@@ -182,8 +182,8 @@ class PstarTrainer(Trainer):
         has_loss = has_labels or (not self.label_names and bool(return_loss))
         inputs = self._prepare_inputs(inputs)
         if ignore_keys is None:
-            ignore_keys = getattr(getattr(self.model, "config", None), "keys_to_ignore_at_inference", ["cache"]) \
-                if hasattr(self.model, "config") else []
+            config = getattr(self.model, "config", None)
+            ignore_keys = [] if config is None else getattr(config, "keys_to_ignore_at_inference", ["cache"])
         labels = None
         if has_loss:
             labels = tuple(inputs.get(name).detach() if inputs.get(name) is not None else None

@@ -53,13 +53,14 @@ def check_supported(trainer, args) -> None:
                "run one process on one device (e.g. CUDA_VISIBLE_DEVICES=0); pstar-fx's own data parallelism over "
                "torchrun ranks is not wired into the Trainer")
     if _optim_name(args) not in _OPTIMS:
-        refuse(f"optim={_optim_name(args)!r}", f"use optim='adamw_torch_fused' (the default) or 'adamw_torch'; "
+        refuse(f"optim={_optim_name(args)!r}", "use optim='adamw_torch_fused' (the default) or 'adamw_torch'; "
                                                "pstar-fx's update is Adam / AdamW only")
     if args.optim_args:
         refuse(f"optim_args={args.optim_args!r}", "leave optim_args unset")
     if trainer.optimizer is not None or getattr(trainer, "optimizer_cls_and_kwargs", None) is not None:
-        refuse("an optimizer passed to the Trainer", "pass optimizers=(None, None) and set AdamW's options through "
-                                                      "TrainingArguments (learning_rate, weight_decay, adam_beta1, ...)")
+        refuse("an optimizer passed to the Trainer",
+               "pass optimizers=(None, None) and set AdamW's options through TrainingArguments (learning_rate, "
+               "weight_decay, adam_beta1, ...)")
     if trainer.lr_scheduler is not None:
         refuse("a learning-rate scheduler passed to the Trainer (it would drive another optimizer)",
                "choose one with TrainingArguments.lr_scheduler_type and lr_scheduler_kwargs")

@@ -17,7 +17,7 @@ class TrainerOptimizer(torch.optim.Optimizer):
     """`live` (a compiled step's optimizer) as the Trainer's optimizer; see the module docstring. torch.optim's
     `Optimizer.__init__` is not called: there are no tensors of its own, every group and state is `live`'s."""
 
-    def __init__(self, live: torch.optim.Optimizer):    # noqa: super().__init__ deliberately not called
+    def __init__(self, live: torch.optim.Optimizer):    # torch's Optimizer.__init__ deliberately not called
         self._live = live
 
     @property
@@ -49,7 +49,6 @@ class TrainerOptimizer(torch.optim.Optimizer):
         if closure is not None:
             raise RuntimeError("a pstar-fx step runs the update itself: optimizer.step(closure) cannot evaluate "
                                "the closure; call the PstarTrainer's training_step instead")
-        return None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Nothing: a compiled step's gradients live in its chunks, one step long."""
