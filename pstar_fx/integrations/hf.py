@@ -1,0 +1,286 @@
+"""`PstarTrainer`: a transformers `Trainer` whose training step is a pstar-fx compiled step.
+
+    from pstar_fx.integrations.hf import PstarTrainer
+    trainer = PstarTrainer(model=model, args=TrainingArguments(...), train_dataset=..., device_memory="40GiB")
+    trainer.train()
+
+The model is a plain transformers model (or a peft model: only parameters with requires_grad train). What the
+Trainer does, and what pstar-fx does instead:
+
+- The step: `px.compile(model, optimizer=px.AdamW(<the Trainer's two groups>), max_grad_norm=args.max_grad_norm,
+  accumulate=args.gradient_accumulation_steps, precision=<args' bf16 / fp16 / fp32>)` over the Trainer's own
+  `compute_loss` (label smoothing, `compute_loss_func` and subclass overrides included), compiled lazily at the first
+  batch, whose keys become the model's keyword arguments. The Trainer collects an accumulation group's micro-batches
+  (`get_batch_samples`); its last `training_step` call runs the whole group as one pstar-fx step on the micro-batches
+  stacked along dimension 0 (so they must have equal shapes: pad to a fixed length), and returns the group's loss
+  (the earlier calls return 0: the Trainer's logged loss, a sum over the group, is the same). Each micro-batch's loss
+  is scaled as the Trainer scales it: divided by the group's label-token count (`num_items_in_batch`, transformers
+  5.x) where the model takes it, else by the number of micro-batches.
+- The optimizer: `step.optimizer` (torch.optim.AdamW) behind `TrainerOptimizer`, whose `step()` does nothing (the
+  compiled step updated already), so the Trainer's scheduler sets the lr every compiled step reads.
+- `max_grad_norm`: clipping inside the step; the logged grad_norm is `step.last_step.grad_norm`.
+- Evaluation (`evaluate()`, `eval_strategy`, `predict()`): a forward-only pstar-fx function
+  (`px.compile(model, optimizer=None)`) over the same `compute_loss`, reading the training step's chunks in place.
+- Saving (`save_steps`, `save_model`): the values are given back to the model (`sync_model`) and saved by the Trainer
+  in Hugging Face format (safetensors); a checkpoint-N folder also holds `pstar_fx/` (`step.save`: model, optimizer,
+  loss scaler, RNG), which `resume_from_checkpoint` loads (`step.load`), so a resumed run continues bit for bit.
+- After `train()`, and after an `evaluate()` / `predict()` outside training, the model holds its values again: it
+  can be used eagerly (`generate`, `save_pretrained`).
+Refused at construction, with what to change (hf_args.check_supported): DeepSpeed, FSDP, torch_compile, several
+processes or GPUs, optimizers other than AdamW, an optimizer or scheduler passed in, fp16/bf16_full_eval,
+auto_find_batch_size, NEFTune, Liger kernels.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn as nn
+from transformers import Trainer
+
+from ..api.compile import compile as px_compile
+from ..api.model_state import holders, sync_model
+from ..api.step import CompiledStep
+from .hf_args import StepOptions, adamw_spec, check_supported, compile_options
+from .hf_optimizer import TrainerOptimizer
+
+STEP_STATE_DIR = "pstar_fx"      # the step's checkpoint (step.save) inside the Trainer's checkpoint-N folder
+
+
+class PstarTrainer(Trainer):
+    """A `transformers.Trainer` that trains through a pstar-fx compiled step (see the module docstring).
+
+    Takes the Trainer's arguments, plus pstar-fx's memory options: `device_memory` (the device budget, bytes or a
+    string such as "40GiB"; None: the device's free memory), `chunk_size`, `remat` and `atomic` (as in px.compile).
+    """
+
+    def __init__(self, *args, device_memory=None, chunk_size: int | None = None, remat="auto", atomic: bool = True,
+                 **kwargs):
+        self._memory = dict(device_memory=device_memory, chunk_size=chunk_size)
+        self._remat, self._atomic = remat, atomic
+        self._step: CompiledStep | None = None
+        self._eval = None                          # the forward-only function, compiled at the first evaluation
+        self._group: list[dict] = []               # micro-batches of the accumulation group so far
+        self._group_size = 0
+        self._group_items = None                   # the group's num_items_in_batch
+        super().__init__(*args, **kwargs)
+        check_supported(self, self.args)
+        self._options: StepOptions = compile_options(self.args)
+        # pstar-fx places the model's tensors itself: accelerate must not move the whole model to the device
+        self.accelerator.device_placement = False
+
+    # -- what the Trainer sets up ------------------------------------------------------------------------------
+    def _build_accelerator_args(self, **kwargs):
+        """No autocast from accelerate: the mixed precision is the pstar-fx step's (hf_args.compile_options)."""
+        args = super()._build_accelerator_args(**kwargs)
+        args["mixed_precision"] = "no"
+        return args
+
+    def _move_model_to_device(self, model: nn.Module, device) -> None:
+        """Nothing: the compiled step copies the model into its chunks on the device."""
+
+    def create_optimizer(self, model=None):
+        """The pstar-fx step (compiled at its first batch) and its optimizer as the Trainer's."""
+        if self.optimizer is None:
+            model = self.model
+            opts = self._options
+            spec = adamw_spec(model, self.args, self.get_decay_parameter_names(model), opts.fused)
+            self._step = px_compile(model, optimizer=spec, precision=opts.precision, device=opts.device,
+                                    max_grad_norm=opts.max_grad_norm, accumulate=opts.accumulate, remat=self._remat,
+                                    atomic=self._atomic, **self._memory)(self._micro_batch_loss)
+            self.optimizer = TrainerOptimizer(self._step.optimizer)
+        return self.optimizer
+
+    @property
+    def step(self) -> CompiledStep | None:
+        """The pstar-fx step (None before training set it up): its summary(), graphs, last_step, ..."""
+        return self._step
+
+    # -- training ---------------------------------------------------------------------------------------------
+    def _loss_is_scaled(self, num_items) -> bool:
+        """Whether the Trainer takes the loss as already normalised over the accumulation group (its rule)."""
+        scaled = getattr(self, "loss_is_scaled_for_ga", None)
+        if scaled is not None:
+            return scaled
+        return (self.model_accepts_loss_kwargs and num_items is not None) or self.compute_loss_func is not None
+
+    def _micro_batch_loss(self, model, inputs: dict, num_items, scale: int):
+        """Traced by pstar-fx once per micro-batch: the Trainer's loss times `scale`, the number of micro-batches
+        (pstar-fx divides each micro-batch's loss by it), where the Trainer does not divide the loss itself."""
+        n = None if num_items is None else num_items[0]          # (1,) slice of the group's count -> 0-d
+        loss = self.compute_loss(model, inputs, num_items_in_batch=n)
+        return loss * scale if scale != 1 else loss
+
+    def get_batch_samples(self, epoch_iterator, num_batches: int, device):
+        batch_samples, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
+        if batch_samples and len(batch_samples) != self.args.gradient_accumulation_steps:
+            raise ValueError(
+                f"PstarTrainer: an accumulation group of {len(batch_samples)} micro-batches, not "
+                f"gradient_accumulation_steps={self.args.gradient_accumulation_steps}: the pstar-fx step is compiled "
+                "for whole groups. Make the number of batches per epoch a multiple of gradient_accumulation_steps "
+                "(the dataset size, per_device_train_batch_size, dataloader_drop_last=True)")
+        self._group, self._group_size, self._group_items = [], len(batch_samples), num_items
+        return batch_samples, num_items
+
+    def training_step(self, model: nn.Module, inputs: dict, num_items_in_batch=None) -> torch.Tensor:
+        """Collects the group's micro-batches; the last runs the pstar-fx step on all of them and returns the group's
+        loss (the earlier ones return 0)."""
+        model.train()
+        self._group.append(self._prepare_inputs(inputs))
+        if len(self._group) < self._group_size:
+            return torch.zeros((), device=self.args.device)
+        k = self._group_size
+        batch = _stack(self._group)
+        self._group = []
+        items = self._group_items
+        if items is not None:
+            items = torch.as_tensor(items, device=self.args.device).reshape(1).expand(k).contiguous()
+        scale = k if self._loss_is_scaled(items) else 1
+        loss = self._step(batch, items, scale)
+        stats = self._step.last_step
+        if stats is not None and stats.skipped and hasattr(self.optimizer, "_is_overflow"):
+            self.optimizer._is_overflow = True     # fp16 overflow: accelerate's flag, so the scheduler waits too
+        elif hasattr(self.optimizer, "_is_overflow"):
+            self.optimizer._is_overflow = False
+        return loss.to(self.args.device)
+
+    def _clip_grad_norm(self, model):
+        """The norm the step measured before clipping (it clipped inside)."""
+        return self._grad_norm()
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        return grad_norm if grad_norm is not None else self._grad_norm()
+
+    def _grad_norm(self) -> float | None:
+        stats = self._step.last_step if self._step is not None else None
+        return None if stats is None else getattr(stats, "grad_norm", None)
+
+    def train(self, *args, **kwargs):
+        out = super().train(*args, **kwargs)
+        self._give_back()
+        return out
+
+    # -- evaluation -------------------------------------------------------------------------------------------
+    def _eval_outputs(self, model, inputs: dict, num_items, has_loss: bool, loss_only: bool):
+        """Traced by pstar-fx, forward only: the loss and the model's tensor outputs (what prediction_step keeps)."""
+        if has_loss:
+            loss, outputs = self.compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items)
+        else:
+            loss, outputs = None, model(**inputs)
+        out = {} if loss is None else {"loss": loss.detach().mean()}
+        if not loss_only:
+            items = outputs.items() if isinstance(outputs, dict) else enumerate(outputs[1 if has_loss else 0:])
+            out["outputs"] = {str(k): v for k, v in items if k != "loss" and _is_tensors(v)}
+        return out
+
+    def prediction_step(self, model: nn.Module, inputs: dict, prediction_loss_only: bool, ignore_keys=None):
+        """The Trainer's prediction_step, with the forward run as a pstar-fx forward-only function."""
+        has_labels = bool(self.label_names) and all(inputs.get(k) is not None for k in self.label_names)
+        return_loss = inputs.get("return_loss")
+        if return_loss is None:
+            return_loss = self.can_return_loss
+        has_loss = has_labels or (not self.label_names and bool(return_loss))
+        inputs = self._prepare_inputs(inputs)
+        if ignore_keys is None:
+            config = getattr(self.model, "config", None)
+            ignore_keys = [] if config is None else getattr(config, "keys_to_ignore_at_inference", ["cache"])
+        labels = None
+        if has_loss:
+            labels = tuple(inputs.get(name).detach() if inputs.get(name) is not None else None
+                           for name in self.label_names)
+            labels = labels[0] if len(labels) == 1 else labels
+        num_items = self._get_num_items_in_batch([inputs], self.args.device) if has_loss else None
+        if self._eval is None:
+            opts = self._options
+            self._eval = px_compile(self.model, optimizer=None, precision=opts.precision, device=opts.device,
+                                    **self._memory)(self._eval_outputs)
+        out = self._eval(inputs, num_items, has_loss, prediction_loss_only)
+        loss = out.get("loss")
+        if prediction_loss_only:
+            return loss, None, None
+        logits = tuple(v for k, v in out["outputs"].items() if k not in list(ignore_keys) + ["loss"])
+        return loss, (logits[0] if len(logits) == 1 else logits), labels
+
+    def evaluate(self, *args, **kwargs):
+        try:
+            return super().evaluate(*args, **kwargs)
+        finally:
+            if not self.is_in_train:
+                self._give_back()
+
+    def predict(self, *args, **kwargs):
+        try:
+            return super().predict(*args, **kwargs)
+        finally:
+            if not self.is_in_train:
+                self._give_back()
+
+    # -- saving and resuming ----------------------------------------------------------------------------------
+    def _give_back(self) -> None:
+        """The model holds its own (trained) values again; the next step takes them back."""
+        if holders(self.model):
+            sync_model(self.model)
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """Hugging Face format, with the trained values (given back to the model first)."""
+        self._give_back()
+        super()._save(output_dir, state_dict=state_dict)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """The Trainer's optimizer (torch format) and scheduler, and the pstar-fx step's own checkpoint."""
+        super()._save_optimizer_and_scheduler(output_dir)
+        if self._step is not None and self.args.should_save:
+            self._step.save(os.path.join(output_dir, STEP_STATE_DIR))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+        self._give_back()            # the Trainer loads the weights into the model itself
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+    def _load_best_model(self) -> None:
+        self._give_back()
+        super()._load_best_model()
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """The Trainer's optimizer and scheduler states, then the step's checkpoint where there is one (model,
+        optimizer, loss scaler and RNG exactly as they were)."""
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is not None and self._step is not None:
+            path = os.path.join(checkpoint, STEP_STATE_DIR)
+            if os.path.isdir(path):
+                self._step.load(path)
+
+
+def _is_tensors(v) -> bool:
+    """A tensor, or a tuple / list of tensors (hidden states, attentions): outputs a prediction step gathers."""
+    if isinstance(v, torch.Tensor):
+        return True
+    return isinstance(v, (tuple, list)) and len(v) > 0 and all(isinstance(x, torch.Tensor) for x in v)
+
+
+def _stack(micro_batches: list[dict]) -> dict:
+    """The group's micro-batches as one batch, each tensor concatenated along dimension 0 (pstar-fx's accumulate
+    splits it back). Other values must be equal in every micro-batch."""
+    first = micro_batches[0]
+    out = {}
+    for key, value in first.items():
+        values = [mb.get(key) for mb in micro_batches]
+        if isinstance(value, torch.Tensor):
+            shapes = {tuple(v.shape) for v in values if isinstance(v, torch.Tensor)}
+            if len(shapes) != 1 or any(not isinstance(v, torch.Tensor) for v in values):
+                raise ValueError(
+                    f"PstarTrainer: the micro-batches of one accumulation group have '{key}' of shapes "
+                    f"{sorted(shapes)}; a pstar-fx step runs the group as one batch split along dimension 0, so "
+                    "they need equal shapes: pad to a fixed length (e.g. a tokenizer with padding='max_length', or "
+                    "a collator with pad_to_multiple_of) and set dataloader_drop_last=True")
+            out[key] = torch.cat(values, dim=0) if len(values) > 1 else value
+        else:
+            if any(v != value for v in values[1:]):
+                raise ValueError(f"PstarTrainer: the micro-batches of one accumulation group differ in '{key}' "
+                                 f"({values}); non-tensor inputs must be equal within a group")
+            out[key] = value
+    if any(set(mb) != set(first) for mb in micro_batches[1:]):
+        raise ValueError("PstarTrainer: the micro-batches of one accumulation group have different keys")
+    return out
+
+
+__all__ = ["PstarTrainer", "TrainerOptimizer"]

@@ -1,0 +1,183 @@
+"""pstar_fx.integrations.hf.PstarTrainer trains a transformers model as a plain `transformers.Trainer` does.
+
+A 2-layer GPT-2 (hidden 32, no dropout, fp32 on the CPU) on random token ids, with warm-up + linear decay, weight
+decay with the Trainer's no-decay groups, max_grad_norm and gradient_accumulation_steps=2, against a plain Trainer on
+the same model, seed and data: every logged loss, grad norm and learning rate, every evaluation and the final
+weights agree. Tolerance: 1e-5 relative on losses and norms and 1e-6 absolute on weights, the suite's fp32 bound for
+a compiled step against eager (docs/design.md#numerics); on this CPU they agree bit for bit. Saving at step k and
+`resume_from_checkpoint` continues bit for bit; `save_model` writes safetensors that `from_pretrained` loads.
+"""
+import os
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
+
+from pstar_fx.integrations.hf import PstarTrainer  # noqa: E402
+from pstar_fx.integrations.hf import _stack  # noqa: E402
+
+T, V = 16, 64
+
+
+class Tokens(torch.utils.data.Dataset):
+    """n sequences of T random token ids (labels = inputs: the model shifts them)."""
+
+    def __init__(self, n: int, seed: int):
+        self.ids = torch.randint(0, V, (n, T), generator=torch.Generator().manual_seed(seed))
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "attention_mask": torch.ones(T, dtype=torch.long),
+                "labels": self.ids[i].clone()}
+
+
+def tiny_gpt2() -> GPT2LMHeadModel:
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=V, n_positions=T, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
+                                      embd_pdrop=0.0, attn_pdrop=0.0))
+
+
+class Record(TrainerCallback):
+    """The Trainer's logs, and (PstarTrainer) the lr each compiled step ran with."""
+
+    def __init__(self):
+        self.logs, self.step_lrs, self.trainer = [], [], None
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.logs.append(dict(logs))
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.trainer is not None:
+            self.step_lrs.append(self.trainer.step.last_step.lr)
+
+
+def arguments(out, **kw) -> TrainingArguments:
+    base = dict(output_dir=str(out), per_device_train_batch_size=4, per_device_eval_batch_size=4,
+                gradient_accumulation_steps=2, learning_rate=1e-2, warmup_steps=2, lr_scheduler_type="linear",
+                weight_decay=0.1, max_grad_norm=0.5, num_train_epochs=2, logging_steps=1, eval_strategy="steps",
+                eval_steps=4, save_strategy="no", seed=0, use_cpu=True, disable_tqdm=True, report_to=[])
+    base.update(kw)
+    return TrainingArguments(**base)
+
+
+def train(cls, out, **kw):
+    model, record = tiny_gpt2(), Record()
+    trainer = cls(model=model, args=arguments(out, **kw), train_dataset=Tokens(32, seed=1),
+                  eval_dataset=Tokens(8, seed=2), callbacks=[record])
+    if cls is PstarTrainer:
+        record.trainer = trainer
+    trainer.train()
+    return trainer, record
+
+
+def close(a: dict, b: dict, keys=("loss", "grad_norm", "eval_loss")) -> None:
+    assert set(a) == set(b), (a, b)
+    for k in keys:
+        if k in a:
+            assert a[k] == pytest.approx(b[k], rel=1e-5), (k, a, b)
+    if "learning_rate" in a:
+        assert a["learning_rate"] == b["learning_rate"]
+
+
+def test_trains_like_a_plain_trainer(tmp_path):
+    """Losses, grad norms, lr and evaluations at every logging step, final weights, eager use after train(),
+    evaluate() and predict() afterwards, and save_model's safetensors: all as the plain Trainer's."""
+    eager, eager_rec = train(Trainer, tmp_path / "eager")
+    px_trainer, px_rec = train(PstarTrainer, tmp_path / "px")
+
+    assert len(px_rec.logs) == len(eager_rec.logs) == 8 + 2 + 1      # 8 steps, 2 evaluations, the summary
+    assert sum("eval_loss" in log for log in px_rec.logs) == 2
+    for a, b in zip(px_rec.logs[:-1], eager_rec.logs[:-1]):
+        close(a, b)
+    assert px_rec.logs[-1]["train_loss"] == pytest.approx(eager_rec.logs[-1]["train_loss"], rel=1e-5)
+    # the compiled steps ran with the lr the plain Trainer's optimizer had at each step (warm-up, then decay)
+    used = px_rec.step_lrs
+    logged = [log["learning_rate"] for log in eager_rec.logs if "loss" in log and "eval_loss" not in log][:8]
+    assert [set(lrs) for lrs in used] == [{lr} for lr in logged] and logged[0] == 0.0 and logged[2] == 1e-2
+    # weight decay on matrices, none on biases and norms: the Trainer's groups
+    decay = {id(p) for p in eager.optimizer.param_groups[0]["params"]}
+    px_groups = px_trainer.step.optimizer.param_groups
+    assert [g["weight_decay"] for g in px_groups] == [0.1, 0.0]
+    names = {id(p): n for n, p in px_trainer.model.named_parameters()}
+    eager_names = {id(p): n for n, p in eager.model.named_parameters()}
+    assert {names[id(p)] for p in px_groups[0]["params"]} == {eager_names[i] for i in decay}
+
+    # train() gave the values back: the model is usable eagerly, and equal to the plain Trainer's
+    trained = px_trainer.model.state_dict()
+    for k, v in eager.model.state_dict().items():
+        torch.testing.assert_close(trained[k], v, rtol=0, atol=1e-6)
+    batch = Tokens(4, seed=3).ids
+    torch.testing.assert_close(px_trainer.model(batch).logits, eager.model(batch).logits, rtol=1e-5, atol=1e-6)
+
+    # evaluate() and predict() outside training: the forward-only pstar-fx function equals eager
+    test = Tokens(8, seed=4)
+    px_eval, eager_eval = px_trainer.evaluate(test), eager.evaluate(test)
+    assert px_eval["eval_loss"] == pytest.approx(eager_eval["eval_loss"], rel=1e-5)
+    px_pred, eager_pred = px_trainer.predict(test), eager.predict(test)
+    torch.testing.assert_close(torch.as_tensor(px_pred.predictions), torch.as_tensor(eager_pred.predictions),
+                               rtol=1e-5, atol=1e-5)
+    assert (px_pred.label_ids == eager_pred.label_ids).all()
+    px_trainer.model(batch)                        # usable again after evaluate() / predict()
+
+    px_trainer.save_model(str(tmp_path / "saved"))
+    assert os.path.isfile(tmp_path / "saved" / "model.safetensors")
+    loaded = GPT2LMHeadModel.from_pretrained(str(tmp_path / "saved")).state_dict()
+    for k, v in trained.items():
+        assert torch.equal(loaded[k], v), k
+
+
+def test_resume_from_checkpoint_continues_bit_for_bit(tmp_path):
+    """Saved at step 3 (checkpoint-3, with the step's own checkpoint inside) and resumed by a new trainer on a new
+    model: the losses of steps 4..8 and the final weights are those of the uninterrupted run, bit for bit."""
+    kw = dict(save_strategy="steps", save_steps=3, eval_strategy="no")
+    whole, whole_rec = train(PstarTrainer, tmp_path / "run", **kw)
+    ckpt = tmp_path / "run" / "checkpoint-3"
+    assert os.path.isfile(ckpt / "model.safetensors") and os.path.isdir(ckpt / "pstar_fx")
+
+    model, record = tiny_gpt2(), Record()
+    resumed = PstarTrainer(model=model, args=arguments(tmp_path / "resumed", **kw), train_dataset=Tokens(32, seed=1),
+                           callbacks=[record])
+    resumed.train(resume_from_checkpoint=str(ckpt))
+    losses = {round(log["epoch"], 3): log["loss"] for log in whole_rec.logs if "loss" in log}
+    again = {round(log["epoch"], 3): log["loss"] for log in record.logs if "loss" in log}
+    assert len(again) == 5 and all(again[e] == losses[e] for e in again), (losses, again)
+    final = whole.model.state_dict()
+    for k, v in resumed.model.state_dict().items():
+        assert torch.equal(v, final[k]), k
+
+
+def test_unsupported_arguments_are_refused(tmp_path):
+    """What a pstar-fx step cannot do the Trainer's way fails at construction, saying what to change."""
+    model, data = tiny_gpt2(), Tokens(8, seed=1)
+
+    def make(**kw):
+        return PstarTrainer(model=model, args=arguments(tmp_path, eval_strategy="no", **kw), train_dataset=data)
+
+    with pytest.raises(ValueError, match="optim='sgd'.*adamw_torch_fused"):
+        make(optim="sgd")
+    with pytest.raises(ValueError, match="torch_compile=True.*set torch_compile=False"):
+        make(torch_compile=True)
+    with pytest.raises(ValueError, match="an optimizer passed to the Trainer"):
+        PstarTrainer(model=model, args=arguments(tmp_path, eval_strategy="no"), train_dataset=data,
+                     optimizers=(torch.optim.SGD(model.parameters(), lr=0.1), None))
+
+
+def test_a_group_of_unequal_micro_batches_is_refused():
+    a = {"input_ids": torch.ones(4, 16, dtype=torch.long)}
+    b = {"input_ids": torch.ones(4, 12, dtype=torch.long)}
+    assert _stack([a, a])["input_ids"].shape == (8, 16)
+    with pytest.raises(ValueError, match="'input_ids' of shapes.*pad to a fixed length"):
+        _stack([a, b])
+
+
+def test_importing_pstar_fx_does_not_import_transformers():
+    import subprocess
+    import sys
+    code = "import sys, pstar_fx; assert 'transformers' not in sys.modules, 'transformers imported'"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert out.returncode == 0, out.stderr[-2000:]
