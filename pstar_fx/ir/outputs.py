@@ -7,8 +7,9 @@ plain constants (ints, floats, bools, strings, None). The traced graph's outputs
 
 where the aux tensors are the tensor leaves of `aux` in pytree order (with accumulate=K, each leaf stacked over the
 K micro-batches on a new dimension 0). canonicalize drops the micro-batch losses (the mean reads them), and from
-assign_chunks on the gradients have become writes into chunks: the graph returns `[loss, aux_0 .. aux_{n-1}]`. `AuxOutputs` keeps what rebuilds `aux` from those tensors, so every
-pass that reads the output list splits it with `split_outputs` and none counts positions of its own.
+assign_chunks on the gradients have become writes into chunks: the graph returns `[loss, aux_0 .. aux_{n-1}]`.
+`AuxOutputs` keeps what rebuilds `aux` from those tensors (a forward-only graph's whole output is described by one
+too); every pass that reads the output list splits it with `split_outputs` and none counts positions of its own.
 """
 from __future__ import annotations
 

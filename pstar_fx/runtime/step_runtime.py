@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..ir.graph import BufKind, ChunkGroup, StateHome, TrainGraph
+from ..ir.graph import BufKind, StateHome, TrainGraph
 from ..ir.needs import BufKey
 from .adam import adam_step, host_step
 from .chunk_store import ChunkStore
