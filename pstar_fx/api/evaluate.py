@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-import optree
 import torch.nn as nn
 
 from ..frontend.trace import FlatBatch, flatten_batch, trace_step
@@ -108,7 +107,7 @@ class CompiledEval(CompiledStep):
                 self._model_state.take()
             run = run_forward(compiled.executor, flat.tensors, interrupts, debug=self.debug)
             self._last_stats = run.stats
-            return optree.tree_unflatten(compiled.executor.g.output_spec, [o.detach() for o in run.outputs])
+            return compiled.executor.g.output_spec.rebuild([o.detach() for o in run.outputs])
 
 
 __all__ = ["CompiledEval"]

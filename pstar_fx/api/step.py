@@ -21,7 +21,7 @@ from ..interrupts import DeferredInterrupt
 from ..ir.graph import Precision, Settings, TrainGraph
 from ..optim import OptimizerSpec
 from ..runtime.comm import default_comm
-from ..runtime.run import run_training_step
+from ..runtime.run import returned, run_training_step
 from ..runtime.step_runtime import LossScaler, StepStats
 from . import timeline
 from .agreement import check_same_step
@@ -81,8 +81,8 @@ class CompiledStep:
         self.__wrapped__ = fn
 
     # -- running ----------------------------------------------------------------------------------------------
-    def __call__(self, *batch) -> torch.Tensor:
-        """One training step on this batch; returns the loss. Atomic (see Executor.run): a failure before the commit
+    def __call__(self, *batch):
+        """One training step on this batch; returns the loss, or (loss, aux) as the function does. Atomic (see Executor.run): a failure before the commit
         point leaves every value as it was. Another thread's save() or load() waits for the step (a lock). Ctrl-C is
         held over the whole call and taken only at safe points: after the trace, between the passes, and between
         nodes before the commit point, where it raises KeyboardInterrupt and the step changes nothing (a compile
@@ -104,7 +104,7 @@ class CompiledStep:
             self._last_stats = run.stats
             if run.per_node is not None:
                 self._measured = (compiled.executor.g, run.per_node)
-            return run.outputs[0].detach().float()
+            return returned(compiled.executor.g, run.outputs)
 
     def _check_callable(self, batch) -> None:
         """The step may run: not broken by a failed update, in grad mode, and (several ranks) called alike on every

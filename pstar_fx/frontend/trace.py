@@ -3,8 +3,9 @@
 `torch.func.functional_call` runs the step with the model's tensors swapped for graph inputs, `torch.autograd.grad`
 differentiates the loss with respect to the trainable parameters, and `make_fx` records both over fake tensors, so
 nothing real is allocated. Placeholders come in this order: trainable parameters, frozen parameters, buffers, the fp16
-loss scale (fp16 only), then the batch tensors. The output is `[loss, grad_0, ..., grad_k]`, one gradient per
-trainable parameter in table order (None for a parameter the loss does not reach).
+loss scale (fp16 only), then the batch tensors. The output is `[loss, aux..., grad_0, ..., grad_k]`: the tensors the
+step returned beside the loss (aux_outputs.py, ir/outputs.py), then one gradient per trainable parameter in table
+order (None for a parameter the loss does not reach).
 
 Buffers are passed in as inputs (not closed over), so in-place buffer updates such as BatchNorm's running statistics
 stay in the graph as in-place aten ops on the buffer placeholders; the runtime applies them to the real buffers.
@@ -50,7 +51,9 @@ from ..ir.fx_utils import (data_dependent_sizes, is_user_file, loss_seed, mutate
                            tensors_of, user_frame)
 from ..ir.graph import (BufferInfo, InputInfo, NodeAnn, ParamInfo, Phase, Role, Settings, TrainGraph, lazy_modules,
                         to_module)
+from ..ir.outputs import split_outputs
 from . import fake_fixes, moe_rewrites, user_checkpoint
+from .aux_outputs import AuxCollector, describe_aux, own_aux_storage, split_returned
 
 
 
@@ -402,23 +405,25 @@ def _trace_step(fn, model: nn.Module, batch: tuple, settings: Settings) -> Train
     micro = settings.accumulate
     splits = _micro_batch_sizes(flat, micro)
 
-    def one_micro_batch(leaves, fp, bufs, scale_args, xs):
+    aux = AuxCollector(micro)                         # what the step returns beside the loss (aux_outputs.py)
+
+    def one_micro_batch(leaves, fp, bufs, scale_args, xs, k=0):
         autocast = (torch.autocast(device.type, dtype=half) if half is not None else contextlib.nullcontext())
         # the model's tensors stay substituted through backward too: a checkpoint's recompute runs there
         with torch.enable_grad(), user_checkpoint.substituted(wrapper, substituted(leaves, fp, bufs)):
             with autocast:
-                out = wrapper(*flat.rebuild(xs))
-            if not isinstance(out, torch.Tensor) or out.dim() != 0:
+                out, aux_k, returned = split_returned(wrapper(*flat.rebuild(xs)))
+            if out.dim() != 0:
                 raise UntraceableError(
-                    "the step function must return the loss as a 0-d tensor, got "
-                    + (f"a tensor of shape {tuple(out.shape)}" if isinstance(out, torch.Tensor)
-                       else type(out).__name__))
+                    f"the step function must return the loss as a 0-d tensor, got a tensor of shape "
+                    f"{tuple(out.shape)}; return the loss alone or as (loss, aux)")
             if not out.is_floating_point():
                 raise UntraceableError(f"the step function returned a loss of dtype {out.dtype}; it must be floating")
             if not out.requires_grad:
                 raise UntraceableError(
                     "the loss does not depend on any trainable parameter, so a step would train nothing (eager "
                     "loss.backward() raises here too); check requires_grad and that the loss uses the model's output")
+            aux.add(k, aux_k, returned)                # before this micro-batch's backward
             seeded = out / micro if micro > 1 else out       # eager accumulation: (loss / K).backward() per micro-batch
             seeded = seeded * scale_args[0] if scale_args else seeded
             recorder.set_source(None)      # the backward's nodes come from the engine, not from a user's line
@@ -432,13 +437,12 @@ def _trace_step(fn, model: nn.Module, batch: tuple, settings: Settings) -> Train
         autocast = (torch.autocast(device.type, dtype=half) if half is not None else contextlib.nullcontext())
         with torch.no_grad(), user_checkpoint.substituted(wrapper, substituted(tp, fp, bufs)), autocast:
             out = wrapper(*flat.rebuild(xs))
-        leaves, spec = optree.tree_flatten(out, none_is_leaf=True)
-        bad = [type(x).__name__ for x in leaves if not isinstance(x, torch.Tensor)]
-        if bad or not leaves:
+        layout, leaves = describe_aux(out, "output")   # constants (ints, None, ...) are returned as they are
+        if not leaves:
             raise UntraceableError("a forward-only step (optimizer=None) must return a tensor or a tuple, list or "
-                                   f"dict of tensors; it returned {type(out).__name__}"
-                                   + (f" holding {', '.join(sorted(set(bad)))}" if bad else ""))
-        output_spec.append(spec)
+                                   f"dict of tensors (and plain constants); it returned {type(out).__name__} "
+                                   "without a tensor")
+        output_spec.append(layout)
         return leaves
 
     def traced(tp, fp, bufs, scale_args, *xs):
@@ -448,19 +452,20 @@ def _trace_step(fn, model: nn.Module, batch: tuple, settings: Settings) -> Train
         # With accumulate=K the graph holds K forward + backward passes, one per micro-batch (a slice of every batch
         # tensor along dim 0), in order; outputs: [mean loss, loss_1..loss_K (K > 1 only), grads_1, ..., grads_K].
         leaves = {k: v.detach().requires_grad_(True) for k, v in tp.items()}
+        # The aux tensors come after the losses (ir/outputs.py).
         if micro == 1:
             out, grads = one_micro_batch(leaves, fp, bufs, scale_args, xs)
-            return [out] + grads
+            return [out] + aux.outputs + grads
         losses, all_grads = [], []
         for k in range(micro):
             part = [x.narrow(0, k * b, b) for x, b in zip(xs, splits)]
-            out, grads = one_micro_batch(leaves, fp, bufs, scale_args, part)
+            out, grads = one_micro_batch(leaves, fp, bufs, scale_args, part, k)
             losses.append(out)
             all_grads += grads
         total = losses[0]
         for loss_k in losses[1:]:
             total = total + loss_k
-        return [total / micro] + losses + all_grads
+        return [total / micro] + losses + aux.outputs + all_grads
 
     recorder = _SourceRecorder()
     sources = fx_traceback.preserve_node_meta() if _CHEAP_SOURCES else contextlib.nullcontext()
@@ -475,16 +480,19 @@ def _trace_step(fn, model: nn.Module, batch: tuple, settings: Settings) -> Train
         raise _explain(e, flat, mode.shape_env) from e
     _reject_unbounded(gm, mode.shape_env)
 
-    if settings.optimizer is not None:
-        outputs = output_node(gm.graph).args[0]
-        micro_losses = outputs[1:1 + micro] if micro > 1 else outputs[:1]
-        user_checkpoint.mark_recompute(gm, [s for s in (loss_seed(gm.graph, n) for n in micro_losses) if s is not None])
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     roles: list[tuple[Role, str | None]] = (
         [(Role.PARAM, k) for k in trainable] + [(Role.PARAM, k) for k in frozen]
         + [(Role.BUFFER, k) for k in buffers] + [(Role.SCALE, None)] * len(scale)
         + [(Role.INPUT, None)] * len(fake_batch))
     assert len(roles) == len(placeholders), (len(roles), len(placeholders))
+    if settings.optimizer is not None:
+        parts = split_outputs(output_node(gm.graph).args[0], micro, aux.layout)
+        user_checkpoint.mark_recompute(gm, [s for s in (loss_seed(gm.graph, n) for n in parts.micro_losses)
+                                            if s is not None])
+        first_aux = 1 + (micro if micro > 1 else 0)
+        own_aux_storage(gm, range(first_aux, first_aux + len(parts.aux)),
+                        {n: role for n, (role, _) in zip(placeholders, roles)})
     ann = {}
     for node, (role, name) in zip(placeholders, roles):
         ann[node.name] = NodeAnn(role=role, phase=Phase.INPUT, param=name if role is Role.PARAM else None)
@@ -510,7 +518,7 @@ def _trace_step(fn, model: nn.Module, batch: tuple, settings: Settings) -> Train
     graph = to_module(gm.graph, gm)
     return TrainGraph(gm=graph, stage="traced", made_by="trace_step", settings=settings, params=ordered,
                       buffers=tables.buffers, inputs=tuple(inputs), ann=ann, seconds=time.perf_counter() - t0,
-                      output_spec=output_spec[0] if output_spec else None)
+                      output_spec=output_spec[0] if output_spec else None, aux=aux.layout)
 
 
 def _reject_unbounded(gm: fx.GraphModule, shape_env: ShapeEnv) -> None:

@@ -22,6 +22,7 @@ import torch
 import torch.fx as fx
 
 from ..optim import OptimizerLayout
+from .outputs import AuxOutputs
 
 
 class _Enum(enum.Enum):
@@ -264,7 +265,8 @@ class TrainGraph:
     chunks: tuple[ChunkInfo, ...] = ()
     chunk_size: int | None = None    # chunked+: elements per regular chunk (larger tensors get their own chunk)
     plan: MemoryPlan | None = None
-    output_spec: object = None       # forward only (optimizer=None): the optree spec of what the function returns
+    output_spec: AuxOutputs | None = None   # forward only (optimizer=None): what rebuilds the function's output
+    aux: AuxOutputs | None = None    # training: what the step function returned beside the loss (ir/outputs.py)
     seconds: float = 0.0             # how long the pass took (kept out of the printed text)
     scheduled: Scheduled | None = dataclasses.field(default=None, repr=False, compare=False)  # optimizer_placed
 

@@ -6,9 +6,10 @@ parameter the loss reaches but no optimizer group holds is frozen (torch.optim n
 parameter remains: each use of a parameter (or of a view of one) is fed by its own `param_view(param=...)` node,
 placed, with the chain of views it needs, right before that use, so no value aliasing a chunk lives across two uses
 (the chunk may move in between); every gradient output became `write_grad(grad, param=...)` right after the node
-that made it, and the graph returns only the loss. In mixed precision a chunk's gradients overwrite its parameters
-(`grad_inplace`) iff no parameter of the chunk is read after its own gradient is written. With `world` ranks every
-chunk's capacity is a multiple of ALIGN * world, so each rank's shard is a whole, aligned 1/world of it.
+that made it, and the graph returns the loss and the aux outputs only (ir/outputs.py). In mixed precision a chunk's
+gradients overwrite its parameters (`grad_inplace`) iff no parameter of the chunk is read after its own gradient is
+written. With `world` ranks every chunk's capacity is a multiple of ALIGN * world, so each rank's shard is a whole,
+aligned 1/world of it.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import torch.fx as fx
 
 from ..ir import ops
 from ..ir.fx_utils import mutated_args, node_copy, output_node, storage_key, tensors_of
+from ..ir.outputs import split_outputs
 from ..ir.graph import ChunkGroup, ChunkInfo, NodeAnn, ParamInfo, Phase, Role, TrainGraph, copy_graph, to_module
 
 ALIGN = 32                  # element alignment of every parameter inside a chunk (vectorised kernels like it)
@@ -107,8 +109,9 @@ def assign_chunks(g: TrainGraph, *, chunk_size: int | None = None,
     grad_outputs = tuple(n for n in g.grad_outputs if n not in ungrouped)
     if ungrouped:
         out = output_node(graph)
-        loss, grads = out.args[0][0], out.args[0][1:]
-        out.args = ([loss] + [gn for n, gn in zip(g.grad_outputs, grads) if n not in ungrouped],)
+        parts = split_outputs(out.args[0], 1, g.aux)
+        out.args = ([parts.loss] + parts.aux
+                    + [gn for n, gn in zip(g.grad_outputs, parts.grads) if n not in ungrouped],)
         for node in reversed(list(graph.nodes)):   # the dropped gradients' computations (canonicalize's rule)
             if node.op == "call_function" and not node.users and not mutated_args(node):
                 graph.erase_node(node)
@@ -157,11 +160,13 @@ def assign_chunks(g: TrainGraph, *, chunk_size: int | None = None,
         param_table = tuple(old[p.name] for p in all_params)
         chunks = [dataclasses.replace(c, grad_inplace=False) for c in chunk_table]
 
-    # 2. Gradients: write_grad right after the node that makes each one; the graph returns only the loss.
+    # 2. Gradients: write_grad right after the node that makes each one; the graph returns the loss and the aux.
     out = output_node(graph)
-    loss, grads = out.args[0][0], out.args[0][1:]
     if g.settings.optimizer is None:          # forward only: no gradients; the outputs stay as they are
-        loss, grads = out.args[0], ()
+        returned, grads = out.args[0], ()
+    else:
+        parts = split_outputs(out.args[0], 1, g.aux)
+        returned, grads = [parts.loss] + parts.aux, parts.grads
     # with accumulation each parameter's gradient comes once per micro-batch: the first write copies, later ones add,
     # and the last one completes it
     remaining = {n: grad_outputs.count(n) for n in set(grad_outputs)}
@@ -173,7 +178,7 @@ def assign_chunks(g: TrainGraph, *, chunk_size: int | None = None,
         with graph.inserting_after(gnode):
             w = graph.call_function(ops.write_grad, (gnode,), kwargs)
         ann[w.name] = NodeAnn(role=Role.WRITE_GRAD, phase=Phase.BACKWARD, param=name)
-    out.args = (loss if g.settings.optimizer is None else [loss],)
+    out.args = (returned,)
 
     # 3. Parameter reads: a fresh param_view (plus the view chain) right before every use.
     root = _alias_roots(graph, param_of)

@@ -2,7 +2,8 @@
 
 Invariant after: every call_function node either has a user, writes to one of its arguments, or is the loss; each
 node's phase is BACKWARD iff it depends on the loss seed (`ones_like(loss)`, the start of backward), FORWARD otherwise;
-`grad_outputs[i]` names the parameter whose gradient is output i + 1, and every named gradient depends on the seed.
+the outputs are `[loss, aux..., grads...]` (ir/outputs.py: the micro-batch losses are dropped), `grad_outputs[i]` names
+the parameter of gradient output i, and every named gradient depends on the seed.
 With accumulate=K there is one seed per micro-batch and each parameter's gradient is output K times, in micro-batch
 order (the runtime accumulates them into its chunk).
 A trainable parameter whose gradient does not depend on the seed gets none (eager PyTorch leaves its `.grad` None and
@@ -16,6 +17,7 @@ import torch.fx as fx
 
 from ..ir.fx_utils import loss_seed, mutated_args, output_node
 from ..ir.graph import Phase, TrainGraph, copy_graph, to_module
+from ..ir.outputs import split_outputs
 
 
 def canonicalize(g: TrainGraph) -> TrainGraph:
@@ -28,9 +30,8 @@ def canonicalize(g: TrainGraph) -> TrainGraph:
         return g.evolve(gm=to_module(graph, g.gm), stage="canonical", made_by="canonicalize", ann=ann)
     micro = g.settings.accumulate
     trainable = [p for p in g.params if p.trainable]
-    loss = outputs[0]
-    micro_losses = outputs[1:1 + micro] if micro > 1 else [loss]
-    grads = outputs[1 + (micro if micro > 1 else 0):]
+    parts = split_outputs(outputs, micro, g.aux)
+    loss, micro_losses, aux, grads = parts.loss, parts.micro_losses, parts.aux, parts.grads
     assert len(grads) == micro * len(trainable), (len(grads), micro, len(trainable))
 
     backward: set[fx.Node] = set()
@@ -56,7 +57,7 @@ def canonicalize(g: TrainGraph) -> TrainGraph:
                 assert isinstance(gnode, fx.Node) and gnode in backward, (p.name, k)
                 kept_grads.append(gnode)
                 grad_names.append(p.name)
-    out_node.args = ([loss] + kept_grads,)
+    out_node.args = ([loss] + aux + kept_grads,)
 
     _eliminate_dead_code(graph)
 

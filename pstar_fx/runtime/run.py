@@ -21,7 +21,8 @@ from .step_runtime import LossScaler, Runtime, StepStats
 @dataclass(frozen=True)
 class StepRun:
     """What one run of a compiled graph returned and measured."""
-    outputs: list[torch.Tensor]      # the graph's outputs (a training step's: [loss], the mean over the ranks')
+    outputs: list[torch.Tensor]      # the graph's outputs (a training step's: [loss, aux...], the loss the mean over
+                                     # the ranks', each rank's aux its own)
     stats: StepStats
     per_node: list[int] | None       # debug=True: the device bytes measured after every node
 
@@ -46,7 +47,7 @@ def run_training_step(executor: Executor, tensors: list[torch.Tensor], interrupt
     if retries is not None:
         retries = alloc_retries(store.device) - retries
     if store.comm is not None:        # the loss reported is the mean over every rank's batch
-        outputs = [store.comm.all_reduce(outputs[0].detach().float().clone()) / store.comm.world]
+        outputs = [rt.mean_over_ranks(outputs[0])] + outputs[1:]
     if scaler is not None:
         scaler.update(rt.skip)
     stats = StepStats(measured_peak=peak, h2d_bytes=rt.h2d, d2h_bytes=rt.d2h, skipped=rt.skip,
@@ -55,6 +56,15 @@ def run_training_step(executor: Executor, tensors: list[torch.Tensor], interrupt
     if per_node is not None:
         check_measured(g, per_node)
     return StepRun(outputs, stats, per_node)
+
+
+def returned(g: TrainGraph, outputs: list[torch.Tensor]):
+    """What a training step returns from its graph's outputs: the loss (detached, fp32), or (loss, aux) with aux
+    rebuilt as the step function returned it, its tensors detached (ir/outputs.py)."""
+    loss = outputs[0].detach().float()
+    if g.aux is None:
+        return loss
+    return loss, g.aux.rebuild([t.detach() for t in outputs[1:]])
 
 
 def run_forward(executor: Executor, tensors: list[torch.Tensor], interrupts: DeferredInterrupt, *,

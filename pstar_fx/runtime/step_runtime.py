@@ -46,7 +46,8 @@ class StepStats:
 
     @property
     def grad_norm(self) -> float | None:
-        """The global L2 norm of the gradients before clipping (None without max_grad_norm)."""
+        """The global L2 norm of the step's gradient (every rank's, unscaled in fp16), before clipping: what
+        torch.nn.utils.clip_grad_norm_ returns. None for a forward-only step. Reading it waits for the device."""
         return None if self._grad_norm is None else float(self._grad_norm)
 
 
@@ -61,11 +62,15 @@ class Runtime:
         self.cfg = opt.configs() if opt is not None else ()
         self.precision = g.settings.precision
         self.params = {p.name: p for p in g.params}
-        self.param_index = {p.name: i for i, p in enumerate(g.params)}
         self.found_inf: torch.Tensor | None = None
         self.comm = store.comm          # None with one rank
-        # clipping: per parameter, the gradient's norm (one rank); per chunk, its shard's squared norm (sharded)
-        self.norms: dict[int, torch.Tensor] | None = {} if g.settings.max_grad_norm is not None else None
+        # the gradient norm, every step, taken on the device where each gradient is complete: one rank, per
+        # parameter, its gradient's norm at its final write (the order of torch.nn.utils.clip_grad_norm_, so the
+        # norm and the clipped update are eager's bit for bit); sharded, per chunk, its reduced shard's squared norm
+        self.norms: dict[int, torch.Tensor] | None = {} if opt is not None else None
+        self.param_index = {p.name: i for i, p in enumerate(g.params)}
+        self._clip = g.settings.max_grad_norm is not None
+        self._norm_pending: set[int] = set()    # sharded, no clipping: reduced chunks whose norm is still to take
         self.grad_norm: torch.Tensor | None = None
         self.clip_coef: torch.Tensor | None = None
         self._clip_coef_host: torch.Tensor | None = None
@@ -95,7 +100,7 @@ class Runtime:
             # max and min propagate NaN and show inf: two reductions, no temporary the size of the gradient
             bad = ~torch.isfinite(dst.amax()) | ~torch.isfinite(dst.amin())
             self.found_inf |= bad
-        if self.norms is not None and self.comm is None:
+        if self.comm is None:
             self.norms[self.param_index[name]] = torch.linalg.vector_norm(dst, dtype=torch.float32)
 
     def reduce_scatter(self, chunk: int) -> None:
@@ -107,11 +112,20 @@ class Runtime:
         slot.div_(self.comm.world)
         work = self.comm.reduce_scatter(slot)
         self.store.reduced.add(chunk)
-        if self.norms is not None:
+        if self._clip:        # the commit needs the norm: the compute stream waits for the collective here
             work.wait()
-            self.norms[chunk] = torch.linalg.vector_norm(self.comm.shard(slot), dtype=torch.float32).square()
-        else:
+            self.norms[chunk] = _squared_norm(self.comm.shard(slot))
+        else:                 # taken where the step next reads the reduced shard, which waits for it anyway
             self.store.arriving(key, work)
+            self._norm_pending.add(chunk)
+
+    def _take_pending_norm(self, chunk: int) -> None:
+        """Sharded, without clipping: the squared norm of the chunk's reduced gradient shard, at the first node
+        that reads it after its reduce-scatter (its device-side update, or its write-back for a host-side one)."""
+        if chunk in self._norm_pending:
+            self._norm_pending.discard(chunk)
+            key = BufKey(chunk, self.g.chunks[chunk].grad_buf())
+            self.norms[chunk] = _squared_norm(self.comm.shard(self.store.slot(key)))
 
     def fetch(self, chunk: int, buf: BufKind) -> None:
         self.h2d += self.store.home_bytes(BufKey(chunk, buf))
@@ -121,6 +135,8 @@ class Runtime:
         self.store.alloc(BufKey(chunk, buf))
 
     def release(self, chunk: int, buf: BufKind, writeback: bool) -> None:
+        if self._norm_pending and buf is self.g.chunks[chunk].grad_buf():
+            self._take_pending_norm(chunk)
         if writeback:
             self.d2h += self.store.home_bytes(BufKey(chunk, buf))
         self.store.release(BufKey(chunk, buf), writeback, defer=True)
@@ -134,12 +150,35 @@ class Runtime:
         if self.norms is not None:
             # torch.nn.utils.clip_grad_norm_: the norm of the per-parameter norms, in parameter order
             norms = [self.norms[i] for i in sorted(self.norms)]
-            total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
-            if self.scaler is not None:
-                total = total / self.scaler.scale
-            self.grad_norm = total
-            self.clip_coef = torch.clamp(self.g.settings.max_grad_norm / (total + 1e-6), max=1.0)
+            self._set_grad_norm(torch.linalg.vector_norm(torch.stack(norms)) if norms
+                                else torch.zeros((), device=self.store.device))
         self.committed = True
+
+    def _squared_sum(self) -> torch.Tensor:
+        """Sharded: the sum of the squared shard norms taken so far, in chunk order (fp32, on the device)."""
+        norms = [self.norms[c] for c in sorted(self.norms)]
+        return torch.stack(norms).sum() if norms else torch.zeros((), device=self.store.device)
+
+    def _set_grad_norm(self, total: torch.Tensor) -> None:
+        """The step's global gradient norm (of the scaled gradient in fp16: unscaled here); the clip coefficient of
+        torch.nn.utils.clip_grad_norm_ when clipping."""
+        if self.scaler is not None:
+            total = total / self.scaler.scale
+        self.grad_norm = total
+        if self._clip:
+            self.clip_coef = torch.clamp(self.g.settings.max_grad_norm / (total + 1e-6), max=1.0)
+
+    def mean_over_ranks(self, loss: torch.Tensor) -> torch.Tensor:
+        """Sharded, at the end of a training step: the loss averaged over the ranks; without clipping, the global
+        gradient norm in the same all-reduce (the sum of every rank's squared shard norms, taken during the
+        step)."""
+        loss = loss.detach().float().to(self.store.device)
+        if self.grad_norm is not None or self.norms is None:
+            return self.comm.all_reduce(loss.clone()) / self.comm.world
+        assert not self._norm_pending, f"gradient shards whose norm was never taken: {sorted(self._norm_pending)}"
+        both = self.comm.all_reduce(torch.stack([loss, self._squared_sum().to(loss.device)]))
+        self._set_grad_norm(both[1].sqrt())
+        return both[0] / self.comm.world
 
     def _commit_sharded(self) -> None:
         """The commit across ranks, in one all-reduce (every rank issues it, whatever the settings): the count of
@@ -147,17 +186,12 @@ class Runtime:
         gradient norm (clipping: the global norm is its square root)."""
         dev = self.store.device
         bad = self.found_inf.float() if self.found_inf is not None else torch.zeros((), device=dev)
-        sq = (torch.stack([self.norms[c] for c in sorted(self.norms)]).sum() if self.norms
-              else torch.zeros((), device=dev))
+        sq = self._squared_sum() if self._clip else torch.zeros((), device=dev)
         both = self.comm.all_reduce(torch.stack([bad.to(dev), sq.to(dev)]))
         if self.found_inf is not None:
             self.skip = bool(both[0].item() > 0)
-        if self.norms is not None:
-            total = both[1].sqrt()
-            if self.scaler is not None:
-                total = total / self.scaler.scale
-            self.grad_norm = total
-            self.clip_coef = torch.clamp(self.g.settings.max_grad_norm / (total + 1e-6), max=1.0)
+        if self._clip:        # without clipping the norms are summed over the ranks at the end (mean_over_ranks)
+            self._set_grad_norm(both[1].sqrt())
         self.committed = True
 
     def _coef_on(self, device: torch.device) -> torch.Tensor:
@@ -213,6 +247,8 @@ class Runtime:
         if c.state_home is StateHome.HOST:
             self._host_step(chunk, cfg, parts)
             return
+        if self._norm_pending:
+            self._take_pending_norm(chunk)
         full = st.slot(BufKey(chunk, BufKind.PARAM))
         st.mark_written(BufKey(chunk, BufKind.PARAM))
         grad = st.slot(BufKey(chunk, c.grad_buf()))
@@ -244,3 +280,9 @@ class Runtime:
             param.copy_(parts["master"])   # new half-precision parameters (also restores them after a skip)
         finally:
             st.pool.give(g32)
+
+
+def _squared_norm(t: torch.Tensor) -> torch.Tensor:
+    """The squared L2 norm of a gradient buffer, accumulated in fp32: one reduction on its device."""
+    return torch.linalg.vector_norm(t, dtype=torch.float32).square()
+

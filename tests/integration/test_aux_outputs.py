@@ -1,0 +1,196 @@
+"""A step function may return (loss, aux): the step returns the same structure, aux detached and equal bit for bit
+(fp32, CPU) to eager PyTorch run from the parameters the step started from (before its update), under tight budgets
+too (the aux tensors are in the memory plan: debug=True checks the measured bytes at every node)."""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import pstar_fx as px
+
+from harness import HYPER, fetch_counts
+from models import CASES_BY_NAME
+
+CHUNK = 512
+
+
+def gpt_with_aux(model, idx, targets):
+    logits = model(idx)
+    per_token = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), reduction="none")
+    loss = per_token.mean()
+    acc = (logits.argmax(-1) == targets).float().mean()
+    return loss, {"logits": logits, "per_token": per_token, "metrics": (acc, loss.detach() * 2), "tokens": 64,
+                  "note": None}
+
+
+def _step(fn, *, budget=None, accumulate=1, atomic=True, case="gpt_tied"):
+    model = CASES_BY_NAME[case].build_model()
+    return px.compile(model, optimizer=px.AdamW(**HYPER), device_memory=budget, chunk_size=CHUNK, device="cpu",
+                      debug=True, accumulate=accumulate, atomic=atomic)(fn)
+
+
+def _eager_from(step, fn, batch, case="gpt_tied"):
+    """fn run eagerly on a fresh model holding the step's current values (those its next update starts from)."""
+    model = CASES_BY_NAME[case].build_model()
+    model.load_state_dict(step.state_dict())
+    return fn(model, *batch)
+
+
+def _assert_same(got, want):
+    assert type(got) is type(want)
+    if isinstance(want, dict):
+        assert got.keys() == want.keys()
+        for k in want:
+            _assert_same(got[k], want[k])
+    elif isinstance(want, (tuple, list)):
+        assert len(got) == len(want)
+        for a, b in zip(got, want):
+            _assert_same(a, b)
+    elif isinstance(want, torch.Tensor):
+        assert not got.requires_grad and got.shape == want.shape and got.dtype == want.dtype
+        assert torch.equal(got, want.detach()), (got, want)
+    else:
+        assert got == want
+
+
+@pytest.mark.parametrize("tight, atomic", [(False, True), (True, True), (True, False)],
+                         ids=["unlimited", "tight", "tight_early_updates"])
+def test_aux_equals_eager_before_the_update(tight, atomic):
+    case = CASES_BY_NAME["gpt_tied"]
+    budget = int(_step(gpt_with_aux).min_device_memory(*case.batch(0)) * 1.05) if tight else None
+    step = _step(gpt_with_aux, budget=budget, atomic=atomic)
+    plain = _step(lambda m, x, y: gpt_with_aux(m, x, y)[0], budget=budget, atomic=atomic)
+    for i in range(2):
+        batch = case.batch(i)
+        want_loss, want_aux = _eager_from(step, gpt_with_aux, batch)
+        loss, aux = step(*batch)
+        assert torch.equal(loss, want_loss.detach())
+        _assert_same(aux, want_aux)
+        assert torch.equal(plain(*batch), loss), "returning aux changes nothing of the training"
+    g = step.graphs["scheduled"]
+    assert step.last_step.measured_peak == g.plan.predicted_peak
+    assert torch.equal(torch.cat([v.flatten() for v in step.state_dict().values()]),
+                       torch.cat([v.flatten() for v in plain.state_dict().values()]))
+    if tight:
+        assert g.plan.predicted_peak <= budget
+        assert max(fetch_counts(g).values()) >= 2, "no chunk was evicted and fetched again"
+
+
+def test_aux_tensors_count_in_the_plan():
+    """The logits returned live from the node that makes them to the end of the step: the planned live bytes at
+    the last node grow by their size."""
+    case = CASES_BY_NAME["gpt_tied"]
+    batch = case.batch(0)
+    with_logits = _step(lambda m, x, y: (case.loss_fn(m, x, y), m(x))).lower(*batch)["scheduled"]
+    without = _step(case.loss_fn).lower(*batch)["scheduled"]
+    logits_bytes = 4 * 16 * 64 * 4                                   # (B, T, vocab) float32
+    last = [g.ann[g.nodes[-1].name].live_bytes for g in (with_logits, without)]
+    assert last[0] - last[1] == logits_bytes
+
+
+@pytest.mark.parametrize("accumulate", [2, 4])
+def test_accumulate_stacks_each_micro_batch_aux(accumulate):
+    case = CASES_BY_NAME["gpt_tied"]
+    step = _step(gpt_with_aux, accumulate=accumulate)
+    for i in range(2):
+        batch = case.batch(i)
+        parts = [_eager_from(step, gpt_with_aux, [x.chunk(accumulate)[k] for x in batch]) for k in range(accumulate)]
+        loss, aux = step(*batch)
+        want_loss = sum(p[0].detach() for p in parts[1:]) if accumulate > 1 else 0
+        want_loss = (parts[0][0].detach() + want_loss) / accumulate
+        assert abs(loss.item() - want_loss.item()) <= 1e-6 * abs(want_loss.item())
+        assert aux["tokens"] == 64 and aux["note"] is None
+        assert aux["logits"].shape == (accumulate, 4 // accumulate, 16, 64)
+        for key in ("logits", "per_token"):
+            assert torch.equal(aux[key], torch.stack([p[1][key].detach() for p in parts]))
+        for j in range(2):
+            assert torch.equal(aux["metrics"][j], torch.stack([p[1]["metrics"][j].detach() for p in parts]))
+    assert step.last_step.measured_peak == step.graphs["scheduled"].plan.predicted_peak
+
+
+class BNNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 8)
+        self.bn = nn.BatchNorm1d(8)
+        self.out = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.out(torch.relu(self.bn(self.fc(x))))
+
+
+def bn_with_aliases(model, x, y):
+    """aux holds a parameter, a view of one, a module buffer written in place, and a batch input."""
+    loss = F.cross_entropy(model(x), y)
+    return loss, (model.fc.weight, model.out.bias.detach()[1:], model.bn.running_mean, x)
+
+
+def test_aux_aliasing_parameters_and_buffers_holds_the_forward_values():
+    torch.manual_seed(0)
+    model = BNNet()
+    eager = BNNet()
+    eager.load_state_dict(model.state_dict())
+    opt = torch.optim.AdamW(eager.parameters(), **HYPER, fused=True)
+    step = px.compile(model, optimizer=px.AdamW(**HYPER), device="cpu", debug=True, chunk_size=64,
+                      device_memory=4096)(bn_with_aliases)
+    for i in range(3):
+        x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
+        want_loss, want = bn_with_aliases(eager, x, y)
+        want = [t.detach().clone() for t in want]            # eager's tensors are live: the values now
+        want_loss.backward()
+        opt.step()
+        opt.zero_grad()
+        loss, got = step(x, y)
+        assert abs(loss.item() - want_loss.item()) <= 1e-6 * abs(want_loss.item())
+        for a, b in zip(got, want):
+            assert not a.requires_grad
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    before = got[0].clone()
+    step(x, y)
+    assert torch.equal(got[0], before), "a returned parameter is a copy, not a view of the chunk"
+
+
+@pytest.mark.parametrize("returned, match", [
+    (lambda loss, logits: (loss, logits, logits), "tuple of 3 elements"),
+    (lambda loss, logits: (logits, loss), "must return the loss as a 0-d tensor"),
+    (lambda loss, logits: ("loss", loss), "pair whose first element is str"),
+    (lambda loss, logits: {"loss": loss}, "returned dict"),
+    (lambda loss, logits: (loss, {"x": object()}), r"aux\['x'\] of type object"),
+    (lambda loss, logits: (loss.long(), logits), "dtype torch.int64"),
+])
+def test_wrong_returns_name_what_to_return(returned, match):
+    case = CASES_BY_NAME["mlp_ce"]
+
+    def fn(model, x, y):
+        logits = model(x)
+        return returned(F.cross_entropy(logits, y), logits)
+
+    step = _step(fn, case="mlp_ce")
+    with pytest.raises(px.UntraceableError, match=match):
+        step(*case.batch(0))
+
+
+def test_aux_must_keep_its_structure_over_micro_batches():
+    case = CASES_BY_NAME["mlp_ce"]
+    calls = []
+
+    def fn(model, x, y):
+        calls.append(1)
+        return F.cross_entropy(model(x), y), {"call": len(calls)}
+
+    with pytest.raises(px.UntraceableError, match="micro-batch 1"):
+        _step(fn, accumulate=2, case="mlp_ce")(*case.batch(0))
+
+
+def test_the_evaluation_of_a_training_function_returns_loss_and_aux():
+    """px.compile(optimizer=None) of the same function returns (loss, aux) too, aux from the trained values."""
+    case = CASES_BY_NAME["gpt_tied"]
+    model = case.build_model()
+    step = px.compile(model, optimizer=px.AdamW(**HYPER), device="cpu", chunk_size=CHUNK)(gpt_with_aux)
+    evaluate = px.compile(model, optimizer=None, device="cpu", debug=True)(gpt_with_aux)
+    step(*case.batch(0))
+    batch = case.batch(1)
+    want_loss, want_aux = _eager_from(step, gpt_with_aux, batch)
+    loss, aux = evaluate(*batch)
+    assert torch.equal(loss, want_loss.detach())
+    _assert_same(aux, want_aux)
