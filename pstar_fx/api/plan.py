@@ -233,8 +233,8 @@ def plan(model: nn.Module, loss_fn, *batch, world_size: int = 1, device_memory=N
 
     batch: what ONE rank passes to the step (tensors, meta tensors, or (shape, dtype) pairs). device_memory: bytes
     or a string ("80GB") per GPU; host_memory: per node; gpus_per_node: ranks sharing a node's host memory and
-    NVLink (default: the machine's, at most world_size). optimizer: px.AdamW(...) when its parameter groups matter
-    (default: one group of every parameter). tokens: per rank per step (default: the first integer batch tensor's
+    NVLink (default: the machine's, at most world_size). optimizer: px.AdamW(...) (or any px optimizer) when its parameter
+    groups or its states' bytes matter (default: AdamW's states, one group of every parameter). tokens: per rank per step (default: the first integer batch tensor's
     elements). device: the device type the step is traced for (default: "cuda" when torch sees one, else "cpu":
     a CPU-only torch cannot trace for CUDA, and the CPU trace differs only in the attention kernel's name and in
     autocast's op lists, which keep the same memory for transformers). atomic: as px.compile's."""
