@@ -13,9 +13,10 @@ from .errors import (BudgetError, CheckpointError, CommitError, DeviceMemoryErro
                      ModelHeldError, PstarError, UntraceableError)
 from .frontend.init_empty import init_empty
 from .ir.graph import TrainGraph
-from .optim import Adam, AdamW
+from .optim import SGD, Adam, AdamW, Lion, LionOptimizer, optim_from_torch
 
-__all__ = ["compile", "CompiledStep", "Adam", "AdamW", "BudgetError", "DeviceMemoryError", "UntraceableError",
-           "PstarError", "CommitError", "ModelHeldError", "CheckpointError", "DistributedError", "TrainGraph",
-           "plot_memory", "init_empty", "EmptyModelError", "plan", "PlanReport", "sync_model"]
+__all__ = ["compile", "CompiledStep", "Adam", "AdamW", "SGD", "Lion", "LionOptimizer", "optim_from_torch",
+           "BudgetError", "DeviceMemoryError", "UntraceableError", "PstarError", "CommitError", "ModelHeldError",
+           "CheckpointError", "DistributedError", "TrainGraph", "plot_memory", "init_empty", "EmptyModelError", "plan",
+           "PlanReport", "sync_model"]
 __version__ = "0.1.0"

@@ -51,7 +51,7 @@ import torch.fx as fx
 from .ir import ops
 from .ir.fx_utils import mutated_args, storage_key, tensors_of
 from .ir.graph import BufKind, Role, StateHome, TrainGraph
-from .ir.needs import BufKey, all_needs, from_master, shard_numel
+from .ir.needs import BufKey, all_needs, from_master, shard_numel, state_layout
 
 INF = float("inf")
 
@@ -338,7 +338,8 @@ class _Sim:
 
     def cpu_update(self, start: float, params: int) -> float:
         m = self.m
-        alone = m.cpu_adam_mixed if self.g.settings.precision.mixed else m.cpu_adam
+        alone = ((m.cpu_adam_mixed if self.g.settings.precision.mixed else m.cpu_adam)
+                 / state_layout(self.g.settings).update_cost)
 
         def rate(busy):
             return alone * (m.cpu_adam_under_copies if busy[Lane.H2D] or busy[Lane.D2H] else 1.0)
@@ -442,7 +443,8 @@ def _simulate(g: TrainGraph, m: Machine, node_s: list[float], background, steps:
                 numel = shard_numel(c, world)
                 convert = numel * 12 / m.hbm_bytes if g.settings.precision.mixed else 0.0
                 t = max([compute_at] + [ready.get(k, 0.0) for k in keys])
-                done = sim._fixed(Lane.COMPUTE, t, numel / m.gpu_adam + convert + m.kernel_s)
+                rate = m.gpu_adam / state_layout(g.settings).update_cost
+                done = sim._fixed(Lane.COMPUTE, t, numel / rate + convert + m.kernel_s)
                 if n.kwargs.get("gather", False):               # the updated chunk is gathered again
                     ready[BufKey(c.id, BufKind.PARAM)] = sim.collective(done, c.nbytes)
             elif a.role is Role.OPTIMIZER_STEP:

@@ -21,7 +21,7 @@ import torch.nn as nn
 from ..frontend.trace import FlatBatch, flatten_batch, model_tables, trace_step
 from ..interrupts import DeferredInterrupt
 from ..ir.graph import Settings, TrainGraph
-from ..ir.needs import early_host_bytes
+from ..ir.needs import early_host_bytes, state_layout
 from ..passes import assign_chunks, canonicalize, collectives, liveness, pipeline, run_passes
 from ..passes.place_optimizer import min_need, place_optimizer
 from ..passes.remat import least_need_graph
@@ -142,7 +142,8 @@ class Compiler:
         if first:
             # where the budget cannot hold every optimizer state, host memory is faulted in while the step is
             # traced; the buffers are laid out in it once the optimizer is placed
-            early = early_host_bytes(self.tables.params, st.precision, st.world, st.budget)
+            early = early_host_bytes(self.tables.params, st.precision, st.world, st.budget,
+                                     state_layout(st))
             if early:
                 hostmem.prefault(min(early, spare_host_bytes(int(os.environ.get("LOCAL_WORLD_SIZE", st.world)))))
 
@@ -151,7 +152,7 @@ class Compiler:
             # the first compile's host buffers are known once the optimizer is placed: make them while the
             # schedule pass runs
             if stage.stage == "optimizer_placed" and first:
-                hostmem.reserve(host_buffer_specs(stage.chunks, st.precision, st.world))
+                hostmem.reserve(host_buffer_specs(stage.chunks, st.precision, st.world, state_layout(st)))
         try:
             with one_intra_op_thread():
                 traced = trace_step(self.fn, self.model, batch, st)
@@ -175,7 +176,7 @@ class Compiler:
             # faulted in, and the collection (0.36 s at 17B) runs beside that instead of after it
             collect_now()
             self.store = ChunkStore(final.chunks, final.params, st.precision, st.device, st.budget, comm=self.comm,
-                                    hostmem=hostmem)
+                                    hostmem=hostmem, state=state_layout(st))
             if self.optimizer is not None:
                 self.optimizer.attach(self.store)
         executor = Executor(final, self.store)

@@ -1,20 +1,24 @@
-"""The live optimizer, `step.optimizer`: torch.optim.Adam / AdamW's object, driven by the compiled step.
+"""The live optimizer, `step.optimizer`: the torch.optim object of the optimizer given to px.compile (torch.optim.AdamW
+for px.AdamW, torch.optim.SGD for px.SGD, the class given to px.optim_from_torch), driven by the compiled step.
 
-It is a real `torch.optim.AdamW` (or `Adam`) over the model's own tensors, so it has torch's `param_groups`,
+It is a real object of that class over the model's own tensors, so it has torch's `param_groups`,
 `defaults`, hooks and state-dict format, and `torch.optim.lr_scheduler` schedulers (which check
 `isinstance(optimizer, Optimizer)`) drive it unchanged. What differs:
 
 - `step()` raises: the compiled step runs the update. At every step the runtime reads each group's options through
   `configs()` (checked like torch.optim checks them), so values set between steps take effect at the next step,
   with no retrace; the plan depends only on which parameters are in which group (`layout`).
-- The moments live in the ChunkStore, chunk by chunk, not in `self.state` (which stays empty). `state_dict()`
-  reads them out in torch's format (state keyed by parameter index in group order: 'step' as a 0-d float32 tensor,
-  'exp_avg', 'exp_avg_sq' in the parameter's dtype and device); `load_state_dict()` takes torch's format (from eager
-  PyTorch or from pstar-fx) and writes them into the store. A parameter has state once its chunk has stepped, as
-  torch creates it at a parameter's first step. Before the first step there is no store: a loaded state is kept and
-  written into the store when it is built.
-- pstar-fx steps all parameters of a chunk together, so they share one step count; a loaded state whose
-  parameters of one chunk differ in 'step' (or of which some have state and others not) is rejected.
+- The states live in the ChunkStore, chunk by chunk, not in `self.state` (which stays empty; the states some
+  constructors make, such as Adagrad's sums, are dropped). `state_dict()` reads them out in torch's format (state
+  keyed by parameter index in group order, under torch's keys: Adam's 'step' as a 0-d float32 tensor, 'exp_avg',
+  'exp_avg_sq' in the parameter's dtype and device; SGD's 'momentum_buffer'; the keys the class keeps for the
+  group's options, `state_keys`); `load_state_dict()` takes torch's format (from eager PyTorch or from pstar-fx)
+  and writes them into the store. A parameter has state once its chunk has stepped, as torch creates it at a
+  parameter's first step. Before the first step there is no store: a loaded state is kept and written into the
+  store when it is built. A state with other keys (another optimizer's) is rejected.
+- pstar-fx steps all parameters of a chunk together, so they share their 0-d states; a loaded state whose
+  parameters of one chunk differ in 'step' (or another 0-d state, or of which some have state and others not) is
+  rejected.
 """
 from __future__ import annotations
 
@@ -24,7 +28,8 @@ import torch
 import torch.nn as nn
 
 from ..ir.graph import ChunkGroup
-from ..optim import AdamConfig, OptimizerLayout, OptimizerSpec, check_options
+from ..optim import (ADAM_STATE, OptimizerLayout, OptimizerSpec, StateLayout, TorchConfig, check_group, check_options,
+                     probe)
 
 _STEP_EXPLAINED = ("step.optimizer is driven by the compiled step: calling step(*batch) runs forward, backward and "
                    "this optimizer's update. Do not call step.optimizer.step(); change param_groups (or use an "
@@ -32,11 +37,11 @@ _STEP_EXPLAINED = ("step.optimizer is driven by the compiled step: calling step(
 
 
 class _Live:
-    """What the compiled Adam and AdamW add to torch's classes (mixed in before them)."""
+    """What the compiled optimizers add to torch's classes (mixed in before them)."""
 
-    decoupled: bool
+    torch_class: type        # the torch.optim class (mixed in after this one)
 
-    def _setup(self, model: nn.Module) -> None:
+    def _setup(self, model: nn.Module, state: StateLayout) -> None:
         # every name of a model tensor (tied ones share the first name, as model_tables does)
         self._name_of: dict[int, str] = {}
         for name, t in model.named_parameters(remove_duplicate=False):
@@ -56,31 +61,70 @@ class _Live:
                 if name not in names:
                     names.append(name)
             groups.append(tuple(names))
-        self.layout = OptimizerLayout(groups=tuple(groups), live=self)
+        self.layout = OptimizerLayout(groups=tuple(groups), state=state, live=self)
+        self._keys_cache: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {}
         self._ids = [[id(t) for t in g["params"]] for g in self.param_groups]
         self._store = None
         self._pending: dict[str, dict] | None = None    # loaded before the store existed: name -> state
 
     @property
     def _kind(self) -> str:
-        return "AdamW" if self.decoupled else "Adam"
+        return self.torch_class.__name__
+
+    @property
+    def is_adam(self) -> bool:
+        return self.torch_class in (torch.optim.Adam, torch.optim.AdamW)
+
+    @property
+    def decoupled(self) -> bool:
+        return self.torch_class is torch.optim.AdamW
 
     def step(self, closure=None):
         raise RuntimeError(_STEP_EXPLAINED)
 
     # -- what the runtime reads at every step ---------------------------------------------------------------------
-    def configs(self) -> tuple[AdamConfig, ...]:
+    def configs(self) -> tuple:
         """Each group's options for the step about to run, checked before anything changes."""
         if [[id(t) for t in g["params"]] for g in self.param_groups] != self._ids:
             raise ValueError("step.optimizer.param_groups: the parameters of the groups changed after px.compile; "
                              "pstar-fx lays out its chunks by group, so keep each group's 'params' as compiled "
                              "(change options such as lr freely) or compile a new step")
-        out = []
-        for i, g in enumerate(self.param_groups):
-            out.append(check_options(f"step.optimizer.param_groups[{i}]", g, self.decoupled, construction=False))
+        out = tuple(self.check_group(f"step.optimizer.param_groups[{i}]", g) for i, g in enumerate(self.param_groups))
         # what torch's step() wrapper records, so that lr_scheduler does not warn that it ran before a step
         self._opt_called = True
-        return tuple(out)
+        return out
+
+    def check_group(self, where: str, g) -> object:
+        """One group's options, checked (ValueError naming `where` and the option): Adam's AdamConfig, or the
+        general route's TorchConfig, whose states must be among those px.compile laid out."""
+        if self.is_adam:
+            return check_options(where, g, self.decoupled, construction=False)
+        opts = check_group(self.torch_class, where, g, construction=False)
+        vectors, scalars = self._keys(opts, where)
+        have = self.layout.state.vectors + self.layout.state.scalars
+        missing = [k for k in vectors + scalars if k not in have]
+        if missing:
+            raise ValueError(f"{where}: with these options {self._kind} keeps the state {missing}, which the "
+                             "options given to px.compile did not need, so the chunks have no room for it; compile "
+                             "the step with options that need it (for SGD: a momentum > 0)")
+        return TorchConfig(self.torch_class, tuple(sorted(opts.items())), vectors, scalars)
+
+    def _keys(self, opts: dict, where: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The states torch keeps with these options (optim.probe), once per set of options other than lr (a
+        learning rate decides no state)."""
+        key = repr(sorted((k, v) for k, v in opts.items() if k != "lr"))
+        if key not in self._keys_cache:
+            self._keys_cache[key] = probe(self.torch_class, opts, where)
+        return self._keys_cache[key]
+
+    def state_keys(self, group: int, options: dict | None = None) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """(per-element, 0-d) state keys a parameter of group `group` has in torch's state dict once it has stepped,
+        with that group's options or with `options` (a saved group's)."""
+        if self.is_adam:
+            return ADAM_STATE.vectors, ADAM_STATE.scalars
+        where = f"step.optimizer.param_groups[{group}]"
+        opts = self.param_groups[group] if options is None else options
+        return self._keys(check_group(self.torch_class, where, opts, construction=False), where)
 
     # -- the store ------------------------------------------------------------------------------------------------
     def attach(self, store) -> None:
@@ -97,48 +141,54 @@ class _Live:
     def _read(self) -> dict[str, dict]:
         """name -> torch's per-parameter state, read out of the store (parameters whose chunk has stepped)."""
         st = self._store
+        layout = self.layout.state
         out: dict[str, dict] = {}
         read: dict[int, dict] = {}       # chunk -> its states, read once (with several ranks: gathered once)
-        for t, name, g in self.entries():
-            if name in out or name not in st.params:
-                continue
-            p = st.params[name]
-            c = st.chunks[p.chunk]
-            if c.group is not ChunkGroup.TRAINABLE:
-                continue
-            if c.id not in read:
-                read[c.id] = st.values.state_parts(c.id)
-            parts = read[c.id]
-            step = float(parts["step"].item())
-            if step == 0:
-                continue
-            on_device = g.get("fused") or g.get("capturable")
-
-            def value(key):
-                v = parts[key][p.offset:p.offset + p.numel].view(p.shape)
-                return v.to(device=t.device, dtype=t.dtype if t.is_floating_point() else v.dtype, copy=True)
-
-            out[name] = {"step": torch.tensor(step, dtype=torch.float32, device=t.device if on_device else "cpu"),
-                         "exp_avg": value("m"), "exp_avg_sq": value("v")}
+        for gi, g in enumerate(self.param_groups):
+            vectors, scalars = self.state_keys(gi)
+            for t in g["params"]:
+                name = self._name_of[id(t)]
+                if name in out or name not in st.params or layout.counter is None:
+                    continue
+                p = st.params[name]
+                c = st.chunks[p.chunk]
+                if c.group is not ChunkGroup.TRAINABLE:
+                    continue
+                if c.id not in read:
+                    read[c.id] = st.values.state_parts(c.id)
+                parts = read[c.id]
+                if float(parts[layout.counter].item()) == 0:
+                    continue
+                # Adam's step stays where torch keeps it (on the device for fused or capturable); others' 0-d
+                # states on the CPU, as torch keeps step counts
+                on_device = self.is_adam and (g.get("fused") or g.get("capturable"))
+                entry = {k: torch.tensor(float(parts[k].item()), dtype=torch.float32,
+                                         device=t.device if on_device else "cpu") for k in scalars}
+                for k in vectors:
+                    v = parts[k][p.offset:p.offset + p.numel].view(p.shape)
+                    entry[k] = v.to(device=t.device, dtype=t.dtype if t.is_floating_point() else v.dtype, copy=True)
+                out[name] = entry
         return out
 
     def _write(self, states: dict[str, dict]) -> None:
         """Write torch's per-parameter states into the store, chunk by chunk; check every chunk before changing
         any."""
         st = self._store
+        layout = self.layout.state
         trainable = {n: st.params[n] for n in st.params if st.chunks[st.params[n].chunk].group is ChunkGroup.TRAINABLE}
         for name in states:
             if name not in trainable:
                 raise ValueError(f"optimizer load_state_dict: the state has moments for parameter '{name}', which "
                                  "this compiled step does not train (frozen, not reached by the loss, or in no "
                                  "group); drop that entry or make the parameter trainable")
-        plan: dict[int, float] = {}
+        group_of = {self._name_of[id(t)]: gi for gi, g in enumerate(self.param_groups) for t in g["params"]}
+        plan: dict[int, dict[str, float] | None] = {}
         for c in st.chunks:
             if c.group is not ChunkGroup.TRAINABLE:
                 continue
             have = [n for n in c.params if n in states]
             if not have:
-                plan[c.id] = 0.0
+                plan[c.id] = None
                 continue
             if len(have) != len(c.params):
                 missing = [n for n in c.params if n not in states]
@@ -146,36 +196,53 @@ class _Live:
                     f"optimizer load_state_dict: parameters {have[:3]} have state but {missing[:3]} of the same "
                     "pstar-fx chunk have none; pstar-fx steps all parameters of a chunk together, so load a state "
                     "in which these parameters have all stepped, or none")
-            steps = {n: float(states[n]["step"]) for n in have}
-            if len(set(steps.values())) != 1:
-                raise ValueError(
-                    f"optimizer load_state_dict: parameters of one pstar-fx chunk have different step counts "
-                    f"{steps}; pstar-fx steps all parameters of a chunk together (one count per chunk), so it "
-                    "cannot continue this state exactly")
+            vectors, scalars = self.state_keys(group_of[have[0]])
             for n in have:
-                for key in ("exp_avg", "exp_avg_sq"):
-                    v = states[n].get(key)
+                if set(states[n]) != set(vectors + scalars):
+                    raise ValueError(f"optimizer load_state_dict: the state of parameter '{n}' has the keys "
+                                     f"{sorted(states[n])}; {self._kind} with this group's options keeps "
+                                     f"{sorted(vectors + scalars)} (a state of another optimizer, or other options)")
+                for key in vectors:
+                    v = states[n][key]
                     if not isinstance(v, torch.Tensor) or v.numel() != st.params[n].numel:
                         raise ValueError(f"optimizer load_state_dict: '{key}' of parameter '{n}' must be a tensor "
                                          f"of shape {st.params[n].shape}")
-            plan[c.id] = steps[have[0]]
-        for cid, step in plan.items():
+                for key in scalars:
+                    v = states[n][key]
+                    if isinstance(v, torch.Tensor) and v.numel() != 1:
+                        raise ValueError(f"optimizer load_state_dict: '{key}' of parameter '{n}' must be a number")
+            values = {}
+            for key in scalars:
+                seen = {n: float(states[n][key]) for n in have}
+                if len(set(seen.values())) != 1:
+                    what = "step counts" if key == "step" else f"{key!r} values"
+                    raise ValueError(
+                        f"optimizer load_state_dict: parameters of one pstar-fx chunk have different {what} "
+                        f"{seen}; pstar-fx steps all parameters of a chunk together (one {key!r} per chunk), so "
+                        "it cannot continue this state exactly")
+                values[key] = seen[have[0]]
+            plan[c.id] = values
+        for cid, values in plan.items():
             st.before_host_write(cid)
             parts = st.values.state_parts(cid)
-            parts["m"].zero_()
-            parts["v"].zero_()
-            parts["step"].fill_(step)
-            for n in st.chunks[cid].params:
-                if n in states:
+            for k in layout.vectors + layout.scalar_parts:
+                parts[k].zero_()
+            if values is not None:
+                for k, v in values.items():
+                    parts[k].fill_(v)
+                if layout.counter not in values:
+                    parts[layout.counter].fill_(1)
+                for n in st.chunks[cid].params:
                     p = st.params[n]
-                    parts["m"][p.offset:p.offset + p.numel].copy_(states[n]["exp_avg"].reshape(-1))
-                    parts["v"][p.offset:p.offset + p.numel].copy_(states[n]["exp_avg_sq"].reshape(-1))
+                    for k in layout.vectors:
+                        if k in states[n]:
+                            parts[k][p.offset:p.offset + p.numel].copy_(states[n][k].reshape(-1))
             st.values.put_state_parts(cid, parts)
 
     # -- torch's state-dict format ---------------------------------------------------------------------------------
     def state_dict(self):
-        """torch.optim.AdamW's format: {'state': {index: {'step', 'exp_avg', 'exp_avg_sq'}}, 'param_groups': [...]}
-        with fresh tensors (nothing shared with the store)."""
+        """torch's format: {'state': {index: {key: value}}, 'param_groups': [...]} (AdamW: 'step', 'exp_avg',
+        'exp_avg_sq'), with fresh tensors (nothing shared with the store)."""
         if self._store is not None:
             states = self._read()
         else:
@@ -189,7 +256,7 @@ class _Live:
             self.state.clear()
 
     def load_state_dict(self, state_dict) -> None:
-        """Load torch.optim.Adam(W)'s format (from eager PyTorch or from pstar-fx). Options replace the groups'
+        """Load torch's format for this class (from eager PyTorch or from pstar-fx). Options replace the groups'
         (as in torch); moments go into the store (or wait for it, before the first step)."""
         old_groups = self.param_groups
         super().load_state_dict(state_dict)
@@ -208,17 +275,21 @@ class _Live:
 
 
 class CompiledAdamW(_Live, torch.optim.AdamW):
-    decoupled = True
+    torch_class = torch.optim.AdamW
 
 
 class CompiledAdam(_Live, torch.optim.Adam):
-    decoupled = False
+    torch_class = torch.optim.Adam
 
 
-def build(spec: OptimizerSpec, model: nn.Module) -> CompiledAdam | CompiledAdamW:
+def build(spec: OptimizerSpec, model: nn.Module) -> torch.optim.Optimizer:
     """The live optimizer for a model: torch's groups as given (or one group of every parameter)."""
     params = [dict(g) for g in spec.groups] if spec.groups is not None else list(model.parameters())
-    cls = CompiledAdamW if spec.decoupled else CompiledAdam
+    if spec.is_adam:
+        cls = CompiledAdamW if spec.decoupled else CompiledAdam
+    else:
+        cls = type(f"Compiled{spec.name}", (_Live, spec.torch_class), {"torch_class": spec.torch_class})
     opt = cls(params, **spec.defaults)
-    opt._setup(model)
+    opt.state.clear()          # states a constructor made (Adagrad's sums): the chunks hold them
+    opt._setup(model, spec.state)
     return opt

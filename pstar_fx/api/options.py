@@ -20,13 +20,12 @@ from .device_budget import (
 
 
 def check_options(model, optimizer, *, chunk_size, prefetch, max_grad_norm, accumulate, remat, atomic) -> None:
-    """Raise on a model that is not a module, an optimizer that is not px.Adam/AdamW (or None), or an option out of
-    its range."""
+    """Raise on a model that is not a module, an optimizer that is not a px optimizer description (or None), or an
+    option out of its range."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"px.compile: model must be a torch.nn.Module, got {type(model).__name__}")
     if optimizer is not None and not isinstance(optimizer, OptimizerSpec):
-        raise TypeError("px.compile: optimizer must be px.Adam(...) or px.AdamW(...) (or None for a "
-                        f"forward-only evaluation function), got {type(optimizer).__name__}")
+        raise TypeError(_not_a_spec(optimizer))
     if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool)
                                    or chunk_size <= 0):
         raise ValueError(f"chunk_size must be a positive int number of elements, got {chunk_size!r}"
@@ -46,6 +45,23 @@ def check_options(model, optimizer, *, chunk_size, prefetch, max_grad_norm, accu
                          f"got {remat!r}")
     if not isinstance(atomic, bool):
         raise ValueError(f"atomic must be True or False, got {atomic!r}")
+
+
+def _not_a_spec(optimizer) -> str:
+    """What to pass instead of `optimizer`: a torch.optim object or class names its px equivalent."""
+    cls = type(optimizer) if isinstance(optimizer, torch.optim.Optimizer) else optimizer
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        return ("px.compile: optimizer must be a px optimizer description such as px.AdamW(lr=...), px.SGD(...) or "
+                "px.optim_from_torch(torch.optim.RMSprop, lr=...) (or None for a forward-only evaluation function), "
+                f"got {type(optimizer).__name__}")
+    name = cls.__name__
+    known = {"Adam": "px.Adam", "AdamW": "px.AdamW", "SGD": "px.SGD"}
+    instead = (f"{known[name]}(lr=..., ...)" if getattr(torch.optim, name, None) is cls and name in known
+               else f"px.optim_from_torch({cls.__module__}.{name}, lr=..., ...)")
+    what = f"a {name} object" if isinstance(optimizer, torch.optim.Optimizer) else f"the class {name}"
+    return (f"px.compile: optimizer must be a px optimizer description, got {what}; pass {instead} with the same "
+            "arguments (params optional: the model's parameters by default). pstar-fx keeps the optimizer states in "
+            "its chunks and builds step.optimizer, a real torch.optim object, itself")
 
 
 def check_world(atomic: bool, world: int) -> None:

@@ -31,8 +31,8 @@ from ..errors import BudgetError
 from ..frontend.trace import model_tables, trace_step
 from ..ir.graph import (REMAT, USER_CHECKPOINT, BufKind, ChunkGroup, ParamHome, Precision, Role, Settings, StateHome,
                         TrainGraph)
-from ..ir.needs import shard_numel, state_bytes
-from ..optim import OptimizerLayout, OptimizerSpec
+from ..ir.needs import shard_numel, state_bytes, state_layout
+from ..optim import ADAM_STATE, OptimizerLayout, OptimizerSpec
 from ..passes import pipeline, run_passes
 from ..units import format_bytes, parse_bytes
 from .compiler import cycle_collection_paused, one_intra_op_thread
@@ -199,7 +199,8 @@ def host_bytes(g: TrainGraph) -> tuple[int, int]:
     grad = sum(g.chunks[c].nbytes if whole else shard_numel(g.chunks[c], w) * g.chunks[c].dtype.itemsize
                for c, whole in grads)
     trainable = [c for c in g.chunks if c.group is ChunkGroup.TRAINABLE]
-    on_host = sum(state_bytes(c, prec, w) for c in trainable if c.state_home is StateHome.HOST)
+    layout = state_layout(g.settings)
+    on_host = sum(state_bytes(c, prec, w, layout) for c in trainable if c.state_home is StateHome.HOST)
     frozen = sum(p.numel * p.dtype.itemsize for p in g.params if not p.trainable) if prec.mixed else 0
     return params + grad + on_host + frozen, params + on_host + frozen
 
@@ -220,7 +221,7 @@ def _layout(model: nn.Module, optimizer: OptimizerSpec | None) -> OptimizerLayou
     if optimizer is not None:
         return build(optimizer, model).layout
     names = tuple(p.name for p in model_tables(model).params if p.trainable)
-    return OptimizerLayout(groups=(names,))
+    return OptimizerLayout(groups=(names,), state=ADAM_STATE)     # AdamW's states, as px.plan documents
 
 
 def plan(model: nn.Module, loss_fn, *batch, world_size: int = 1, device_memory=None, host_memory=None,
@@ -232,8 +233,8 @@ def plan(model: nn.Module, loss_fn, *batch, world_size: int = 1, device_memory=N
 
     batch: what ONE rank passes to the step (tensors, meta tensors, or (shape, dtype) pairs). device_memory: bytes
     or a string ("80GB") per GPU; host_memory: per node; gpus_per_node: ranks sharing a node's host memory and
-    NVLink (default: the machine's, at most world_size). optimizer: px.AdamW(...) when its parameter groups matter
-    (default: one group of every parameter). tokens: per rank per step (default: the first integer batch tensor's
+    NVLink (default: the machine's, at most world_size). optimizer: px.AdamW(...) (or any px optimizer) when its parameter
+    groups or its states' bytes matter (default: AdamW's states, one group of every parameter). tokens: per rank per step (default: the first integer batch tensor's
     elements). device: the device type the step is traced for (default: "cuda" when torch sees one, else "cpu":
     a CPU-only torch cannot trace for CUDA, and the CPU trace differs only in the attention kernel's name and in
     autocast's op lists, which keep the same memory for transformers). atomic: as px.compile's."""

@@ -134,9 +134,9 @@ class CompiledStep:
     # -- what it compiled and measured ------------------------------------------------------------------------
     @property
     def optimizer(self) -> torch.optim.Optimizer:
-        """The live optimizer: torch.optim.AdamW's (or Adam's) param_groups, read at every step (set lr between
-        steps, or drive it with a torch.optim.lr_scheduler), and its state_dict() / load_state_dict() in torch's
-        format. The compiled step runs its update: do not call step.optimizer.step()."""
+        """The live optimizer: a torch.optim object of the optimizer's class (AdamW, SGD, ...), its param_groups
+        read at every step (set lr between steps, or drive it with a torch.optim.lr_scheduler), and its
+        state_dict() / load_state_dict() in torch's format. The compiled step runs its update: do not call step.optimizer.step()."""
         return self._optimizer
 
     @property

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 from ..cost import estimate
 from ..ir.graph import ChunkGroup, Precision, StateHome, TrainGraph
-from ..ir.needs import state_bytes
+from ..ir.needs import state_bytes, state_layout
 from ..runtime.step_runtime import StepStats
 from ..units import format_bytes
 from .compiler import Compiled
@@ -63,7 +63,7 @@ def summarize(g: TrainGraph, compiled: Compiled, last: StepStats | None, prec: P
     estimate is the H200's)."""
     trainable = [c for c in g.chunks if c.group is ChunkGroup.TRAINABLE]
     model_data = (sum(c.nbytes for c in g.chunks) + sum(c.nbytes for c in trainable if not c.grad_inplace)
-                  + sum(state_bytes(c, prec) for c in trainable))
+                  + sum(state_bytes(c, prec, 1, state_layout(g.settings)) for c in trainable))
     own = sum(c.capacity > g.chunk_size for c in g.chunks)
     return Summary(
         chunks=len(g.chunks), chunk_size=g.chunk_size, chunk_bytes=g.chunk_size * prec.dtype.itemsize,

@@ -7,7 +7,7 @@ import torch
 
 from ..errors import warn
 from ..ir.graph import ChunkGroup, StateHome, TrainGraph
-from ..ir.needs import state_bytes
+from ..ir.needs import state_bytes, state_layout
 from ..units import format_bytes
 
 PADDING_WARN_FRACTION = 0.5        # padding above this share of all model data ...
@@ -22,7 +22,7 @@ def chunk_padding(g: TrainGraph) -> tuple[int, int]:
     for c in g.chunks:
         size = c.nbytes
         if c.group is ChunkGroup.TRAINABLE:
-            size += (0 if c.grad_inplace else c.nbytes) + state_bytes(c, prec)
+            size += (0 if c.grad_inplace else c.nbytes) + state_bytes(c, prec, 1, state_layout(g.settings))
         total += size
         wasted += size * (c.capacity - c.used) // c.capacity
     return wasted, total

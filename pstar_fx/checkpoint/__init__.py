@@ -7,7 +7,7 @@ Plain files (one process: the default). A directory of three ordinary files, eac
 - model.pt: the model's state dict, `step.state_dict()` (parameters at full precision, fp32 masters in mixed
   precision, and buffers), keyed as `model.state_dict()`: `model.load_state_dict(torch.load(...))` works in eager
   PyTorch too;
-- optimizer.pt: `step.optimizer.state_dict()`, torch.optim.AdamW's (or Adam's) format, options and moments;
+- optimizer.pt: `step.optimizer.state_dict()`, torch's format for the optimizer's class, options and states;
 - meta.pt: the format version, the precision, the fp16 loss scaler (scale, good steps, growth settings) and the RNG
   states the step draws from: torch's CPU generator, and the device's CUDA generator when the step runs on CUDA;
 - manifest.json: written last; says "plain" and gives each file's size and checksums (files.py).

@@ -13,12 +13,10 @@ import torch
 
 from ..errors import CheckpointError
 from ..ir.graph import Precision
-from ..optim import check_options
 from ..runtime.step_runtime import LossScaler
 from .step_state import StepState
 
 _SCALER_FIELDS = {f.name for f in dataclasses.fields(LossScaler)}
-_STATE_KEYS = {"step", "exp_avg", "exp_avg_sq"}
 
 
 def _real(x) -> bool:
@@ -64,8 +62,14 @@ def param_groups(opt, groups, where: str) -> None:
                                   "optimizer's group holds (saved from another model or another grouping)")
         if not all(_plain(v) for k, v in g.items() if k != "params"):
             raise CheckpointError(f"step.load: {where}: param_groups[{i}] has options that are not plain values")
+        mine = set(opt.param_groups[i]) - {"params"}
+        if set(g) - {"params"} != mine:
+            raise CheckpointError(
+                f"step.load: {where}: param_groups[{i}] has the options {sorted(set(g) - {'params'})}, "
+                f"torch.optim.{opt.torch_class.__name__}'s are {sorted(mine)}: saved from another optimizer (load it "
+                "into a step compiled with that optimizer)")
         try:
-            check_options(f"step.load: {where}: param_groups[{i}]", g, opt.decoupled, construction=False)
+            opt.check_group(f"step.load: {where}: param_groups[{i}]", g)
         except KeyError as e:
             raise CheckpointError(f"step.load: {where}: param_groups[{i}] lacks the option {e}") from None
         except ValueError as e:
@@ -73,8 +77,9 @@ def param_groups(opt, groups, where: str) -> None:
 
 
 def optimizer_state(state: StepState, sd, where: str) -> None:
-    """torch.optim.Adam(W)'s state dict over this optimizer: groups as `param_groups` checks, and each state entry
-    an index of one of its parameters with 'step' (a whole number >= 1) and two floating moments of its shape."""
+    """The optimizer's state dict in torch's format over this optimizer: groups as `param_groups` checks, and each
+    state entry an index of one of its parameters with the keys its group keeps (`state_keys`): floating tensors of
+    its shape (Adam's 'exp_avg', 'exp_avg_sq'), finite 0-d numbers (Adam's 'step' a whole number >= 1)."""
     opt = state.optimizer
     if not isinstance(sd, dict) or set(sd) != {"state", "param_groups"} or not isinstance(sd["state"], dict):
         raise CheckpointError(f"step.load: {where} is not an optimizer state dict ({{'state', 'param_groups'}})")
@@ -85,16 +90,23 @@ def optimizer_state(state: StepState, sd, where: str) -> None:
             raise CheckpointError(f"step.load: {where}: state for parameter index {i!r}, this optimizer has "
                                   f"{len(index)} parameters")
         shape = tuple(index[i][0].shape)
-        if not isinstance(s, dict) or set(s) != _STATE_KEYS \
+        group = next(gi for gi, g in enumerate(opt.param_groups) if any(t is index[i][0] for t in g["params"]))
+        vectors, scalars = opt.state_keys(group, sd["param_groups"][group])
+        if not isinstance(s, dict) or set(s) != set(vectors + scalars) \
                 or not all(isinstance(v, torch.Tensor) for v in s.values()):
             raise CheckpointError(f"step.load: {where}: the state of parameter {i} ('{index[i][1]}') is not "
-                                  "Adam's step, exp_avg and exp_avg_sq tensors")
-        count = s["step"]
-        if count.numel() != 1 or count.dtype.is_complex or count.dtype == torch.bool \
-                or not _whole(float(count.reshape(()))):
+                                  f"{opt.torch_class.__name__}'s {', '.join(scalars + vectors)} tensors (saved from "
+                                  "another optimizer, or with other options)")
+        for key in scalars:
+            value = s[key]
+            if value.numel() != 1 or value.dtype.is_complex or value.dtype == torch.bool \
+                    or not math.isfinite(float(value.reshape(()))):
+                raise CheckpointError(f"step.load: {where}: '{key}' of parameter {i} ('{index[i][1]}') is not a "
+                                      "finite number")
+        if opt.is_adam and not _whole(float(s["step"].reshape(()))):
             raise CheckpointError(f"step.load: {where}: the step count of parameter {i} ('{index[i][1]}') is not a "
                                   "whole number >= 1")
-        for key in ("exp_avg", "exp_avg_sq"):
+        for key in vectors:
             v = s[key]
             if not v.is_floating_point() or tuple(v.shape) != shape:
                 raise CheckpointError(f"step.load: {where}: '{key}' of parameter {i} ('{index[i][1]}') is {v.dtype} "

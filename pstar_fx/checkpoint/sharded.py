@@ -6,7 +6,8 @@ What is stored (DCP keys; values at their full precision, shapes as in the model
 - "model.<name>": every parameter (the fp32 master in mixed precision) and persistent buffer, under its
   `model.state_dict()` name (a tied parameter once, under its first name; a 0-d parameter as shape (1,));
 - "optim.<name>.exp_avg", "optim.<name>.exp_avg_sq" (fp32) and "optim.<name>.step" (0-d fp32): torch.optim.Adam's
-  state of each parameter that has one (its chunk has stepped);
+  state of each parameter that has one (its chunk has stepped). Only Adam / AdamW so far: a step with another
+  optimizer raises a ValueError that says to save plain files (sharded=False) instead;
 - "pstar_fx": an object: the format, the world size, the precision, the fp16 loss scaler and the optimizer's
   param_groups in torch's format (options, and parameter indices as in `optimizer.state_dict()`);
 - "rng.<r>": rank r's RNG states (torch's CPU generator, and the CUDA one on CUDA).
@@ -170,10 +171,19 @@ def _meta(state: StepState) -> dict:
             "param_groups": _param_groups(state.optimizer)}
 
 
+def _adam_only(state: StepState) -> None:
+    """This format stores Adam's states (exp_avg, exp_avg_sq, step) only, so far."""
+    if state.optimizer is not None and not state.optimizer.is_adam:
+        raise ValueError(f"the sharded checkpoint format holds Adam / AdamW states only, so far; this step's optimizer "
+                         f"is {state.optimizer.torch_class.__name__}: save with sharded=False (plain files holding "
+                         "torch's optimizer state dict, for any optimizer)")
+
+
 def save_entries(state: StepState, model_values) -> dict:
     """The state dict DCP writes for this rank. `model_values()`: the model's full values (state_dict keys), read
     only when this step does not hold the model (its values are then whole on every rank anyway)."""
     comm, st = state.comm, state.store
+    _adam_only(state)
     params, buffers = _canonical(state)
     out: dict = {META: _pack(_meta(state)),
                  f"rng.{0 if comm is None else comm.rank}": _pack(rng_state(state.settings.device))}
@@ -203,8 +213,8 @@ def save_entries(state: StepState, model_values) -> dict:
                 continue
             start, stop, at = st.values.piece(name)
             out[f"optim.{name}.step"] = step_count
-            for key, part in (("exp_avg", "m"), ("exp_avg_sq", "v")):
-                out[f"optim.{name}.{key}"] = _entry(comm, parts[part][at:at + stop - start], start, stop, p.shape)
+            for key in ("exp_avg", "exp_avg_sq"):
+                out[f"optim.{name}.{key}"] = _entry(comm, parts[key][at:at + stop - start], start, stop, p.shape)
     else:
         sd = state.optimizer.state_dict()         # no store yet: the states loaded before it, whole
         names = [n for _, n, _ in state.optimizer.entries()]
@@ -288,6 +298,7 @@ def _tensor(saved, key: str, shape, dtypes, path: str) -> None:
 def _check(state: StepState, md, path: str) -> tuple[list[str], list[str], list[str]]:
     """The checkpoint's entries against this model: every key, type, shape and dtype, before anything is read.
     Returns (params, buffers, params with optimizer state)."""
+    _adam_only(state)
     params, buffers = _canonical(state)
     saved = md.state_dict_metadata
     if not isinstance(saved.get(META), BytesStorageMetadata):
@@ -455,13 +466,13 @@ def _read_pieces(state: StepState, path, params, buffers, stepped, small, meta, 
         p = st.params[name]
         parts = st.parts(p.chunk)
         start, stop, at = st.values.piece(name)
-        for key, part in (("exp_avg", "m"), ("exp_avg_sq", "v")):
-            entries[f"optim.{name}.{key}"] = _entry(comm, parts[part][at:at + stop - start], start, stop, p.shape)
+        for key in ("exp_avg", "exp_avg_sq"):
+            entries[f"optim.{name}.{key}"] = _entry(comm, parts[key][at:at + stop - start], start, stop, p.shape)
     for cid, count in plan.items():
         parts = st.parts(cid)
         if count == 0:
-            parts["m"].zero_()
-            parts["v"].zero_()
+            parts["exp_avg"].zero_()
+            parts["exp_avg_sq"].zero_()
         parts["step"].fill_(count)
     _load(state, entries, path, md)
     # mixed precision: the half-precision parameters are the masters rounded; frozen ones come from their whole value

@@ -33,7 +33,7 @@ class StepState:
     #                                          name the store keeps it under)
     comm: Comm | None                        # the process group of a sharded step; None with one rank
     store: ChunkStore | None                 # None until the step's first compile has made it
-    optimizer: Any                           # the live optimizer: torch.optim.Adam(W)'s param_groups, state_dict()
+    optimizer: Any                           # the live optimizer: torch.optim's param_groups, state_dict()
     #                                          and load_state_dict(), and `entries()` in torch's index order
     scaler: LossScaler | None                # fp16's loss scaler, restored in place
     holds_model: Callable[[], bool]          # the chunks hold every tensor of the model now

@@ -9,6 +9,7 @@ import torch
 import torch.fx as fx
 
 from .fx_utils import storage_key, tensors_of
+from ..optim import NO_STATE, StateLayout
 from .graph import BufKind, ChunkInfo, NodeAnn, ParamHome, Precision, Role, StateHome, TrainGraph
 
 
@@ -41,17 +42,23 @@ def shard_numel(chunk: ChunkInfo, world: int) -> int:
     return chunk.capacity // world
 
 
-def state_floats(chunk: ChunkInfo, precision: Precision, world: int = 1) -> int:
-    """Optimizer-state fp32 elements of a chunk's shard (the whole chunk on one rank), in one buffer: m, v, the
-    master copy in mixed precision, and the step count (one element, as the fused kernels take it)."""
-    return shard_numel(chunk, world) * (3 if precision.mixed else 2) + 1
+def state_layout(settings) -> StateLayout:
+    """The optimizer's chunk state layout (Adam's: m, v, step), or NO_STATE without an optimizer."""
+    return settings.optimizer.state if settings.optimizer is not None else NO_STATE
 
 
-def state_bytes(chunk: ChunkInfo, precision: Precision, world: int = 1) -> int:
-    return state_floats(chunk, precision, world) * 4
+def state_floats(chunk: ChunkInfo, precision: Precision, world: int, state: StateLayout) -> int:
+    """Optimizer-state fp32 elements of a chunk's shard (the whole chunk on one rank), in one buffer: the
+    optimizer's per-element states (Adam's m and v, SGD's momentum buffer, none for SGD without momentum), the
+    master copy in mixed precision, and its 0-d states and step counter (StateLayout)."""
+    return state.floats(shard_numel(chunk, world), precision.mixed)
 
 
-def early_host_bytes(params, precision: Precision, world: int, budget: int | None) -> int:
+def state_bytes(chunk: ChunkInfo, precision: Precision, world: int, state: StateLayout) -> int:
+    return state_floats(chunk, precision, world, state) * 4
+
+
+def early_host_bytes(params, precision: Precision, world: int, budget: int | None, state: StateLayout) -> int:
     """Before tracing, from the parameters alone: the most host memory a first compile's buffers could take, or 0
     when the device budget could hold every optimizer state (the plan may then keep all of them there). When it
     cannot, the states that do not fit live on the host, with their chunks' parameter and gradient homes, and how
@@ -60,7 +67,7 @@ def early_host_bytes(params, precision: Precision, world: int, budget: int | Non
     The compiler faults that much in while it traces (capped by the host's free memory) and gives back what the
     plan does not use (HostMemory.prefault)."""
     trainable = sum(-(-p.numel // world) for p in params if p.trainable)
-    states = trainable * (3 if precision.mixed else 2) * 4
+    states = trainable * state.per_element(precision.mixed) * 4
     if budget is None or states <= budget:
         return 0
     return states + 2 * trainable * precision.dtype.itemsize
@@ -147,6 +154,8 @@ def constants(g: TrainGraph) -> dict[str, torch.Tensor]:
 
 def static_bytes(g: TrainGraph) -> int:
     """Bytes always on the device during a step: module buffers, tensor constants, the optimizer states there."""
-    states = sum(state_bytes(c, g.settings.precision, g.settings.world) for c in g.chunks if c.state_home is StateHome.DEVICE)
+    layout = state_layout(g.settings)
+    states = sum(state_bytes(c, g.settings.precision, g.settings.world, layout) for c in g.chunks
+                 if c.state_home is StateHome.DEVICE)
     consts = sum(t.numel() * t.element_size() for t in constants(g).values())
     return sum(b.nbytes for b in g.buffers) + states + consts

@@ -33,7 +33,8 @@ from ..errors import BudgetError
 from ..ir import ops
 from ..ir.graph import (BufKind, ChunkGroup, NodeAnn, Phase, Role, Scheduled, StateHome, TrainGraph, copy_graph,
                         to_module)
-from ..ir.needs import NO_NEEDS, all_needs, buf_bytes, needs, shard_numel, state_bytes, static_bytes
+from ..ir.needs import (NO_NEEDS, all_needs, buf_bytes, needs, shard_numel, state_bytes, state_layout,
+                        static_bytes)
 from .liveness import analyze
 from .schedule import schedule
 
@@ -226,8 +227,9 @@ def _windows(g: TrainGraph, host: list[int], machine: Machine, node_s: list[floa
 
 
 def _cpu_rate(g: TrainGraph, machine: Machine) -> float:
-    """Elements per second the CPU updates."""
-    return machine.cpu_adam_mixed if g.settings.precision.mixed else machine.cpu_adam
+    """Elements per second the CPU updates: torch's fused CPU Adam's rate, over the optimizer's relative cost."""
+    rate = machine.cpu_adam_mixed if g.settings.precision.mixed else machine.cpu_adam
+    return rate / state_layout(g.settings).update_cost
 
 
 def device_priority(g: TrainGraph, machine: Machine = H200, node_s: list[float] | None = None) -> list[int]:
@@ -282,13 +284,14 @@ def _choose_homes(g: TrainGraph, ranked: list[int]) -> TrainGraph:
     others = max((node_need(g, i) for i in range(len(nodes)) if i not in step_at.values()), default=0)
     step_need = {cid: node_need(g, i) for cid, i in step_at.items()}
     static = static_bytes(g)
+    layout = state_layout(g.settings)
     reserve = 2 * max((c.nbytes for c in chunks), default=0)
     for cid in ranked:
         trial = list(chunks)
         trial[cid] = dataclasses.replace(chunks[cid], state_home=StateHome.DEVICE)
         candidate = g.evolve(chunks=tuple(trial))
         need = node_need(candidate, step_at[cid]) if cid in step_at else 0
-        extra = state_bytes(trial[cid], g.settings.precision, g.settings.world)
+        extra = state_bytes(trial[cid], g.settings.precision, g.settings.world, layout)
         if static + extra + max(others, need, *step_need.values()) + reserve <= budget:
             chunks, static, step_need[cid] = trial, static + extra, need
     return g.evolve(chunks=tuple(chunks))

@@ -46,6 +46,7 @@ import torch
 
 from ..ir.graph import BufKind, ChunkGroup, ChunkInfo, ParamHome, ParamInfo, Precision, StateHome
 from ..ir.needs import BufKey, shard_numel, state_floats
+from ..optim import NO_STATE, StateLayout
 from .comm import Comm
 from .device_pool import DevicePool
 from .host_memory import BufferSpec, HostMemory, spare_threads
@@ -53,7 +54,8 @@ from .host_updates import HostUpdates
 from .store_values import StoreValues
 
 
-def host_buffer_specs(chunks: tuple[ChunkInfo, ...], precision: Precision, world: int) -> list[BufferSpec]:
+def host_buffer_specs(chunks: tuple[ChunkInfo, ...], precision: Precision, world: int, state: StateLayout
+                      ) -> list[BufferSpec]:
     """The host buffers a ChunkStore over these (optimizer-placed) chunks will make whatever the schedule decides:
     every chunk's parameter home except those of chunks stepped on the device (whose home the schedule chooses), and
     the optimizer states and gradient homes of host-stepped chunks."""
@@ -63,7 +65,8 @@ def host_buffer_specs(chunks: tuple[ChunkInfo, ...], precision: Precision, world
         if c.group is not ChunkGroup.TRAINABLE or host_stepped:
             specs.append(BufferSpec(("param", c.id), shard_numel(c, world), c.dtype, True))
         if host_stepped:
-            specs.append(BufferSpec(("states", c.id), state_floats(c, precision, world), torch.float32, False))
+            specs.append(BufferSpec(("states", c.id), state_floats(c, precision, world, state), torch.float32,
+                                    False))
             if c.grad_buf() is BufKind.GRAD:
                 specs.append(BufferSpec(("grad", c.id), shard_numel(c, world), c.dtype, True))
     return specs
@@ -85,13 +88,15 @@ class ChunkStore:
 
     def __init__(self, chunks: tuple[ChunkInfo, ...], params: tuple[ParamInfo, ...], precision: Precision,
                  device: torch.device, budget: int | None, comm: Comm | None = None,
-                 hostmem: HostMemory | None = None):
-        """hostmem: host memory with buffers already reserved (host_buffer_specs), or None to make them here."""
+                 hostmem: HostMemory | None = None, state: StateLayout = NO_STATE):
+        """hostmem: host memory with buffers already reserved (host_buffer_specs), or None to make them here.
+        state: the optimizer's chunk state layout (NO_STATE without an optimizer: no trainable chunk)."""
         self.comm = comm
         self.world = 1 if comm is None else comm.world
         self.chunks = chunks
         self.params = {p.name: p for p in params}
         self.precision = precision
+        self.state_layout = state
         self.device = device
         self.pool = DevicePool(device, budget)
         self.pin = device.type == "cuda"
@@ -109,7 +114,7 @@ class ChunkStore:
         for c in chunks:
             # each chunk's states start where the first plan puts them: host memory holds only the host ones
             if c.group is ChunkGroup.TRAINABLE:
-                floats = state_floats(c, precision, self.world)
+                floats = state_floats(c, precision, self.world, state)
                 if c.state_home is StateHome.DEVICE:
                     self.states[c.id] = self.pool.take(floats, torch.float32, what=f"optimizer states of chunk {c.id}")
                     self.states[c.id].zero_()
@@ -141,12 +146,8 @@ class ChunkStore:
     def parts(self, cid: int) -> dict[str, torch.Tensor]:
         """Views into the state buffer (of this rank's shard), without waiting: for the step, which orders its own
         work."""
-        cap = shard_numel(self.chunks[cid], self.world)
-        s = self.states[cid]
-        parts = {"m": s[0:cap], "v": s[cap:2 * cap], "step": s[-1]}
-        if self.precision.mixed:
-            parts["master"] = s[2 * cap:3 * cap]
-        return parts
+        return self.state_layout.parts(self.states[cid], shard_numel(self.chunks[cid], self.world),
+                                       self.precision.mixed)
 
     def master(self, cid: int) -> torch.Tensor:
         return self.parts(cid)["master"]

@@ -8,8 +8,8 @@ import torch
 
 from ..ir.graph import BufKind, StateHome, TrainGraph
 from ..ir.needs import BufKey
-from .adam import adam_step, host_step
 from .chunk_store import ChunkStore
+from .optimizers import device_step, host_update
 
 
 @dataclass
@@ -228,8 +228,7 @@ class Runtime:
         waits = events + ([coef_ready] if coef_ready is not None else [])
 
         def update() -> None:
-            host_step(cfg, param, grad, parts["m"], parts["v"], parts["step"], master=master, inv_scale=inv_scale,
-                      coef=coef, skip=skip)
+            host_update(cfg, param, grad, parts, master=master, inv_scale=inv_scale, coef=coef, skip=skip)
 
         self.stepped.append(chunk)
         if st.updates is None:
@@ -266,7 +265,7 @@ class Runtime:
             if not self.skip:
                 if self.clip_coef is not None:
                     grad.mul_(self._coef_on(grad.device))
-                adam_step(cfg, param, grad, parts["m"], parts["v"], parts["step"])
+                device_step(cfg, param, grad, parts)
             return
         g32 = st.pool.take(param.numel(), torch.float32, what=f"step workspace of chunk {chunk}")
         try:
@@ -276,7 +275,7 @@ class Runtime:
                     g32.mul_(1.0 / self.scaler.scale)
                 if self.clip_coef is not None:
                     g32.mul_(self._coef_on(g32.device))
-                adam_step(cfg, parts["master"], g32, parts["m"], parts["v"], parts["step"])
+                device_step(cfg, parts["master"], g32, parts)
             param.copy_(parts["master"])   # new half-precision parameters (also restores them after a skip)
         finally:
             st.pool.give(g32)

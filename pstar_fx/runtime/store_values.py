@@ -120,14 +120,15 @@ class StoreValues:
         return out
 
     def state_parts(self, cid: int) -> dict[str, torch.Tensor]:
-        """A chunk's states, m, v, (master), step (0-d), for readers and writers outside a step: first made current
-        (see flush). With one rank, views into the state buffer; sharded, whole-chunk copies gathered from every
-        rank (a collective), which `put_state_parts` writes back."""
+        """A chunk's states (ChunkStore.parts: the optimizer's per-element states, the master, the 0-d ones), for
+        readers and writers outside a step: first made current (see flush). With one rank, views into the state
+        buffer; sharded, whole-chunk copies gathered from every rank (a collective), which `put_state_parts` writes
+        back."""
         self.store.flush(cid)
         if self.store.comm is None:
             return self.store.parts(cid)
         parts = self.store.parts(cid)
-        return {k: v.clone() if k == "step" else self.full_chunk(v) for k, v in parts.items()}
+        return {k: v.clone() if v.dim() == 0 else self.full_chunk(v) for k, v in parts.items()}
 
     def put_state_parts(self, cid: int, parts: dict[str, torch.Tensor]) -> None:
         """After changing what state_parts returned: sharded, write this rank's shard of it back."""
@@ -135,7 +136,7 @@ class StoreValues:
             return
         own = self.store.parts(cid)
         for k, v in parts.items():
-            own[k].copy_(v if k == "step" else self.store.comm.shard(v))
+            own[k].copy_(v if v.dim() == 0 else self.store.comm.shard(v))
 
     def restore_params_from_masters(self) -> None:
         """After a step failed before its commit point: in mixed precision a chunk's gradients may have overwritten

@@ -4,6 +4,7 @@ import torch
 
 import pstar_fx as px
 from pstar_fx.ir import StateHome
+from pstar_fx.optim import ADAM_STATE
 from pstar_fx.runtime.chunk_store import host_buffer_specs
 from pstar_fx.runtime.host_memory import MAPPED_MIN_BYTES, BufferSpec, HostMemory, zeroed
 
@@ -75,7 +76,7 @@ def test_the_store_takes_the_buffers_reserved_during_the_schedule_pass():
     step(*case.batch(0))
     store = step._compiler.store
     placed = step.graphs["optimizer_placed"]
-    specs = host_buffer_specs(placed.chunks, step.settings.precision, 1)
+    specs = host_buffer_specs(placed.chunks, step.settings.precision, 1, ADAM_STATE)
     assert any(c.state_home is StateHome.HOST for c in placed.chunks)
     assert store.hostmem._reserving is not None and not store.hostmem._reserved
     assert store.hostmem.taken == len(specs)
@@ -156,12 +157,12 @@ def test_early_host_bytes_is_zero_where_the_budget_holds_every_state():
     params = [ParamInfo("w", (1000, 100), torch.float32, True), ParamInfo("b", (7,), torch.float32, True),
               ParamInfo("frozen", (50, 50), torch.float32, False)]
     n = 100_007
-    assert early_host_bytes(params, Precision.FP32, 1, None) == 0
-    assert early_host_bytes(params, Precision.FP32, 1, 8 * n) == 0
-    assert early_host_bytes(params, Precision.FP32, 1, 8 * n - 1) == 8 * n + 2 * 4 * n
-    assert early_host_bytes(params, Precision.BF16, 1, 10) == 12 * n + 2 * 2 * n
+    assert early_host_bytes(params, Precision.FP32, 1, None, ADAM_STATE) == 0
+    assert early_host_bytes(params, Precision.FP32, 1, 8 * n, ADAM_STATE) == 0
+    assert early_host_bytes(params, Precision.FP32, 1, 8 * n - 1, ADAM_STATE) == 8 * n + 2 * 4 * n
+    assert early_host_bytes(params, Precision.BF16, 1, 10, ADAM_STATE) == 12 * n + 2 * 2 * n
     per_rank = 50_000 + 4            # each parameter's shard, rounded up
-    assert early_host_bytes(params, Precision.BF16, 2, 10) == 12 * per_rank + 2 * 2 * per_rank
+    assert early_host_bytes(params, Precision.BF16, 2, 10, ADAM_STATE) == 12 * per_rank + 2 * 2 * per_rank
 
 
 def _mlp_case():
@@ -186,7 +187,8 @@ def test_a_first_compile_lays_its_host_buffers_out_in_memory_faulted_in_while_it
     mem = step._compiler.store.hostmem
     assert budget < 8 * sum(p.numel() for p in case.build_model().parameters())
     assert mem._pool is not None and mem.pool_seconds > 0
-    specs = host_buffer_specs(step.graphs["optimizer_placed"].chunks, step.settings.precision, 1)
+    specs = host_buffer_specs(step.graphs["optimizer_placed"].chunks, step.settings.precision, 1,
+                              ADAM_STATE)
     assert specs and mem.taken == len(specs)
     store = step._compiler.store
     host_states = [t for t, home in zip(store.states, store.state_home) if home is StateHome.HOST]

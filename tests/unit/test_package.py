@@ -15,9 +15,10 @@ import pstar_fx as px
 ROOT = os.path.dirname(os.path.dirname(px.__file__))
 MAX_LINES = 700
 HISTORY = re.compile(r"\b(session|issue)s? #?[0-9]", re.IGNORECASE)
-PUBLIC = {"compile", "CompiledStep", "Adam", "AdamW", "BudgetError", "DeviceMemoryError", "UntraceableError", "PstarError", "CommitError",
-          "ModelHeldError", "CheckpointError", "DistributedError", "TrainGraph", "plot_memory", "init_empty",
-          "EmptyModelError", "plan", "PlanReport", "sync_model"}
+PUBLIC = {"compile", "CompiledStep", "Adam", "AdamW", "SGD", "Lion", "LionOptimizer", "optim_from_torch",
+          "BudgetError", "DeviceMemoryError", "UntraceableError", "PstarError", "CommitError", "ModelHeldError",
+          "CheckpointError", "DistributedError", "TrainGraph", "plot_memory", "init_empty", "EmptyModelError", "plan",
+          "PlanReport", "sync_model"}
 
 
 def _python_files(*folders: str) -> list[str]:

@@ -10,6 +10,7 @@ import torch.fx as fx
 import pstar_fx as px
 from pstar_fx.ir import BufKind, ChunkGroup, Role, StateHome, ops
 from pstar_fx.ir.needs import state_bytes, static_bytes
+from pstar_fx.optim import ADAM_STATE
 from pstar_fx.passes import VerificationError, collectives, pipeline, run_passes, verify
 from pstar_fx.passes.assign_chunks import ALIGN
 
@@ -59,7 +60,7 @@ def test_per_rank_memory_is_a_shard_of_the_states():
     one = stages_for("gpt_tied", 1, chunk_size=1024)[-1]
     two = stages_for("gpt_tied", 2, chunk_size=1024)[-1]
     assert all(c.state_home is StateHome.DEVICE for c in one.chunks if c.group is ChunkGroup.TRAINABLE)
-    states = lambda g, w: sum(state_bytes(c, g.settings.precision, w) for c in g.chunks  # noqa: E731
+    states = lambda g, w: sum(state_bytes(c, g.settings.precision, w, ADAM_STATE) for c in g.chunks  # noqa: E731
                               if c.state_home is StateHome.DEVICE)
     assert states(two, 2) < states(one, 1) / 2 + len(two.chunks) * 4 + 1
     assert static_bytes(two) < static_bytes(one)

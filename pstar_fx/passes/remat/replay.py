@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from ...ir.graph import ChunkGroup, Role, StateHome, TrainGraph
-from ...ir.needs import all_needs, buf_bytes, state_bytes, static_bytes, step_workspace
+from ...ir.needs import all_needs, buf_bytes, state_bytes, state_layout, static_bytes, step_workspace
 from .segments import GraphFacts, Segment
 
 
@@ -137,7 +137,8 @@ class Replay:
         host = g.evolve(chunks=tuple(dataclasses.replace(c, state_home=StateHome.HOST) if c in trainable else c
                                      for c in g.chunks))
         self.static_host = static_bytes(host)
-        base = self.static_host + sum(state_bytes(c, prec) for c in trainable) + sum(c.nbytes for c in g.chunks)
+        states = sum(state_bytes(c, prec, 1, state_layout(g.settings)) for c in trainable)
+        base = self.static_host + states + sum(c.nbytes for c in g.chunks)
         self.comfort_base = base
         self.comfort_end = base + sum(c.nbytes for c in trainable if not c.grad_inplace) + max(
             (step_workspace(c, prec) for c in trainable), default=0)

@@ -1,4 +1,5 @@
-"""Optimizer descriptions: `px.Adam` and `px.AdamW`, and the checks torch.optim applies to their options.
+"""`px.Adam` and `px.AdamW`, which run pstar-fx's own chunk kernels (runtime/adam.py: torch's fused Adam), and
+the checks torch.optim applies to their options.
 
 They take torch.optim.Adam / torch.optim.AdamW's arguments with the same meaning. `params` is optional: without it
 one group holds every parameter of the model given to `px.compile`; with it (torch's forms: an iterable of tensors,
@@ -10,11 +11,13 @@ support raise a ValueError that says so, rather than being silently ignored.
 from __future__ import annotations
 
 import math
-import numbers
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
+
+from .spec import ADAM_STATE, OptimizerSpec, is_real, param_groups
+
 
 @dataclass(frozen=True)
 class AdamConfig:
@@ -33,10 +36,6 @@ class AdamConfig:
         return "AdamW" if self.decoupled else "Adam"
 
 
-def _is_real(x) -> bool:
-    return isinstance(x, numbers.Real) and not isinstance(x, bool)
-
-
 def check_options(where: str, opts: Mapping[str, Any], decoupled: bool, *, construction: bool) -> AdamConfig:
     """torch.optim.Adam's checks on one group's options (with its messages, e.g. "Invalid learning rate: nan"),
     plus what torch accepts but pstar-fx cannot honour; NaN and inf are rejected everywhere (torch accepts an inf
@@ -48,12 +47,12 @@ def check_options(where: str, opts: Mapping[str, Any], decoupled: bool, *, const
     if isinstance(lr, torch.Tensor):
         raise ValueError(f"{where}: lr must be a Python float, got a tensor (tensor learning rates are not "
                          "supported yet)")
-    if not _is_real(lr):
+    if not is_real(lr):
         raise ValueError(f"{where}: lr must be a float, got {lr!r}")
-    if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and all(_is_real(b) for b in betas)):
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and all(is_real(b) for b in betas)):
         raise ValueError(f"{where}: betas must be a pair of floats such as (0.9, 0.999), got {betas!r}")
     for arg, value in (("eps", eps), ("weight_decay", wd)):
-        if not _is_real(value):
+        if not is_real(value):
             raise ValueError(f"{where}: {arg} must be a float, got {value!r}")
     if not (0.0 <= lr < math.inf):
         raise ValueError(f"{where}: Invalid learning rate: {lr}")
@@ -84,70 +83,9 @@ def check_options(where: str, opts: Mapping[str, Any], decoupled: bool, *, const
                       maximize=bool(opts.get("maximize", False)), fused=fused)
 
 
-@dataclass(frozen=True, eq=False)
-class OptimizerSpec:
-    """What `px.Adam(...)` / `px.AdamW(...)` return: the options, and torch's group form when one was given.
-    `px.compile` resolves it against the model into the live optimizer."""
-    decoupled: bool
-    defaults: Mapping[str, Any]                         # torch's constructor options (betas as floats)
-    groups: tuple[dict, ...] | None = None              # torch's param groups (tensors, as given); None: all
-    config: AdamConfig = field(default=None)            # the defaults as checked values
-
-    @property
-    def name(self) -> str:
-        return "AdamW" if self.decoupled else "Adam"
-
-
-@dataclass(frozen=True)
-class OptimizerLayout:
-    """The structural part of the optimizer that the plan depends on: which parameters form each group (names as
-    in model.state_dict(), each tensor once), in torch's group order. Option values are not part of it: they are
-    read from `live` (the optimizer object) at every step, so changing them never retraces."""
-    groups: tuple[tuple[str, ...], ...]
-    live: Any = field(default=None, compare=False, repr=False)   # has configs() -> tuple[AdamConfig, ...]
-
-    def group_of(self, name: str) -> int | None:
-        for i, names in enumerate(self.groups):
-            if name in names:
-                return i
-        return None
-
-    def configs(self) -> tuple[AdamConfig, ...]:
-        """Each group's options for the step about to run, checked (a ValueError names a bad group and option)."""
-        return self.live.configs()
-
-
-def _groups(name: str, params) -> tuple[dict, ...] | None:
-    if params is None:
-        return None
-    if isinstance(params, torch.Tensor):
-        raise TypeError(f"px.{name}: params must be an iterable of tensors or of parameter-group dicts (as for "
-                        f"torch.optim.{name}), got a single tensor; wrap it in a list")
-    if _is_real(params):
-        raise TypeError(f"px.{name}: the first positional argument is params, as in torch.optim.{name}; "
-                        f"pass the learning rate as lr={params!r}")
-    items = list(params)
-    if not items:
-        raise ValueError(f"px.{name}: optimizer got an empty parameter list")
-    if not isinstance(items[0], dict):
-        items = [{"params": items}]
-    groups = []
-    for i, g in enumerate(items):
-        if not isinstance(g, dict) or "params" not in g:
-            raise TypeError(f"px.{name}: parameter group {i} must be a dict with a 'params' entry, got "
-                            f"{type(g).__name__}")
-        if isinstance(g["params"], set):
-            raise TypeError(f"px.{name}: optimizer parameters need to be organized in ordered collections, but "
-                            "the ordering of tensors in sets will change between runs. Please use a list instead.")
-        g = dict(g)
-        g["params"] = [g["params"]] if isinstance(g["params"], torch.Tensor) else list(g["params"])
-        groups.append(g)
-    return tuple(groups)
-
-
 def _make(name: str, decoupled: bool, params, lr, betas, eps, weight_decay, amsgrad, foreach, maximize,
           capturable, differentiable, fused) -> OptimizerSpec:
-    groups = _groups(name, params)
+    groups = param_groups(name, params)
     defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, foreach=foreach,
                     maximize=maximize, capturable=capturable, differentiable=differentiable, fused=fused)
     config = check_options(f"px.{name}", defaults, decoupled, construction=True)
@@ -157,7 +95,8 @@ def _make(name: str, decoupled: bool, params, lr, betas, eps, weight_decay, amsg
         check_options(f"px.{name}: parameter group {i}", merged, decoupled, construction=True)
         if "betas" in g:
             g["betas"] = tuple(float(b) for b in g["betas"])
-    return OptimizerSpec(decoupled=decoupled, defaults=defaults, groups=groups, config=config)
+    return OptimizerSpec(torch_class=torch.optim.AdamW if decoupled else torch.optim.Adam, defaults=defaults,
+                         groups=groups, state=ADAM_STATE, config=config)
 
 
 def Adam(params=None, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
