@@ -68,7 +68,7 @@ GiB = 2 ** 30
 # model: nanoGPT without dropout, the reference GPT that `pstar-fx-plan` plans
 
 from pstar_fx.models.gpt import GPTConfig  # noqa: E402  (after ROOT is on the path)
-import models  # noqa: E402  (benchmarks/, beside this file)
+import bench_models as models  # noqa: E402  (benchmarks/, beside this file)
 from trace_steps import intersect, length, stream_lanes, union  # noqa: E402  (benchmarks/, beside this file)
 
 IMPORT_SECONDS = time.perf_counter() - _STARTED     # torch's and pstar-fx's imports (not in compile time)
@@ -559,7 +559,7 @@ def main():
     ap.add_argument("--largest", default=None, metavar="L1,L2,...",
                     help="find the largest GPT each system trains: these layer counts in turn, up to the first failure")
     ap.add_argument("--model", choices=[k.value for k in models.Kind], default="gpt",
-                    help="gpt (the reference GPT) or llama (transformers' LlamaForCausalLM; see benchmarks/models.py)")
+                    help="gpt (the reference GPT) or llama (transformers' LlamaForCausalLM; see benchmarks/bench_models.py)")
     ap.add_argument("--intermediate", type=int, default=0, help="the Llama's MLP width (0: 8/3 x hidden)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()

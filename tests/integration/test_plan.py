@@ -212,12 +212,12 @@ def test_benchmark_flops_are_the_plans_model_flops():
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import gpt as bench
     from pstar_fx.models.gpt import GPT
-    assert bench.GPT is GPT
     cfg = bench.GPTConfig(vocab=256, seq=32, layers=2, hidden=64, heads=4)
     with torch.device("meta"):
-        model = bench.GPT(cfg)
+        model = bench.models.make(bench.models.ModelSpec(bench.models.Kind.GPT, cfg))
+    assert type(model) is GPT
     batch = ((2, 32), torch.long)
-    report = px.plan(model, bench.gpt_loss, batch, batch, device="cpu", device_memory="1GB")
+    report = px.plan(model, bench.models.loss, batch, batch, device="cpu", device_memory="1GB")
     assert report.model_flops == bench.flops_per_step(bench.n_params(model), cfg, 2)
 
 
@@ -228,10 +228,10 @@ def test_model_flops_leave_out_what_remat_recomputes():
     from pstar_fx.ir import REMAT
     cfg = bench.GPTConfig(vocab=256, seq=512, layers=2, hidden=64, heads=4)
     with torch.device("meta"):
-        model = bench.GPT(cfg)
+        model = bench.models.make(bench.models.ModelSpec(bench.models.Kind.GPT, cfg))
     batch = ((8, 512), torch.long)
-    roomy = px.plan(model, bench.gpt_loss, batch, batch, device="cpu", device_memory="1GB")
-    tight = px.plan(model, bench.gpt_loss, batch, batch, device="cpu", device_memory=roomy.peak_device * 6 // 10)
+    roomy = px.plan(model, bench.models.loss, batch, batch, device="cpu", device_memory="1GB")
+    tight = px.plan(model, bench.models.loss, batch, batch, device="cpu", device_memory=roomy.peak_device * 6 // 10)
     recomputed = [n for n in tight.graph.nodes if REMAT in n.meta]
     assert any(n.target in cost.FORWARD_ATTENTION for n in recomputed)
     assert tight.model_flops == roomy.model_flops == bench.flops_per_step(bench.n_params(model), cfg, 8)
