@@ -7,7 +7,8 @@ themselves, their residency and the copies between host and device, ordered with
 
 The host side holds each chunk's home copy of its parameters (pinned on CUDA machines: pageable copies are much
 slower), gradient homes made at set-up for host-stepped chunks and on first write-back for the others, and the
-optimizer states placed on the host (pageable: only the CPU touches them); see host_memory.py for how they are made.
+optimizer states placed on the host (pageable where only the CPU touches them, pinned where the plan streams them to
+the device for their update); see host_memory.py for how they are made.
 
 On CUDA, copies run on two streams of their own, host->device (H2D) and device->host (D2H), ordered with events only
 (no device-wide synchronize; the CPU waits only before it touches a host buffer a copy still reads or writes):
@@ -64,7 +65,8 @@ def host_buffer_specs(chunks: tuple[ChunkInfo, ...], precision: Precision, world
         if c.group is not ChunkGroup.TRAINABLE or host_stepped:
             specs.append(BufferSpec(("param", c.id), shard_numel(c, world), c.dtype, True))
         if host_stepped:
-            specs.append(BufferSpec(("states", c.id), state_floats(c, precision, world), torch.float32, False))
+            # pinned only for a streamed update, whose states the device copies (pageable copies are much slower)
+            specs.append(BufferSpec(("states", c.id), state_floats(c, precision, world), torch.float32, c.streamed))
             if c.grad_buf() is BufKind.GRAD and not c.streamed:
                 specs.append(BufferSpec(("grad", c.id), shard_numel(c, world), c.dtype, True))
     return specs
@@ -115,7 +117,7 @@ class ChunkStore:
                     self.states[c.id] = self.pool.take(floats, torch.float32, what=f"optimizer states of chunk {c.id}")
                     self.states[c.id].zero_()
                 else:
-                    self.states[c.id] = self.hostmem.zeros(floats, torch.float32, copied=False,
+                    self.states[c.id] = self.hostmem.zeros(floats, torch.float32, copied=c.streamed,
                                                            key=("states", c.id))
                     if c.grad_buf() is BufKind.GRAD and not c.streamed:
                         # a host-stepped chunk's gradient goes home every step: its home is set up now, not in
