@@ -6,7 +6,8 @@ The model, in three parts.
    FLOPs, from the fake shapes in `node.meta["val"]`, at the machine's matmul rate (attention at a fraction of it);
    every other op by the bytes it reads and writes at the device's memory rate; views cost nothing. Each kernel adds
    a fixed overhead. Inserted operations: a fetch is the chunk's bytes (a rank's shard, when sharded) at the
-   host->device rate, a write-back the same at device->host, an all-gather / reduce-scatter (w-1)/w of the chunk at
+   host->device rate, a write-back the same at device->host (a streamed update's states: their fp32 bytes each way),
+   an all-gather / reduce-scatter (w-1)/w of the chunk at
    the collective bus rate plus a latency, a device-side Adam update the shard's elements at the GPU Adam rate, a
    host-side one at the CPU Adam rate.
 
@@ -50,8 +51,8 @@ import torch.fx as fx
 
 from .ir import ops
 from .ir.fx_utils import mutated_args, storage_key, tensors_of
-from .ir.graph import BufKind, Role, StateHome, TrainGraph
-from .ir.needs import BufKey, all_needs, from_master, shard_numel, state_layout
+from .ir.graph import BufKind, Role, StateHome, TrainGraph, UpdateSite
+from .ir.needs import BufKey, all_needs, buf_bytes, from_master, shard_numel, state_layout
 
 INF = float("inf")
 
@@ -401,7 +402,7 @@ def _simulate(g: TrainGraph, m: Machine, node_s: list[float], background, steps:
                 if world > 1:                 # the executor's thread waits for the update, then issues the gather
                     free[Lane.HOST] = max(free[Lane.HOST], after_update)
                     compute_at = max(compute_at, after_update)
-                part = _shard_bytes(c, world) if gather or (world > 1 and a.chunk in reduced) else c.nbytes
+                part = _shard_bytes(c, world) if gather or (world > 1 and a.chunk in reduced) else buf_bytes(g, key)
                 if from_master(g, a):         # cast from the fp32 master on the device (4 bytes read per element)
                     done = sim._fixed(Lane.COMPUTE, compute_at, part * 3 / m.hbm_bytes + m.kernel_s)
                 else:
@@ -413,7 +414,8 @@ def _simulate(g: TrainGraph, m: Machine, node_s: list[float], background, steps:
                 if n.kwargs["writeback"]:
                     whole = world == 1 or (a.buf is BufKind.GRAD and a.chunk not in reduced)
                     free[Lane.HOST] = max(free[Lane.HOST], updated.get(a.chunk, 0.0))
-                    done = sim.copy(Lane.D2H, max(t, free[Lane.HOST]), c.nbytes if whole else _shard_bytes(c, world))
+                    done = sim.copy(Lane.D2H, max(t, free[Lane.HOST]),
+                                    buf_bytes(g, key) if whole else _shard_bytes(c, world))
                     home[key] = done
                     # the compute stream waits for it: the runtime waits only where the slot's room is needed
                     # before the copy is done (ChunkStore.reclaim), which this model, keeping no device bytes,
@@ -438,8 +440,9 @@ def _simulate(g: TrainGraph, m: Machine, node_s: list[float], background, steps:
                 if g.settings.precision.dtype is torch.float16:
                     free[Lane.HOST] = max(free[Lane.HOST], t)      # the overflow flag is read on the host
                 commit_at = t
-            elif a.role is Role.OPTIMIZER_STEP and c.state_home is StateHome.DEVICE:
-                keys = [BufKey(c.id, b) for b in c.buffers()]
+            elif a.role is Role.OPTIMIZER_STEP and c.update_site is UpdateSite.DEVICE:
+                # (a streamed chunk's too: it waits for its states' fetch, their write-back is a release)
+                keys = [BufKey(c.id, b) for b in c.buffers()] + ([BufKey(c.id, BufKind.STATES)] if c.streamed else [])
                 numel = shard_numel(c, world)
                 convert = numel * 12 / m.hbm_bytes if g.settings.precision.mixed else 0.0
                 t = max([compute_at] + [ready.get(k, 0.0) for k in keys])

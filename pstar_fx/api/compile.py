@@ -13,7 +13,8 @@ from .step import CompiledStep
 def compile(model: nn.Module, *, optimizer: OptimizerSpec | None, device_memory: int | str | None = None,
             precision: str | None = None, chunk_size: int | None = None, device=None, debug: bool = False,
             prefetch: int | None = None, max_grad_norm: float | None = None,
-            accumulate: int = 1, remat="auto", atomic: bool = True) -> Callable[[Callable], CompiledStep]:
+            accumulate: int = 1, remat="auto", atomic: bool = True,
+            _device_updates: int | None = None) -> Callable[[Callable], CompiledStep]:
     """Compile `step(model, *batch) -> loss` into one training step that fits `device_memory`.
 
     Use as a decorator: `@px.compile(model, optimizer=px.AdamW(lr=3e-4))` over `def step(model, x, y): ...`;
@@ -28,15 +29,21 @@ def compile(model: nn.Module, *, optimizer: OptimizerSpec | None, device_memory:
     CPU's updates would otherwise delay the next forward. The cost: a step that fails after its first such update
     raises px.CommitError and leaves the values half-updated (load a checkpoint to continue). Only where the commit
     decides nothing the updates need (no max_grad_norm, not fp16; otherwise it changes nothing); one rank only.
+    `_device_updates` (private, for tests): stream this many chunks the CPU would update to the device and update
+    them there (the first in the CPU's order; more than there are: all) instead of the cost model's choice.
     """
+    if _device_updates is not None and (not isinstance(_device_updates, int) or isinstance(_device_updates, bool)
+                                        or _device_updates < 0):
+        raise ValueError(f"_device_updates must be a number of chunks >= 0 (or None), got {_device_updates!r}")
     def wrap(fn: Callable) -> CompiledStep:
         if optimizer is None:
-            if max_grad_norm is not None or accumulate != 1 or not atomic:
+            if max_grad_norm is not None or accumulate != 1 or not atomic or _device_updates is not None:
                 raise ValueError("max_grad_norm, accumulate and atomic belong to training steps; a forward-only "
                                  "function (optimizer=None) takes none of them")
             return CompiledEval(fn, model, device_memory=device_memory, precision=precision, chunk_size=chunk_size,
                                 device=device, debug=debug, prefetch=prefetch)
         return CompiledStep(fn, model, optimizer, device_memory=device_memory, precision=precision,
                             chunk_size=chunk_size, device=device, debug=debug, prefetch=prefetch,
-                            max_grad_norm=max_grad_norm, accumulate=accumulate, remat=remat, atomic=atomic)
+                            max_grad_norm=max_grad_norm, accumulate=accumulate, remat=remat, atomic=atomic,
+                            device_updates=_device_updates)
     return wrap

@@ -67,6 +67,7 @@ class PlanReport:
     passes_seconds: float
     traced_on: str                   # the device type the step was traced for ("cpu" where torch has no CUDA)
     graph: TrainGraph | None = field(default=None, repr=False, compare=False)   # the final stage
+    states_streamed: int = 0         # chunks whose states live on the host, updated on the GPU (streamed over and back)
 
     @property
     def fits_device(self) -> bool:
@@ -123,7 +124,7 @@ class PlanReport:
         if self.fits_device:
             rows += [
                 ("chunks", f"{self.chunks}, optimizer states of {self.states_on_device} of {self.trainable_chunks} "
-                           "on the GPU"),
+                           f"on the GPU, {self.states_streamed} of the others updated on the GPU (states streamed)"),
                 ("moved per step", f"{format_bytes(self.h2d_bytes)} host->device, {format_bytes(self.d2h_bytes)} "
                                    "device->host, per GPU"),
                 ("communicated", f"{format_bytes(self.communicated_bytes)} sent per GPU per step "
@@ -294,5 +295,6 @@ def plan(model: nn.Module, loss_fn, *batch, world_size: int = 1, device_memory=N
                       h2d_bytes=p.h2d_bytes, d2h_bytes=p.d2h_bytes, gathered_bytes=p.gathered_bytes,
                       reduced_bytes=p.reduced_bytes, chunks=len(final.chunks),
                       states_on_device=sum(c.state_home is StateHome.DEVICE for c in trainable),
+                      states_streamed=sum(c.streamed for c in trainable),
                       trainable_chunks=len(trainable), model_flops=model_flops(final, n_tokens),
                       cost=estimate(final, machine), graph=final, **common)

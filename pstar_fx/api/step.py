@@ -49,7 +49,7 @@ class CompiledStep:
     def __init__(self, fn: Callable, model: nn.Module, optimizer: OptimizerSpec, *, device_memory=None,
                  precision: str | None = None, chunk_size: int | None = None, device=None, debug: bool = False,
                  prefetch: int | None = None, max_grad_norm: float | None = None, accumulate: int = 1, remat="auto",
-                 atomic: bool = True):
+                 atomic: bool = True, device_updates: int | None = None):
         check_options(model, optimizer, chunk_size=chunk_size, prefetch=prefetch, max_grad_norm=max_grad_norm,
                       accumulate=accumulate, remat=remat, atomic=atomic)
         self._fn = fn
@@ -65,7 +65,7 @@ class CompiledStep:
                                  optimizer=self._optimizer.layout if self._optimizer is not None else None,
                                  max_grad_norm=None if max_grad_norm is None else float(max_grad_norm),
                                  accumulate=accumulate, world=world,
-                                 atomic=atomic)
+                                 atomic=atomic, device_updates=device_updates)
         check_world(atomic, self.settings.world)
         self.debug = debug
         self.prefetch = prefetch

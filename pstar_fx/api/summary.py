@@ -33,6 +33,7 @@ class Summary:
     estimated_seconds: float | None = None  # the cost model's steady-state step (H200 rates; None off CUDA)
     measured_seconds: float | None = None   # the last step's wall time, call to return
     alloc_retries: int | None = None        # the last step's caching-allocator retries (CUDA)
+    states_streamed: int = 0                # of the chunks whose states live on the host: updated on the device
 
     def __str__(self) -> str:
         rows = [
@@ -41,7 +42,8 @@ class Summary:
             ("model data", format_bytes(self.model_data_bytes) + " (params + grads + optimizer states)"),
             ("budget", "unlimited" if self.budget is None else
                        self.default_budget if self.default_budget is not None else format_bytes(self.budget)),
-            ("optimizer states", f"{self.states_on_device} of {self.trainable_chunks} chunks on the device"),
+            ("optimizer states", f"{self.states_on_device} of {self.trainable_chunks} chunks on the device; of the "
+                                 f"others {self.states_streamed} updated on the device (states streamed)"),
             ("predicted peak", format_bytes(self.predicted_peak)),
             ("measured peak", "-" if self.measured_peak is None else format_bytes(self.measured_peak)),
             ("moved per step", f"{format_bytes(self.h2d_bytes)} host->device, "
@@ -69,6 +71,7 @@ def summarize(g: TrainGraph, compiled: Compiled, last: StepStats | None, prec: P
         chunks=len(g.chunks), chunk_size=g.chunk_size, chunk_bytes=g.chunk_size * prec.dtype.itemsize,
         own_chunks=own, model_data_bytes=model_data, budget=g.settings.budget,
         states_on_device=sum(c.state_home is StateHome.DEVICE for c in trainable), trainable_chunks=len(trainable),
+        states_streamed=sum(c.streamed for c in trainable),
         predicted_peak=g.plan.predicted_peak, measured_peak=None if last is None else last.measured_peak,
         h2d_bytes=g.plan.h2d_bytes, d2h_bytes=g.plan.d2h_bytes, nodes=len(g.nodes),
         compile_seconds=(compiled.stages["traced"].seconds,

@@ -79,11 +79,18 @@ class ChunkGroup(_Enum):
 class BufKind(_Enum):
     PARAM = "param"                  # the parameter values (compute dtype)
     GRAD = "grad"                    # the gradient (compute dtype); absent when the chunk's grads are in place
+    STATES = "states"                # a streamed chunk's optimizer states (fp32), on the device for its update only
 
 
 class StateHome(_Enum):
     DEVICE = "device"
     HOST = "host"
+
+
+class UpdateSite(_Enum):
+    """Where a trainable chunk's optimizer update runs."""
+    DEVICE = "device"    # the device's Adam: states on the device, or streamed there from the host and back
+    CPU = "cpu"          # the store's CPU worker, on the host states
 
 
 class ParamHome(_Enum):
@@ -145,10 +152,21 @@ class ChunkInfo:
     state_home: StateHome | None = None   # where the optimizer states live (TRAINABLE only)
     opt_group: int | None = None     # TRAINABLE: the optimizer parameter group of every parameter in the chunk
     param_home: ParamHome = ParamHome.HOST   # set by the schedule
+    # TRAINABLE, states on the host (set by place_optimizer): updated on the device, its states fetched into a device
+    # slot (BufKind.STATES) before its step and written back to their host home after it
+    streamed: bool = False
 
     @property
     def nbytes(self) -> int:
         return self.capacity * self.dtype.itemsize
+
+    @property
+    def update_site(self) -> UpdateSite | None:
+        """Where its update runs (None: not trainable, or states not placed yet). The state home says where the
+        states live between steps; a streamed chunk's live on the host and are updated on the device."""
+        if self.group is not ChunkGroup.TRAINABLE or self.state_home is None:
+            return None
+        return UpdateSite.DEVICE if self.state_home is StateHome.DEVICE or self.streamed else UpdateSite.CPU
 
     def buffers(self) -> tuple[BufKind, ...]:
         if self.group is ChunkGroup.TRAINABLE and not self.grad_inplace:
@@ -184,6 +202,9 @@ class Settings:
     accumulate: int = 1              # micro-batches per step (the batch is split along dim 0)
     world: int = 1                   # ranks sharing the chunks (data parallel; each owns 1/world of every chunk)
     atomic: bool = True              # False: host-side updates may start before the commit (place_optimizer)
+    # tests (px.compile's private `_device_updates`): this many chunks the CPU would update, the first in its order,
+    # are streamed to the device and updated there instead (more than there are: all); None: the cost model chooses
+    device_updates: int | None = None
 
     @property
     def commit_decides(self) -> bool:

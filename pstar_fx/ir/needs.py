@@ -10,7 +10,7 @@ import torch.fx as fx
 
 from .fx_utils import storage_key, tensors_of
 from ..optim import NO_STATE, StateLayout
-from .graph import BufKind, ChunkInfo, NodeAnn, ParamHome, Precision, Role, StateHome, TrainGraph
+from .graph import BufKind, ChunkInfo, NodeAnn, ParamHome, Precision, Role, StateHome, TrainGraph, UpdateSite
 
 
 class BufKey(NamedTuple):
@@ -89,10 +89,14 @@ def _write_grad(g: TrainGraph, a: NodeAnn) -> Needs:
 
 def _optimizer_step(g: TrainGraph, a: NodeAnn) -> Needs:
     c = g.chunks[a.chunk]
-    if c.state_home is StateHome.HOST:
+    if c.update_site is UpdateSite.CPU:
         return NO_NEEDS   # runs on the host; the schedule releases the chunk's buffers first
     keys = frozenset(BufKey(c.id, b) for b in c.buffers())
-    return Needs(reads=keys, writes=frozenset({BufKey(c.id, BufKind.PARAM)}),
+    writes = {BufKey(c.id, BufKind.PARAM)}
+    if c.streamed:        # its states, fetched into a slot of their own, are read and written there
+        keys |= {BufKey(c.id, BufKind.STATES)}
+        writes.add(BufKey(c.id, BufKind.STATES))
+    return Needs(reads=keys, writes=frozenset(writes),
                  workspace=step_workspace(c, g.settings.precision, g.settings.world))
 
 
@@ -144,6 +148,9 @@ def from_master(g: TrainGraph, a: NodeAnn) -> bool:
 
 
 def buf_bytes(g: TrainGraph, key: BufKey) -> int:
+    """Device bytes of a chunk buffer's slot (the states of a whole chunk, or of this rank's shard, for STATES)."""
+    if key.buf is BufKind.STATES:
+        return state_bytes(g.chunks[key.chunk], g.settings.precision, g.settings.world, state_layout(g.settings))
     return g.chunks[key.chunk].nbytes
 
 

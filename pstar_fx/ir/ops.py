@@ -22,7 +22,8 @@ def write_grad(rt, grad: torch.Tensor, *, param: str, accumulate: bool = False, 
 
 
 def fetch(rt, *, chunk: int, buf: BufKind) -> None:
-    """Bring a chunk buffer onto the device: host -> device copy into a free slot."""
+    """Bring a chunk buffer onto the device: host -> device copy into a free slot (buf=states: a streamed update's
+    optimizer states, from their host home)."""
     rt.fetch(chunk, buf)
 
 
@@ -56,8 +57,8 @@ def commit(rt) -> None:
 
 
 def optimizer_step(rt, *, chunk: int, gather: bool = False) -> None:
-    """Adam/AdamW on one whole flat chunk (with several ranks: this rank's shard of it), where its optimizer states
-    live; `gather` (several ranks, device-side states): all-gather the updated chunk, which stays resident."""
+    """Adam/AdamW on one whole flat chunk (with several ranks: this rank's shard of it), where the chunk's update site
+    is: the device (its states there, or streamed into a resident slot) or the CPU worker; `gather` (several ranks, device-side states): all-gather the updated chunk, which stays resident."""
     rt.optimizer_step(chunk, gather)
 
 

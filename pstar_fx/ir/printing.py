@@ -96,6 +96,7 @@ def format_graph(g: TrainGraph) -> str:
         body.append("# chunks:")
         for c in g.chunks:
             home = f", states on {c.state_home.value}" if c.state_home else ""
+            home += " (updated on the device, streamed)" if c.streamed else ""
             inplace = ", grads in place" if c.grad_inplace else ""
             cast = ", params cast from the master" if c.param_home is ParamHome.MASTER else ""
             body.append(f"#   chunk {c.id}: {c.group.value}, {c.capacity} x {str(c.dtype).replace('torch.', '')} "

@@ -21,6 +21,9 @@ in the order `update_order` chooses from the cost model: each chunk's update can
 and written home and the executor has issued its step (after the commit unless atomic=False; at the commit anyway
 when clipping or an fp16 overflow check must see every gradient) and should end before the next forward reads the
 chunk; the order is the earliest-deadline-first list schedule of those windows.
+Where the updates wait for the commit (one rank), the first chunks of that order may instead update on the device,
+their states streamed over and back (`ChunkInfo.streamed`, chosen with the cost model by update_sites.py): their
+steps come last, after the commit, in that order.
 """
 from __future__ import annotations
 
@@ -31,12 +34,13 @@ import torch.fx as fx
 from ..cost import H200, Lane, Machine, compute_seconds, estimate, most_copy_seconds
 from ..errors import BudgetError
 from ..ir import ops
-from ..ir.graph import (BufKind, ChunkGroup, NodeAnn, Phase, Role, Scheduled, StateHome, TrainGraph, copy_graph,
-                        to_module)
+from ..ir.graph import (BufKind, ChunkGroup, NodeAnn, Phase, Role, Scheduled, StateHome, TrainGraph, UpdateSite,
+                        copy_graph, to_module)
 from ..ir.needs import (NO_NEEDS, all_needs, buf_bytes, needs, shard_numel, state_bytes, state_layout,
                         static_bytes)
 from .liveness import analyze
 from .schedule import schedule
+from .update_sites import choose_streamed, no_stream_reason
 
 
 def min_need(g: TrainGraph) -> int:
@@ -59,15 +63,12 @@ def place_optimizer(g: TrainGraph, machine: Machine = H200) -> TrainGraph:
     ranked = device_priority(all_host, machine, node_s)
     most = _choose_homes(all_host, ranked)
     fewer = _fewer_states(most, ranked, machine, node_s)
-    if not fewer:      # the common case: no other placement to compare, so all_host becomes the result (no copy)
-        return _placed(g, all_host, most.chunks, machine, node_s, reuse=True).evolve(stage="optimizer_placed",
-                                                                                     made_by="place_optimizer")
     program_s = {n.name: s for n, s in zip(all_host.nodes, node_s)}
     best = _placed(g, all_host, most.chunks, machine, node_s, reuse=True)
-    best_scheduled = schedule(best)
+    best_scheduled = schedule(best) if fewer else None
     # its copies cannot bound its step when they would take less than the step's compute even at their slowest
     fullest = (estimate(best_scheduled, machine, program_s=program_s)
-               if most_copy_seconds(best_scheduled.plan, machine) >= sum(node_s) else None)
+               if fewer and most_copy_seconds(best_scheduled.plan, machine) >= sum(node_s) else None)
     if fullest is not None and fullest.bound in (Lane.H2D, Lane.D2H):
         best_s = fullest.seconds
         all_host = with_steps(g, trainable).evolve(chunks=chunks)     # the first was used up by the fullest
@@ -80,8 +81,50 @@ def place_optimizer(g: TrainGraph, machine: Machine = H200) -> TrainGraph:
             seconds = estimate(scheduled, machine, program_s=program_s).seconds
             if seconds < best_s:
                 best, best_s, best_scheduled = candidate, seconds, scheduled
+    best, best_scheduled = _stream(g, best, best_scheduled, machine, program_s)
     out = best.evolve(stage="optimizer_placed", made_by="place_optimizer")
+    if best_scheduled is None:
+        return out
     return out.evolve(scheduled=Scheduled(out.gm, out.ann, out.chunks, out.settings, best_scheduled))
+
+
+def _stream(g: TrainGraph, best: TrainGraph, best_scheduled: TrainGraph | None, machine: Machine, program_s
+            ) -> tuple[TrainGraph, TrainGraph | None]:
+    """best (states placed, steps arranged) with the chunks update_sites chooses streamed: their steps after the
+    CPU's, in the CPU's order (the next forward's first needs first), the CPU keeping the rest in its order. A chunk
+    whose streamed step alone would not fit the budget stays with the CPU."""
+    reason = no_stream_reason(g.settings)
+    if reason is not None:
+        if g.settings.device_updates:
+            raise ValueError(f"_device_updates={g.settings.device_updates}: {reason}")
+        return best, best_scheduled
+    nodes = best.nodes
+    lv = analyze(nodes, best.ann)
+    static = static_bytes(best)
+    budget = best.settings.budget
+
+    def fits(i: int, cid: int) -> bool:
+        """The chunk's streamed step fits beside what is always on the device (its states, params, gradient,
+        workspace and the live activations)."""
+        trial = best.evolve(chunks=tuple(dataclasses.replace(c, streamed=True) if c.id == cid else c
+                                         for c in best.chunks))
+        nd = needs(trial, best.ann[nodes[i].name])
+        need = static + lv.live[i] + nd.workspace + sum(buf_bytes(trial, k) for k in nd.resident)
+        return budget is None or need <= budget
+
+    steps = [(i, best.ann[n.name].chunk) for i, n in enumerate(nodes) if best.ann[n.name].role is Role.OPTIMIZER_STEP
+             and best.chunks[best.ann[n.name].chunk].update_site is UpdateSite.CPU]
+    cpu_only = [cid for i, cid in steps if not fits(i, cid)]
+    order = [cid for i, cid in steps if cid not in cpu_only]       # those that may stream, in the CPU's order
+    device = [c.id for c in best.chunks if c.update_site is UpdateSite.DEVICE]
+
+    def build(k: int) -> TrainGraph:
+        streamed = set(order[:k])
+        homes = tuple(dataclasses.replace(c, streamed=True) if c.id in streamed else c for c in best.chunks)
+        cpu = [cid for _, cid in steps if cid not in streamed]
+        return with_steps(g, device, cpu, streamed=order[:k]).evolve(chunks=homes)
+
+    return choose_streamed(best, order, build, machine, program_s, (best, best_scheduled))
 
 
 def _placed(g: TrainGraph, all_host: TrainGraph, homes: tuple, machine: Machine,
@@ -90,7 +133,7 @@ def _placed(g: TrainGraph, all_host: TrainGraph, homes: tuple, machine: Machine,
     (computed on `all_host`, g with every step after the commit, whose nodes' compute times are node_s when known:
     the order reads the windows, not the steps). reuse: make it from all_host by moving its step nodes (no copy of
     g; all_host is then used up)."""
-    device = [c.id for c in homes if c.group is ChunkGroup.TRAINABLE and c.state_home is StateHome.DEVICE]
+    device = [c.id for c in homes if c.update_site is UpdateSite.DEVICE]
     host = update_order(all_host.evolve(chunks=homes), machine, node_s)
     early = g.settings.early_updates
     if reuse:
@@ -143,11 +186,13 @@ def _fewer_states(most: TrainGraph, ranked: list[int], machine: Machine, node_s:
     return out
 
 
-def with_steps(g: TrainGraph, order: list[int], host: list[int] = (), early: bool = False) -> TrainGraph:
+def with_steps(g: TrainGraph, order: list[int], host: list[int] = (), early: bool = False,
+               streamed: list[int] = ()) -> TrainGraph:
     """g with a commit after its program and one optimizer_step per chunk: those of `order` after the commit, then
-    those of `host`, in that order; with `early`, each of `host` instead right after the last node that uses its
-    chunk and after the previous one of `host` (so the CPU worker, which takes them in graph order, gets each as
-    soon as the step is done with its chunk)."""
+    those of `host`, then those of `streamed`, in that order; with `early`, each of `host` instead right after the
+    last node that uses its chunk and after the previous one of `host` (so the CPU worker, which takes them in graph
+    order, gets each as soon as the step is done with its chunk)."""
+    assert not (early and streamed), "streamed updates come after the commit"
     graph, _ = copy_graph(g)
     ann = dict(g.ann)
     program = [n for n in graph.nodes if ann[n.name].role in (Role.COMPUTE, Role.WRITE_GRAD)]
@@ -157,7 +202,7 @@ def with_steps(g: TrainGraph, order: list[int], host: list[int] = (), early: boo
     ann[commit.name] = NodeAnn(role=Role.COMMIT, phase=Phase.OPTIMIZER)
     steps: dict[int, fx.Node] = {}
     after = commit
-    for cid in list(order) + list(host):
+    for cid in list(order) + list(host) + list(streamed):
         with graph.inserting_after(after):
             after = steps[cid] = graph.call_function(ops.optimizer_step, (), {"chunk": cid})
         ann[after.name] = NodeAnn(role=Role.OPTIMIZER_STEP, phase=Phase.OPTIMIZER, chunk=cid)
@@ -245,7 +290,7 @@ def update_order(g: TrainGraph, machine: Machine = H200, node_s: list[float] | N
     """The host-stepped chunks of g (states placed) in the order the CPU should update them: non-preemptive
     earliest-deadline-first over each update's window (`_windows`). With every release at one moment this is
     first-use order."""
-    host = [c.id for c in g.chunks if c.group is ChunkGroup.TRAINABLE and c.state_home is StateHome.HOST]
+    host = [c.id for c in g.chunks if c.update_site is UpdateSite.CPU]
     if len(host) < 2:
         return host
     todo = {cid: (r, d, cid, u) for cid, (r, d, u) in _windows(g, host, machine, node_s).items()}

@@ -18,6 +18,9 @@ soon as nothing needs it before its eviction, not when its room is wanted), and 
 prefetching never adds evictions or bytes moved. A fetch after a host-side update of its chunk stays after it; with
 more than one rank, a copy into a chunk stepped on the host is not hoisted at all (the executor's thread issues it
 and waits there for the chunk's pending update).
+A streamed update's states (BufKind.STATES, state_bytes of the chunk) are a buffer like the others: fetched from
+their host home before the chunk's step and released, written back, right after it (never carried); its gradient
+and parameters stay on the device for the step, as a device-state chunk's do.
 A budget that some node cannot fit raises BudgetError before anything runs.
 
 Parameter homes (`ChunkInfo.param_home`, set here for training graphs): in mixed precision a chunk whose optimizer
@@ -40,7 +43,7 @@ from ..errors import BudgetError
 from ..ir import ops
 from ..ir.fx_utils import output_node
 from ..ir.graph import (BufKind, ChunkGroup, MemoryPlan, NodeAnn, ParamHome, Phase, Role, StateHome, TrainGraph,
-                        copy_graph, to_module)
+                        UpdateSite, copy_graph, to_module)
 from ..ir.needs import BufKey, all_needs, buf_bytes, from_master, static_bytes
 from ..units import format_bytes
 from .liveness import analyze
@@ -89,7 +92,7 @@ class _Planner:
     def carryable(self, k: BufKey) -> bool:
         """A parameter buffer whose device copy stays valid across the boundary: no host-side step rewrites it."""
         c = self.g.chunks[k.chunk]
-        return k.buf is BufKind.PARAM and (c.group is not ChunkGroup.TRAINABLE or c.state_home is StateHome.DEVICE)
+        return k.buf is BufKind.PARAM and (c.group is not ChunkGroup.TRAINABLE or c.update_site is UpdateSite.DEVICE)
 
     def fits_at_ends(self, keys) -> bool:
         """A carried set must fit where the step starts (placeholders) and where it ends (the output node)."""
@@ -105,7 +108,8 @@ class _Planner:
         n_nodes = len(nodes)
         cursor = {k: 0 for k in uses}
         resident = dict(start)
-        on_host: set[BufKey] = {k for k in uses if k.buf is BufKind.PARAM}   # host homes holding data
+        # host homes holding data: parameters, and the states a streamed update fetches
+        on_host: set[BufKey] = {k for k in uses if k.buf is not BufKind.GRAD}
         moves: list[Move] = []
         used = sum(buf_bytes(g, k) for k in resident)
         profile = [0] * n_nodes
@@ -148,7 +152,8 @@ class _Planner:
             for k in sorted(x.resident, key=BufKey.order):
                 if next_use(k, i) == INF:
                     dirty = resident.pop(k)
-                    keep = k.buf is BufKind.PARAM or g.chunks[k.chunk].state_home is StateHome.HOST
+                    # a gradient is kept only for a CPU update; parameters and streamed states always go home
+                    keep = k.buf is not BufKind.GRAD or g.chunks[k.chunk].update_site is UpdateSite.CPU
                     moves.append(Move(Role.RELEASE, k, i + 1, copy=dirty and keep))
                     if dirty and keep:
                         on_host.add(k)
@@ -221,8 +226,8 @@ def _budget_error(g: TrainGraph, lv, cap: float, first: fx.Node) -> BudgetError:
     """What the whole step needs, not just the first node that does not fit: the least budget under which it runs
     (every optimizer state on the host, only each node's own needs on the device: step.min_device_memory) and the
     node that needs it."""
-    host = g.evolve(chunks=tuple(dataclasses.replace(c, state_home=StateHome.HOST) if c.state_home else c
-                                 for c in g.chunks))
+    host = g.evolve(chunks=tuple(dataclasses.replace(c, state_home=StateHome.HOST, streamed=False) if c.state_home
+                                 else c for c in g.chunks))
     static = static_bytes(host)
     own = [lv.live[i] + x.workspace + sum(buf_bytes(g, k) for k in x.resident) for i, x in enumerate(all_needs(host))]
     i = max(range(len(own)), key=own.__getitem__)
@@ -268,7 +273,7 @@ def _hoist(g, moves, room, first, prefetch) -> list[Move]:
     n_nodes = len(nodes)
     host_step = {g.ann[n.name].chunk: i for i, n in enumerate(nodes)
                  if g.ann[n.name].role is Role.OPTIMIZER_STEP
-                 and g.chunks[g.ann[n.name].chunk].state_home is StateHome.HOST}
+                 and g.chunks[g.ann[n.name].chunk].update_site is UpdateSite.CPU}
     out: list[Move] = []
     for m in sorted(moves, key=lambda m: m.before):
         if m.role is Role.RELEASE:
@@ -378,16 +383,18 @@ def annotate(g: TrainGraph, carried: tuple = ()) -> TrainGraph:
         a = g.ann[n.name]
         x = nd[i]
         if a.role is Role.FETCH:
-            resident += g.chunks[a.chunk].nbytes
+            size = buf_bytes(g, BufKey(a.chunk, a.buf))
+            resident += size
             fetches += 1
             if n.target is ops.fetch and not from_master(g, a):
-                h2d += g.chunks[a.chunk].nbytes
+                h2d += size
         shown = resident
         if a.role is Role.RELEASE:
-            resident -= g.chunks[a.chunk].nbytes
+            size = buf_bytes(g, BufKey(a.chunk, a.buf))
+            resident -= size
             releases += 1
             if n.kwargs["writeback"]:
-                d2h += g.chunks[a.chunk].nbytes
+                d2h += size
         peak = max(peak, static + shown + lv.live[i] + x.workspace)
         ann[n.name] = dataclasses.replace(a, resident_bytes=shown, live_bytes=lv.live[i], bytes=lv.created[i],
                                           workspace_bytes=x.workspace)

@@ -11,7 +11,8 @@ Checked at every stage (each check applies once the stage has what it is about):
   is dropped while still needed; the cycle closes: the buffers resident at the end are exactly the plan's carried
   set, the one the step starts from, and none assumed fresh on the host at the start ends stale; a host-side step
   finds its chunk off the device
-  with its gradient on the host; static + resident + live + workspace <= budget at every node, and the plan's
+  with its gradient on the host; a streamed update's states are fetched (copied from their host home) once, before
+  its step, and released with a write-back once, after it; static + resident + live + workspace <= budget at every node, and the plan's
   predicted peak is that maximum.
 - collectives (more than one rank, from the shard stage on): every parameter buffer is brought in by all_gather,
   never by a plain fetch; every trainable chunk is reduce-scattered exactly once, after the last write of any of its
@@ -21,7 +22,7 @@ Checked at every stage (each check applies once the stage has what it is about):
 from __future__ import annotations
 
 from ..ir import ops
-from ..ir.graph import BufKind, ChunkGroup, ParamHome, Role, StateHome, TrainGraph
+from ..ir.graph import BufKind, ChunkGroup, ParamHome, Role, StateHome, TrainGraph, UpdateSite
 from ..ir.needs import BufKey, all_needs, buf_bytes, static_bytes
 from ..ir.printing import format_lines
 from .liveness import analyze
@@ -150,7 +151,7 @@ def _check_steps(g: TrainGraph) -> None:
         if a.role is Role.COMMIT:
             committed = True
         elif a.role is Role.OPTIMIZER_STEP and not committed and not (
-                g.settings.early_updates and g.chunks[a.chunk].state_home is StateHome.HOST):
+                g.settings.early_updates and g.chunks[a.chunk].update_site is UpdateSite.CPU):
             _fail(g, i, f"optimizer_step of chunk {a.chunk} before the commit (a failure there could not be undone; "
                         "only host-side steps with atomic=False may come early)")
         if a.role in (Role.PARAM_VIEW, Role.WRITE_GRAD):
@@ -171,6 +172,9 @@ def _check_steps(g: TrainGraph) -> None:
             _fail(g, None, f"trainable chunk {c.id} is never stepped")
         if c.group is ChunkGroup.TRAINABLE and c.state_home is None:
             _fail(g, None, f"trainable chunk {c.id} has no state home")
+        if c.streamed and (c.state_home is not StateHome.HOST or g.settings.world > 1):
+            _fail(g, None, f"chunk {c.id} streams its update, but only a chunk whose states live on the host, with "
+                           "one rank, may")
 
 
 def _check_schedule(g: TrainGraph) -> None:
@@ -180,7 +184,8 @@ def _check_schedule(g: TrainGraph) -> None:
     budget = g.settings.budget
     start = dict(g.plan.carried)         # key -> host copy stale, at the start of every step
     resident: dict[BufKey, bool] = dict(start)    # key -> written on the device since its host copy was current
-    host_has = {BufKey(c.id, BufKind.PARAM) for c in g.chunks}
+    host_has = {BufKey(c.id, BufKind.PARAM) for c in g.chunks} | {BufKey(c.id, BufKind.STATES)
+                                                                   for c in g.chunks if c.streamed}
     holds_grads: set[int] = set()          # chunks whose PARAM buffer holds their gradients (in place)
     for c in g.chunks:
         if c.param_home is ParamHome.MASTER and not (g.settings.precision.mixed and c.group is ChunkGroup.TRAINABLE
@@ -228,16 +233,16 @@ def _check_schedule(g: TrainGraph) -> None:
             elif dirty and n.kwargs["writeback"]:
                 host_has.add(key)
             elif dirty:
-                needed_later = (key.buf is BufKind.PARAM or later_uses.get(key, 0) > 0
-                                or g.chunks[key.chunk].state_home is StateHome.HOST)
+                needed_later = (key.buf is not BufKind.GRAD or later_uses.get(key, 0) > 0
+                                or g.chunks[key.chunk].update_site is UpdateSite.CPU)
                 if needed_later:
                     _fail(g, i, f"{key} was written on the device and is dropped without write-back")
             used -= buf_bytes(g, key)
         elif a.role is Role.WRITE_GRAD and g.chunk_of(a.param).grad_inplace:
             holds_grads.add(g.chunk_of(a.param).id)
-        elif a.role is Role.OPTIMIZER_STEP and g.chunks[a.chunk].state_home is StateHome.DEVICE:
+        elif a.role is Role.OPTIMIZER_STEP and g.chunks[a.chunk].update_site is UpdateSite.DEVICE:
             holds_grads.discard(a.chunk)
-        elif a.role is Role.OPTIMIZER_STEP and g.chunks[a.chunk].state_home is StateHome.HOST:
+        elif a.role is Role.OPTIMIZER_STEP and g.chunks[a.chunk].update_site is UpdateSite.CPU:
             c = g.chunks[a.chunk]
             if any(BufKey(c.id, b) in resident for b in c.buffers()):
                 _fail(g, i, f"host-side step of chunk {c.id} while one of its buffers is on the device")
@@ -264,3 +269,31 @@ def _check_schedule(g: TrainGraph) -> None:
               "assumes their host copies current")
     if g.plan.predicted_peak != peak:
         _fail(g, None, f"plan's predicted peak {g.plan.predicted_peak} != replayed peak {peak}")
+    _check_streamed(g)
+
+
+def _check_streamed(g: TrainGraph) -> None:
+    """Each streamed chunk's states: fetched once (a copy of the host home), then its step, then one release that
+    writes them back; nothing else moves them."""
+    want = ("fetch", "step", "writeback")
+    seen: dict[int, list[str]] = {c.id: [] for c in g.chunks if c.streamed}
+    for i, n in enumerate(g.nodes):
+        a = g.ann[n.name]
+        if a.chunk not in seen:
+            continue
+        if a.buf is BufKind.STATES and a.role is Role.FETCH:
+            what = "fetch" if n.target is ops.fetch else "alloc"
+        elif a.buf is BufKind.STATES and a.role is Role.RELEASE:
+            what = "writeback" if n.kwargs["writeback"] else "drop"
+        elif a.role is Role.OPTIMIZER_STEP:
+            what = "step"
+        else:
+            continue
+        seen[a.chunk].append(what)
+        if tuple(seen[a.chunk]) != want[:len(seen[a.chunk])]:
+            _fail(g, i, f"chunk {a.chunk}'s streamed update: {seen[a.chunk]}, where its states must be fetched, "
+                        "updated by its step, then written back")
+    for cid, got in seen.items():
+        if tuple(got) != want:
+            _fail(g, None, f"chunk {cid}'s streamed update: {got}, where its states must be fetched, updated by its "
+                           "step, then written back")

@@ -7,7 +7,8 @@ themselves, their residency and the copies between host and device, ordered with
 
 The host side holds each chunk's home copy of its parameters (pinned on CUDA machines: pageable copies are much
 slower), gradient homes made at set-up for host-stepped chunks and on first write-back for the others, and the
-optimizer states placed on the host (pageable: only the CPU touches them); see host_memory.py for how they are made.
+optimizer states placed on the host (pageable where only the CPU touches them, pinned where the plan streams them to
+the device for their update); see host_memory.py for how they are made.
 
 On CUDA, copies run on two streams of their own, host->device (H2D) and device->host (D2H), ordered with events only
 (no device-wide synchronize; the CPU waits only before it touches a host buffer a copy still reads or writes):
@@ -57,17 +58,19 @@ from .store_values import StoreValues
 def host_buffer_specs(chunks: tuple[ChunkInfo, ...], precision: Precision, world: int, state: StateLayout
                       ) -> list[BufferSpec]:
     """The host buffers a ChunkStore over these (optimizer-placed) chunks will make whatever the schedule decides:
-    every chunk's parameter home except those of chunks stepped on the device (whose home the schedule chooses), and
-    the optimizer states and gradient homes of host-stepped chunks."""
+    every chunk's parameter home except those of chunks whose states live on the device (whose home the schedule
+    chooses), the optimizer states placed on the host, and the gradient homes of chunks the CPU updates (a streamed
+    chunk's gradient stays on the device for its update)."""
     specs = []
     for c in chunks:
         host_stepped = c.group is ChunkGroup.TRAINABLE and c.state_home is not StateHome.DEVICE
         if c.group is not ChunkGroup.TRAINABLE or host_stepped:
             specs.append(BufferSpec(("param", c.id), shard_numel(c, world), c.dtype, True))
         if host_stepped:
+            # pinned only for a streamed update, whose states the device copies (pageable copies are much slower)
             specs.append(BufferSpec(("states", c.id), state_floats(c, precision, world, state), torch.float32,
-                                    False))
-            if c.grad_buf() is BufKind.GRAD:
+                                    c.streamed))
+            if c.grad_buf() is BufKind.GRAD and not c.streamed:
                 specs.append(BufferSpec(("grad", c.id), shard_numel(c, world), c.dtype, True))
     return specs
 
@@ -119,9 +122,9 @@ class ChunkStore:
                     self.states[c.id] = self.pool.take(floats, torch.float32, what=f"optimizer states of chunk {c.id}")
                     self.states[c.id].zero_()
                 else:
-                    self.states[c.id] = self.hostmem.zeros(floats, torch.float32, copied=False,
+                    self.states[c.id] = self.hostmem.zeros(floats, torch.float32, copied=c.streamed,
                                                            key=("states", c.id))
-                    if c.grad_buf() is BufKind.GRAD:
+                    if c.grad_buf() is BufKind.GRAD and not c.streamed:
                         # a host-stepped chunk's gradient goes home every step: its home is set up now, not in
                         # the first step's backward (where making it would hold up the write-backs)
                         self.host_grad[c.id] = self.hostmem.zeros(shard_numel(c, self.world), c.dtype,
@@ -143,11 +146,11 @@ class ChunkStore:
         self.values = StoreValues(self)
 
     # -- optimizer states --------------------------------------------------------------------------------------
-    def parts(self, cid: int) -> dict[str, torch.Tensor]:
+    def parts(self, cid: int, states: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """Views into the state buffer (of this rank's shard), without waiting: for the step, which orders its own
-        work."""
-        return self.state_layout.parts(self.states[cid], shard_numel(self.chunks[cid], self.world),
-                                       self.precision.mixed)
+        work. states: a buffer of the same layout to view instead (a streamed update's device slot)."""
+        s = self.states[cid] if states is None else states
+        return self.state_layout.parts(s, shard_numel(self.chunks[cid], self.world), self.precision.mixed)
 
     def master(self, cid: int) -> torch.Tensor:
         return self.parts(cid)["master"]
@@ -190,6 +193,9 @@ class ChunkStore:
         return key.buf is BufKind.PARAM and self.chunks[key.chunk].param_home is ParamHome.MASTER
 
     def host(self, key: BufKey) -> torch.Tensor:
+        if key.buf is BufKind.STATES:
+            assert self.state_home[key.chunk] is StateHome.HOST, f"{key}: streamed states live on the host"
+            return self.states[key.chunk]
         if key.buf is BufKind.PARAM:
             assert self.host_param[key.chunk] is not None, f"{key}: no host home (cast from the master)"
             return self.host_param[key.chunk]
@@ -207,13 +213,15 @@ class ChunkStore:
         c = self.chunks[key.chunk]
         if self.from_master(key):
             return 0
+        if key.buf is BufKind.STATES:
+            return state_floats(c, self.precision, self.world, self.state_layout) * 4
         whole = self.world == 1 or (key.buf is BufKind.GRAD and key.chunk not in self.reduced)
         return c.nbytes if whole else shard_numel(c, self.world) * c.dtype.itemsize
 
     def _home_part(self, key: BufKey, slot: torch.Tensor) -> torch.Tensor:
         """The part of a slot its host home holds: the whole slot, or (sharded) this rank's shard, except a
         gradient not yet reduced, which goes home whole."""
-        if self.world == 1 or (key.buf is BufKind.GRAD and key.chunk not in self.reduced):
+        if self.world == 1 or key.buf is BufKind.STATES or (key.buf is BufKind.GRAD and key.chunk not in self.reduced):
             return slot
         return self.comm.shard(slot)
 
@@ -234,10 +242,18 @@ class ChunkStore:
         assert key not in self._arriving, key
         self._arriving[key] = work
 
+    def _take_slot(self, key: BufKey) -> torch.Tensor:
+        """A device slot for a chunk buffer: the chunk's capacity in its dtype, or for a streamed update's states
+        (STATES) their fp32 elements, laid out as the host buffer they are copied from."""
+        c = self.chunks[key.chunk]
+        if key.buf is BufKind.STATES:
+            return self.pool.take(state_floats(c, self.precision, self.world, self.state_layout), torch.float32,
+                                  what=f"chunk {c.id} optimizer states (streamed)")
+        return self.pool.take(c.capacity, c.dtype, what=f"chunk {c.id} {key.buf.value} buffer")
+
     def fetch(self, key: BufKey) -> None:
         assert key not in self.slots, key
-        c = self.chunks[key.chunk]
-        slot = self.pool.take(c.capacity, c.dtype, what=f"chunk {c.id} {key.buf.value} buffer")
+        slot = self._take_slot(key)
         self.slots[key] = slot
         part = self._home_part(key, slot)
         gather = self.world > 1 and key.buf is BufKind.PARAM
@@ -358,8 +374,7 @@ class ChunkStore:
 
     def alloc(self, key: BufKey) -> None:
         assert key not in self.slots, key
-        c = self.chunks[key.chunk]
-        slot = self.pool.take(c.capacity, c.dtype, what=f"chunk {c.id} {key.buf.value} buffer")
+        slot = self._take_slot(key)
         slot.zero_()
         self.slots[key] = slot
 

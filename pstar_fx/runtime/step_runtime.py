@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..ir.graph import BufKind, StateHome, TrainGraph
+from ..ir.graph import BufKind, TrainGraph, UpdateSite
 from ..ir.needs import BufKey
 from .chunk_store import ChunkStore
 from .optimizers import device_step, host_update
@@ -242,12 +242,17 @@ class Runtime:
         c = self.g.chunks[chunk]
         cfg = self.cfg[c.opt_group]
         st = self.store
-        parts = st.parts(chunk)
-        if c.state_home is StateHome.HOST:
-            self._host_step(chunk, cfg, parts)
+        if c.update_site is UpdateSite.CPU:
+            self._host_step(chunk, cfg, st.parts(chunk))
             return
         if self._norm_pending:
             self._take_pending_norm(chunk)
+        if c.streamed:       # its states were fetched into a slot of their own; the plan writes them back after
+            key = BufKey(chunk, BufKind.STATES)
+            parts = st.parts(chunk, st.slot(key))
+            st.mark_written(key)
+        else:
+            parts = st.parts(chunk)
         full = st.slot(BufKey(chunk, BufKind.PARAM))
         st.mark_written(BufKey(chunk, BufKind.PARAM))
         grad = st.slot(BufKey(chunk, c.grad_buf()))
@@ -260,6 +265,9 @@ class Runtime:
             st.arriving(BufKey(chunk, BufKind.PARAM), self.comm.all_gather(full))
 
     def _device_step(self, chunk: int, cfg, parts, param: torch.Tensor, grad: torch.Tensor) -> None:
+        """The device's update of one chunk (its shard), in place: the parameters (param), from the gradient (grad,
+        modified: clipped in place in fp32), the states' views (parts: the device-resident states, or a streamed
+        update's slot)."""
         st = self.store
         if not self.precision.mixed:
             if not self.skip:

@@ -1,0 +1,87 @@
+"""Where the updates of chunks whose optimizer states live on the host run: on the CPU worker, or on the device with
+their states streamed over and back (`ChunkInfo.streamed`). A helper of place_optimizer, which builds the graphs.
+
+An atomic step can start its CPU updates only at the commit, at the end of backward; the next forward then waits
+for them, chunk by chunk, while the device and the PCIe link sit mostly idle. A streamed chunk's update instead
+copies its states (fp32: m, v and in mixed precision the master, 12 bytes per parameter) into a device slot, runs
+the device's Adam on them (the kernel of device-state chunks) and copies them back to their host home: about 22 ms
+each way at PCIe speed for a chunk of 91M parameters against 37-46 ms of CPU update on the H200 machine. The state
+home stays the host (between steps the states live there; checkpoints and the store see no difference); what
+changes is where the update runs. Streaming every chunk would make the copy lanes the bottleneck instead (the next
+forward's parameter fetches share them), so the cost model chooses how many: the first k of the CPU's update order
+(the chunks the next forward needs first), k chosen by estimating a few candidate schedules.
+
+Only after the commit, so the atomic contract is unchanged; with several ranks not built (a streamed shard would
+also need the chunk's all-gather after its update), and with atomic=False not needed (the CPU updates during
+backward already, and the states streamed then would compete with backward's own copies).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from ..cost import Machine, estimate
+from ..errors import BudgetError
+from ..ir.graph import Settings, TrainGraph
+from ..ir.needs import shard_numel, state_bytes, state_layout
+from .schedule import schedule
+
+
+def no_stream_reason(settings: Settings) -> str | None:
+    """Why no chunk may stream its update under these settings, or None when they may."""
+    if settings.world > 1:
+        return ("streamed updates are not built for several ranks (the updated shard would also need its chunk "
+                "gathered again)")
+    if settings.early_updates:
+        return "with atomic=False the CPU updates during backward already"
+    return None
+
+
+def candidates(n: int, cpu_s: float, copy_s: float) -> list[int]:
+    """How many of n CPU-updated chunks to try streaming first: none, the balance point b where the CPU's updates
+    take as long as the streamed chunks' copies each way (cpu_s and copy_s per chunk), b/2, and halfway from b to
+    all. Each costs a schedule and an estimate (about 5 s for a 17B GPT), so only a few."""
+    balance = round(n * cpu_s / (cpu_s + copy_s)) if cpu_s + copy_s > 0 else 0
+    return sorted({0, balance // 2, balance, (balance + n + 1) // 2})
+
+
+def choose_streamed(g: TrainGraph, order: list[int], build: Callable[[int], TrainGraph], machine: Machine,
+                    program_s, base: tuple[TrainGraph, TrainGraph | None]) -> tuple[TrainGraph, TrainGraph | None]:
+    """The placed graph with the first k of `order` (the CPU's update order) streamed, for the k whose schedule
+    the cost model finds fastest, and that schedule (None: not scheduled here). `build(k)` makes the placed graph
+    for k; `base` is the one for k = 0 and its schedule if known. A candidate whose schedule does not fit the budget
+    is skipped; a tie goes to fewer streamed chunks."""
+    forced = g.settings.device_updates
+    if forced is not None:
+        k = min(forced, len(order))
+        return (build(k), None) if k else base
+    if not order or g.settings.budget is None:
+        return base
+    world, prec = g.settings.world, g.settings.precision
+    elems = sum(shard_numel(g.chunks[c], world) for c in order) / len(order)
+    cpu_s = elems / (machine.cpu_adam_mixed if prec.mixed else machine.cpu_adam)
+    copy_s = sum(state_bytes(g.chunks[c], prec, world, state_layout(g.settings)) for c in order) / len(order) / machine.h2d_bytes
+    tried: dict[int, tuple[float, TrainGraph, TrainGraph]] = {}
+
+    def attempt(k: int) -> None:
+        if k in tried:
+            return
+        placed = base[0] if k == 0 else build(k)
+        scheduled = base[1] if k == 0 and base[1] is not None else None
+        try:
+            scheduled = scheduled if scheduled is not None else schedule(placed)
+        except BudgetError:
+            return
+        tried[k] = (estimate(scheduled, machine, program_s=program_s).seconds, placed, scheduled)
+
+    for k in candidates(len(order), cpu_s, copy_s):
+        attempt(k)
+    if not tried:
+        return base
+    best = min(tried, key=lambda k: (tried[k][0], k))
+    done = sorted(tried)
+    at = done.index(best)
+    for other in done[max(0, at - 1):at] + done[at + 1:at + 2]:      # halve the gaps to the best's neighbours
+        attempt((best + other) // 2)
+    best = min(tried, key=lambda k: (tried[k][0], k))
+    _, placed, scheduled = tried[best]
+    return placed, scheduled
