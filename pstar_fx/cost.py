@@ -51,7 +51,7 @@ import torch.fx as fx
 
 from .ir import ops
 from .ir.fx_utils import mutated_args, storage_key, tensors_of
-from .ir.graph import BufKind, Role, StateHome, TrainGraph, UpdateSite
+from .ir.graph import BufKind, Role, TrainGraph, UpdateSite
 from .ir.needs import BufKey, all_needs, buf_bytes, from_master, shard_numel, state_layout
 
 INF = float("inf")
