@@ -216,3 +216,23 @@ def test_summary_and_plan_say_how_many_chunks_stream():
     n = len(_streamed(step))
     assert n and f"{n} updated on the device (states streamed)" in str(step.summary())
     assert step.summary().states_streamed == n
+
+
+@pytest.mark.parametrize("make_opt", [lambda: px.SGD(lr=1e-2, momentum=0.9, weight_decay=1e-2),
+                                      lambda: px.optim_from_torch(torch.optim.RMSprop, lr=1e-3, alpha=0.9),
+                                      lambda: px.Lion(lr=1e-4, weight_decay=0.1)],
+                         ids=["sgd_momentum", "rmsprop", "lion"])
+def test_streamed_step_of_other_optimizers_equals_the_cpu_updated_step(make_opt):
+    """Streamed updates go through the same device update as device-state chunks, whatever the optimizer: its own
+    state layout is fetched, updated and written back."""
+    def step(updates, budget):
+        return px.compile(CNN.build_model(), optimizer=make_opt(), device_memory=budget, chunk_size=256,
+                          precision="fp32", device="cpu", debug=True, _device_updates=updates)(CNN.loss_fn)
+    budget = int(step(None, None).min_device_memory(*CNN.batch(0)) * 1.1)
+    cpu, streamed = step(0, budget), step(ALL, budget)
+    for i in range(3):
+        assert torch.equal(cpu(*CNN.batch(i)), streamed(*CNN.batch(i))), f"loss of step {i}"
+    assert _streamed(streamed)
+    sd_cpu, sd_streamed = cpu.state_dict(), streamed.state_dict()
+    assert all(torch.equal(sd_cpu[k], sd_streamed[k]) for k in sd_cpu)
+    assert all(torch.equal(a, b) for a, b in zip(_states(cpu), _states(streamed)))
