@@ -29,6 +29,7 @@ from ..runtime.chunk_store import ChunkStore, host_buffer_specs
 from ..runtime.comm import Comm
 from ..runtime.executor import Executor
 from ..runtime.host_memory import HostMemory, spare_host_bytes
+from .guarded import GuardVariants, traced_outcomes
 from .trace_cache import TraceCache
 from .warnings import warn_chunk_padding, warn_host_threads
 
@@ -88,6 +89,7 @@ class Compiled:
     setup_seconds: float = 0.0       # the store (on the first compile), the executor, the garbage collection
     set_up_until: float = 0.0        # perf_counter() when the executor was made
     estimated_seconds: float | None = None   # the cost model's step time, once step.summary() has asked (CUDA)
+    outcomes: tuple = ()             # what its trace decided at each guard, in order (ir/guards.py)
 
 
 Layout = tuple   # (params, chunks, chunk_size) of the first compile: every later signature keeps the same chunks
@@ -110,6 +112,8 @@ class Compiler:
         self.prefetch = prefetch
         self.tables = model_tables(model)
         self.cache: TraceCache[Compiled] = TraceCache()
+        self.variants = GuardVariants()  # per signature: the guard outcomes compiled for it (api/guarded.py)
+        self.compiles = 0                # traces compiled so far
         self.latest: Compiled | None = None
         self.store: ChunkStore | None = None
         self.layout: Layout | None = None
@@ -120,22 +124,29 @@ class Compiler:
         return (tuple(m.training for m in self.model.modules()),
                 tuple(p.requires_grad for p in self.model.parameters()))
 
-    def get(self, batch, interrupts: DeferredInterrupt) -> tuple[Compiled, FlatBatch]:
+    def get(self, batch, interrupts: DeferredInterrupt, prefix: tuple = ()) -> tuple[Compiled, FlatBatch]:
         """The compiled step for this batch's signature (compiling it on first sight), and the flattened batch.
-        `interrupts` is held by the caller: a Ctrl-C is delivered after the trace and after each pass (nothing is
-        set up yet), and otherwise waits for the caller's next safe point."""
+        A signature may have several, one per outcome of its guards: the one run last is taken, or with `prefix`
+        (guard outcomes a run observed, in order) the latest whose outcomes start so, else a new trace that takes
+        them. `interrupts` is held by the caller: a Ctrl-C is delivered after the trace and after each pass (nothing
+        is set up yet), and otherwise waits for the caller's next safe point."""
         flat = flatten_batch(batch)
-        key = (flat.signature, self.model_key())
-        compiled = self.cache.get(key)
+        base = (flat.signature, self.model_key())
+        compiled = None
+        for outcomes in self.variants.candidates(base, prefix):
+            compiled = self.cache.get(base + (outcomes,))
+            if compiled is not None:
+                break
         if compiled is None:
             with cycle_collection_paused() as collect_now:   # counted in the set-up time (the collection at the end)
-                compiled = self._compile(batch, collect_now, interrupts)
+                compiled = self._compile(batch, collect_now, interrupts, prefix)
             compiled.setup_seconds += time.perf_counter() - compiled.set_up_until
-            self.cache.put(key, compiled)
+            self.cache.put(base + (compiled.outcomes,), compiled)
+        self.variants.note(base, compiled.outcomes)
         self.latest = compiled
         return compiled, flat
 
-    def _compile(self, batch, collect_now, interrupts: DeferredInterrupt) -> Compiled:
+    def _compile(self, batch, collect_now, interrupts: DeferredInterrupt, assume: tuple = ()) -> Compiled:
         st = self.settings
         first = self.store is None and self.optimizer is not None      # the first compile makes the store
         hostmem = HostMemory(pin=st.device.type == "cuda") if first else None
@@ -155,7 +166,9 @@ class Compiler:
                 hostmem.reserve(host_buffer_specs(stage.chunks, st.precision, st.world, state_layout(st)))
         try:
             with one_intra_op_thread():
-                traced = trace_step(self.fn, self.model, batch, st)
+                traced = trace_step(self.fn, self.model, batch, st, assume)
+                self.compiles += 1
+                outcomes = traced_outcomes(traced)
                 interrupts.deliver()    # a safe point after the trace
                 passes = pipeline(chunk_size=st.chunk_size, layout=self.layout, prefetch=self.prefetch,
                                   remat=self.remat, world=st.world)
@@ -182,7 +195,7 @@ class Compiler:
         executor = Executor(final, self.store)
         now = time.perf_counter()
         return Compiled(stages={s.stage: s for s in stages}, executor=executor, setup_seconds=now - t0,
-                        set_up_until=now)
+                        set_up_until=now, outcomes=outcomes)
 
     def min_device_memory(self, batch) -> int:
         """The smallest device_memory (bytes) under which the step compiles for this batch's shapes, with this
@@ -199,3 +212,4 @@ class Compiler:
                 before = least_need_graph(before)
             host_only = before.evolve(settings=dataclasses.replace(before.settings, budget=0))
             return min_need(place_optimizer(host_only))
+

@@ -25,6 +25,7 @@ from ..runtime.executor import Executor
 from ..runtime.run import run_forward
 from .agreement import check_same_step
 from .compiler import Compiled, Compiler, cycle_collection_paused
+from .guarded import run_guarded, traced_outcomes
 from .model_state import holder, holds_own_values, model_tensors
 from .step import CompiledStep
 from .warnings import warn_chunk_padding
@@ -46,18 +47,24 @@ class EvalCompiler(Compiler):
                 return step
         return None
 
-    def get(self, batch, interrupts: DeferredInterrupt) -> tuple[Compiled, FlatBatch]:
+    def get(self, batch, interrupts: DeferredInterrupt, prefix: tuple = ()) -> tuple[Compiled, FlatBatch]:
         trainer = self.trainer()
         flat = flatten_batch(batch)
-        key = (flat.signature, self.model_key(), None if trainer is None else id(trainer._compiler.store))
-        compiled = self.cache.get(key)
+        base = (flat.signature, self.model_key(), None if trainer is None else id(trainer._compiler.store))
+        compiled = None
+        for outcomes in self.variants.candidates(base, prefix):      # one per guard outcomes (Compiler.get)
+            compiled = self.cache.get(base + (outcomes,))
+            if compiled is not None:
+                break
         if compiled is None:
-            compiled = self._compile_for(batch, trainer, interrupts)
-            self.cache.put(key, compiled)
+            compiled = self._compile_for(batch, trainer, interrupts, prefix)
+            self.cache.put(base + (compiled.outcomes,), compiled)
+        self.variants.note(base, compiled.outcomes)
         self.latest = compiled
         return compiled, flat
 
-    def _compile_for(self, batch, trainer: CompiledStep | None, interrupts: DeferredInterrupt) -> Compiled:
+    def _compile_for(self, batch, trainer: CompiledStep | None, interrupts: DeferredInterrupt,
+                     assume: tuple = ()) -> Compiled:
         if trainer is not None:
             # plan over the trainer's chunks as they are now: its layout, precision, budget and state homes
             params, chunks, size = trainer._compiler.layout
@@ -70,7 +77,9 @@ class EvalCompiler(Compiler):
             settings = self.settings
             store, layout = self.own if self.own is not None else (None, None)
         with cycle_collection_paused():
-            traced = trace_step(self.fn, self.model, batch, settings)
+            traced = trace_step(self.fn, self.model, batch, settings, assume)
+            self.compiles += 1
+            outcomes = traced_outcomes(traced)
             interrupts.deliver()        # safe points: after the trace and after each pass
             passes = pipeline(chunk_size=settings.chunk_size, layout=layout, prefetch=self.prefetch, train=False,
                               world=settings.world)
@@ -81,7 +90,7 @@ class EvalCompiler(Compiler):
             store = ChunkStore(final.chunks, final.params, settings.precision, settings.device, settings.budget,
                                comm=self.comm)
             self.own = (store, (final.params, final.chunks, final.chunk_size))
-        return Compiled(stages={s.stage: s for s in stages}, executor=Executor(final, store))
+        return Compiled(stages={s.stage: s for s in stages}, executor=Executor(final, store), outcomes=outcomes)
 
 
 class CompiledEval(CompiledStep):
@@ -100,12 +109,15 @@ class CompiledEval(CompiledStep):
             if self._comm is not None:     # before its first collective (a compile's own included)
                 check_same_step(self._comm, batch, self._model, self._compiler.model_key(),
                                 holds_own_values(self._model))
-            compiled, flat = self._compiler.get(batch, interrupts)
-            interrupts.deliver()
-            if self._compiler.trainer() is None:
-                self._compiler.store, self._compiler.layout = self._compiler.own
-                self._model_state.take()
-            run = run_forward(compiled.executor, flat.tensors, interrupts, debug=self.debug)
+
+            def attempt(compiled, flat):
+                interrupts.deliver()
+                if self._compiler.trainer() is None:
+                    self._compiler.store, self._compiler.layout = self._compiler.own
+                    self._model_state.take()
+                return run_forward(compiled.executor, flat.tensors, interrupts, debug=self.debug)
+            # again on another trace where a guard sees another outcome than its trace took (guarded.py)
+            compiled, flat, run = run_guarded(self._compiler, batch, interrupts, attempt)
             self._last_stats = run.stats
             return compiled.executor.g.output_spec.rebuild([o.detach() for o in run.outputs])
 

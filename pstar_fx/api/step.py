@@ -26,6 +26,7 @@ from ..runtime.step_runtime import LossScaler, StepStats
 from . import timeline
 from .agreement import check_same_step
 from .compiler import Compiler
+from .guarded import run_guarded
 from .live_optimizer import build as build_optimizer
 from .model_state import ModelState, holds_own_values
 from .options import check_options, check_world, resolve_budget, resolve_device, resolve_precision
@@ -88,16 +89,20 @@ class CompiledStep:
         nodes before the commit point, where it raises KeyboardInterrupt and the step changes nothing (a compile
         that finished is kept: the next call does not trace again); from the commit point on the step completes,
         then raises it (it counts as done). A hang inside one operation is ended by the process group's timeout
-        (px.DistributedError); see pstar_fx/interrupts.py."""
+        (px.DistributedError); see pstar_fx/interrupts.py. A guard that finds a Python decision on a tensor's value
+        coming out otherwise than traced fails before the commit point: the step, rolled back, runs again on the
+        graph traced for that outcome (pstar_fx/api/guarded.py)."""
         with self._lock, DeferredInterrupt() as interrupts:
             started = time.perf_counter()
             self._check_callable(batch)
-            compiled, flat = self._compiler.get(batch, interrupts)
-            interrupts.deliver()          # a safe point: compiled, nothing else done yet
-            self._model_state.take()
-            try:
-                run = run_training_step(compiled.executor, flat.tensors, interrupts, scaler=self._scaler,
-                                        started=started, debug=self.debug, before_node=self._before_node)
+
+            def attempt(compiled, flat):
+                interrupts.deliver()          # a safe point: compiled, nothing else done yet
+                self._model_state.take()
+                return run_training_step(compiled.executor, flat.tensors, interrupts, scaler=self._scaler,
+                                         started=started, debug=self.debug, before_node=self._before_node)
+            try:    # again on another trace where a guard sees another outcome than its trace took (guarded.py)
+                compiled, flat, run = run_guarded(self._compiler, batch, interrupts, attempt)
             except CommitError as e:
                 self._broken = str(e)
                 raise

@@ -16,8 +16,10 @@ makes (half for matmuls and convolutions, fp32 for losses, softmax and norms) ar
 is differentiated outside autocast, as `loss.backward()` is in eager code.
 
 Ops whose output size depends on values (nonzero, boolean masks) are traced with a symbolic size of known range,
-planned at its upper bound (ir/fx_utils); Python control flow on such a size cannot be one graph and is refused with
-the op and the line, except transformers' eager experts loop, traced as an equal loop over every expert (moe_rewrites).
+planned at its upper bound (ir/fx_utils). Python control flow on a tensor's value or on a condition over such a size
+(`if t.sum() > 0:`, `if idx.size(0) > 0:`) takes one outcome per trace, checked at run time by a guard node
+(frontend/guards.py); a loop over such a size's rows is refused with the op and the line, except transformers' eager
+experts loop, traced as an equal loop over every expert (moe_rewrites).
 
 The model is never left changed by tracing: its parameter and buffer slots are swapped for fake tensors only while
 the step runs, and every slot is put back (the same objects) whether the trace succeeds or fails.
@@ -54,6 +56,7 @@ from ..ir.graph import (BufferInfo, InputInfo, NodeAnn, ParamInfo, Phase, Role, 
 from ..ir.outputs import split_outputs
 from . import fake_fixes, moe_rewrites, user_checkpoint
 from .aux_outputs import AuxCollector, describe_aux, own_aux_storage, split_returned
+from .guards import GuardingShapeEnv, insert_guards
 
 
 
@@ -210,10 +213,11 @@ def _explain_guard(exc: GuardOnDataDependentSymNode, shape_env: ShapeEnv | None)
     for sym in sorted(exc.cond.free_symbols, key=str):
         op, frame = _made_by(shape_env, sym)
         made.append(f"{sym} is the size of the result of {op} {_where(frame)}")
-    return (f"Python control flow (a loop over a tensor, `if`, int()) depends on a data-dependent size "
-            f"({exc.cond}; {'; '.join(made)}); pstar-fx compiles one static graph: ops whose output size depends "
-            "on values are supported (planned at their upper bound), Python code that branches or loops on that "
-            "size is not. Loop over a fixed range instead (ops on empty selections are fine)")
+    return (f"Python control flow uses a data-dependent size as a number (a loop over a tensor's rows, int(), len()) "
+            f"({exc.cond}; {'; '.join(made)}); pstar-fx compiles one static graph per outcome: ops whose output "
+            "size depends on values are supported (planned at their upper bound), and so are conditions on that "
+            "size (`if n > 0:`, traced per outcome and checked at run time), but not its value as a number. Loop "
+            "over a fixed range instead (ops on empty selections are fine)")
 
 
 def _fake_like(mode: FakeTensorMode, shape, dtype, device) -> torch.Tensor:
@@ -353,16 +357,17 @@ def _micro_batch_sizes(flat: "FlatBatch", micro: int) -> list[int]:
     return sizes
 
 
-def trace_step(fn, model: nn.Module, batch: tuple, settings: Settings) -> TrainGraph:
+def trace_step(fn, model: nn.Module, batch: tuple, settings: Settings, assume: tuple = ()) -> TrainGraph:
     """Trace `fn(model, *batch)` into the "traced" TrainGraph (forward + backward, nothing real allocated).
+    `assume`: the outcomes to take for the step's first data-dependent decisions, in order (frontend/guards.py).
     The model is left exactly as it was (the same parameter and buffer objects), whether tracing succeeds or not.
     Ctrl-C is held while tracing (pstar_fx/interrupts.py) and delivered after it: a KeyboardInterrupt raised inside
     one of torch's C++ callbacks can abort the process."""
     with DeferredInterrupt():
-        return _trace_step(fn, model, batch, settings)
+        return _trace_step(fn, model, batch, settings, assume)
 
 
-def _trace_step(fn, model: nn.Module, batch: tuple, settings: Settings) -> TrainGraph:
+def _trace_step(fn, model: nn.Module, batch: tuple, settings: Settings, assume: tuple) -> TrainGraph:
     t0 = time.perf_counter()
     _check_arity(fn, batch)
     tables = model_tables(model)
@@ -371,9 +376,11 @@ def _trace_step(fn, model: nn.Module, batch: tuple, settings: Settings) -> Train
     wrapper = _StepModule(model, fn)
     device = settings.device
     # a ShapeEnv gives ops whose output size depends on values (nonzero, boolean masks) a symbolic size with a known
-    # range, planned at its upper bound (ir/fx_utils); .item() stays untraceable (no scalar outputs)
+    # range, planned at its upper bound (ir/fx_utils); .item() gives a symbol too; Python decisions on either take
+    # one outcome each, guarded at run time (frontend/guards.py)
     mode = FakeTensorMode(allow_non_fake_inputs=False, static_shapes=True,
-                          shape_env=ShapeEnv(allow_scalar_outputs=False, allow_dynamic_output_shape_ops=True))
+                          shape_env=GuardingShapeEnv(assume, allow_scalar_outputs=True,
+                                                     allow_dynamic_output_shape_ops=True))
     fp16 = settings.precision.dtype is torch.float16
     half = settings.precision.dtype if settings.precision.mixed else None
 
@@ -479,6 +486,7 @@ def _trace_step(fn, model: nn.Module, batch: tuple, settings: Settings) -> Train
     except Exception as e:  # an unsupported construct deep inside torch: name it and the user's line
         raise _explain(e, flat, mode.shape_env) from e
     _reject_unbounded(gm, mode.shape_env)
+    guard_nodes = set(insert_guards(gm, mode.shape_env))
 
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     roles: list[tuple[Role, str | None]] = (
@@ -500,7 +508,7 @@ def _trace_step(fn, model: nn.Module, batch: tuple, settings: Settings) -> Train
             node.meta["buffer"] = name
     for node in gm.graph.nodes:
         if node.op == "call_function":
-            ann[node.name] = NodeAnn(role=Role.COMPUTE, phase=Phase.FORWARD)
+            ann[node.name] = NodeAnn(role=Role.GUARD if node in guard_nodes else Role.COMPUTE, phase=Phase.FORWARD)
         elif node.op == "get_attr":
             ann[node.name] = NodeAnn(role=Role.CONSTANT, phase=Phase.INPUT)
         elif node.op == "output":

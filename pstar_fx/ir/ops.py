@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from . import guards
 from .graph import BufKind
 
 
@@ -62,4 +63,10 @@ def optimizer_step(rt, *, chunk: int, gather: bool = False) -> None:
     rt.optimizer_step(chunk, gather)
 
 
-RUNTIME_OPS = (param_view, write_grad, fetch, all_gather, alloc, release, reduce_scatter, commit, optimizer_step)
+def guard(rt, *values, spec: guards.GuardSpec) -> None:
+    """Check a value the trace assumed (ir/guards.py): raise GuardFailed, before the commit point, when the real
+    values decide otherwise; the step is then traced for what they decided and run again."""
+    guards.check(spec, values)
+
+
+RUNTIME_OPS = (guard, param_view, write_grad, fetch, all_gather, alloc, release, reduce_scatter, commit, optimizer_step)

@@ -1,6 +1,7 @@
 """canonicalize: drop dead nodes and split forward from backward by data flow from the loss seed.
 
-Invariant after: every call_function node either has a user, writes to one of its arguments, or is the loss; each
+Invariant after: every call_function node either has a user, writes to one of its arguments, is a guard, or is the
+loss; each
 node's phase is BACKWARD iff it depends on the loss seed (`ones_like(loss)`, the start of backward), FORWARD otherwise;
 the outputs are `[loss, aux..., grads...]` (ir/outputs.py: the micro-batch losses are dropped), `grad_outputs[i]` names
 the parameter of gradient output i, and every named gradient depends on the seed.
@@ -15,6 +16,7 @@ import dataclasses
 
 import torch.fx as fx
 
+from ..ir import ops
 from ..ir.fx_utils import loss_seed, mutated_args, output_node
 from ..ir.graph import Phase, TrainGraph, copy_graph, to_module
 from ..ir.outputs import split_outputs
@@ -73,7 +75,8 @@ def canonicalize(g: TrainGraph) -> TrainGraph:
 
 
 def _eliminate_dead_code(graph: fx.Graph) -> None:
-    """Last to first, drop ops whose value nobody uses, keeping ops that write to an argument (buffer updates)."""
+    """Last to first, drop ops whose value nobody uses, keeping ops that write to an argument (buffer updates) and
+    guards (they check what the trace assumed, ir/guards.py)."""
     for node in reversed(list(graph.nodes)):
-        if node.op == "call_function" and not node.users and not mutated_args(node):
+        if node.op == "call_function" and not node.users and not mutated_args(node) and node.target is not ops.guard:
             graph.erase_node(node)

@@ -1,13 +1,14 @@
 """place_optimizer: one `commit()` after backward, then one `optimizer_step` per trainable chunk; states placed.
 
-Invariant after: the graph has exactly one `commit()` node, placed after every node of the user's program and every
-gradient write (the last node that can fail with the user's code or data), and every trainable chunk has exactly one
-`optimizer_step(chunk=c)`, after the commit. Before the commit nothing writes a parameter value or an optimizer
-state, so a step that fails there leaves every value as it was (the step is atomic); clipping by global norm and
-fp16 overflow checks, which need every gradient, are decided at the commit. The one exception, asked for with
-`atomic=False` (Settings.atomic) on one rank where the commit decides nothing: host-side steps come right after the
-last node that uses their chunk, before the commit, so the CPU updates during backward; a step that fails after
-the first of them cannot be undone (the executor raises CommitError).
+Invariant after: the graph has exactly one `commit()` node, placed after every node of the user's program, every
+guard (ir/guards.py) and every gradient write (the last node that can fail with the user's code or data), and every
+trainable chunk has exactly one `optimizer_step(chunk=c)`, after the commit. Before the commit nothing writes a
+parameter value or an optimizer state, so a step that fails there leaves every value as it was (the step is atomic);
+clipping by global norm and fp16 overflow checks, which need every gradient, are decided at the commit. The one
+exception, asked for with `atomic=False` (Settings.atomic) on one rank where the commit decides nothing: host-side
+steps come right after the last node that uses their chunk and after every guard, before the commit, so the CPU
+updates during backward; a step that fails after the first of them cannot be undone (the executor raises
+CommitError).
 Every trainable chunk has a `state_home`, chosen from the cost model (`cost.py`): chunks are ranked by the slack of
 their update window on the CPU (the time between the chunk's gradient being final and its next read, less the
 update's own time at the CPU Adam rate; the tightest first, the embedding and first layers in practice), and go to
@@ -195,7 +196,7 @@ def with_steps(g: TrainGraph, order: list[int], host: list[int] = (), early: boo
     assert not (early and streamed), "streamed updates come after the commit"
     graph, _ = copy_graph(g)
     ann = dict(g.ann)
-    program = [n for n in graph.nodes if ann[n.name].role in (Role.COMPUTE, Role.WRITE_GRAD)]
+    program = [n for n in graph.nodes if ann[n.name].role in (Role.COMPUTE, Role.WRITE_GRAD, Role.GUARD)]
     assert program, "a training graph has at least the loss"
     with graph.inserting_after(program[-1]):
         commit = graph.call_function(ops.commit, (), {})
@@ -213,12 +214,13 @@ def with_steps(g: TrainGraph, order: list[int], host: list[int] = (), early: boo
 
 def _move_early(g: TrainGraph, graph: fx.Graph, steps: dict[int, fx.Node], host: list[int]) -> None:
     """Move each of `host`'s step nodes (`steps`, in `graph`, which holds g's nodes under their names) right after
-    the last node that uses its chunk and after the previous one of `host`."""
+    the last node that uses its chunk, after the previous one of `host` and after every guard."""
     last_use = _last_use(all_needs(g))
     by_name = {n.name: n for n in graph.nodes}
     original = g.nodes
     at: dict[int, fx.Node] = {}       # original position -> the last step moved after it
-    pos = 0
+    # after every guard too: a failed guard reruns the step, which must not have updated anything yet
+    pos = max((i for i, n in enumerate(original) if g.ann[n.name].role is Role.GUARD), default=0)
     for cid in host:
         pos = max(pos, last_use[cid])
         at.get(pos, by_name[original[pos].name]).append(steps[cid])

@@ -5,6 +5,8 @@ Checked at every stage (each check applies once the stage has what it is about):
 - chunks: every parameter sits inside its chunk, parameters of a chunk do not overlap;
 - reads and gradients: no parameter placeholder is left once param_views exist; each parameter with a gradient has
   one write_grad per micro-batch, the first copying, the later ones adding, the last marked final; in a chunk whose gradients overwrite its parameters, no parameter is read after that;
+- guards: every guard node (ir/guards.py) is a `guard` op, after the nodes it reads, and comes before the commit and
+  before every optimizer_step (a failed guard reruns the step, which must have changed nothing);
 - optimizer: one optimizer_step per trainable chunk, after every read and gradient write of its parameters;
 - schedule: every chunk buffer a node reads or writes is resident on the device; a fetch copies only data the host
   holds, and a buffer whose host copy holds data is fetched, never allocated zeroed; nothing written on the device
@@ -79,6 +81,8 @@ def verify(g: TrainGraph) -> TrainGraph:
                 written.add(a.param)
             elif a.role is Role.PARAM_VIEW and a.param in written and g.chunk_of(a.param).grad_inplace:
                 _fail(g, i, f"parameter {a.param} is read after its gradient overwrote it (chunk in place)")
+    if Role.GUARD in roles:
+        _check_guards(g, roles)
     if Role.OPTIMIZER_STEP in roles:
         _check_steps(g)
     if g.plan is not None:
@@ -138,6 +142,18 @@ def _check_chunks(g: TrainGraph) -> None:
                 _fail(g, None, f"parameter {p} listed in chunk {c.id} but assigned to {g.param(p).chunk}")
             if (c.group is ChunkGroup.TRAINABLE) != g.param(p).trainable:
                 _fail(g, None, f"parameter {p} is in a chunk of the wrong group")
+
+
+def _check_guards(g: TrainGraph, roles: list[Role]) -> None:
+    first_update = next((i for i, r in enumerate(roles) if r in (Role.COMMIT, Role.OPTIMIZER_STEP)), len(roles))
+    for i, n in enumerate(g.nodes):
+        if roles[i] is not Role.GUARD:
+            continue
+        if n.target is not ops.guard:
+            _fail(g, i, f"node {n.name} has the role guard but runs {n.target}")
+        if i > first_update:
+            _fail(g, i, f"guard {n.name} comes after the {roles[first_update].value} at node {first_update}: a "
+                        "failed guard reruns the step, which must not have committed or updated anything")
 
 
 def _check_steps(g: TrainGraph) -> None:

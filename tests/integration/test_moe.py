@@ -3,8 +3,9 @@
 transformers' Mixtral trains equal to eager with both of its expert implementations: the default (grouped_mm, fixed
 shapes) and "eager" (nonzero, then a Python loop over the experts hit), which is traced as the same loop over every
 expert (pstar_fx/frontend/moe_rewrites.py), each expert's token selection a data-dependent size planned at its upper
-bound, tokens x top-k, as the printed plan states. A boolean mask in a step compiles the same way. Python control flow
-on a data-dependent size, and a data-dependent size without a bound, are refused naming the op and the line."""
+bound, tokens x top-k, as the printed plan states. A boolean mask in a step compiles the same way. A Python loop over
+a data-dependent size, and a data-dependent size without a bound, are refused naming the op and the line (an `if` on
+such a size is traced per outcome and guarded: tests/integration/test_guards.py)."""
 import dataclasses
 import functools
 import re
