@@ -21,7 +21,7 @@ from typing import Mapping
 import torch
 import torch.fx as fx
 
-from ..optim import OptimizerLayout
+from ..optim import OptimizerLayout, StateLayout
 
 
 class _Enum(enum.Enum):
@@ -183,6 +183,9 @@ class Settings:
     accumulate: int = 1              # micro-batches per step (the batch is split along dim 0)
     world: int = 1                   # ranks sharing the chunks (data parallel; each owns 1/world of every chunk)
     atomic: bool = True              # False: host-side updates may start before the commit (place_optimizer)
+    # forward only over a trainer's chunks (optimizer None): the trainer's chunk state layout, whose device-placed
+    # states the plan counts (ir.needs.state_layout)
+    states: StateLayout | None = None
 
     @property
     def commit_decides(self) -> bool:
