@@ -19,6 +19,7 @@ import torch.nn as nn
 
 from ..frontend.trace import FlatBatch, flatten_batch, trace_step
 from ..interrupts import DeferredInterrupt
+from ..ir.needs import state_layout
 from ..passes import pipeline, run_passes
 from ..runtime.chunk_store import ChunkStore
 from ..runtime.executor import Executor
@@ -71,7 +72,8 @@ class EvalCompiler(Compiler):
             store = trainer._compiler.store
             chunks = tuple(dataclasses.replace(c, state_home=store.state_home[c.id],
                                                param_home=store.chunks[c.id].param_home) for c in chunks)
-            settings = dataclasses.replace(trainer.settings, optimizer=None, max_grad_norm=None, accumulate=1)
+            settings = dataclasses.replace(trainer.settings, optimizer=None, max_grad_norm=None, accumulate=1,
+                                           states=state_layout(trainer.settings))
             layout = (params, chunks, size)
         else:
             settings = self.settings

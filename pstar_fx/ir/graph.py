@@ -21,7 +21,7 @@ from typing import Mapping
 import torch
 import torch.fx as fx
 
-from ..optim import OptimizerLayout
+from ..optim import OptimizerLayout, StateLayout
 from .outputs import AuxOutputs
 
 
@@ -206,6 +206,9 @@ class Settings:
     # tests (px.compile's private `_device_updates`): this many chunks the CPU would update, the first in its order,
     # are streamed to the device and updated there instead (more than there are: all); None: the cost model chooses
     device_updates: int | None = None
+    # forward only over a trainer's chunks (optimizer None): the trainer's chunk state layout, whose device-placed
+    # states the plan counts (ir.needs.state_layout)
+    states: StateLayout | None = None
 
     @property
     def commit_decides(self) -> bool:

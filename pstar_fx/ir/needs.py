@@ -43,8 +43,11 @@ def shard_numel(chunk: ChunkInfo, world: int) -> int:
 
 
 def state_layout(settings) -> StateLayout:
-    """The optimizer's chunk state layout (Adam's: m, v, step), or NO_STATE without an optimizer."""
-    return settings.optimizer.state if settings.optimizer is not None else NO_STATE
+    """The optimizer's chunk state layout (Adam's: m, v, step); forward only, the trainer's whose chunks it runs
+    over (Settings.states), or NO_STATE."""
+    if settings.optimizer is not None:
+        return settings.optimizer.state
+    return settings.states if settings.states is not None else NO_STATE
 
 
 def state_floats(chunk: ChunkInfo, precision: Precision, world: int, state: StateLayout) -> int:

@@ -7,7 +7,6 @@ changed nothing) is traced for what it saw and runs again, and each outcome's gr
 under a budget that evicts chunks, with atomic=False (guards before every update), and in evaluation.
 """
 import copy
-import dataclasses
 import warnings
 
 import pytest
