@@ -78,7 +78,7 @@ def model_tables(model: nn.Module) -> ModelTables:
 
     pnames, ptensors = collect(model.named_parameters(remove_duplicate=False))
     bnames, btensors = collect(model.named_buffers(remove_duplicate=False))
-    persistent = set(model.state_dict().keys())
+    persistent = set(model.state_dict(keep_vars=True).keys())   # names only: a held model's values stay put
     params = tuple(ParamInfo(n, tuple(t.shape), t.dtype, t.requires_grad and t.is_floating_point(),
                              tuple(pnames[n])) for n, t in ptensors.items())
     # Non-persistent buffers (e.g. rotary inv_freq) are graph inputs too, but not part of state_dict().
