@@ -13,7 +13,8 @@ from .step import CompiledStep
 def compile(model: nn.Module, *, optimizer: OptimizerSpec | None, device_memory: int | str | None = None,
             precision: str | None = None, chunk_size: int | None = None, device=None, debug: bool = False,
             prefetch: int | None = None, max_grad_norm: float | None = None,
-            accumulate: int = 1, remat="auto", atomic: bool = True) -> Callable[[Callable], CompiledStep]:
+            accumulate: int = 1, remat="auto", atomic: bool = True,
+            cache_size: int = 8) -> Callable[[Callable], CompiledStep]:
     """Compile `step(model, *batch) -> loss` into one training step that fits `device_memory`.
 
     Use as a decorator: `@px.compile(model, optimizer=px.AdamW(lr=3e-4))` over `def step(model, x, y): ...`;
@@ -28,6 +29,8 @@ def compile(model: nn.Module, *, optimizer: OptimizerSpec | None, device_memory:
     CPU's updates would otherwise delay the next forward. The cost: a step that fails after its first such update
     raises px.CommitError and leaves the values half-updated (load a checkpoint to continue). Only where the commit
     decides nothing the updates need (no max_grad_norm, not fp16; otherwise it changes nothing); one rank only.
+    `cache_size` compiled batch signatures are kept (least recently used dropped); `step.reserve(*batch)` compiles
+    one up front and keeps it.
     """
     def wrap(fn: Callable) -> CompiledStep:
         if optimizer is None:
@@ -35,8 +38,9 @@ def compile(model: nn.Module, *, optimizer: OptimizerSpec | None, device_memory:
                 raise ValueError("max_grad_norm, accumulate and atomic belong to training steps; a forward-only "
                                  "function (optimizer=None) takes none of them")
             return CompiledEval(fn, model, device_memory=device_memory, precision=precision, chunk_size=chunk_size,
-                                device=device, debug=debug, prefetch=prefetch)
+                                device=device, debug=debug, prefetch=prefetch, cache_size=cache_size)
         return CompiledStep(fn, model, optimizer, device_memory=device_memory, precision=precision,
                             chunk_size=chunk_size, device=device, debug=debug, prefetch=prefetch,
-                            max_grad_norm=max_grad_norm, accumulate=accumulate, remat=remat, atomic=atomic)
+                            max_grad_norm=max_grad_norm, accumulate=accumulate, remat=remat, atomic=atomic,
+                            cache_size=cache_size)
     return wrap

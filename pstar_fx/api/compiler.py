@@ -29,7 +29,7 @@ from ..runtime.chunk_store import ChunkStore, host_buffer_specs
 from ..runtime.comm import Comm
 from ..runtime.executor import Executor
 from ..runtime.host_memory import HostMemory, spare_host_bytes
-from .trace_cache import TraceCache
+from .trace_cache import DEFAULT_MAX_SIZE, TraceCache
 from .warnings import warn_chunk_padding, warn_host_threads
 
 STAGE_NAMES = ("traced", "canonical", "chunked", "liveness", "remat", "optimizer_placed", "scheduled")  # + "sharded"
@@ -99,7 +99,7 @@ class Compiler:
     first compile makes it. A model's train/eval modes and requires_grad flags are part of the signature."""
 
     def __init__(self, fn: Callable, model: nn.Module, settings: Settings, comm: Comm | None, optimizer, *,
-                 remat: bool, prefetch: int | None):
+                 remat: bool, prefetch: int | None, cache_size: int = DEFAULT_MAX_SIZE):
         self.fn = fn
         self.model = model
         self.settings = settings
@@ -108,7 +108,7 @@ class Compiler:
         self.remat = remat
         self.prefetch = prefetch
         self.tables = model_tables(model)
-        self.cache: TraceCache[Compiled] = TraceCache()
+        self.cache: TraceCache[Compiled] = TraceCache(max_size=cache_size)
         self.latest: Compiled | None = None
         self.store: ChunkStore | None = None
         self.layout: Layout | None = None
@@ -133,6 +133,12 @@ class Compiler:
             self.cache.put(key, compiled)
         self.latest = compiled
         return compiled, flat
+
+    def reserve(self, batch, interrupts: DeferredInterrupt) -> None:
+        """Compile for this batch's signature now (raising BudgetError now if it does not fit) and keep it compiled
+        for good: it is never evicted from the cache, so a batch of this signature never compiles again."""
+        self.get(batch, interrupts)
+        self.cache.pin(self.cache.last)
 
     def _compile(self, batch, collect_now, interrupts: DeferredInterrupt) -> Compiled:
         st = self.settings

@@ -50,7 +50,7 @@ from ..ir.fx_utils import (data_dependent_sizes, is_user_file, loss_seed, mutate
                            tensors_of, user_frame)
 from ..ir.graph import (BufferInfo, InputInfo, NodeAnn, ParamInfo, Phase, Role, Settings, TrainGraph, lazy_modules,
                         to_module)
-from . import fake_fixes, moe_rewrites, user_checkpoint
+from . import fake_fixes, moe_rewrites, torch_compile, user_checkpoint
 
 
 
@@ -136,11 +136,22 @@ class _SourceRecorder(TorchFunctionMode):
         self.calls: list[tuple[str, traceback.FrameSummary | None]] = []
         self._formatted: dict[tuple[str, int], list[str]] = {}
         self._current: tuple[str, int] | None = None
+        self.in_step = False           # the user's step function is running (not pstar-fx's own backward)
+
+    @contextlib.contextmanager
+    def user_step(self):
+        self.in_step = True
+        try:
+            yield
+        finally:
+            self.in_step = False
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", "")
         frame = _calling_user_frame()
         self.set_source(frame)
+        if self.in_step and func in _BACKWARD:
+            _reject_backward(func, kwargs or {}, frame)
         if name.endswith("_") and not name.startswith("_") or name in ("__iadd__", "__isub__", "__imul__",
                                                                        "__itruediv__", "copy_"):
             self.calls.append((name, frame))
@@ -160,6 +171,24 @@ class _SourceRecorder(TorchFunctionMode):
         if lines is None:
             lines = self._formatted[key] = traceback.format_list([frame])
         fx_traceback.set_stack_trace(lines)
+
+
+_BACKWARD = {torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad}
+
+
+def _reject_backward(func, kwargs: dict, frame: traceback.FrameSummary | None) -> None:
+    """backward inside the step function: the compiled step differentiates the returned loss itself. A gradient
+    the step uses in its loss (torch.autograd.grad with create_graph=True, a gradient penalty) is differentiated
+    through, and one taken with retain_graph=True leaves the graph intact: both trace."""
+    if func is torch.autograd.grad and (kwargs.get("create_graph") or kwargs.get("retain_graph")):
+        return
+    call = "torch.autograd.grad" if func is torch.autograd.grad else (
+        "loss.backward()" if func is torch.Tensor.backward else "torch.autograd.backward")
+    raise UntraceableError(
+        f"cannot trace the training step: the step function calls {call} {_where(frame)}; a pstar-fx step runs "
+        "backward and the optimizer update itself: return the loss instead (and drop optimizer.step() / zero_grad()"
+        " from the step)" + ("; for a gradient used in the loss (a gradient penalty), pass create_graph=True"
+                             if func is torch.autograd.grad else ""))
 
 
 def _where(frame: traceback.FrameSummary | None) -> str:
@@ -406,7 +435,7 @@ def _trace_step(fn, model: nn.Module, batch: tuple, settings: Settings) -> Train
         autocast = (torch.autocast(device.type, dtype=half) if half is not None else contextlib.nullcontext())
         # the model's tensors stay substituted through backward too: a checkpoint's recompute runs there
         with torch.enable_grad(), user_checkpoint.substituted(wrapper, substituted(leaves, fp, bufs)):
-            with autocast:
+            with autocast, recorder.user_step():
                 out = wrapper(*flat.rebuild(xs))
             if not isinstance(out, torch.Tensor) or out.dim() != 0:
                 raise UntraceableError(
@@ -430,7 +459,8 @@ def _trace_step(fn, model: nn.Module, batch: tuple, settings: Settings) -> Train
     def forward_only(tp, fp, bufs, scale_args, *xs):
         # evaluation (optimizer=None): the function's outputs, no backward, no update
         autocast = (torch.autocast(device.type, dtype=half) if half is not None else contextlib.nullcontext())
-        with torch.no_grad(), user_checkpoint.substituted(wrapper, substituted(tp, fp, bufs)), autocast:
+        with (torch.no_grad(), user_checkpoint.substituted(wrapper, substituted(tp, fp, bufs)), autocast,
+              recorder.user_step()):
             out = wrapper(*flat.rebuild(xs))
         leaves, spec = optree.tree_flatten(out, none_is_leaf=True)
         bad = [type(x).__name__ for x in leaves if not isinstance(x, torch.Tensor)]
@@ -466,7 +496,7 @@ def _trace_step(fn, model: nn.Module, batch: tuple, settings: Settings) -> Train
     sources = fx_traceback.preserve_node_meta() if _CHEAP_SOURCES else contextlib.nullcontext()
     try:
         with (_model_restored(model), sources, recorder, fake_fixes.FakeKernelFixes(),
-              moe_rewrites.rewritten(model), lazy_modules()):
+              moe_rewrites.rewritten(model), lazy_modules(), torch_compile.traced_as_original(model)):
             gm = make_fx(traced if settings.optimizer is not None else forward_only, tracing_mode="fake",
                          record_stack_traces=not _CHEAP_SOURCES)(trainable, frozen, buffers, scale, *fake_batch)
     except UntraceableError:
