@@ -137,6 +137,7 @@ class Compiler:
     def reserve(self, batch, interrupts: DeferredInterrupt) -> None:
         """Compile for this batch's signature now (raising BudgetError now if it does not fit) and keep it compiled
         for good: it is never evicted from the cache, so a batch of this signature never compiles again."""
+        self.cache.check_room_to_pin()
         self.get(batch, interrupts)
         self.cache.pin(self.cache.last)
 

@@ -73,12 +73,15 @@ class TraceCache(Generic[V]):
         self._note(key)
         self._note_shapes(key)
 
+    def check_room_to_pin(self) -> None:
+        """Raise unless one more signature can be pinned: at most max_size are."""
+        if len(self._pinned) >= self.max_size:
+            raise ValueError(f"step.reserve: {len(self._pinned)} batch signatures are reserved already and the "
+                             f"cache keeps {self.max_size} (cache_size): pass a larger px.compile(..., cache_size=N)")
+
     def pin(self, key: tuple) -> None:
         """Keep this compiled signature however many others come (step.reserve)."""
         assert key in self._entries, "only a cached signature is pinned"
-        if key not in self._pinned and len(self._pinned) >= self.max_size:
-            raise ValueError(f"step.reserve: {len(self._pinned)} batch signatures are reserved already and the "
-                             f"cache keeps {self.max_size} (cache_size): pass a larger px.compile(..., cache_size=N)")
         self._pinned.add(key)
 
     def _note_shapes(self, key: tuple) -> None:

@@ -50,7 +50,7 @@ from ..ir.fx_utils import (data_dependent_sizes, is_user_file, loss_seed, mutate
                            tensors_of, user_frame)
 from ..ir.graph import (BufferInfo, InputInfo, NodeAnn, ParamInfo, Phase, Role, Settings, TrainGraph, lazy_modules,
                         to_module)
-from . import fake_fixes, moe_rewrites, torch_compile, user_checkpoint
+from . import backward_calls, fake_fixes, moe_rewrites, torch_compile, user_checkpoint
 
 
 
@@ -150,8 +150,8 @@ class _SourceRecorder(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         frame = _calling_user_frame()
         self.set_source(frame)
-        if self.in_step and func in _BACKWARD:
-            _reject_backward(func, kwargs or {}, frame)
+        if self.in_step and func in backward_calls.BACKWARD:
+            backward_calls.reject(func, kwargs or {}, _where(frame))
         if name.endswith("_") and not name.startswith("_") or name in ("__iadd__", "__isub__", "__imul__",
                                                                        "__itruediv__", "copy_"):
             self.calls.append((name, frame))
@@ -171,24 +171,6 @@ class _SourceRecorder(TorchFunctionMode):
         if lines is None:
             lines = self._formatted[key] = traceback.format_list([frame])
         fx_traceback.set_stack_trace(lines)
-
-
-_BACKWARD = {torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad}
-
-
-def _reject_backward(func, kwargs: dict, frame: traceback.FrameSummary | None) -> None:
-    """backward inside the step function: the compiled step differentiates the returned loss itself. A gradient
-    the step uses in its loss (torch.autograd.grad with create_graph=True, a gradient penalty) is differentiated
-    through, and one taken with retain_graph=True leaves the graph intact: both trace."""
-    if func is torch.autograd.grad and (kwargs.get("create_graph") or kwargs.get("retain_graph")):
-        return
-    call = "torch.autograd.grad" if func is torch.autograd.grad else (
-        "loss.backward()" if func is torch.Tensor.backward else "torch.autograd.backward")
-    raise UntraceableError(
-        f"cannot trace the training step: the step function calls {call} {_where(frame)}; a pstar-fx step runs "
-        "backward and the optimizer update itself: return the loss instead (and drop optimizer.step() / zero_grad()"
-        " from the step)" + ("; for a gradient used in the loss (a gradient penalty), pass create_graph=True"
-                             if func is torch.autograd.grad else ""))
 
 
 def _where(frame: traceback.FrameSummary | None) -> str:
