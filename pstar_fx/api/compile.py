@@ -14,7 +14,7 @@ def compile(model: nn.Module, *, optimizer: OptimizerSpec | None, device_memory:
             precision: str | None = None, chunk_size: int | None = None, device=None, debug: bool = False,
             prefetch: int | None = None, max_grad_norm: float | None = None,
             accumulate: int = 1, remat="auto", atomic: bool = True,
-            _device_updates: int | None = None) -> Callable[[Callable], CompiledStep]:
+            _device_updates: int | None = None, cache_size: int = 8) -> Callable[[Callable], CompiledStep]:
     """Compile `step(model, *batch) -> loss` into one training step that fits `device_memory`.
 
     Use as a decorator: `@px.compile(model, optimizer=px.AdamW(lr=3e-4))` over `def step(model, x, y): ...`;
@@ -31,6 +31,8 @@ def compile(model: nn.Module, *, optimizer: OptimizerSpec | None, device_memory:
     decides nothing the updates need (no max_grad_norm, not fp16; otherwise it changes nothing); one rank only.
     `_device_updates` (private, for tests): stream this many chunks the CPU would update to the device and update
     them there (the first in the CPU's order; more than there are: all) instead of the cost model's choice.
+    `cache_size` compiled batch signatures are kept (least recently used dropped); `step.reserve(*batch)` compiles
+    one up front and keeps it.
     """
     if _device_updates is not None and (not isinstance(_device_updates, int) or isinstance(_device_updates, bool)
                                         or _device_updates < 0):
@@ -41,9 +43,9 @@ def compile(model: nn.Module, *, optimizer: OptimizerSpec | None, device_memory:
                 raise ValueError("max_grad_norm, accumulate and atomic belong to training steps; a forward-only "
                                  "function (optimizer=None) takes none of them")
             return CompiledEval(fn, model, device_memory=device_memory, precision=precision, chunk_size=chunk_size,
-                                device=device, debug=debug, prefetch=prefetch)
+                                device=device, debug=debug, prefetch=prefetch, cache_size=cache_size)
         return CompiledStep(fn, model, optimizer, device_memory=device_memory, precision=precision,
                             chunk_size=chunk_size, device=device, debug=debug, prefetch=prefetch,
                             max_grad_norm=max_grad_norm, accumulate=accumulate, remat=remat, atomic=atomic,
-                            device_updates=_device_updates)
+                            device_updates=_device_updates, cache_size=cache_size)
     return wrap

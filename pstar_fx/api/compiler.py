@@ -30,7 +30,7 @@ from ..runtime.comm import Comm
 from ..runtime.executor import Executor
 from ..runtime.host_memory import HostMemory, spare_host_bytes
 from .guarded import GuardVariants, traced_outcomes
-from .trace_cache import TraceCache
+from .trace_cache import DEFAULT_MAX_SIZE, TraceCache
 from .warnings import warn_chunk_padding, warn_host_threads
 
 STAGE_NAMES = ("traced", "canonical", "chunked", "liveness", "remat", "optimizer_placed", "scheduled")  # + "sharded"
@@ -102,7 +102,7 @@ class Compiler:
     first compile makes it. A model's train/eval modes and requires_grad flags are part of the signature."""
 
     def __init__(self, fn: Callable, model: nn.Module, settings: Settings, comm: Comm | None, optimizer, *,
-                 remat: bool, prefetch: int | None):
+                 remat: bool, prefetch: int | None, cache_size: int = DEFAULT_MAX_SIZE):
         self.fn = fn
         self.model = model
         self.settings = settings
@@ -111,7 +111,7 @@ class Compiler:
         self.remat = remat
         self.prefetch = prefetch
         self.tables = model_tables(model)
-        self.cache: TraceCache[Compiled] = TraceCache()
+        self.cache: TraceCache[Compiled] = TraceCache(max_size=cache_size)
         self.variants = GuardVariants()  # per signature: the guard outcomes compiled for it (api/guarded.py)
         self.compiles = 0                # traces compiled so far
         self.latest: Compiled | None = None
@@ -145,6 +145,13 @@ class Compiler:
         self.variants.note(base, compiled.outcomes)
         self.latest = compiled
         return compiled, flat
+
+    def reserve(self, batch, interrupts: DeferredInterrupt) -> None:
+        """Compile for this batch's signature now (raising BudgetError now if it does not fit) and keep it compiled
+        for good: it is never evicted from the cache, so a batch of this signature never compiles again."""
+        self.cache.check_room_to_pin()
+        self.get(batch, interrupts)
+        self.cache.pin(self.cache.last)
 
     def _compile(self, batch, collect_now, interrupts: DeferredInterrupt, assume: tuple = ()) -> Compiled:
         st = self.settings

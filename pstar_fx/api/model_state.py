@@ -22,7 +22,14 @@ model tensor's value out of it) is referenced strongly by the step and by each H
 Swapping the model's tensors in or out holds Ctrl-C until every tensor is swapped, so a model is never half held.
 
 What stays readable on a held model: shapes, dtypes, `requires_grad` (and `requires_grad_()`, which the next step
-sees), module structure, `model.train()` / `model.eval()`.
+sees), module structure, `model.train()` / `model.eval()`. What reads a held model to save or copy it sees the current
+values, copied out of the chunks, without giving the model back (the step's next call is undisturbed):
+`model.state_dict()` (a state_dict post-hook on each module with held tensors, so `torch.save(model.state_dict())`,
+safetensors and `save_pretrained` write the trained values; `keep_vars=True` keeps the held objects themselves),
+`copy.deepcopy(model)` and pickling (`torch.save(model)`), through HeldTensor's `__deepcopy__` and `__reduce_ex__`.
+Reading a held tensor's storage directly (`data_ptr()`, `untyped_storage()`, `numpy()`) raises ModelHeldError. With
+several ranks reading a value is a collective, which these per-tensor paths cannot issue: they raise ModelHeldError
+saying to use `step.state_dict()` or `sync_model()`.
 
 `ModelState` is a compiled step's side of this: it takes the model into the step's chunks, gives it back, and reads
 and loads the model's values by state_dict name, wherever they are.
@@ -63,6 +70,9 @@ class ModelHold:
         self.names = names           # every state name of the model's tensors -> (PARAM or BUFFER, the store's name)
         self.lock = lock             # the step's: giving back waits for a step running on another thread
         self.giving_back = False     # inside give_back, which reads the held tensors' metadata
+        self.hooks: list = []         # the state_dict post-hooks on the model's modules while it is held
+        # per state dict being made (by id, while it lives): the copy of each held value, so tied tensors share one
+        self._copies: dict[int, tuple[weakref.ref, dict[str, torch.Tensor]]] = {}
         finalizer = weakref.finalize(step, _step_dropped, self)
         finalizer.atexit = False     # at interpreter exit nothing needs the values any more
 
@@ -100,6 +110,46 @@ class ModelHold:
                 release(held, copies)
             finally:
                 self.giving_back = False
+            if not any(holder(t) is self for t in model_tensors(model).values()):
+                self.remove_hooks()
+
+    def remove_hooks(self) -> None:
+        for h in self.hooks:
+            h.remove()
+        self.hooks = []
+
+    def copy_of(self, t: "HeldTensor") -> torch.Tensor:
+        """A real tensor with the current value of one of the model's held tensors (its shape, dtype and device),
+        copied out of the chunks. One rank only: with several, reading a value is a collective."""
+        return self.copies([t])[0]
+
+    def copies(self, tensors: list["HeldTensor"], memo: dict[str, torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """copy_of for several tensors at once; `memo` (store name -> copy) makes tied tensors share one copy."""
+        if self.store.world > 1:
+            raise ModelHeldError(
+                f"'{tensors[0]._pstar_name}' is held by a pstar-fx compiled step on one of several ranks, where "
+                "reading its value is a collective: call step.state_dict() (on every rank) for the values, or "
+                "px.sync_model(model) (on every rank) to give the model back before saving or copying it")
+        memo = {} if memo is None else memo
+        with self.lock:
+            wanted = [t._pstar_name for t in tensors if self.names[t._pstar_name][1] not in memo]
+            values = self.values(wanted) if wanted else {}
+            out = []
+            for t in tensors:
+                key = self.names[t._pstar_name][1]
+                if key not in memo:
+                    memo[key] = values[t._pstar_name].detach().to(device=t.device, dtype=t.dtype, copy=True)
+                out.append(memo[key])
+        return out
+
+    def memo_for(self, state_dict: dict) -> dict[str, torch.Tensor]:
+        """The copies made so far for this state dict (while it is being made and as long as it lives)."""
+        entry = self._copies.get(id(state_dict))
+        if entry is None or entry[0]() is not state_dict:
+            key = id(state_dict)
+            entry = (weakref.ref(state_dict, lambda _: self._copies.pop(key, None)), {})
+            self._copies[key] = entry
+        return entry[1]
 
 
 def _step_dropped(hold: ModelHold) -> None:
@@ -164,7 +214,21 @@ class HeldTensor(torch.Tensor):
                 "pstar-fx step; step.sync_model() gives it back)")
 
     def __reduce_ex__(self, protocol):
-        raise _error(self._pstar_name, "saved")
+        # pickling (torch.save(model), torch.save(list(model.parameters()))) writes the current value
+        return self._value_copy().__reduce_ex__(protocol)
+
+    def __deepcopy__(self, memo):
+        # copy.deepcopy(model): the copy holds the current values, as real tensors of its own
+        if id(self) not in memo:
+            memo[id(self)] = self._value_copy()
+        return memo[id(self)]
+
+    def _value_copy(self) -> torch.Tensor:
+        """A real tensor (a Parameter for a parameter) holding this tensor's current value."""
+        value = self._pstar_owner.copy_of(self)
+        if isinstance(self, nn.Parameter):
+            return nn.Parameter(value, requires_grad=self.requires_grad)
+        return value.requires_grad_(self.requires_grad) if value.is_floating_point() else value
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -176,6 +240,8 @@ class HeldTensor(torch.Tensor):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in _STORAGE_READS:
+            raise _error(args[0]._pstar_name, f"read directly ({func.__name__}())")
         # a model whose step was dropped without giving it back (see the module docstring): given back now, before
         # the call reaches the dispatcher (which holds references that swapping a tensor cannot have)
         for h in _orphans(args):
@@ -187,6 +253,29 @@ class HeldTensor(torch.Tensor):
             h.give_back()
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **(kwargs or {}))
+
+
+_STORAGE_READS = {torch.Tensor.data_ptr, torch.Tensor.untyped_storage, torch.Tensor.storage, torch.Tensor.numpy,
+                  torch.Tensor.tolist}      # a held tensor has no storage: these would fail with torch's own error
+
+
+def _state_dict_values(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
+    """state_dict post-hook of a module with held tensors: its entries hold the current values (copies) instead of
+    placeholders, so whatever saves the state dict (torch.save, safetensors, save_pretrained) writes the trained
+    values. keep_vars=True puts the module's own tensor objects in the state dict: those are left as they are."""
+    by_hold: dict[int, tuple[ModelHold, list[str], list[HeldTensor]]] = {}
+    for slots in (module._parameters, module._buffers):
+        for name, t in slots.items():
+            key = prefix + name
+            entry = state_dict.get(key)
+            if isinstance(entry, HeldTensor) and entry is not t and isinstance(t, HeldTensor):
+                h = t._pstar_owner
+                by_hold.setdefault(id(h), (h, [], []))
+                by_hold[id(h)][1].append(key)
+                by_hold[id(h)][2].append(t)
+    for h, keys, tensors in by_hold.values():
+        for key, value in zip(keys, h.copies(tensors, h.memo_for(state_dict))):
+            state_dict[key] = value
 
 
 def _orphans(args) -> list[ModelHold]:
@@ -280,6 +369,9 @@ def hold(model: nn.Module, owner: ModelHold) -> None:
             stand_in = nn.Parameter(stand_in, requires_grad=t.requires_grad)
         stand_ins.append((t, stand_in))
     _swap_all(stand_ins)
+    if not owner.hooks:
+        owner.hooks = [m.register_state_dict_post_hook(_state_dict_values) for m in model.modules()
+                       if any(isinstance(t, HeldTensor) for t in (*m._parameters.values(), *m._buffers.values()))]
 
 
 def release(held: dict[str, torch.Tensor], values: dict[str, torch.Tensor]) -> None:
@@ -371,7 +463,7 @@ class ModelState:
         self.fill_if_empty()
         if rank0_only and self.comm is not None:
             if self.holds():
-                return self.compiler.store.values.gather_to_rank0(self.names, self.model.state_dict())
+                return self.compiler.store.values.gather_to_rank0(self.names, self.model.state_dict(keep_vars=True))
             sd = self._current()     # the model's own values (whole on every rank), or another step's (gathered)
             return sd if self.comm.rank == 0 else {}
         return self._current()
@@ -387,7 +479,7 @@ class ModelState:
         """Parameter and buffer values into the chunks when this step holds the model, else into the model itself
         (see CompiledStep.load_state_dict)."""
         self.fill_if_empty()
-        ref = self.model.state_dict()
+        ref = self.model.state_dict(keep_vars=True)      # keys and shapes (no values copied out of the chunks)
         missing = [k for k in ref if k not in state_dict]
         unexpected = [k for k in state_dict if k not in ref]
         if strict and (missing or unexpected):

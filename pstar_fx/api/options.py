@@ -19,7 +19,8 @@ from .device_budget import (
 )
 
 
-def check_options(model, optimizer, *, chunk_size, prefetch, max_grad_norm, accumulate, remat, atomic) -> None:
+def check_options(model, optimizer, *, chunk_size, prefetch, max_grad_norm, accumulate, remat, atomic,
+                  cache_size=8) -> None:
     """Raise on a model that is not a module, an optimizer that is not a px optimizer description (or None), or an
     option out of its range."""
     if not isinstance(model, nn.Module):
@@ -45,6 +46,9 @@ def check_options(model, optimizer, *, chunk_size, prefetch, max_grad_norm, accu
                          f"got {remat!r}")
     if not isinstance(atomic, bool):
         raise ValueError(f"atomic must be True or False, got {atomic!r}")
+    if not isinstance(cache_size, int) or isinstance(cache_size, bool) or cache_size < 1:
+        raise ValueError(f"cache_size must be a number of compiled batch signatures to keep, an int >= 1, got "
+                         f"{cache_size!r}")
 
 
 def _not_a_spec(optimizer) -> str:

@@ -17,6 +17,7 @@ import torch.nn as nn
 from .. import checkpoint
 from ..checkpoint import StepState
 from ..errors import CommitError, PstarError
+from ..frontend import torch_compile
 from ..interrupts import DeferredInterrupt
 from ..ir.graph import Precision, Settings, TrainGraph
 from ..optim import OptimizerSpec
@@ -31,6 +32,23 @@ from .live_optimizer import build as build_optimizer
 from .model_state import ModelState, holds_own_values
 from .options import check_options, check_world, resolve_budget, resolve_device, resolve_precision
 from .summary import Summary, summarize
+from .trace_cache import DEFAULT_MAX_SIZE
+from .warnings import warn_torch_compiled
+
+
+def _refuse_torch_compile() -> None:
+    raise PstarError("torch.compile(step): a pstar-fx compiled step is compiled already (forward, backward and the "
+                     "update in one planned graph), and torch.compile cannot trace it. Call the step directly: "
+                     "loss = step(*batch)")
+
+
+def refuse_torch_compile() -> None:
+    """Raise when a step is called from code torch.compile is tracing. Dynamo treats a `raise` in the code it traces
+    as a graph break and runs the frame eagerly, under its frame hook (which compiles what the step calls, and
+    fails on it); a function it is told not to trace is called for real, so the error raised there reaches the
+    caller."""
+    if torch.compiler.is_compiling():
+        torch.compiler.disable(_refuse_torch_compile)()
 
 
 def _locked(method):
@@ -50,9 +68,12 @@ class CompiledStep:
     def __init__(self, fn: Callable, model: nn.Module, optimizer: OptimizerSpec, *, device_memory=None,
                  precision: str | None = None, chunk_size: int | None = None, device=None, debug: bool = False,
                  prefetch: int | None = None, max_grad_norm: float | None = None, accumulate: int = 1, remat="auto",
-                 atomic: bool = True, device_updates: int | None = None):
+                 atomic: bool = True, device_updates: int | None = None, cache_size: int = DEFAULT_MAX_SIZE):
         check_options(model, optimizer, chunk_size=chunk_size, prefetch=prefetch, max_grad_norm=max_grad_norm,
-                      accumulate=accumulate, remat=remat, atomic=atomic)
+                      accumulate=accumulate, remat=remat, atomic=atomic, cache_size=cache_size)
+        # torch.compile wrappers are traced through (pstar_fx.frontend.torch_compile)
+        traced_fn = torch_compile.original_function(fn)
+        warn_torch_compiled([n for n, _ in torch_compile.compiled_modules(model)], traced_fn is not fn)
         self._fn = fn
         self._model = model
         dev = resolve_device(device)
@@ -71,8 +92,8 @@ class CompiledStep:
         self.debug = debug
         self.prefetch = prefetch
         self._lock = threading.RLock()       # held by a step, save and load: another thread never sees half a step
-        self._compiler = self._compiler_class(fn, model, self.settings, self._comm, self._optimizer,
-                                              remat=remat is not False, prefetch=prefetch)
+        self._compiler = self._compiler_class(traced_fn, model, self.settings, self._comm, self._optimizer,
+                                              remat=remat is not False, prefetch=prefetch, cache_size=cache_size)
         self._model_state = ModelState(self, model, self._compiler, self._comm, self._lock)
         self._scaler = LossScaler() if prec is Precision.FP16 else None
         self._last_stats: StepStats | None = None
@@ -92,6 +113,7 @@ class CompiledStep:
         (px.DistributedError); see pstar_fx/interrupts.py. A guard that finds a Python decision on a tensor's value
         coming out otherwise than traced fails before the commit point: the step, rolled back, runs again on the
         graph traced for that outcome (pstar_fx/api/guarded.py)."""
+        refuse_torch_compile()
         with self._lock, DeferredInterrupt() as interrupts:
             started = time.perf_counter()
             self._check_callable(batch)
@@ -128,6 +150,17 @@ class CompiledStep:
         """Compile for this batch's shapes without running a step; returns the stages."""
         with DeferredInterrupt() as interrupts:        # Ctrl-C: between compile phases only (see Compiler.get)
             self._compiler.get(batch, interrupts)
+        return self.graphs
+
+    def reserve(self, *batch) -> dict[str, TrainGraph]:
+        """Compile for this batch's shapes now and keep that compile for the step's life; returns the stages.
+
+        Give it the largest batch the training will see (the longest sequence length, or each bucket's): a batch
+        that does not fit the budget raises BudgetError here, before training starts, instead of when it first
+        comes, and a batch of a reserved signature never traces again (the cache never drops it: cache_size counts
+        it). Other signatures compile when they first come, as always."""
+        with self._lock, DeferredInterrupt() as interrupts:      # Ctrl-C: between compile phases only
+            self._compiler.reserve(batch, interrupts)
         return self.graphs
 
     def min_device_memory(self, *batch) -> int:

@@ -1,9 +1,13 @@
-"""The cache of compiled steps, one per signature: bounded, least recently used first out, and loud about constants.
+"""The cache of compiled steps, one per signature: bounded, least recently used first out, and loud about constants
+and shapes.
 
 A signature is a tuple of parts (the batch's `BatchSignature` is one; the model's mode, for example, can be another).
 A batch constant that changes every call (an epoch counter passed in the batch) makes every call a new signature: each
 one traces and compiles again. The cache keeps at most `max_size` compiled steps, so memory stays bounded, and warns
-once when more than `warn_after` signatures differ only in the values of constants, naming the batch leaf.
+once when more than `warn_after` signatures differ only in the values of constants, naming the batch leaf. Batches of
+varying shapes (sequence lengths) are a new signature each too: it warns once when the `shapes_warn_at`-th distinct
+set of batch shapes is compiled, saying how to pad or bucket and how to keep more. A signature can be pinned
+(`step.reserve`): it is never evicted.
 """
 from __future__ import annotations
 
@@ -11,11 +15,13 @@ from collections import OrderedDict
 from typing import Generic, TypeVar
 
 from ..errors import warn
+from ..frontend.trace import BatchSignature
 
 V = TypeVar("V")
 
 DEFAULT_MAX_SIZE = 8      # compiled signatures kept (each holds its graphs and executor, not model data)
 DEFAULT_WARN_AFTER = 4    # distinct constant values of one shape family before the warning
+DEFAULT_SHAPES_WARN_AT = 4   # the distinct set of batch shapes whose compile warns
 
 
 def _family(key: tuple) -> tuple:
@@ -30,12 +36,17 @@ def _constants(key: tuple) -> tuple:
 class TraceCache(Generic[V]):
     """Compiled steps by signature key (a tuple), least recently used evicted past `max_size`."""
 
-    def __init__(self, max_size: int = DEFAULT_MAX_SIZE, warn_after: int = DEFAULT_WARN_AFTER):
+    def __init__(self, max_size: int = DEFAULT_MAX_SIZE, warn_after: int = DEFAULT_WARN_AFTER,
+                 shapes_warn_at: int = DEFAULT_SHAPES_WARN_AT):
         if max_size < 1:
             raise ValueError(f"TraceCache: max_size must be >= 1, got {max_size}")
         self.max_size = max_size
         self.warn_after = warn_after
+        self.shapes_warn_at = shapes_warn_at
         self._entries: OrderedDict[tuple, V] = OrderedDict()
+        self._pinned: set[tuple] = set()
+        self.last: tuple | None = None          # the key most recently looked up with a hit, or put
+        self._shapes: list[tuple] = []          # distinct batch shapes compiled, up to shapes_warn_at
         # shape family -> distinct constant tuples seen (capped at warn_after + 1), bounded like the entries
         self._seen: OrderedDict[tuple, set[tuple]] = OrderedDict()
         self._warned: set[tuple] = set()
@@ -50,14 +61,44 @@ class TraceCache(Generic[V]):
         value = self._entries.get(key)
         if value is not None:
             self._entries.move_to_end(key)
+            self.last = key
         return value
 
     def put(self, key: tuple, value: V) -> None:
         self._entries[key] = value
         self._entries.move_to_end(key)
-        while len(self._entries) > self.max_size:
-            self._entries.popitem(last=False)
+        self.last = key
+        while len(self._entries) > self.max_size:     # pinned entries stay: at most max_size of them
+            del self._entries[next(k for k in self._entries if k not in self._pinned)]
         self._note(key)
+        self._note_shapes(key)
+
+    def check_room_to_pin(self) -> None:
+        """Raise unless one more signature can be pinned: at most max_size are."""
+        if len(self._pinned) >= self.max_size:
+            raise ValueError(f"step.reserve: {len(self._pinned)} batch signatures are reserved already and the "
+                             f"cache keeps {self.max_size} (cache_size): pass a larger px.compile(..., cache_size=N)")
+
+    def pin(self, key: tuple) -> None:
+        """Keep this compiled signature however many others come (step.reserve)."""
+        assert key in self._entries, "only a cached signature is pinned"
+        self._pinned.add(key)
+
+    def _note_shapes(self, key: tuple) -> None:
+        shapes = tuple(tuple(shape for shape, _ in p.tensors) for p in key if isinstance(p, BatchSignature))
+        if not shapes or shapes in self._shapes or len(self._shapes) >= self.shapes_warn_at:
+            return
+        self._shapes.append(shapes)
+        if len(self._shapes) == self.shapes_warn_at:
+            seen = "; ".join(", ".join(str(s) for s in sh[0]) for sh in self._shapes)
+            warn(
+                f"pstar-fx: the step was traced and compiled for {len(self._shapes)} different batch shapes "
+                f"({seen}): every new shape traces and plans the step again. Pad batches to one length, or bucket "
+                "them into a few (round each sequence length up to a multiple of 64, or to a power of two), and "
+                "compile each bucket up front with step.reserve(*batch), the largest first: a batch that does not "
+                f"fit the budget raises BudgetError there, not in the middle of training. At most {self.max_size} "
+                "compiled signatures are kept (least recently used dropped, and traced again when it comes back): "
+                "px.compile(..., cache_size=N) keeps more.")
 
     def _note(self, key: tuple) -> None:
         consts = _constants(key)

@@ -1,4 +1,5 @@
-"""Warnings about settings that work but waste: checked once a graph is compiled."""
+"""Warnings about settings that work but waste: checked once a graph is compiled (or, for torch.compile wrappers, when
+the step is made)."""
 from __future__ import annotations
 
 import os
@@ -52,3 +53,25 @@ def warn_host_threads(g: TrainGraph) -> None:
             f"CPU threads, but torch uses 1 thread here (torchrun sets OMP_NUM_THREADS=1 unless it is set) of "
             f"{cores} cores. Set OMP_NUM_THREADS to the cores per process (e.g. {max(1, cores // g.settings.world)}) "
             "or call torch.set_num_threads.")
+
+
+class TorchCompileWarning(UserWarning):
+    """A model, submodule or step function given to px.compile is wrapped by torch.compile, which pstar-fx does not
+    use inside its step (see pstar_fx.frontend.torch_compile)."""
+
+
+def warn_torch_compiled(modules: list[str], fn_compiled: bool) -> None:
+    """Once per px.compile: torch.compile wrappers are traced through, so say what happens to them."""
+    if not modules and not fn_compiled:
+        return
+    what = []
+    if modules:
+        names = ", ".join("the model" if n == "" else repr(n) for n in modules[:3])
+        what.append(f"{names}{' ...' if len(modules) > 3 else ''} (torch.compile'd module{'s' if len(modules) > 1 else ''})")
+    if fn_compiled:
+        what.append("the step function (torch.compile'd)")
+    warn(f"pstar-fx: {' and '.join(what)}: pstar-fx compiles the whole training step itself (forward, backward and "
+         "the update in one planned graph), so it traces the original code and torch.compile's wrapper is not used "
+         "inside the step. Parameter names stay the ones the model reports (with the '_orig_mod.' prefix of a "
+         "torch.compile'd module). Give px.compile the model and function without torch.compile to silence this.",
+         TorchCompileWarning)

@@ -212,7 +212,7 @@ def load(state: StepState, path) -> None:
 def _apply(state: StepState, model_sd: dict, opt_sd: dict, meta: dict, path: str) -> None:
     """Whole values into the step: through its chunks when it holds the model, else into the model and the
     optimizer (the next step takes them)."""
-    ref = state.model.state_dict()
+    ref = state.model.state_dict(keep_vars=True)      # keys and shapes: a held model's values stay in the chunks
     if set(model_sd) != set(ref) or any(tuple(v.shape) != tuple(ref[k].shape) for k, v in model_sd.items()):
         wrong = sorted(set(model_sd) ^ set(ref)) or [k for k, v in model_sd.items() if v.shape != ref[k].shape]
         raise ValueError(f"step.load: {path!r} was saved from another model: keys or shapes differ ({wrong[:3]})")

@@ -54,7 +54,7 @@ from ..ir.fx_utils import (data_dependent_sizes, is_user_file, loss_seed, mutate
 from ..ir.graph import (BufferInfo, InputInfo, NodeAnn, ParamInfo, Phase, Role, Settings, TrainGraph, lazy_modules,
                         to_module)
 from ..ir.outputs import split_outputs
-from . import fake_fixes, moe_rewrites, user_checkpoint
+from . import backward_calls, fake_fixes, moe_rewrites, torch_compile, user_checkpoint
 from .aux_outputs import AuxCollector, describe_aux, own_aux_storage, split_returned
 from .guards import GuardingShapeEnv, insert_guards
 
@@ -84,7 +84,7 @@ def model_tables(model: nn.Module) -> ModelTables:
 
     pnames, ptensors = collect(model.named_parameters(remove_duplicate=False))
     bnames, btensors = collect(model.named_buffers(remove_duplicate=False))
-    persistent = set(model.state_dict().keys())
+    persistent = set(model.state_dict(keep_vars=True).keys())   # names only: a held model's values stay put
     params = tuple(ParamInfo(n, tuple(t.shape), t.dtype, t.requires_grad and t.is_floating_point(),
                              tuple(pnames[n])) for n, t in ptensors.items())
     # Non-persistent buffers (e.g. rotary inv_freq) are graph inputs too, but not part of state_dict().
@@ -142,11 +142,22 @@ class _SourceRecorder(TorchFunctionMode):
         self.calls: list[tuple[str, traceback.FrameSummary | None]] = []
         self._formatted: dict[tuple[str, int], list[str]] = {}
         self._current: tuple[str, int] | None = None
+        self.in_step = False           # the user's step function is running (not pstar-fx's own backward)
+
+    @contextlib.contextmanager
+    def user_step(self):
+        self.in_step = True
+        try:
+            yield
+        finally:
+            self.in_step = False
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", "")
         frame = _calling_user_frame()
         self.set_source(frame)
+        if self.in_step and func in backward_calls.BACKWARD:
+            backward_calls.reject(func, kwargs or {}, _where(frame))
         if name.endswith("_") and not name.startswith("_") or name in ("__iadd__", "__isub__", "__imul__",
                                                                        "__itruediv__", "copy_"):
             self.calls.append((name, frame))
@@ -418,7 +429,7 @@ def _trace_step(fn, model: nn.Module, batch: tuple, settings: Settings, assume: 
         autocast = (torch.autocast(device.type, dtype=half) if half is not None else contextlib.nullcontext())
         # the model's tensors stay substituted through backward too: a checkpoint's recompute runs there
         with torch.enable_grad(), user_checkpoint.substituted(wrapper, substituted(leaves, fp, bufs)):
-            with autocast:
+            with autocast, recorder.user_step():
                 out, aux_k, returned = split_returned(wrapper(*flat.rebuild(xs)))
             if out.dim() != 0:
                 raise UntraceableError(
@@ -442,7 +453,8 @@ def _trace_step(fn, model: nn.Module, batch: tuple, settings: Settings, assume: 
     def forward_only(tp, fp, bufs, scale_args, *xs):
         # evaluation (optimizer=None): the function's outputs, no backward, no update
         autocast = (torch.autocast(device.type, dtype=half) if half is not None else contextlib.nullcontext())
-        with torch.no_grad(), user_checkpoint.substituted(wrapper, substituted(tp, fp, bufs)), autocast:
+        with (torch.no_grad(), user_checkpoint.substituted(wrapper, substituted(tp, fp, bufs)), autocast,
+              recorder.user_step()):
             out = wrapper(*flat.rebuild(xs))
         layout, leaves = describe_aux(out, "output")   # constants (ints, None, ...) are returned as they are
         if not leaves:
@@ -478,7 +490,7 @@ def _trace_step(fn, model: nn.Module, batch: tuple, settings: Settings, assume: 
     sources = fx_traceback.preserve_node_meta() if _CHEAP_SOURCES else contextlib.nullcontext()
     try:
         with (_model_restored(model), sources, recorder, fake_fixes.FakeKernelFixes(),
-              moe_rewrites.rewritten(model), lazy_modules()):
+              moe_rewrites.rewritten(model), lazy_modules(), torch_compile.traced_as_original(model)):
             gm = make_fx(traced if settings.optimizer is not None else forward_only, tracing_mode="fake",
                          record_stack_traces=not _CHEAP_SOURCES)(trainable, frozen, buffers, scale, *fake_batch)
     except UntraceableError:
