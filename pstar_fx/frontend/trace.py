@@ -36,7 +36,6 @@ import time
 import traceback
 from dataclasses import dataclass
 
-import optree
 import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
@@ -56,6 +55,7 @@ from ..ir.graph import (BufferInfo, InputInfo, NodeAnn, ParamInfo, Phase, Role, 
 from ..ir.outputs import split_outputs
 from . import backward_calls, fake_fixes, moe_rewrites, torch_compile, user_checkpoint
 from .aux_outputs import AuxCollector, describe_aux, own_aux_storage, split_returned
+from .batch import BatchSignature, FlatBatch, flatten_batch, leaf_name  # noqa: F401 (re-exported)
 from .guards import GuardingShapeEnv, insert_guards
 
 
@@ -290,68 +290,6 @@ def _describe_leaf(x) -> str:
     if isinstance(x, torch.Tensor):
         return f"tensor{tuple(x.shape)} {str(x.dtype).removeprefix('torch.')}"
     return type(x).__name__
-
-
-@dataclass(frozen=True)
-class BatchSignature:
-    """What a compiled trace of a batch is keyed by: its structure, each tensor's shape and dtype, each constant.
-
-    `constants` are (leaf path, type, value) of the non-tensor leaves; `without_constants()` is the key of the
-    family of signatures that differ only in them (the trace cache warns when such a family keeps growing)."""
-    structure: object                # optree's PyTreeSpec (hashable, compared structurally)
-    tensors: tuple[tuple[tuple[int, ...], torch.dtype], ...]
-    constants: tuple[tuple[str, type, object], ...]
-
-    def without_constants(self) -> tuple:
-        return (self.structure, self.tensors, tuple(path for path, _, _ in self.constants))
-
-
-@dataclass(frozen=True)
-class FlatBatch:
-    """A batch as its tensor leaves plus what rebuilds it: nested tuples, lists and dicts of tensors are allowed;
-    other leaves (ints, strings, None) are constants of the trace and part of its signature."""
-    tensors: tuple[torch.Tensor, ...]
-    spec: object                     # optree's PyTreeSpec
-    constants: tuple                 # every leaf, with the _TENSOR marker where a tensor goes
-    signature: BatchSignature        # what a cached trace is keyed by
-
-    def rebuild(self, tensors) -> tuple:
-        it = iter(tensors)
-        leaves = [next(it) if c is _TENSOR else c for c in self.constants]
-        return tuple(optree.tree_unflatten(self.spec, leaves))
-
-
-class _TensorSlot:
-    def __repr__(self) -> str:
-        return "<tensor>"
-
-
-_TENSOR = _TensorSlot()
-
-
-def leaf_name(path: tuple) -> str:
-    """`batch[2]`, `batch[0]['epoch']`: where a leaf sits in step(*batch)."""
-    return "batch" + "".join(f"[{k!r}]" for k in path)
-
-
-def flatten_batch(batch: tuple) -> FlatBatch:
-    # No optree namespace: torch registers its own pytree types in the "torch" namespace lazily (when make_fx first
-    # runs), which would change the spec, and so the signature, of the same batch after the first trace.
-    paths, leaves, spec = optree.tree_flatten_with_path(tuple(batch), none_is_leaf=True)
-    tensors = tuple(x for x in leaves if isinstance(x, torch.Tensor))
-    constants = tuple(_TENSOR if isinstance(x, torch.Tensor) else x for x in leaves)
-    consts = []
-    for path, x in zip(paths, leaves):
-        if isinstance(x, torch.Tensor):
-            continue
-        try:
-            hash(x)
-        except TypeError:
-            raise TypeError(f"step(*batch): {leaf_name(path)} is a {type(x).__name__}, neither a tensor nor "
-                            "hashable; pass tensors (in tuples, lists or dicts) and plain constants") from None
-        consts.append((leaf_name(path), type(x), x))
-    sig = BatchSignature(spec, tuple((tuple(x.shape), x.dtype) for x in tensors), tuple(consts))
-    return FlatBatch(tensors, spec, constants, sig)
 
 
 def _micro_batch_sizes(flat: "FlatBatch", micro: int) -> list[int]:
