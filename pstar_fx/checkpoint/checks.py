@@ -29,7 +29,7 @@ def _count(x) -> bool:
 
 def model_state(state: StepState, sd, where: str) -> None:
     """`sd` holds exactly this model's state_dict keys, each a tensor of the model's shape and dtype."""
-    ref = state.model.state_dict()
+    ref = state.model.state_dict(keep_vars=True)
     if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
         raise CheckpointError(f"step.load: {where} is not a state dict of tensors")
     wrong = sorted(set(sd) ^ set(ref), key=str)

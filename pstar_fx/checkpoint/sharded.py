@@ -114,7 +114,7 @@ def _entry(comm, flat: torch.Tensor, start: int, stop: int, shape: tuple[int, ..
 def _canonical(state: StepState) -> tuple[list[str], list[str]]:
     """Parameter and persistent-buffer names of the model's state dict, each tensor once (tied: the first name)."""
     params, buffers = [], []
-    for key in state.model.state_dict():
+    for key in state.model.state_dict(keep_vars=True):
         kind, name = state.names[key]
         names = params if kind is Role.PARAM else buffers
         if name not in names:
@@ -304,7 +304,7 @@ def _check(state: StepState, md, path: str) -> tuple[list[str], list[str], list[
     if not isinstance(saved.get(META), BytesStorageMetadata):
         raise CheckpointError(f"step.load: {path!r} is a torch.distributed.checkpoint directory but not a pstar-fx "
                               "checkpoint (no 'pstar_fx' entry)")
-    ref = state.model.state_dict()
+    ref = state.model.state_dict(keep_vars=True)
     shapes = {n: _shape(t.shape) for n, t in ref.items()}
     want = {f"model.{n}": shapes[n] for n in params + buffers}
     param_names = set(params)
@@ -388,7 +388,7 @@ def _read_whole(state: StepState, md, path, params, small, stepped, meta):
         for key in ("exp_avg", "exp_avg_sq"):
             whole[f"optim.{n}.{key}"] = torch.empty(tuple(saved[f"optim.{n}.{key}"].size), dtype=torch.float32)
     _load(state, whole, path, md)
-    ref = state.model.state_dict()
+    ref = state.model.state_dict(keep_vars=True)
     model_sd = {}
     for key, like in ref.items():
         _, name = state.names[key]
