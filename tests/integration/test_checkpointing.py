@@ -15,7 +15,6 @@ from harness import HYPER, check_tight_budget_matches_eager, compiled_run, compi
 from models import (CASES, CASES_BY_NAME, CHECKPOINT_CASES, GPT, MODEL_SEED, CheckpointedGPT, assert_state_close,
                     gpt_loss)
 
-pytestmark = pytest.mark.cuda
 
 STEPS = 4
 

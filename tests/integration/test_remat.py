@@ -22,7 +22,6 @@ from pstar_fx.frontend.trace import trace_step
 from harness import HYPER, compiled_step, eager_run, rel_err
 from models import CASES_BY_NAME, GPT, Case, _gpt_batch, assert_state_close, gpt_loss
 
-pytestmark = pytest.mark.cuda
 
 STEPS = 4
 CHUNK = 1024
