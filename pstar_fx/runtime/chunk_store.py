@@ -242,14 +242,18 @@ class ChunkStore:
         assert key not in self._arriving, key
         self._arriving[key] = work
 
-    def _take_slot(self, key: BufKey) -> torch.Tensor:
-        """A device slot for a chunk buffer: the chunk's capacity in its dtype, or for a streamed update's states
-        (STATES) their fp32 elements, laid out as the host buffer they are copied from."""
+    def slot_spec(self, key: BufKey) -> tuple[int, torch.dtype]:
+        """(numel, dtype) of a chunk buffer's device slot: the chunk's capacity in its dtype, or for a streamed
+        update's states (STATES) their fp32 elements, laid out as the host buffer they are copied from."""
         c = self.chunks[key.chunk]
         if key.buf is BufKind.STATES:
-            return self.pool.take(state_floats(c, self.precision, self.world, self.state_layout), torch.float32,
-                                  what=f"chunk {c.id} optimizer states (streamed)")
-        return self.pool.take(c.capacity, c.dtype, what=f"chunk {c.id} {key.buf.value} buffer")
+            return state_floats(c, self.precision, self.world, self.state_layout), torch.float32
+        return c.capacity, c.dtype
+
+    def _take_slot(self, key: BufKey) -> torch.Tensor:
+        numel, dtype = self.slot_spec(key)
+        what = "optimizer states (streamed)" if key.buf is BufKind.STATES else f"{key.buf.value} buffer"
+        return self.pool.take(numel, dtype, what=f"chunk {key.chunk} {what}")
 
     def fetch(self, key: BufKey) -> None:
         assert key not in self.slots, key
@@ -345,6 +349,7 @@ class ChunkStore:
             self.slot(key)   # a copy still arriving into the slot must finish before its memory is reused
             self.pool.give(self.slots.pop(key))
         self.stale.clear()
+        self.pool.trim(0)    # nothing of the chunks stays on the device, cached slots included
 
     def enter(self, carried: tuple) -> tuple[int, int]:
         """Before a step: make the resident slots exactly the plan's carried set ((BufKey, stale allowed), ...).

@@ -1,8 +1,15 @@
 """The device pool: every byte pstar-fx places on the compute device, counted against the budget.
 
 It hands out chunk-sized slots and permanent allocations (module buffers, device optimizer states, constants,
-workspaces) and counts each byte: an allocation past the budget raises. It keeps no free list: a given-back buffer's
-memory returns to torch's allocator at once, so what the pool counts is what it holds.
+workspaces) and counts each byte: an allocation past the budget raises.
+
+A given-back buffer is kept in a free list by size (`cached`) and handed out again to the next request of that size,
+so chunk slots stop passing through torch's caching allocator at every fetch and release. Interleaved with the
+activations in torch's cache, slots of 100+ MiB split and fragment its blocks, and near a full device each block
+torch cannot find makes it free its whole cache and retry (a device synchronisation: tens per step at a 17B model).
+The free list holds memory the plan does not count, so its holder bounds it: the executor trims it before every node
+to that node's room under the plan's peak (`trim`), and it is emptied whenever the chunks leave the device. `in_use`
+is what the plan counts: the buffers handed out and not given back.
 """
 from __future__ import annotations
 
@@ -22,6 +29,8 @@ class DevicePool:
         self.in_use = 0
         self.window_peak = 0           # highest in_use since the executor last sampled it
         self.storages: set[int] = set()   # data_ptrs of the buffers the pool has handed out and not taken back
+        self.free: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}   # given back, by (numel, dtype)
+        self.cached = 0                # bytes in `free`
 
     def take(self, numel: int, dtype: torch.dtype, what: str = "slot") -> torch.Tensor:
         """A new buffer, counted. It is allocated before it is counted: an allocation that fails (out of memory)
@@ -30,18 +39,42 @@ class DevicePool:
         if self.budget is not None and self.in_use + nbytes > self.budget:
             raise PoolExhausted(f"device pool: {what} of {format_bytes(nbytes)} would bring chunk memory to "
                                 f"{format_bytes(self.in_use + nbytes)}, past the budget {format_bytes(self.budget)}")
-        t = torch.empty(numel, dtype=dtype, device=self.device)
+        free = self.free.get((numel, dtype))
+        if free:
+            t = free.pop()
+            self.cached -= nbytes
+        else:
+            if self.budget is not None and self.in_use + self.cached + nbytes > self.budget:
+                self.trim(self.budget - self.in_use - nbytes)   # what the pool holds stays within the budget
+            t = torch.empty(numel, dtype=dtype, device=self.device)
         self.in_use += nbytes
         self.window_peak = max(self.window_peak, self.in_use)
         self.storages.add(t.untyped_storage().data_ptr())
         return t
 
     def give(self, t: torch.Tensor) -> None:
-        """Take a buffer back. The pool keeps no free list of its own: a cached slot would hold memory the budget no
-        longer counts. The memory goes back to torch's allocator, whose CUDA cache hands the same block to the
-        next slot of that size (no fragmentation while slots share a size)."""
-        self.in_use -= t.numel() * t.dtype.itemsize
+        """Take a buffer back (a whole buffer `take` returned) into the free list. On CUDA it is reused in the
+        order of the stream that takes it next, as torch's allocator would reuse it: the store's copies into a slot
+        wait for the compute stream first, and slots still being written back come here only once the compute stream
+        has waited for their copies."""
+        nbytes = t.numel() * t.dtype.itemsize
+        self.in_use -= nbytes
         self.storages.discard(t.untyped_storage().data_ptr())
+        self.free.setdefault((t.numel(), t.dtype), []).append(t if t.dim() == 1 else t.view(-1))
+        self.cached += nbytes
+
+    def trim(self, keep: int = 0, spare: tuple[int, torch.dtype] | None = None) -> None:
+        """Give free-listed buffers back to torch until at most `keep` bytes stay cached, the sizes with the most
+        bytes cached first; one buffer of size `spare` (numel, dtype), the one about to be taken, stays."""
+        while self.cached > max(keep, 0):
+            sizes = [k for k, ts in self.free.items() if k != spare or len(ts) > 1]
+            if not sizes:
+                return
+            key = max(sizes, key=lambda k: len(self.free[k]) * k[0] * k[1].itemsize)
+            t = self.free[key].pop()
+            if not self.free[key]:
+                del self.free[key]
+            self.cached -= t.numel() * t.dtype.itemsize
 
     def sample(self) -> int:
         """The highest in_use since the last sample (then starts a new window)."""

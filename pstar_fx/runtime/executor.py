@@ -17,7 +17,7 @@ from ..interrupts import DeferredInterrupt
 from ..ir import ops
 from ..ir.fx_utils import last_uses, mutated_args, storage_bytes, tensors_in, tensors_of, user_frame
 from ..ir.graph import Role, TrainGraph
-from ..ir.needs import constants
+from ..ir.needs import BufKey, constants
 from ..units import format_bytes, parse_bytes
 from .chunk_store import ChunkStore
 from .step_runtime import Runtime
@@ -96,6 +96,9 @@ class Executor:
         self.mutated_buffers = mutated_buffers(g)
         # per node: how far its planned bytes stay below the plan's peak (room for slots still being written back)
         plan = g.plan
+        # per node: the (numel, dtype) of the slot it takes from the pool (a fetch or an alloc), else None
+        self.takes = [store.slot_spec(BufKey(n.kwargs["chunk"], n.kwargs["buf"]))
+                      if n.target is ops.fetch or n.target is ops.alloc else None for n in self.nodes]
         self.room = [plan.predicted_peak - (plan.static_bytes + a.resident_bytes + a.live_bytes + a.workspace_bytes)
                      for a in (g.ann[n.name] for n in self.nodes)]
 
@@ -124,6 +127,7 @@ class Executor:
             # host homes are rebuilt from the masters below): what goes home is what the step started from
             self.store.evict_all()
             self.store.recount()        # an allocation that failed half-way leaves no count behind
+            self.store.pool.trim(0)
             if rt.committed or rt.stepped:        # (stepped before the commit: host-side steps with atomic=False)
                 raise CommitError(
                     f"pstar-fx: the step failed after {'its commit point' if rt.committed else 'its first update'} "
@@ -202,6 +206,12 @@ class Executor:
                     store.reclaim(0 if n.op == "output" else self.room[i])
                     draining = store.draining_bytes
                     pool.sample()         # this node's window starts after the slots given back
+                if pool.cached:
+                    # free-listed slots fit in the node's room beside the draining ones; a slot the node takes from
+                    # the list is counted by the plan already
+                    spec = self.takes[i]
+                    taken = spec[0] * spec[1].itemsize if spec is not None and spec in pool.free else 0
+                    pool.trim(self.room[i] + taken - draining, spare=spec)
                 if interrupts.pending and not holding:
                     interrupts.deliver()      # before the first value written: a KeyboardInterrupt rolls back
                 if before_node is not None:

@@ -100,8 +100,26 @@ def test_device_pool_refuses_past_its_budget():
     ref = weakref.ref(a)
     pool.give(a)
     del a
-    assert pool.in_use == 0 and ref() is None, "a slot given back holds no memory the budget does not count"
-    pool.take(250, torch.float32)                # the whole budget is available again
+    assert pool.in_use == 0 and pool.cached == 800 and ref() is not None, "a slot given back is free-listed"
+    pool.take(250, torch.float32)                # the whole budget is available again: the free list gives way
+    assert pool.cached == 0 and ref() is None, "what the pool holds stays within its budget"
+
+
+def test_device_pool_reuses_a_given_back_buffer_of_the_same_size_and_trims_to_a_bound():
+    pool = DevicePool(torch.device("cpu"), budget=None)
+    a = pool.take(64, torch.float32)
+    ptr = a.data_ptr()
+    pool.give(a)
+    b = pool.take(64, torch.float32)
+    assert b.data_ptr() == ptr and pool.in_use == 256 and pool.cached == 0
+    c = pool.take(32, torch.bfloat16)
+    pool.give(b)
+    pool.give(c)
+    assert pool.cached == 256 + 64 and pool.in_use == 0
+    pool.trim(100)                               # the size with the most bytes cached goes first
+    assert pool.cached == 64 and list(pool.free) == [(32, torch.bfloat16)]
+    pool.trim(0)
+    assert pool.cached == 0 and not pool.free
 
 
 def test_step_before_compile_and_state_dict_before_step():
