@@ -16,7 +16,8 @@ made after them (the order the schedule checked is kept otherwise).
 
 What stays out of a region, run eagerly as traced: random ops (dropout: Inductor draws different numbers from
 eager, so results would differ), ops that write in place (module buffers, chunk views), ops whose output size depends
-on data, ops with non-tensor inputs or outputs read outside the region, and anything not a compute node.
+on data, ops with non-tensor inputs or outputs read outside the region, views of a region's inputs read outside it,
+and anything not a compute node.
 """
 from __future__ import annotations
 
@@ -115,9 +116,16 @@ def _segments(g: TrainGraph, nodes: list[fx.Node], run: tuple[int, int], pos) ->
         more = set()
         for seg in segs:
             members = {nodes[i] for i in seg}
+            outside = {storage_key(t) for i in seg for a in nodes[i].all_input_nodes if a not in members
+                       for t in tensors_of(a)}
             for i in seg:
                 n = nodes[i]
-                if not isinstance(n.meta["val"], torch.Tensor) and any(u not in members for u in n.users):
+                read_after = any(u not in members for u in n.users)
+                if read_after and not isinstance(n.meta["val"], torch.Tensor):
+                    more.add(i)
+                # an output sharing an input's storage (a view of a parameter view, say) stays eager: a region's
+                # outputs are storages of its own, so the chunks its outputs keep in use are its inputs' alone
+                if read_after and any(storage_key(t) in outside for t in tensors_of(n)):
                     more.add(i)
                 if any(not isinstance(a.meta.get("val"), torch.Tensor) and a not in members
                        for a in n.all_input_nodes):
