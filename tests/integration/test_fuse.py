@@ -67,6 +67,7 @@ def _close_but_key_bias(sd, ref, n_embd, steps, rtol=1e-5):
     assert_state_close(sd, ref, rtol)
 
 
+@pytest.mark.slow
 def test_gpt_dropout_under_remat_budget_matches_eager():
     """A budget only recomputation fits: chunks evicted and fetched again, activations recomputed, dropout kept
     eager (the same masks as eager's from the same seed), the plan's bytes measured exactly at every node."""
@@ -139,6 +140,7 @@ _CACHE_RUN = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_second_process_finds_regions_in_cache(tmp_path):
     """Inductor's FX graph cache keeps compiled regions across processes: a second process compiling the same
     model compiles nothing again."""
