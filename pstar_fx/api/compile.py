@@ -14,7 +14,7 @@ def compile(model: nn.Module, *, optimizer: OptimizerSpec | None, device_memory:
             precision: str | None = None, chunk_size: int | None = None, device=None, debug: bool = False,
             prefetch: int | None = None, max_grad_norm: float | None = None,
             accumulate: int = 1, remat="auto", atomic: bool = True,
-            _device_updates: int | None = None, cache_size: int = 8) -> Callable[[Callable], CompiledStep]:
+            _device_updates: int | None = None, cache_size: int = 8, fuse: bool | None = None) -> Callable[[Callable], CompiledStep]:
     """Compile `step(model, *batch) -> loss` into one training step that fits `device_memory`.
 
     Use as a decorator: `@px.compile(model, optimizer=px.AdamW(lr=3e-4))` over `def step(model, x, y): ...`;
@@ -33,19 +33,23 @@ def compile(model: nn.Module, *, optimizer: OptimizerSpec | None, device_memory:
     them there (the first in the CPU's order; more than there are: all) instead of the cost model's choice.
     `cache_size` compiled batch signatures are kept (least recently used dropped); `step.reserve(*batch)` compiles
     one up front and keeps it.
+    `fuse=True` compiles the compute between chunk operations: each maximal run of compute nodes between two chunk
+    moves becomes one region, compiled by Inductor (passes/regions.py; random ops such as dropout and in-place
+    writes stay eager). Compiling takes seconds per distinct region on a first run and is cached across processes;
+    `fuse=None` takes the device's default (api/options.py DEFAULT_FUSE: off for now). Training steps only.
     """
     if _device_updates is not None and (not isinstance(_device_updates, int) or isinstance(_device_updates, bool)
                                         or _device_updates < 0):
         raise ValueError(f"_device_updates must be a number of chunks >= 0 (or None), got {_device_updates!r}")
     def wrap(fn: Callable) -> CompiledStep:
         if optimizer is None:
-            if max_grad_norm is not None or accumulate != 1 or not atomic or _device_updates is not None:
-                raise ValueError("max_grad_norm, accumulate and atomic belong to training steps; a forward-only "
-                                 "function (optimizer=None) takes none of them")
+            if max_grad_norm is not None or accumulate != 1 or not atomic or _device_updates is not None or fuse:
+                raise ValueError("max_grad_norm, accumulate, atomic and fuse belong to training steps; a "
+                                 "forward-only function (optimizer=None) takes none of them")
             return CompiledEval(fn, model, device_memory=device_memory, precision=precision, chunk_size=chunk_size,
                                 device=device, debug=debug, prefetch=prefetch, cache_size=cache_size)
         return CompiledStep(fn, model, optimizer, device_memory=device_memory, precision=precision,
                             chunk_size=chunk_size, device=device, debug=debug, prefetch=prefetch,
                             max_grad_norm=max_grad_norm, accumulate=accumulate, remat=remat, atomic=atomic,
-                            device_updates=_device_updates, cache_size=cache_size)
+                            device_updates=_device_updates, cache_size=cache_size, fuse=fuse)
     return wrap

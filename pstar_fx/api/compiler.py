@@ -27,13 +27,15 @@ from ..passes.place_optimizer import min_need, place_optimizer
 from ..passes.remat import least_need_graph
 from ..runtime.chunk_store import ChunkStore, host_buffer_specs
 from ..runtime.comm import Comm
+from ..runtime.compiled_regions import RegionCompiler
 from ..runtime.executor import Executor
 from ..runtime.host_memory import HostMemory, spare_host_bytes
 from .guarded import GuardVariants, traced_outcomes
 from .trace_cache import DEFAULT_MAX_SIZE, TraceCache
 from .warnings import warn_chunk_padding, warn_host_threads
 
-STAGE_NAMES = ("traced", "canonical", "chunked", "liveness", "remat", "optimizer_placed", "scheduled")  # + "sharded"
+STAGE_NAMES = ("traced", "canonical", "chunked", "liveness", "remat", "optimizer_placed", "scheduled")
+# + "sharded" (2+ ranks), + "fused" (fuse=True)
 
 
 @contextlib.contextmanager
@@ -102,8 +104,10 @@ class Compiler:
     first compile makes it. A model's train/eval modes and requires_grad flags are part of the signature."""
 
     def __init__(self, fn: Callable, model: nn.Module, settings: Settings, comm: Comm | None, optimizer, *,
-                 remat: bool, prefetch: int | None, cache_size: int = DEFAULT_MAX_SIZE):
+                 remat: bool, prefetch: int | None, cache_size: int = DEFAULT_MAX_SIZE, fuse: bool = False):
         self.fn = fn
+        self.fuse = fuse
+        self.regions = RegionCompiler()  # fused regions compiled for any signature, shared by the next
         self.model = model
         self.settings = settings
         self.comm = comm
@@ -178,7 +182,7 @@ class Compiler:
                 outcomes = traced_outcomes(traced)
                 interrupts.deliver()    # a safe point after the trace
                 passes = pipeline(chunk_size=st.chunk_size, layout=self.layout, prefetch=self.prefetch,
-                                  remat=self.remat, world=st.world)
+                                  remat=self.remat, world=st.world, fuse=self.fuse)
                 stages = run_passes(traced, passes, after=set_up_early)
         except BaseException:
             if hostmem is not None:
@@ -199,7 +203,7 @@ class Compiler:
                                     hostmem=hostmem, state=state_layout(st))
             if self.optimizer is not None:
                 self.optimizer.attach(self.store)
-        executor = Executor(final, self.store)
+        executor = Executor(final, self.store, self.regions)
         now = time.perf_counter()
         return Compiled(stages={s.stage: s for s in stages}, executor=executor, setup_seconds=now - t0,
                         set_up_until=now, outcomes=outcomes)

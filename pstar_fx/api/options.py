@@ -19,6 +19,20 @@ from .device_budget import (
 )
 
 
+# px.compile's fuse=None: whether the compute between chunk operations is compiled (passes/regions.py), per device
+# type. The one place to change once measurements show fusion faster on a device.
+DEFAULT_FUSE = {"cpu": False, "cuda": False}
+
+
+def resolve_fuse(fuse, device: torch.device) -> bool:
+    """None: DEFAULT_FUSE for the device's type."""
+    if fuse is None:
+        return DEFAULT_FUSE.get(device.type, False)
+    if not isinstance(fuse, bool):
+        raise ValueError(f"fuse must be True, False or None (the default for the device), got {fuse!r}")
+    return fuse
+
+
 def check_options(model, optimizer, *, chunk_size, prefetch, max_grad_norm, accumulate, remat, atomic,
                   cache_size=8) -> None:
     """Raise on a model that is not a module, an optimizer that is not a px optimizer description (or None), or an

@@ -30,7 +30,7 @@ from .compiler import Compiler
 from .guarded import run_guarded
 from .live_optimizer import build as build_optimizer
 from .model_state import ModelState, holds_own_values
-from .options import check_options, check_world, resolve_budget, resolve_device, resolve_precision
+from .options import check_options, check_world, resolve_budget, resolve_device, resolve_fuse, resolve_precision
 from .summary import Summary, summarize
 from .trace_cache import DEFAULT_MAX_SIZE
 from .warnings import warn_torch_compiled
@@ -68,7 +68,8 @@ class CompiledStep:
     def __init__(self, fn: Callable, model: nn.Module, optimizer: OptimizerSpec, *, device_memory=None,
                  precision: str | None = None, chunk_size: int | None = None, device=None, debug: bool = False,
                  prefetch: int | None = None, max_grad_norm: float | None = None, accumulate: int = 1, remat="auto",
-                 atomic: bool = True, device_updates: int | None = None, cache_size: int = DEFAULT_MAX_SIZE):
+                 atomic: bool = True, device_updates: int | None = None, cache_size: int = DEFAULT_MAX_SIZE,
+                 fuse: bool | None = None):
         check_options(model, optimizer, chunk_size=chunk_size, prefetch=prefetch, max_grad_norm=max_grad_norm,
                       accumulate=accumulate, remat=remat, atomic=atomic, cache_size=cache_size)
         # torch.compile wrappers are traced through (pstar_fx.frontend.torch_compile)
@@ -93,7 +94,8 @@ class CompiledStep:
         self.prefetch = prefetch
         self._lock = threading.RLock()       # held by a step, save and load: another thread never sees half a step
         self._compiler = self._compiler_class(traced_fn, model, self.settings, self._comm, self._optimizer,
-                                              remat=remat is not False, prefetch=prefetch, cache_size=cache_size)
+                                              remat=remat is not False, prefetch=prefetch, cache_size=cache_size,
+                                              fuse=resolve_fuse(fuse, dev))
         self._model_state = ModelState(self, model, self._compiler, self._comm, self._lock)
         self._scaler = LossScaler() if prec is Precision.FP16 else None
         self._last_stats: StepStats | None = None

@@ -34,6 +34,7 @@ class Summary:
     measured_seconds: float | None = None   # the last step's wall time, call to return
     alloc_retries: int | None = None        # the last step's caching-allocator retries (CUDA)
     states_streamed: int = 0                # of the chunks whose states live on the host: updated on the device
+    fused: str | None = None                # fuse=True: the regions, the nodes they replace, the seconds compiling
 
     def __str__(self) -> str:
         rows = [
@@ -54,7 +55,7 @@ class Summary:
                           + ("" if self.alloc_retries is None else f", {self.alloc_retries} allocator retries")),
             ("graph", f"{self.nodes} nodes"),
             ("compiled in", "{:.1f} s trace + {:.1f} s passes + {:.1f} s set-up".format(*self.compile_seconds)),
-        ]
+        ] + ([("fused", self.fused)] if self.fused is not None else [])
         return "\n".join(f"{k:>17s}: {v}" for k, v in rows)
 
 
@@ -80,7 +81,8 @@ def summarize(g: TrainGraph, compiled: Compiled, last: StepStats | None, prec: P
         default_budget=None if default_budget is None else str(default_budget),
         estimated_seconds=_estimated(g, compiled),
         measured_seconds=None if last is None else last.seconds,
-        alloc_retries=None if last is None else last.alloc_retries)
+        alloc_retries=None if last is None else last.alloc_retries,
+        fused=str(compiled.executor.region_stats) if "fused" in compiled.stages else None)
 
 
 def _estimated(g: TrainGraph, compiled: Compiled) -> float | None:

@@ -61,6 +61,7 @@ class Role(_Enum):
     INPUT = "input"                  # placeholder of a batch tensor
     SCALE = "scale"                  # placeholder of the fp16 loss scale
     COMPUTE = "compute"              # an aten op of the user's program
+    REGION = "region"                # compute nodes fused into one compiled call (passes/regions.py, fuse=True)
     GUARD = "guard"                  # checks a value the trace assumed (ir/guards.py); before the commit
     OUTPUT = "output"
     PARAM_VIEW = "param_view"        # a parameter read out of its (resident) chunk

@@ -108,7 +108,14 @@ def _reduce_scatter(g: TrainGraph, a: NodeAnn) -> Needs:
     return Needs(reads=frozenset({key}), writes=frozenset({key}))
 
 
+def _region(g: TrainGraph, a: NodeAnn) -> Needs:
+    """A fused region holds the storages made and freed inside it as workspace (passes/regions.py sets it); the
+    chunk buffers its parameter-view inputs read are added by all_needs, as for any compute node."""
+    return Needs(workspace=a.workspace_bytes)
+
+
 NEEDS_BY_ROLE: dict[Role, Callable[[TrainGraph, NodeAnn], Needs]] = {
+    Role.REGION: _region,
     Role.PARAM_VIEW: _param_view,
     Role.WRITE_GRAD: _write_grad,
     Role.OPTIMIZER_STEP: _optimizer_step,

@@ -5,7 +5,10 @@ Every one takes the runtime (`runtime.executor.Runtime`) as its first argument; 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
+import torch.fx as fx
 
 from . import guards
 from .graph import BufKind
@@ -67,6 +70,26 @@ def guard(rt, *values, spec: guards.GuardSpec) -> None:
     """Check a value the trace assumed (ir/guards.py): raise GuardFailed, before the commit point, when the real
     values decide otherwise; the step is then traced for what they decided and run again."""
     guards.check(spec, values)
+
+
+@dataclass(frozen=True, eq=False)
+class RegionSpec:
+    """A fused region (passes/regions.py): the fx graph of the compute nodes it replaces, whose placeholders are the
+    region's inputs in order and whose output is the tuple of its outputs; `workspace`: device bytes of the storages
+    made and freed inside it (the plan's bound on what its compiled code holds beside its inputs and outputs)."""
+    index: int                       # regions numbered in graph order
+    gm: fx.GraphModule = field(repr=False)
+    nodes: int                       # compute nodes it replaces
+    workspace: int
+
+    def __repr__(self) -> str:      # printed in the graph: region(..., spec=region 3 of 12 nodes)
+        return f"region {self.index} of {self.nodes} nodes"
+
+
+def region(rt, *inputs, spec: RegionSpec) -> tuple:
+    """Run a fused region's compute nodes eagerly, as the graph it replaced ran them; the executor calls the
+    region's compiled code instead (runtime/compiled_regions.py) and falls back to this where it could not compile."""
+    return tuple(spec.gm(*inputs))
 
 
 RUNTIME_OPS = (guard, param_view, write_grad, fetch, all_gather, alloc, release, reduce_scatter, commit, optimizer_step)

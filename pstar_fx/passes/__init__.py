@@ -1,6 +1,7 @@
 """The pass pipeline: an explicit list of pure `TrainGraph -> TrainGraph` functions, each checked by the verifier.
 
     canonicalize -> assign_chunks -> liveness -> remat -> place_optimizer -> schedule (-> shard, with 2+ ranks)
+    (-> fuse_regions, with fuse=True)
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from .assign_chunks import assign_chunks
 from .canonicalize import canonicalize
 from .liveness import liveness
 from .place_optimizer import place_optimizer
+from .regions import fuse_regions
 from .remat import remat
 from .schedule import schedule
 from .shard import collectives, shard
@@ -21,11 +23,12 @@ _remat = remat              # pipeline's keyword `remat` shadows the pass
 
 
 def pipeline(*, chunk_size=None, layout=None, prefetch: int | None = None, train: bool = True, remat: bool = True,
-             world: int = 1):
+             world: int = 1, fuse: bool = False):
     """The passes in order, with their settings bound as keyword arguments. A forward-only (evaluation) graph has
     no optimizer to place: its "optimizer_placed" stage is the liveness stage passed through (and nothing to
     recompute). remat=False: nothing is recomputed (the stage is passed through). With more than one rank the
-    shard pass follows the schedule."""
+    shard pass follows the schedule. fuse=True: the compute between chunk operations is grouped into regions, each
+    run as compiled code (stage "fused", last)."""
     return [
         canonicalize,
         functools.partial(assign_chunks, chunk_size=chunk_size, layout=layout),
@@ -33,7 +36,7 @@ def pipeline(*, chunk_size=None, layout=None, prefetch: int | None = None, train
         functools.partial(_remat, enabled=remat),
         place_optimizer if train else _no_optimizer,
         functools.partial(schedule, prefetch=prefetch),
-    ] + ([shard] if world > 1 else [])
+    ] + ([shard] if world > 1 else []) + ([fuse_regions] if fuse else [])
 
 
 def _no_optimizer(g: TrainGraph) -> TrainGraph:
@@ -56,6 +59,6 @@ def run_passes(g: TrainGraph, passes, after=None) -> list[TrainGraph]:
     return stages
 
 
-__all__ = ["assign_chunks", "canonicalize", "liveness", "place_optimizer", "remat", "schedule", "shard",
+__all__ = ["assign_chunks", "canonicalize", "fuse_regions", "liveness", "place_optimizer", "remat", "schedule", "shard",
            "collectives", "verify", "pipeline",
            "run_passes", "VerificationError"]

@@ -2,7 +2,8 @@
 
 Values are freed right after their last use, the rule liveness plans with, and the executor measures what it holds:
 after every node, the device pool's highest use during the node plus the bytes of the distinct activation storages
-it holds. The largest such total is the step's measured peak, comparable to the plan's predicted peak.
+it holds (plus, at a fused region, the bound the plan holds for the buffers its compiled code makes and frees inside
+it, which no pool sees). The largest such total is the step's measured peak, comparable to the plan's predicted peak.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from ..ir.graph import Role, TrainGraph
 from ..ir.needs import BufKey, constants
 from ..units import format_bytes, parse_bytes
 from .chunk_store import ChunkStore
+from .compiled_regions import RegionCompiler, RegionStats
 from .pooled_outputs import escaping, pooled_output
 from .step_runtime import Runtime
 
@@ -77,7 +79,9 @@ def device_memory_error(n: fx.Node, oom: torch.OutOfMemoryError, store: ChunkSto
 class Executor:
     """Runs one scheduled graph. Built once per compiled signature; `run` is one training step."""
 
-    def __init__(self, g: TrainGraph, store: ChunkStore):
+    def __init__(self, g: TrainGraph, store: ChunkStore, regions: RegionCompiler | None = None):
+        """`regions` compiles the graph's fused regions (fuse=True), here, once; a compiler of one's own when
+        None."""
         assert g.plan is not None, "the executor runs scheduled graphs"
         self.g = g
         self.store = store
@@ -95,6 +99,16 @@ class Executor:
         self.planned = [[storage_bytes(t) for t in tensors_of(n)] if n.op == "call_function" else None
                         for n in self.nodes]
         self.mutated_buffers = mutated_buffers(g)
+        # fused regions: per node position, the compiled callable of a region node
+        at = [i for i, r in enumerate(self.roles) if r is Role.REGION]
+        fns, self.region_stats = (regions or RegionCompiler()).compile_all([self.nodes[i].kwargs["spec"] for i in at])
+        self.compiled: list = [None] * len(self.nodes)
+        # a region's internal buffers, which its compiled code allocates and frees itself where the pool cannot see
+        # them: counted at its node as the plan's bound on them (passes/regions.py)
+        self.workspace = [g.ann[n.name].workspace_bytes if r is Role.REGION else 0
+                          for n, r in zip(self.nodes, self.roles)]
+        for i, fn in zip(at, fns):
+            self.compiled[i] = fn
         # per node: how far its planned bytes stay below the plan's peak (room for slots still being written back)
         plan = g.plan
         # per node: how it writes a large output into a pool buffer (pooled_outputs.py), else None
@@ -249,6 +263,13 @@ class Executor:
                 elif n.op == "output":
                     result = fx.node.map_arg(n.args[0], load)
                     val = None
+                elif role is Role.REGION:
+                    args = [env[self.pos[a]] for a in n.args]
+                    try:
+                        val = tuple(self.compiled[i](args))
+                    except Exception as e:
+                        raise RuntimeError(f"pstar-fx: {n.kwargs['spec']!r} failed at node {n.name}: {e}") from e
+                    val = self._compact(val, self.planned[i], pool)
                 elif n.target in _RUNTIME_OPS:
                     args = fx.node.map_arg(n.args, load)
                     val = n.target(rt, *args, **n.kwargs)
@@ -270,7 +291,7 @@ class Executor:
                         val = self._compact(val, self.planned[i], pool)
                 env[i] = val
                 act += hold(val)
-                total = pool.sample() + act
+                total = pool.sample() + act + self.workspace[i]
                 peak = max(peak, total)
                 if trace_peaks is not None:
                     trace_peaks.append(total - draining)     # what the plan counts at this node

@@ -1,0 +1,124 @@
+"""
+Step time on the CPU of the example's GPT (examples/train_gpt.py: its preset, batch, two micro-batches, clipping at
+1.0, AdamW with two groups, a budget of half the model data): eager PyTorch, pstar-fx with fuse=False and with
+fuse=True, and the ratios to eager.
+
+    python benchmarks/fuse_cpu.py                    # the example's default preset ("small"), 30 timed steps
+    python benchmarks/fuse_cpu.py --model tiny --steps 10 --budget none
+
+Each system runs --warmup steps (the compile and the first steps) and then --steps timed steps, on the same batches;
+the median step time is printed, and the ratio of each to eager's (below 1: faster than eager). Eager is nanoGPT's
+loop: backward per micro-batch (the loss divided by their number), clip_grad_norm_, torch.optim.AdamW (its CPU
+default, foreach) with set_to_none zeroing. pstar-fx's step does the same in one compiled call. fuse=True also
+prints its compile line (regions, nodes fused, seconds, cache hits).
+"""
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import pstar_fx as px  # noqa: E402
+from pstar_fx.models.gpt import GPT, GPTConfig, Init  # noqa: E402
+
+PRESETS = {   # examples/train_gpt.py's
+    "tiny":   dict(n_layer=2, n_head=2, n_embd=128, block_size=16, batch_size=4),
+    "small":  dict(n_layer=2, n_head=4, n_embd=256, block_size=32, batch_size=8),
+    "medium": dict(n_layer=4, n_head=6, n_embd=384, block_size=32, batch_size=8),
+}
+VOCAB = 70      # the example corpus's characters
+
+
+def gpt_loss(model, idx, targets):
+    logits = model(idx)
+    return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+def groups(model, opt_cls, **kw):
+    params = [p for p in model.parameters() if p.requires_grad]
+    return opt_cls([{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+                    {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+                   lr=1e-3, betas=(0.9, 0.95), eps=1e-8, **kw)
+
+
+def batches(cfg, n, accumulate):
+    g = torch.Generator().manual_seed(0)
+    b = cfg["batch_size"] * accumulate
+    return [(torch.randint(VOCAB, (b, cfg["block_size"]), generator=g),
+             torch.randint(VOCAB, (b, cfg["block_size"]), generator=g)) for _ in range(n)]
+
+
+def build(cfg):
+    torch.manual_seed(1337)
+    return GPT(GPTConfig(vocab=VOCAB, seq=cfg["block_size"], layers=cfg["n_layer"], heads=cfg["n_head"],
+                         hidden=cfg["n_embd"], init=Init.MODULES))
+
+
+def eager_steps(cfg, data, accumulate):
+    model = build(cfg)
+    opt = groups(model, torch.optim.AdamW)
+    times = []
+    for x, y in data:
+        t0 = time.perf_counter()
+        for xs, ys in zip(x.chunk(accumulate), y.chunk(accumulate)):
+            (gpt_loss(model, xs, ys) / accumulate).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - t0)
+    return times, None
+
+
+def pstar_steps(cfg, data, accumulate, budget, fuse):
+    model = build(cfg)
+    step = px.compile(model, optimizer=groups(model, px.AdamW), device_memory=budget, device="cpu",
+                      max_grad_norm=1.0, accumulate=accumulate, fuse=fuse)(gpt_loss)
+    times = []
+    for x, y in data:
+        t0 = time.perf_counter()
+        step(x, y)
+        times.append(time.perf_counter() - t0)
+    fused = step.summary().fused
+    return times, fused
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip())
+    ap.add_argument("--model", choices=sorted(PRESETS), default="small")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--accumulate", type=int, default=2)
+    ap.add_argument("--budget", default="auto", help="'auto' (half the model data, as the example), 'none', or a "
+                                                     "size such as 8MiB")
+    ap.add_argument("--systems", default="eager,pstar,pstar-fused")
+    args = ap.parse_args()
+    cfg = PRESETS[args.model]
+    n_params = sum(p.numel() for p in build(cfg).parameters())
+    budget = {"auto": 16 * n_params // 2, "none": None}.get(args.budget.lower(), args.budget)
+    data = batches(cfg, args.warmup + args.steps, args.accumulate)
+    print(f"model '{args.model}': {n_params:,} parameters, batch {cfg['batch_size'] * args.accumulate}x"
+          f"{cfg['block_size']} in {args.accumulate} micro-batches, budget {budget}, {torch.get_num_threads()} "
+          f"threads, torch {torch.__version__}")
+    runs = {"eager": lambda: eager_steps(cfg, data, args.accumulate),
+            "pstar": lambda: pstar_steps(cfg, data, args.accumulate, budget, False),
+            "pstar-fused": lambda: pstar_steps(cfg, data, args.accumulate, budget, True)}
+    medians = {}
+    for name in args.systems.split(","):
+        times, fused = runs[name]()
+        timed = times[args.warmup:]
+        medians[name] = statistics.median(timed)
+        extra = f"  compile: {fused}" if fused else ""
+        print(f"{name:>12s}: median {medians[name] * 1e3:8.2f} ms  (min {min(timed) * 1e3:.2f}, max "
+              f"{max(timed) * 1e3:.2f}; first step {times[0]:.2f} s){extra}")
+    if "eager" in medians:
+        for name, m in medians.items():
+            if name != "eager":
+                print(f"{name:>12s} / eager: {m / medians['eager']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
