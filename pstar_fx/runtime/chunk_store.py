@@ -242,12 +242,6 @@ class ChunkStore:
         assert key not in self._arriving, key
         self._arriving[key] = work
 
-    @property
-    def pooled_output_bytes(self) -> int:
-        """Activations at least this large are written into device pool buffers (runtime/pooled_outputs.py): half
-        the smallest parameter slot, so that the blocks torch's allocator would split are the pool's."""
-        return max(1, min((c.capacity * c.dtype.itemsize for c in self.chunks), default=1 << 62) // 2)
-
     def slot_spec(self, key: BufKey) -> tuple[int, torch.dtype]:
         """(numel, dtype) of a chunk buffer's device slot: the chunk's capacity in its dtype, or for a streamed
         update's states (STATES) their fp32 elements, laid out as the host buffer they are copied from."""

@@ -22,7 +22,6 @@ from ..ir.needs import BufKey, constants
 from ..units import format_bytes, parse_bytes
 from .chunk_store import ChunkStore
 from .compiled_regions import RegionCompiler, RegionStats
-from .pooled_outputs import escaping, pooled_output
 from .step_runtime import Runtime
 
 _RUNTIME_OPS = frozenset(ops.RUNTIME_OPS)
@@ -111,16 +110,9 @@ class Executor:
             self.compiled[i] = fn
         # per node: how far its planned bytes stay below the plan's peak (room for slots still being written back)
         plan = g.plan
-        # per node: how it writes a large output into a pool buffer (pooled_outputs.py), else None
-        escapes = escaping(self.nodes)
-        threshold = store.pooled_output_bytes
-        self.pooled = [pooled_output(n, threshold, escapes) if self.roles[i] is Role.COMPUTE else None
-                       for i, n in enumerate(self.nodes)]
-        # per node: the (numel, dtype) of the buffer it takes from the pool (a fetch, an alloc, a pooled output)
+        # per node: the (numel, dtype) of the slot it takes from the pool (a fetch or an alloc), else None
         self.takes = [store.slot_spec(BufKey(n.kwargs["chunk"], n.kwargs["buf"]))
-                      if n.target is ops.fetch or n.target is ops.alloc
-                      else self.pooled[i].key if self.pooled[i] is not None else None
-                      for i, n in enumerate(self.nodes)]
+                      if n.target is ops.fetch or n.target is ops.alloc else None for n in self.nodes]
         self.room = [plan.predicted_peak - (plan.static_bytes + a.resident_bytes + a.live_bytes + a.workspace_bytes)
                      for a in (g.ann[n.name] for n in self.nodes)]
 
@@ -175,18 +167,13 @@ class Executor:
         input_iter = iter(inputs)
         pool.sample()
 
-        owned = pool.storages              # data_ptrs of the pool's buffers (chunk memory, counted by the pool)
-        lent: dict[int, list] = {}         # pooled outputs (counted by the pool): data_ptr -> [refcount, buffer]
+        owned = pool.storages              # data_ptrs of the pool's slots (chunk memory, counted by the pool)
 
         def hold(v) -> int:
             added = 0
             for t in tensors_in(v):
                 s = t.untyped_storage()
                 ptr = s.data_ptr()
-                e = lent.get(ptr)
-                if e is not None:
-                    e[0] += 1
-                    continue
                 if ptr == 0 or ptr in owned:
                     continue
                 e = held.get(ptr)
@@ -201,12 +188,6 @@ class Executor:
             removed = 0
             for t in tensors_in(v):
                 ptr = t.untyped_storage().data_ptr()
-                e = lent.get(ptr)
-                if e is not None:
-                    e[0] -= 1
-                    if e[0] == 0:
-                        pool.give(lent.pop(ptr)[1])     # counted by the pool: the pool's sample sees the drop
-                    continue
                 e = held.get(ptr)
                 if e is not None:
                     e[0] -= 1
@@ -276,19 +257,11 @@ class Executor:
                 else:
                     args = fx.node.map_arg(n.args, load)
                     kwargs = fx.node.map_arg(n.kwargs, load)
-                    pooled = self.pooled[i]
                     try:
-                        if pooled is None:
-                            val = n.target(*args, **kwargs)
-                        else:
-                            buf = pool.take(pooled.numel, pooled.dtype, what=f"output of {n.name}")
-                            lent[buf.untyped_storage().data_ptr()] = [0, buf]
-                            kwargs = {**kwargs, pooled.arg: buf.as_strided(pooled.shape, pooled.stride)}
-                            val = pooled.op(*args, **kwargs)
+                        val = n.target(*args, **kwargs)
                     except Exception as e:
                         raise RuntimeError(f"pstar-fx: {n.target} failed at node {n.name}{_source(n)}: {e}") from e
-                    if pooled is None:
-                        val = self._compact(val, self.planned[i], pool)
+                    val = self._compact(val, self.planned[i], pool)
                 env[i] = val
                 act += hold(val)
                 total = pool.sample() + act + self.workspace[i]
@@ -302,17 +275,12 @@ class Executor:
                     raise RuntimeError(f"pstar-fx bug: node {n.name} holds {format_bytes(total)} on the device "
                                        f"({format_bytes(draining)} of slots being written back), past the plan's "
                                        f"peak {format_bytes(self.g.plan.predicted_peak)}")
-                given = pool.in_use
                 for j in self.free_after[i]:
                     act -= drop(env[j])
                     env[j] = None
-                if pool.in_use != given:
-                    pool.sample()         # pooled outputs given back: the next node's window starts without them
         finally:
             for slot in slots:
                 pool.give(slot)
-            for _, buf in lent.values():     # (a step cut short; a whole step has given every one back)
-                pool.give(buf)
         return result, peak
 
     @staticmethod
