@@ -32,6 +32,7 @@ from ..optim.state_dtype import SCRATCH_BLOCK, SCRATCH_FLOATS
 _K1, _K2, _K3 = 0x7FEB352D, 0x2C1B3C6D, 0x297A2D39     # a 32-bit integer hash's multipliers (each below 2**31)
 _STEP_K, _CHUNK_K = 0x5BD1E995, 0x1B873593
 _TINY = torch.finfo(torch.float32).tiny
+MOMENTS = ("exp_avg", "exp_avg_sq")      # Adam's m and v under torch's keys: what a compressed layout compresses
 
 
 def _i32(x: int) -> int:
