@@ -86,8 +86,8 @@ def main() -> None:
 
     def compile_step(budget):
         return px.compile(model, optimizer=px.AdamW(**HYPER, state_dtype=args.state_dtype), device_memory=budget,
-                          chunk_size=args.chunk_size, precision=args.precision, device=device, debug=True, max_grad_norm=args.clip,
-                          accumulate=args.accumulate)(loss_fn)
+                          chunk_size=args.chunk_size, precision=args.precision, device=device, debug=True,
+                          max_grad_norm=args.clip, accumulate=args.accumulate)(loss_fn)
 
     if args.host_param_homes:
         schedule_mod = importlib.import_module("pstar_fx.passes.schedule")
