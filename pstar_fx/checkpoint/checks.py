@@ -13,6 +13,7 @@ import torch
 
 from ..errors import CheckpointError
 from ..ir.graph import Precision
+from ..optim import StateDtype
 from ..runtime.step_runtime import LossScaler
 from .step_state import StepState
 
@@ -155,13 +156,25 @@ def rng(value, device: torch.device, where: str) -> dict:
     return value
 
 
+def state_dtype_of(state: StepState) -> str:
+    """How the step's optimizer stores its moments ("fp32", "bf16", "int8"), for the meta. A checkpoint holds the
+    moments in fp32 whatever it was (compressed ones dequantised, which quantise back to the same codes), so one
+    saved with any state_dtype loads into a step with any other: the moments are converted, rounded to the loading
+    step's state_dtype."""
+    layout = getattr(state.optimizer, "layout", None)
+    return (layout.state.dtype if layout is not None else StateDtype.FP32).value
+
+
 def meta(state: StepState, value, where: str, *, fmt: int, keys: set[str]) -> dict:
     """A meta dict of format `fmt` with exactly `keys`: format, precision, device and loss scaler checked (and the
     RNG states and optimizer groups when it holds them); returned with the scaler's values typed."""
     if not isinstance(value, dict) or value.get("format") != fmt:
         raise CheckpointError(f"step.load: {where} is not a pstar-fx checkpoint's meta of format {fmt}")
-    if set(value) != keys:
+    if set(value) - {"state_dtype"} != keys - {"state_dtype"}:   # a meta written before state_dtype: fp32
         raise CheckpointError(f"step.load: {where}: the meta has the entries {sorted(value)}, not {sorted(keys)}")
+    if value.get("state_dtype", StateDtype.FP32.value) not in {d.value for d in StateDtype}:
+        raise CheckpointError(f"step.load: {where}: unknown state_dtype {value['state_dtype']!r} (one of "
+                              f"{[d.value for d in StateDtype]})")
     if value["precision"] not in {p.value for p in Precision} or value["device"] not in ("cpu", "cuda"):
         raise CheckpointError(f"step.load: {where}: unknown precision {value['precision']!r} or device "
                               f"{value['device']!r}")

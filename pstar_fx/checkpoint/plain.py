@@ -2,7 +2,8 @@
 
 - model.pt: the model's state dict, `step.state_dict()`, keyed as `model.state_dict()`;
 - optimizer.pt: `step.optimizer.state_dict()`, torch's format;
-- meta.pt: the format version, the precision, the device type, the fp16 loss scaler and the RNG states.
+- meta.pt: the format version, the precision, the device type, the fp16 loss scaler, the RNG states and the
+  optimizer's state_dtype (how its moments were stored: "fp32", "bf16", "int8").
 Each file loads with `torch.load(path, weights_only=True)`, and only so is it read here.
 """
 from __future__ import annotations
@@ -18,7 +19,7 @@ from .step_state import StepState
 
 FORMAT = 1
 FILES = files.DATA_FILES + (files.PLAIN_MANIFEST,)     # the manifest last: a directory without it is not one
-META_KEYS = {"format", "precision", "device", "loss_scaler", "rng"}
+META_KEYS = {"format", "precision", "device", "loss_scaler", "rng", "state_dtype"}
 
 
 def contents(state: StepState) -> dict[str, object]:
@@ -32,7 +33,7 @@ def _meta(state: StepState) -> dict:
     scaler = state.scaler
     return {"format": FORMAT, "precision": state.settings.precision.value, "device": state.settings.device.type,
             "loss_scaler": None if scaler is None else dataclasses.asdict(scaler),
-            "rng": sharded.rng_state(state.settings.device)}
+            "rng": sharded.rng_state(state.settings.device), "state_dtype": checks.state_dtype_of(state)}
 
 
 def _to_cpu(x):

@@ -65,7 +65,7 @@ from .step_state import StepState
 FORMAT = 2
 META = "pstar_fx"
 MARKER = files.SHARDED_MANIFEST  # DCP's metadata file name; here pstar-fx's JSON manifest with DCP's metadata
-META_KEYS = {"format", "world", "precision", "device", "loss_scaler", "param_groups"}
+META_KEYS = {"format", "world", "precision", "device", "loss_scaler", "param_groups", "state_dtype"}
 
 
 # -- the geometry of a piece ------------------------------------------------------------------------------------------
@@ -168,7 +168,7 @@ def _meta(state: StepState) -> dict:
     return {"format": FORMAT, "world": 1 if comm is None else comm.world,
             "precision": state.settings.precision.value, "device": state.settings.device.type,
             "loss_scaler": None if scaler is None else dataclasses.asdict(scaler),
-            "param_groups": _param_groups(state.optimizer)}
+            "param_groups": _param_groups(state.optimizer), "state_dtype": checks.state_dtype_of(state)}
 
 
 def _adam_only(state: StepState) -> None:
@@ -205,9 +205,12 @@ def save_entries(state: StepState, model_values) -> dict:
         for name in params + buffers:
             out[f"model.{name}"] = values[name].reshape(_shape(values[name].shape)) if name in params else values[name]
     if st is not None:
+        moments: dict[int, dict] = {}      # chunk -> its fp32 states (compressed moments dequantised, once)
         for name in _trainable(st):
             p = st.params[name]
-            parts = st.parts(p.chunk)
+            if p.chunk not in moments:
+                moments[p.chunk] = st.values.moments(p.chunk)
+            parts = moments[p.chunk]
             step_count = parts["step"].detach().to("cpu", copy=True).reshape(())
             if float(step_count) == 0:
                 continue
@@ -462,19 +465,23 @@ def _read_pieces(state: StepState, path, params, buffers, stepped, small, meta, 
             continue
         start, stop, at = st.values.piece(name)
         entries[f"model.{name}"] = _entry(comm, src[at:at + stop - start], start, stop, p.shape)
+    # fp32 states to load into: views of the buffers, or (compressed moments) fp32 shards quantised after the load
+    moments = {cid: st.values.moments(cid) for cid in plan}
     for name in stepped:
         p = st.params[name]
-        parts = st.parts(p.chunk)
+        parts = moments[p.chunk]
         start, stop, at = st.values.piece(name)
         for key in ("exp_avg", "exp_avg_sq"):
             entries[f"optim.{name}.{key}"] = _entry(comm, parts[key][at:at + stop - start], start, stop, p.shape)
     for cid, count in plan.items():
-        parts = st.parts(cid)
+        parts = moments[cid]
         if count == 0:
             parts["exp_avg"].zero_()
             parts["exp_avg_sq"].zero_()
         parts["step"].fill_(count)
     _load(state, entries, path, md)
+    for cid, parts in moments.items():
+        st.values.set_moments(cid, parts)
     # mixed precision: the half-precision parameters are the masters rounded; frozen ones come from their whole value
     st.values.restore_params_from_masters()
     for name, v in whole.items():

@@ -10,6 +10,7 @@ import torch.fx as fx
 
 from .fx_utils import storage_key, tensors_of
 from ..optim import NO_STATE, StateLayout
+from ..optim.state_dtype import scratch_bytes
 from .graph import BufKind, ChunkInfo, NodeAnn, ParamHome, Precision, Role, StateHome, TrainGraph, UpdateSite
 
 
@@ -58,6 +59,7 @@ def state_floats(chunk: ChunkInfo, precision: Precision, world: int, state: Stat
 
 
 def state_bytes(chunk: ChunkInfo, precision: Precision, world: int, state: StateLayout) -> int:
+    """Bytes of a chunk's (shard's) state buffer: smaller with compressed moments (state_dtype bf16 / int8)."""
     return state_floats(chunk, precision, world, state) * 4
 
 
@@ -70,15 +72,17 @@ def early_host_bytes(params, precision: Precision, world: int, budget: int | Non
     The compiler faults that much in while it traces (capped by the host's free memory) and gives back what the
     plan does not use (HostMemory.prefault)."""
     trainable = sum(-(-p.numel // world) for p in params if p.trainable)
-    states = trainable * state.per_element(precision.mixed) * 4
+    states = int(trainable * state.bytes_per_element(precision.mixed))
     if budget is None or states <= budget:
         return 0
     return states + 2 * trainable * precision.dtype.itemsize
 
 
-def step_workspace(chunk: ChunkInfo, precision: Precision, world: int = 1) -> int:
-    """A device-side step in mixed precision converts the gradient (of its shard) to fp32 first."""
-    return shard_numel(chunk, world) * 4 if precision.mixed else 0
+def step_workspace(chunk: ChunkInfo, precision: Precision, world: int = 1, state: StateLayout = NO_STATE) -> int:
+    """A device-side step in mixed precision converts the gradient (of its shard) to fp32 first; with compressed
+    moments it also dequantises them into a scratch, block by block (optim.state_dtype.scratch_bytes)."""
+    n = shard_numel(chunk, world)
+    return (n * 4 if precision.mixed else 0) + scratch_bytes(n, state.dtype)
 
 
 def _param_view(g: TrainGraph, a: NodeAnn) -> Needs:
@@ -100,7 +104,7 @@ def _optimizer_step(g: TrainGraph, a: NodeAnn) -> Needs:
         keys |= {BufKey(c.id, BufKind.STATES)}
         writes.add(BufKey(c.id, BufKind.STATES))
     return Needs(reads=keys, writes=frozenset(writes),
-                 workspace=step_workspace(c, g.settings.precision, g.settings.world))
+                 workspace=step_workspace(c, g.settings.precision, g.settings.world, state_layout(g.settings)))
 
 
 def _reduce_scatter(g: TrainGraph, a: NodeAnn) -> Needs:

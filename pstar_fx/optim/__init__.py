@@ -7,7 +7,8 @@ from .adam import Adam, AdamConfig, AdamW, check_options
 from .elementwise import SGD, TorchConfig, check_group, optim_from_torch, probe
 from .lion import Lion, LionOptimizer
 from .spec import ADAM_STATE, NO_STATE, STEPS, OptimizerLayout, OptimizerSpec, StateLayout
+from .state_dtype import INT8_BLOCK, StateDtype, parse_state_dtype
 
 __all__ = ["Adam", "AdamW", "AdamConfig", "check_options", "SGD", "Lion", "LionOptimizer", "optim_from_torch",
            "TorchConfig", "check_group", "probe", "OptimizerSpec", "OptimizerLayout", "StateLayout", "ADAM_STATE",
-           "NO_STATE", "STEPS"]
+           "NO_STATE", "STEPS", "StateDtype", "INT8_BLOCK", "parse_state_dtype"]

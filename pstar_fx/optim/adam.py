@@ -7,6 +7,10 @@ or of `{"params": [...], "lr": ..., ...}` dicts) the groups hold the model's ten
 options take the constructor's values, as in torch. The description is resolved against the model by `px.compile`,
 which builds the live optimizer (`pstar_fx/api/live_optimizer.py`, `step.optimizer`). Options pstar-fx does not
 support raise a ValueError that says so, rather than being silently ignored.
+
+`state_dtype` ("fp32", the default and exact; "bf16"; "int8") is how the moments m and v are stored (see
+optim/state_dtype.py): it changes the chunk state layout, hence the plan's bytes, not torch's options (the live
+optimizer and its state_dict() show fp32 moments whatever it is).
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ from typing import Any, Mapping
 import torch
 
 from .spec import ADAM_STATE, OptimizerSpec, is_real, param_groups
+from .state_dtype import StateDtype, parse_state_dtype
 
 
 @dataclass(frozen=True)
@@ -84,7 +89,8 @@ def check_options(where: str, opts: Mapping[str, Any], decoupled: bool, *, const
 
 
 def _make(name: str, decoupled: bool, params, lr, betas, eps, weight_decay, amsgrad, foreach, maximize,
-          capturable, differentiable, fused) -> OptimizerSpec:
+          capturable, differentiable, fused, state_dtype) -> OptimizerSpec:
+    dtype = parse_state_dtype(state_dtype, f"px.{name}")
     groups = param_groups(name, params)
     defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, foreach=foreach,
                     maximize=maximize, capturable=capturable, differentiable=differentiable, fused=fused)
@@ -96,24 +102,26 @@ def _make(name: str, decoupled: bool, params, lr, betas, eps, weight_decay, amsg
         if "betas" in g:
             g["betas"] = tuple(float(b) for b in g["betas"])
     return OptimizerSpec(torch_class=torch.optim.AdamW if decoupled else torch.optim.Adam, defaults=defaults,
-                         groups=groups, state=ADAM_STATE, config=config)
+                         groups=groups, state=ADAM_STATE.with_dtype(dtype), config=config)
 
 
 def Adam(params=None, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
          weight_decay: float = 0.0, amsgrad: bool = False, *, foreach: bool | None = None,
          maximize: bool = False, capturable: bool = False, differentiable: bool = False,
-         fused: bool | None = None) -> OptimizerSpec:
+         fused: bool | None = None, state_dtype: str | StateDtype = "fp32") -> OptimizerSpec:
     """Adam with torch.optim.Adam's arguments and meaning (weight_decay is an L2 term added to the gradient).
-    params: None (every parameter of the model, one group) or torch's tensors / parameter-group dicts."""
+    params: None (every parameter of the model, one group) or torch's tensors / parameter-group dicts.
+    state_dtype: "fp32" (exact), "bf16" or "int8": how m and v are stored (module docstring)."""
     return _make("Adam", False, params, lr, betas, eps, weight_decay, amsgrad, foreach, maximize, capturable,
-                 differentiable, fused)
+                 differentiable, fused, state_dtype)
 
 
 def AdamW(params=None, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
           weight_decay: float = 1e-2, amsgrad: bool = False, *, foreach: bool | None = None,
           maximize: bool = False, capturable: bool = False, differentiable: bool = False,
-          fused: bool | None = None) -> OptimizerSpec:
+          fused: bool | None = None, state_dtype: str | StateDtype = "fp32") -> OptimizerSpec:
     """AdamW with torch.optim.AdamW's arguments and meaning (decoupled weight decay).
-    params: None (every parameter of the model, one group) or torch's tensors / parameter-group dicts."""
+    params: None (every parameter of the model, one group) or torch's tensors / parameter-group dicts.
+    state_dtype: "fp32" (exact), "bf16" or "int8": how m and v are stored (module docstring)."""
     return _make("AdamW", True, params, lr, betas, eps, weight_decay, amsgrad, foreach, maximize, capturable,
-                 differentiable, fused)
+                 differentiable, fused, state_dtype)

@@ -188,6 +188,9 @@ def optim_from_torch(torch_class: type, params=None, **options) -> OptimizerSpec
         return Adam(params, **options)
     name = torch_class.__name__
     where = f"px.optim_from_torch({name})"
+    if "state_dtype" in options:
+        raise ValueError(f"{where}: state_dtype is supported by px.Adam and px.AdamW only (their moments are what "
+                         f"it compresses); {name} keeps its states in fp32: drop state_dtype")
     refuse_known(torch_class, where)
     groups = param_groups(name, params)
     defaults = check_group(torch_class, where, options, construction=True)
@@ -204,9 +207,11 @@ def optim_from_torch(torch_class: type, params=None, **options) -> OptimizerSpec
 
 def SGD(params=None, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0, weight_decay: float = 0.0,
         nesterov: bool = False, *, maximize: bool = False, foreach: bool | None = None,
-        differentiable: bool = False, fused: bool | None = None) -> OptimizerSpec:
+        differentiable: bool = False, fused: bool | None = None, state_dtype=None) -> OptimizerSpec:
     """SGD with torch.optim.SGD's arguments and meaning (torch's update, on chunk views). Without momentum it keeps
-    no state: the plan counts 0 state bytes (in fp32; mixed precision keeps the fp32 master)."""
+    no state: the plan counts 0 state bytes (in fp32; mixed precision keeps the fp32 master). A state_dtype is
+    refused (ValueError): only px.Adam / px.AdamW compress their states."""
+    extra = {} if state_dtype is None else {"state_dtype": state_dtype}
     return optim_from_torch(torch.optim.SGD, params, lr=lr, momentum=momentum, dampening=dampening,
                             weight_decay=weight_decay, nesterov=nesterov, maximize=maximize, foreach=foreach,
-                            differentiable=differentiable, fused=fused)
+                            differentiable=differentiable, fused=fused, **extra)

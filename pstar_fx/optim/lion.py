@@ -51,6 +51,9 @@ class LionOptimizer(torch.optim.Optimizer):
 
 
 def Lion(params=None, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99), weight_decay: float = 0.0, *,
-         maximize: bool = False) -> OptimizerSpec:
-    """Lion (LionOptimizer's arguments and meaning) on chunk views; one per-element state, no step count."""
-    return optim_from_torch(LionOptimizer, params, lr=lr, betas=betas, weight_decay=weight_decay, maximize=maximize)
+         maximize: bool = False, state_dtype=None) -> OptimizerSpec:
+    """Lion (LionOptimizer's arguments and meaning) on chunk views; one per-element state, no step count. A
+    state_dtype is refused (ValueError): only px.Adam / px.AdamW compress their states."""
+    extra = {} if state_dtype is None else {"state_dtype": state_dtype}
+    return optim_from_torch(LionOptimizer, params, lr=lr, betas=betas, weight_decay=weight_decay, maximize=maximize,
+                            **extra)

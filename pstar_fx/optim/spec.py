@@ -2,11 +2,14 @@
 (`OptimizerSpec`), the part of it the plan depends on (`OptimizerLayout`), and torch's parameter-group forms."""
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import torch
+
+from .state_dtype import INT8_BLOCK, UPDATE_COST, StateDtype
 
 # the part of a general-route chunk's state buffer that counts the chunk's steps (torch keeps no such count for
 # every optimizer: SGD's momentum buffer is made at the first step, so pstar-fx must know whether it exists)
@@ -22,15 +25,28 @@ class StateLayout:
     them. A chunk has state once its counter is > 0 (as torch creates a parameter's state at its first step).
     An optimizer with no state (SGD without momentum) has no vectors, no scalars and no counter: 0 bytes per chunk
     in fp32. `update_cost`: an update's time per element relative to torch's fused Adam's (the cost model's
-    rates, on the CPU and the GPU)."""
+    rates, on the CPU and the GPU).
+
+    `dtype` other than FP32 (Adam's compressed moments, optim/state_dtype.py): the buffer is still one flat fp32
+    buffer per chunk (what moves between host, device and disk as opaque bytes), now carved by bytes: each vector
+    in the dtype's storage (bf16; int8 codes, the non-negative `unsigned` ones as uint8), then for int8 each
+    vector's fp32 block scales (under '<name>.scale'), then the master and the 0-d parts in fp32, every part
+    starting on a 64-byte boundary (vector loads; the typed views need it)."""
     vectors: tuple[str, ...] = ()
     scalars: tuple[str, ...] = ()
     counter: str | None = None
     update_cost: float = 1.0
+    dtype: StateDtype = StateDtype.FP32
+    unsigned: tuple[str, ...] = ()          # vectors that are never negative (Adam's exp_avg_sq)
 
     def __post_init__(self):
         assert (self.counter is None) == (not self.vectors and not self.scalars), self
         assert len(set(self.vectors + self.scalars)) == len(self.vectors) + len(self.scalars), self
+        assert set(self.unsigned) <= set(self.vectors), self
+
+    def with_dtype(self, dtype: StateDtype) -> "StateLayout":
+        """This layout with its vectors stored in `dtype` (and the update's cost scaled accordingly)."""
+        return dataclasses.replace(self, dtype=dtype, update_cost=self.update_cost * UPDATE_COST[dtype])
 
     @property
     def scalar_parts(self) -> tuple[str, ...]:
@@ -39,16 +55,52 @@ class StateLayout:
         return self.scalars + extra
 
     def per_element(self, mixed: bool) -> int:
-        """fp32 values of the buffer per chunk element: the vectors and the master."""
+        """fp32 values of the buffer per chunk element in an FP32 layout: the vectors and the master."""
         return len(self.vectors) + (1 if mixed else 0)
+
+    def bytes_per_element(self, mixed: bool) -> float:
+        """Bytes of the buffer per chunk element (the 0-d parts and the alignment aside)."""
+        scales = 4 / INT8_BLOCK if self.dtype is StateDtype.INT8 else 0.0
+        return len(self.vectors) * (self.dtype.vector_bytes + scales) + (4 if mixed else 0)
+
+    def _spans(self, numel: int, mixed: bool) -> tuple[dict[str, tuple[int, int, torch.dtype]], int]:
+        """A compressed layout's parts: name -> (byte offset, elements, dtype), and the total bytes."""
+        at, out = 0, {}
+
+        def put(name: str, n: int, dtype: torch.dtype) -> None:
+            nonlocal at
+            out[name] = (at, n, dtype)
+            at += -(-n * dtype.itemsize // 64) * 64
+
+        for k in self.vectors:
+            put(k, numel, torch.bfloat16 if self.dtype is StateDtype.BF16
+                else torch.uint8 if k in self.unsigned else torch.int8)
+        if self.dtype is StateDtype.INT8:
+            for k in self.vectors:
+                put(f"{k}.scale", -(-numel // INT8_BLOCK), torch.float32)
+        if mixed:
+            put("master", numel, torch.float32)
+        for k in self.scalar_parts:
+            put(k, 1, torch.float32)
+        return out, at
 
     def floats(self, numel: int, mixed: bool) -> int:
         """The buffer's fp32 elements for a chunk (shard) of `numel` elements."""
+        if self.dtype.compressed:
+            return self._spans(numel, mixed)[1] // 4
         return numel * self.per_element(mixed) + len(self.scalar_parts)
 
     def parts(self, buffer: torch.Tensor, numel: int, mixed: bool) -> dict[str, torch.Tensor]:
-        """Views into a chunk's state buffer by name: the vectors, 'master' (mixed precision) and the 0-d parts."""
+        """Views into a chunk's state buffer by name: the vectors, 'master' (mixed precision) and the 0-d parts
+        (compressed: the vectors' codes and '<name>.scale', in their storage dtypes)."""
         assert buffer.numel() == self.floats(numel, mixed), (buffer.numel(), numel, self)
+        if self.dtype.compressed:
+            raw = buffer.view(torch.uint8)
+            spans = self._spans(numel, mixed)[0]
+            out = {k: raw[a:a + n * dt.itemsize].view(dt) for k, (a, n, dt) in spans.items()}
+            for k in self.scalar_parts:
+                out[k] = out[k][0]
+            return out
         out = {k: buffer[i * numel:(i + 1) * numel] for i, k in enumerate(self.vectors)}
         at = len(self.vectors) * numel
         if mixed:
@@ -60,7 +112,8 @@ class StateLayout:
 
 
 # torch.optim.Adam / AdamW: m, v, (master), step; the step doubles as the counter
-ADAM_STATE = StateLayout(vectors=("exp_avg", "exp_avg_sq"), scalars=("step",), counter="step", update_cost=1.0)
+ADAM_STATE = StateLayout(vectors=("exp_avg", "exp_avg_sq"), scalars=("step",), counter="step", update_cost=1.0,
+                         unsigned=("exp_avg_sq",))
 NO_STATE = StateLayout()
 
 

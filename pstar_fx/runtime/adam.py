@@ -3,12 +3,15 @@
 `fused=None` uses torch's fused kernel (`torch._fused_adam_` / `torch._fused_adamw_`, on CPU and CUDA) where the
 dtype allows; `fused=False` applies torch.optim's single-tensor formula op by op, which reproduces
 `torch.optim.AdamW(foreach=False)` bit for bit. Both work in place on (param, grad, m, v, step) views of the chunk.
+Compressed moments (state_dtype bf16 / int8: `packed`, runtime/quantize.py) go block by block through fp32
+scratch around the same kernels.
 """
 from __future__ import annotations
 
 import torch
 
 from ..optim import AdamConfig
+from .quantize import Packed
 
 
 def _fused_ok(cfg: AdamConfig, param: torch.Tensor) -> bool:
@@ -17,11 +20,18 @@ def _fused_ok(cfg: AdamConfig, param: torch.Tensor) -> bool:
     return param.dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
-def adam_step(cfg: AdamConfig, param: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
-              step: torch.Tensor) -> None:
-    """One update of a flat chunk. `step` is a 0-d fp32 tensor, incremented here (as torch.optim does)."""
+def adam_step(cfg: AdamConfig, param: torch.Tensor, grad: torch.Tensor, m: torch.Tensor | None,
+              v: torch.Tensor | None, step: torch.Tensor, packed: Packed | None = None) -> None:
+    """One update of a flat chunk. `step` is a 0-d fp32 tensor, incremented here (as torch.optim does).
+    packed: compressed moments (m and v are then None), updated block by block through their scratch."""
     step += 1
-    _apply(cfg, param, grad, m, v, step)
+    if packed is None:
+        _apply(cfg, param, grad, m, v, step)
+        return
+    for lo, hi in packed.blocks():
+        pm, pv = packed.load(lo, hi)
+        _apply(cfg, param[lo:hi], grad[lo:hi], pm, pv, step)
+        packed.store(lo, hi, step)
 
 
 # elements per block of a host-side update: a multiple of every vector width and of the CPU fused kernel's work
@@ -32,37 +42,50 @@ def adam_step(cfg: AdamConfig, param: torch.Tensor, grad: torch.Tensor, m: torch
 HOST_BLOCK = 1 << 22
 
 
-def host_step(cfg: AdamConfig, param: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
-              step: torch.Tensor, *, master: torch.Tensor | None = None, inv_scale: float | None = None,
-              coef: torch.Tensor | None = None, skip: bool = False, block: int = HOST_BLOCK) -> None:
+# a compressed host update's block (a multiple of INT8_BLOCK): its dequantised moments and temporaries (six fp32
+# values an element, 6 MiB) stay in the cache while each of its ops runs on every thread
+HOST_PACKED_BLOCK = 1 << 18
+
+
+def host_step(cfg: AdamConfig, param: torch.Tensor, grad: torch.Tensor, m: torch.Tensor | None,
+              v: torch.Tensor | None, step: torch.Tensor, *, master: torch.Tensor | None = None,
+              inv_scale: float | None = None, coef: torch.Tensor | None = None, skip: bool = False,
+              block: int = HOST_BLOCK, packed: Packed | None = None) -> None:
     """One host-side update of a flat chunk, block by block so that each block is read once from memory: in mixed
     precision (`master` given) the half-precision gradient is converted to fp32, unscaled (fp16) and clipped, the
     fp32 master stepped and the new half-precision parameters written from it, all while the block is in cache.
     The same operations, element by element, as converting, stepping and writing the whole chunk in turn.
-    `skip` (fp16 overflow): no update; the parameters are rewritten from the masters."""
+    `skip` (fp16 overflow): no update; the parameters are rewritten from the masters.
+    packed: compressed moments (m and v are then None), dequantised, updated and quantised back block by block."""
     if skip:
         if master is not None:
             param.copy_(master)
         return
     step += 1
     n = param.numel()
-    g32 = torch.empty(min(block, n), dtype=torch.float32) if master is not None else None
-    for lo in range(0, n, block):
-        hi = min(n, lo + block)
+    spans = ((lo, min(n, lo + block)) for lo in range(0, n, block)) if packed is None else \
+        packed.blocks()
+    g32 = None
+    if master is not None:
+        g32 = torch.empty(min(block if packed is None else packed.block, n), dtype=torch.float32)
+    for lo, hi in spans:
+        bm, bv = (m[lo:hi], v[lo:hi]) if packed is None else packed.load(lo, hi)
         if master is None:
             g = grad[lo:hi]
             if coef is not None:
                 g.mul_(coef)
-            _apply(cfg, param[lo:hi], g, m[lo:hi], v[lo:hi], step)
-            continue
-        g = g32[:hi - lo]
-        g.copy_(grad[lo:hi])
-        if inv_scale is not None:
-            g.mul_(inv_scale)
-        if coef is not None:
-            g.mul_(coef)
-        _apply(cfg, master[lo:hi], g, m[lo:hi], v[lo:hi], step)
-        param[lo:hi].copy_(master[lo:hi])
+            _apply(cfg, param[lo:hi], g, bm, bv, step)
+        else:
+            g = g32[:hi - lo]
+            g.copy_(grad[lo:hi])
+            if inv_scale is not None:
+                g.mul_(inv_scale)
+            if coef is not None:
+                g.mul_(coef)
+            _apply(cfg, master[lo:hi], g, bm, bv, step)
+            param[lo:hi].copy_(master[lo:hi])
+        if packed is not None:
+            packed.store(lo, hi, step)
 
 
 def _apply(cfg: AdamConfig, param, grad, m, v, step: torch.Tensor) -> None:

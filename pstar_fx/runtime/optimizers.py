@@ -17,15 +17,22 @@ from __future__ import annotations
 import torch
 
 from ..optim import STEPS, AdamConfig, TorchConfig
-from .adam import HOST_BLOCK, adam_step
+from .adam import HOST_BLOCK, HOST_PACKED_BLOCK, adam_step
 from .adam import host_step as adam_host_step
+from .quantize import Packed, is_packed
 
 
-def device_step(cfg, param: torch.Tensor, grad: torch.Tensor, parts: dict[str, torch.Tensor]) -> None:
-    """One update of a flat chunk (fp32 param or master, and its fp32 gradient) where its tensors are."""
+def device_step(cfg, param: torch.Tensor, grad: torch.Tensor, parts: dict[str, torch.Tensor],
+                packed: Packed | None = None) -> None:
+    """One update of a flat chunk (fp32 param or master, and its fp32 gradient) where its tensors are. packed:
+    Adam's compressed moments (the views of parts, with their scratch)."""
     if isinstance(cfg, AdamConfig):
-        adam_step(cfg, param, grad, parts["exp_avg"], parts["exp_avg_sq"], parts["step"])
+        if packed is not None:
+            adam_step(cfg, param, grad, None, None, parts["step"], packed=packed)
+        else:
+            adam_step(cfg, param, grad, parts["exp_avg"], parts["exp_avg_sq"], parts["step"])
         return
+    assert packed is None, "only Adam's states are compressed"
     run = _TorchRun(cfg, parts)
     n = param.numel()
     for lo in range(0, n, HOST_BLOCK):
@@ -36,11 +43,17 @@ def device_step(cfg, param: torch.Tensor, grad: torch.Tensor, parts: dict[str, t
 
 def host_update(cfg, param: torch.Tensor, grad: torch.Tensor, parts: dict[str, torch.Tensor], *,
                 master: torch.Tensor | None, inv_scale: float | None, coef: torch.Tensor | None, skip: bool,
-                block: int = HOST_BLOCK) -> None:
+                block: int = HOST_BLOCK, chunk: int = 0, first: int = 0) -> None:
     """One host-side update of a flat chunk, block by block (see adam.host_step, which Adam / AdamW run): in mixed
     precision the gradient block is converted to fp32, unscaled and clipped, the master stepped and the parameters
-    written from it while the block is in cache. `skip` (fp16 overflow): no update."""
+    written from it while the block is in cache. `skip` (fp16 overflow): no update. chunk, first: the chunk's id
+    and the chunk element its shard starts at (compressed moments' random bits)."""
     if isinstance(cfg, AdamConfig):
+        if is_packed(parts):
+            adam_host_step(cfg, param, grad, None, None, parts["step"], master=master, inv_scale=inv_scale,
+                           coef=coef, skip=skip, block=block,
+                           packed=Packed(parts, chunk, first, block=HOST_PACKED_BLOCK))
+            return
         adam_host_step(cfg, param, grad, parts["exp_avg"], parts["exp_avg_sq"], parts["step"], master=master,
                        inv_scale=inv_scale, coef=coef, skip=skip, block=block)
         return

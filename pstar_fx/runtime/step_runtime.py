@@ -7,9 +7,10 @@ from dataclasses import dataclass
 import torch
 
 from ..ir.graph import BufKind, TrainGraph, UpdateSite
-from ..ir.needs import BufKey
+from ..ir.needs import BufKey, shard_numel
 from .chunk_store import ChunkStore
 from .optimizers import device_step, host_update
+from .quantize import Packed, is_packed, scratch_floats
 
 
 @dataclass
@@ -224,11 +225,13 @@ class Runtime:
         inv_scale = 1.0 / self.scaler.scale if self.scaler is not None else None
         master = parts["master"] if self.precision.mixed else None
         skip = self.skip
+        first = self._first(chunk)
 
         waits = events + ([coef_ready] if coef_ready is not None else [])
 
         def update() -> None:
-            host_update(cfg, param, grad, parts, master=master, inv_scale=inv_scale, coef=coef, skip=skip)
+            host_update(cfg, param, grad, parts, master=master, inv_scale=inv_scale, coef=coef, skip=skip,
+                        chunk=chunk, first=first)
 
         self.stepped.append(chunk)
         if st.updates is None:
@@ -264,16 +267,35 @@ class Runtime:
         if gather:
             st.arriving(BufKey(chunk, BufKind.PARAM), self.comm.all_gather(full))
 
+    def _first(self, chunk: int) -> int:
+        """The chunk element this rank's shard starts at."""
+        return 0 if self.comm is None else self.comm.rank * shard_numel(self.g.chunks[chunk], self.comm.world)
+
     def _device_step(self, chunk: int, cfg, parts, param: torch.Tensor, grad: torch.Tensor) -> None:
         """The device's update of one chunk (its shard), in place: the parameters (param), from the gradient (grad,
         modified: clipped in place in fp32), the states' views (parts: the device-resident states, or a streamed
-        update's slot)."""
+        update's slot). Compressed moments go through a scratch taken from the pool: part of the step's workspace
+        (ir/needs.py step_workspace)."""
+        st = self.store
+        scratch = None
+        if is_packed(parts):      # taken even when the step is skipped: the plan counts it at every step
+            scratch = st.pool.take(scratch_floats(param.numel()), torch.float32,
+                                   what=f"compressed-state scratch of chunk {chunk}")
+        try:
+            packed = None if scratch is None else Packed(parts, chunk, self._first(chunk), scratch)
+            self._device_update(chunk, cfg, parts, param, grad, packed)
+        finally:
+            if scratch is not None:
+                st.pool.give(scratch)
+
+    def _device_update(self, chunk: int, cfg, parts, param: torch.Tensor, grad: torch.Tensor,
+                       packed: Packed | None) -> None:
         st = self.store
         if not self.precision.mixed:
             if not self.skip:
                 if self.clip_coef is not None:
                     grad.mul_(self._coef_on(grad.device))
-                device_step(cfg, param, grad, parts)
+                device_step(cfg, param, grad, parts, packed)
             return
         g32 = st.pool.take(param.numel(), torch.float32, what=f"step workspace of chunk {chunk}")
         try:
@@ -283,7 +305,7 @@ class Runtime:
                     g32.mul_(1.0 / self.scaler.scale)
                 if self.clip_coef is not None:
                     g32.mul_(self._coef_on(g32.device))
-                device_step(cfg, parts["master"], g32, parts)
+                device_step(cfg, parts["master"], g32, parts, packed)
             param.copy_(parts["master"])   # new half-precision parameters (also restores them after a skip)
         finally:
             st.pool.give(g32)

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from ..ir.graph import ChunkGroup, ChunkInfo, Role
 from ..ir.needs import shard_numel
+from .quantize import MOMENTS, Packed, is_packed
 
 
 def staged_copy(dst: torch.Tensor, src: torch.Tensor, stage: torch.Tensor) -> None:
@@ -119,24 +120,55 @@ class StoreValues:
                 out[n] = src[p.offset:p.offset + p.numel].view(p.shape)
         return out
 
-    def state_parts(self, cid: int) -> dict[str, torch.Tensor]:
-        """A chunk's states (ChunkStore.parts: the optimizer's per-element states, the master, the 0-d ones), for
-        readers and writers outside a step: first made current (see flush). With one rank, views into the state
-        buffer; sharded, whole-chunk copies gathered from every rank (a collective), which `put_state_parts` writes
-        back."""
-        self.store.flush(cid)
-        if self.store.comm is None:
-            return self.store.parts(cid)
+    def first(self, cid: int) -> int:
+        """The chunk element this rank's shard starts at."""
+        st = self.store
+        return 0 if st.comm is None else st.comm.rank * shard_numel(st.chunks[cid], st.world)
+
+    def moments(self, cid: int) -> dict[str, torch.Tensor]:
+        """This rank's shard's states in fp32 by torch's keys, not made current first: views into the buffer, or,
+        for compressed moments (state_dtype bf16 / int8), the other parts' views and m and v dequantised into new
+        tensors, which `set_moments` quantises back."""
         parts = self.store.parts(cid)
+        if not is_packed(parts):
+            return parts
+        out = {k: v for k, v in parts.items() if k not in MOMENTS and not k.endswith(".scale")}
+        out.update(Packed(parts, cid, self.first(cid)).read())
+        return out
+
+    def set_moments(self, cid: int, values: dict[str, torch.Tensor]) -> None:
+        """After changing m and v that `moments` returned (of this rank's shard): compressed, quantise them into
+        the buffer (rounded with the chunk's step count's random bits: a value read out and written back unchanged
+        keeps its codes); otherwise they were views, written already."""
+        parts = self.store.parts(cid)
+        if is_packed(parts):
+            Packed(parts, cid, self.first(cid)).write(values, parts["step"])
+
+    def state_parts(self, cid: int) -> dict[str, torch.Tensor]:
+        """A chunk's states (ChunkStore.parts: the optimizer's per-element states, the master, the 0-d ones; m and v
+        in fp32 whatever the state_dtype), for readers and writers outside a step: first made current (see flush).
+        With one rank and exact states, views into the state buffer; sharded, whole-chunk copies gathered from
+        every rank (a collective); compressed, m and v dequantised: `put_state_parts` writes them back."""
+        self.store.flush(cid)
+        parts = self.moments(cid)
+        if self.store.comm is None:
+            return parts
         return {k: v.clone() if v.dim() == 0 else self.full_chunk(v) for k, v in parts.items()}
 
     def put_state_parts(self, cid: int, parts: dict[str, torch.Tensor]) -> None:
-        """After changing what state_parts returned: sharded, write this rank's shard of it back."""
-        if self.store.comm is None:
-            return
+        """After changing what state_parts returned: sharded, write this rank's shard of it back; compressed,
+        quantise m and v (after the 0-d parts, whose step count picks the rounding's random bits)."""
         own = self.store.parts(cid)
-        for k, v in parts.items():
-            own[k].copy_(v if v.dim() == 0 else self.store.comm.shard(v))
+        packed = is_packed(own)
+        if self.store.comm is None and not packed:
+            return
+        shard = (lambda v: v) if self.store.comm is None else self.store.comm.shard
+        if self.store.comm is not None:
+            for k, v in parts.items():
+                if not (packed and k in MOMENTS):
+                    own[k].copy_(v if v.dim() == 0 else shard(v))
+        if packed:
+            self.set_moments(cid, {k: shard(parts[k]) for k in MOMENTS})
 
     def restore_params_from_masters(self) -> None:
         """After a step failed before its commit point: in mixed precision a chunk's gradients may have overwritten

@@ -141,7 +141,7 @@ class Replay:
         base = self.static_host + states + sum(c.nbytes for c in g.chunks)
         self.comfort_base = base
         self.comfort_end = base + sum(c.nbytes for c in trainable if not c.grad_inplace) + max(
-            (step_workspace(c, prec) for c in trainable), default=0)
+            (step_workspace(c, prec, 1, state_layout(g.settings)) for c in trainable), default=0)
         self.budget = budget
         assert self.live(()) == [g.ann[nd.name].live_bytes for nd in nodes], \
             "remat's replay disagrees with liveness on the input graph"
