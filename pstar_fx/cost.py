@@ -35,11 +35,14 @@ The model, in three parts.
 
 Constants (`Machine`; `H200` is the default): measured on one H200 machine (FACTS.md, 2026-11-30) except those marked
 ASSUMED below, which wait for a measurement. One constant, the per-kernel overhead, was fitted to measured steps
-(see `Machine.kernel_s`); nothing else was fitted.
+(see `Machine.kernel_s`); nothing else was fitted. A Machine also holds the sizes `px.plan` checks a plan against
+(device memory per GPU, host memory per node, GPUs per node); `preset("h200", ...)` and `preset("h100", ...)` are
+whole machines of either GPU with the host the user names (docs/planning.md, "Machines").
 """
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import enum
 import math
 from dataclasses import dataclass, field
@@ -53,8 +56,10 @@ from .ir import ops
 from .ir.fx_utils import mutated_args, storage_key, tensors_of
 from .ir.graph import BufKind, Role, TrainGraph, UpdateSite
 from .ir.needs import BufKey, all_needs, buf_bytes, from_master, shard_numel, state_layout
+from .units import format_bytes, parse_bytes
 
 INF = float("inf")
+GiB = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -87,14 +92,91 @@ class Machine:
     #                                      (rail-optimised; rings spread over the NICs), at 90% of line rate
     collective_latency_s: float = 50e-6  # per collective, beyond its bytes
     gpus_per_node: int = 8
+    # sizes px.plan checks a plan against (None: not given, not checked); bytes, or strings such as "1.5TB"
+    device_memory: int | None = None     # one GPU's memory, as torch reports its total
+    host_memory: int | None = None       # host memory of one node, shared by its GPUs
+    name: str = "H200"                   # what the report calls the GPU
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.name in ("device_memory", "host_memory"):
+                if v is not None:
+                    try:
+                        object.__setattr__(self, f.name, parse_bytes(v))
+                    except (TypeError, ValueError) as e:
+                        raise ValueError(f"Machine.{f.name} must be bytes or a size such as '1.5TB', or None: "
+                                         f"{e}") from None
+            elif f.name in ("gpus_per_node", "launch_queue"):
+                if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                    raise ValueError(f"Machine.{f.name} must be an integer >= 1, got {v!r}")
+            elif f.name == "name":
+                if not isinstance(v, str):
+                    raise ValueError(f"Machine.name must be a string, got {v!r}")
+            elif (not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v < INF
+                  or (f.name == "cpu_adam_under_copies" and v > 1)):
+                raise ValueError(f"Machine.{f.name} must be a positive finite number"
+                                 f"{' at most 1' if f.name == 'cpu_adam_under_copies' else ''}, got {v!r}")
 
     def bus_bytes(self, world: int) -> float:
         """NCCL bus bandwidth of a collective over `world` ranks (a ring: each rank sends (w-1)/w of the buffer)."""
         return self.nvlink_bus_bytes if world <= self.gpus_per_node else min(self.nvlink_bus_bytes,
                                                                               self.network_bus_bytes)
 
+    def with_pcie(self, bytes_per_s: float) -> Machine:
+        """This machine with host->device copies at `bytes_per_s` alone; device->host and the both-ways rates
+        scaled by the same factor (the measured ratios between them kept)."""
+        if not isinstance(bytes_per_s, (int, float)) or isinstance(bytes_per_s, bool) or not 0 < bytes_per_s < INF:
+            raise ValueError(f"a PCIe rate must be positive bytes per second, got {bytes_per_s!r}")
+        f = bytes_per_s / self.h2d_bytes
+        return dataclasses.replace(self, h2d_bytes=float(bytes_per_s), d2h_bytes=self.d2h_bytes * f,
+                                   duplex_bytes=self.duplex_bytes * f, duplex_cpu_bytes=self.duplex_cpu_bytes * f)
 
-H200 = Machine()
+    def with_cpu_adam(self, params_per_s: float) -> Machine:
+        """This machine with the host's fp32 AdamW at `params_per_s` per GPU; the mixed-precision rate scaled by the
+        same factor."""
+        if not isinstance(params_per_s, (int, float)) or isinstance(params_per_s, bool) or not 0 < params_per_s < INF:
+            raise ValueError(f"a CPU update rate must be positive parameters per second, got {params_per_s!r}")
+        f = params_per_s / self.cpu_adam
+        return dataclasses.replace(self, cpu_adam=float(params_per_s), cpu_adam_mixed=self.cpu_adam_mixed * f)
+
+    def describe(self) -> str:
+        """One line: the GPU, how many per node, their memory and the node's host memory."""
+        dev = "memory not given" if self.device_memory is None else format_bytes(self.device_memory)
+        host = ("host memory not given" if self.host_memory is None
+                else f"{format_bytes(self.host_memory)} of host memory per node")
+        return f"{self.gpus_per_node} x {self.name} ({dev}) per node, {host}"
+
+
+H200 = Machine()       # the H200 machine's rates; no sizes (px.plan's budgets are then the caller's)
+
+
+class GPU(enum.Enum):
+    """The GPUs `preset` knows."""
+    H200 = "h200"
+    H100 = "h100"
+
+
+# One GPU of each kind and its share of the host. The H200's rates and memory were measured (FACTS.md); the H100's
+# are ASSUMED: the same GH100 die and clocks as the H200 (so its matmul rate), 3.35 of the H200's 4.8 TB/s HBM (its
+# memory-bound rates scaled by 3.35 / 4.8), the same PCIe 5 x16 link, NVLink 4 and host share (copy and CPU rates).
+_GPUS: Mapping[GPU, Machine] = MappingProxyType({
+    GPU.H200: dataclasses.replace(H200, device_memory=int(139.8 * GiB), name="H200"),   # torch's total, measured
+    GPU.H100: dataclasses.replace(H200, hbm_bytes=H200.hbm_bytes * 3.35 / 4.8, gpu_adam=H200.gpu_adam * 3.35 / 4.8,
+                                  device_memory=int(79.1 * GiB), name="H100"),   # 80 GB as torch reports it, assumed
+})
+
+
+def preset(gpu: str | GPU, *, gpus_per_node: int = 8, host_memory: int | str | None = None) -> Machine:
+    """A node of `gpus_per_node` GPUs of one kind ("h200", "h100") with `host_memory` bytes of host memory (or a
+    size such as "1.5TB"; None: not checked). Every GPU is assumed to get what one GPU of the measured H200 machine
+    got: its own PCIe 5 x16 link, 16 host cores for its updates, its share of host memory bandwidth."""
+    try:
+        kind = GPU(gpu.lower() if isinstance(gpu, str) else gpu)
+    except ValueError:
+        raise ValueError(f"unknown machine {gpu!r}: use one of {', '.join(repr(g.value) for g in GPU)}, or pass a "
+                         "pstar_fx.cost.Machine with the rates and sizes of yours") from None
+    return dataclasses.replace(_GPUS[kind], gpus_per_node=gpus_per_node, host_memory=host_memory)
 
 
 class Lane(enum.Enum):
@@ -104,6 +186,20 @@ class Lane(enum.Enum):
     COMM = "comm"            # collectives (NCCL's stream)
     CPU = "cpu"              # host-side optimizer updates (the store's worker thread)
     HOST = "host"            # the executor's thread: issues every node
+
+
+class Bound(enum.Enum):
+    """What bounds a step: the resource whose lane is busiest."""
+    COMPUTE = "compute"                      # the GPU's kernels
+    PCIE = "PCIe"                            # host <-> device copies
+    CPU_UPDATES = "CPU updates"              # optimizer updates on the host
+    NETWORK = "network"                      # collectives
+    ISSUING = "issuing"                      # the executor's thread, a fixed cost per node
+
+
+LANE_BOUND: Mapping[Lane, Bound] = MappingProxyType({
+    Lane.COMPUTE: Bound.COMPUTE, Lane.H2D: Bound.PCIE, Lane.D2H: Bound.PCIE, Lane.CPU: Bound.CPU_UPDATES,
+    Lane.COMM: Bound.NETWORK, Lane.HOST: Bound.ISSUING})
 
 
 @dataclass(frozen=True)
@@ -119,6 +215,11 @@ class StepCost:
     def bound(self) -> Lane:
         """The busiest lane: what a faster step would have to speed up first."""
         return max(self.busy, key=lambda k: (self.busy[k], k.value))
+
+    @property
+    def bounded_by(self) -> Bound:
+        """The resource of the busiest lane (each copy direction is a lane of its own: PCIe is full duplex)."""
+        return LANE_BOUND[self.bound]
 
 
 # -- 1. per node -------------------------------------------------------------------------------------------------------

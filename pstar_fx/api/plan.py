@@ -19,6 +19,7 @@ read. The batch is what one rank passes to the step: tensors (meta ones allocate
 from __future__ import annotations
 
 import dataclasses
+import enum
 import time
 from dataclasses import dataclass, field
 
@@ -26,7 +27,7 @@ import optree
 import torch
 import torch.nn as nn
 
-from ..cost import H200, FORWARD_ATTENTION, Machine, StepCost, estimate
+from ..cost import FORWARD_ATTENTION, GPU, H200, Bound, Machine, StepCost, estimate, preset
 from ..errors import BudgetError
 from ..frontend.trace import model_tables, trace_step
 from ..ir.graph import (REMAT, USER_CHECKPOINT, BufKind, ChunkGroup, ParamHome, Precision, Role, Settings, StateHome,
@@ -36,7 +37,43 @@ from ..optim import ADAM_STATE, OptimizerLayout, OptimizerSpec
 from ..passes import pipeline, run_passes
 from ..units import format_bytes, parse_bytes
 from .compiler import cycle_collection_paused, one_intra_op_thread
+from .device_budget import ALLOCATOR_EXPANDABLE, KERNELS, NCCL
 from .live_optimizer import build
+
+# What the process holds on the device outside torch's allocator (the CUDA context, cuBLAS workspaces): 0.70 GiB on
+# the H200 (docs/memory.md). With the allowances of px.compile's default budget (device_budget.py) it is what a
+# machine's device memory loses before pstar-fx's plan gets the rest.
+CONTEXT = int(0.7 * (1 << 30))
+
+
+def device_headroom(world_size: int) -> int:
+    """Bytes of a GPU's memory that px.compile's default budget leaves beside the plan: the CUDA context, lazily loaded
+    kernels, the allocator under expandable segments, and NCCL's buffers with several ranks."""
+    return CONTEXT + KERNELS + ALLOCATOR_EXPANDABLE + (NCCL if world_size > 1 else 0)
+
+
+class Tier(enum.Enum):
+    """Where a plan keeps bytes."""
+    DEVICE = "device memory"       # per GPU
+    HOST = "host memory"           # per node
+    DISK = "disk"                  # per node
+
+
+@dataclass(frozen=True)
+class TierUse:
+    """One tier's bytes against its capacity (per GPU for the device, per node for host and disk)."""
+    tier: Tier
+    used: int                      # for the device: the plan's peak, or the least budget the step needs
+    capacity: int | None           # None: not given, not checked
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.capacity is None else self.used <= self.capacity
+
+    @property
+    def short_by(self) -> int:
+        """Bytes the tier lacks (0 when it fits or is not checked)."""
+        return 0 if self.capacity is None else max(0, self.used - self.capacity)
 
 
 @dataclass(frozen=True)
@@ -68,6 +105,32 @@ class PlanReport:
     traced_on: str                   # the device type the step was traced for ("cpu" where torch has no CUDA)
     graph: TrainGraph | None = field(default=None, repr=False, compare=False)   # the final stage
     states_streamed: int = 0         # chunks whose states live on the host, updated on the GPU (streamed over and back)
+    machine: Machine = H200          # the rates the step time is estimated at, the sizes checked
+    disk_per_node: int = 0           # bytes a node keeps on disk (nothing is kept on disk today)
+    device_headroom: int = 0         # device memory left beside the plan when the budget is the machine's
+
+    @property
+    def device_per_gpu(self) -> int:
+        """The device tier's bytes: the plan's peak, or where it does not fit the least budget it needs."""
+        return self.peak_device if self.device_needed is None else self.device_needed
+
+    @property
+    def tiers(self) -> tuple[TierUse, ...]:
+        """Each tier's bytes against its capacity: the device per GPU, host memory and disk per node."""
+        return (TierUse(Tier.DEVICE, self.device_per_gpu, self.device_memory),
+                TierUse(Tier.HOST, self.host_per_node, self.host_memory),
+                TierUse(Tier.DISK, self.disk_per_node, None))
+
+    @property
+    def shortfalls(self) -> tuple[TierUse, ...]:
+        """The tiers that run out (each with `short_by`, its missing bytes); empty when the step fits."""
+        return tuple(t for t in self.tiers if t.fits is False)
+
+    @property
+    def bounded_by(self) -> Bound | None:
+        """What bounds the estimated step: compute, PCIe copies, CPU updates, the network or issuing (None: no
+        plan, so no estimate)."""
+        return None if self.cost is None else self.cost.bounded_by
 
     @property
     def fits_device(self) -> bool:
@@ -109,15 +172,22 @@ class PlanReport:
             device = f"{fit(True)}: peak {format_bytes(self.peak_device)} of {budget} per GPU"
         else:
             device = f"{fit(False)}: needs at least {format_bytes(self.device_needed)} per GPU, has {budget}"
+        if self.device_headroom:
+            device += (f" (the GPU's {format_bytes(self.device_memory + self.device_headroom)} less "
+                       f"{format_bytes(self.device_headroom)} for the process)")
         host_mem = "not given" if self.host_memory is None else format_bytes(self.host_memory)
+        short = "; ".join(f"{t.tier.value} short by {format_bytes(t.short_by)} "
+                          f"{'per GPU' if t.tier is Tier.DEVICE else 'per node'}" for t in self.shortfalls)
         rows = [
+            ("machine", self.machine.describe()),
             ("model", f"{_count(self.params)} parameters, {self.precision.value}; {w} GPU{'s' * (w > 1)}, "
                       f"{r} per node; {self.tokens} tokens per GPU per step"),
             ("device memory", device),
             ("host memory", f"{fit(self.fits_host)}: {format_bytes(self.host_per_node)} per node of {host_mem} "
                             f"({format_bytes(self.host_bytes)} per GPU, "
                             f"{format_bytes(self.host_setup_bytes)} while setting up)"),
-            ("verdict", "FITS" if self.fits else "DOES NOT FIT"),
+            ("disk", f"{format_bytes(self.disk_per_node)} per node"),
+            ("verdict", "FITS" if self.fits else f"DOES NOT FIT: {short}" if short else "DOES NOT FIT"),
             ("not counted", f"the model's own values: {format_bytes(self.model_bytes)} in each process if "
                             "materialised (px.compile copies them in)"),
         ]
@@ -135,7 +205,8 @@ class PlanReport:
             busy = ", ".join(f"{k.value} {v:.3f}" for k, v in self.cost.busy.items() if v > 0)
             rows += [
                 ("step time", f"{self.cost.seconds:.3f} s estimated (first step {self.cost.first_seconds:.3f} s); "
-                              f"busiest lane: {self.cost.bound.value}"),
+                              f"bound by {self.bounded_by.value} (busiest lane: {self.cost.bound.value}, "
+                              f"{self.cost.busy[self.cost.bound]:.3f} s)"),
                 ("lanes busy (s)", busy),
                 ("speed", f"{self.tflops:.4g} TFLOP/s per GPU (6 x params x tokens + attention: "
                           f"{self.model_flops / 1e12:.4g} TFLOP per GPU per step), "
@@ -225,20 +296,46 @@ def _layout(model: nn.Module, optimizer: OptimizerSpec | None) -> OptimizerLayou
     return OptimizerLayout(groups=(names,), state=ADAM_STATE)     # AdamW's states, as px.plan documents
 
 
+def resolve_machine(machine: Machine | str | GPU | None, gpus_per_node: int | None = None,
+                    host_memory: int | str | None = None) -> Machine:
+    """The machine px.plan plans for: a Machine as given, a preset's name ("h200", "h100"), or None for the H200's
+    rates without sizes; `gpus_per_node` and `host_memory`, where given, replace the machine's."""
+    if gpus_per_node is not None and (not isinstance(gpus_per_node, int) or isinstance(gpus_per_node, bool)
+                                      or gpus_per_node < 1):
+        raise ValueError(f"gpus_per_node must be an integer >= 1, got {gpus_per_node!r}")
+    if machine is None:
+        machine = H200
+    elif isinstance(machine, (str, GPU)):
+        machine = preset(machine)
+    elif not isinstance(machine, Machine):
+        raise ValueError(f"machine must be a pstar_fx.cost.Machine or a preset's name ('h200', 'h100'), got "
+                         f"{type(machine).__name__}")
+    changes = {}
+    if gpus_per_node is not None:
+        changes["gpus_per_node"] = gpus_per_node
+    if host_memory is not None:
+        changes["host_memory"] = parse_bytes(host_memory)
+    return dataclasses.replace(machine, **changes) if changes else machine
+
+
 def plan(model: nn.Module, loss_fn, *batch, world_size: int = 1, device_memory=None, host_memory=None,
          precision: str = "bf16", chunk_size: int | None = None, accumulate: int = 1,
          max_grad_norm: float | None = None, optimizer: OptimizerSpec | None = None,
-         gpus_per_node: int | None = None, machine: Machine = H200, tokens: int | None = None,
+         gpus_per_node: int | None = None, machine: Machine | str | None = None, tokens: int | None = None,
          device=None, prefetch: int | None = None, atomic: bool = True) -> PlanReport:
     """Plan `loss_fn(model, *batch)` for `world_size` GPUs without running it (see the module docstring).
 
-    batch: what ONE rank passes to the step (tensors, meta tensors, or (shape, dtype) pairs). device_memory: bytes
-    or a string ("80GB") per GPU; host_memory: per node; gpus_per_node: ranks sharing a node's host memory and
-    NVLink (default: the machine's, at most world_size). optimizer: px.AdamW(...) (or any px optimizer) when its parameter
-    groups or its states' bytes matter (default: AdamW's states, one group of every parameter). tokens: per rank per step (default: the first integer batch tensor's
-    elements). device: the device type the step is traced for (default: "cuda" when torch sees one, else "cpu":
-    a CPU-only torch cannot trace for CUDA, and the CPU trace differs only in the attention kernel's name and in
-    autocast's op lists, which keep the same memory for transformers). atomic: as px.compile's."""
+    batch: what ONE rank passes to the step (tensors, meta tensors, or (shape, dtype) pairs). machine: a
+    `pstar_fx.cost.Machine` (rates and sizes), a preset's name ("h200", "h100": `pstar_fx.cost.preset`), or None
+    (the H200's rates, no sizes). device_memory: bytes or a string ("80GB") per GPU (default: the machine's GPU less
+    what px.compile's default budget leaves beside the plan, `device_headroom`; unlimited when the machine gives no
+    size); host_memory: per node (default: the machine's; None: not checked); gpus_per_node: ranks sharing a node's
+    host memory and NVLink (default: the machine's, at most world_size). optimizer: px.AdamW(...) (or any px
+    optimizer) when its parameter groups or its states' bytes matter (default: AdamW's states, one group of every
+    parameter). tokens: per rank per step (default: the first integer batch tensor's elements). device: the device
+    type the step is traced for (default: "cuda" when torch sees one, else "cpu": a CPU-only torch cannot trace for
+    CUDA, and the CPU trace differs only in the attention kernel's name and in autocast's op lists, which keep the
+    same memory for transformers). atomic: as px.compile's."""
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size must be a number of GPUs >= 1, got {world_size!r}")
     if not isinstance(atomic, bool) or (not atomic and world_size > 1):
@@ -248,9 +345,20 @@ def plan(model: nn.Module, loss_fn, *batch, world_size: int = 1, device_memory=N
         prec = Precision(precision)
     except ValueError:
         raise ValueError(f"precision must be one of 'fp32', 'bf16', 'fp16', got {precision!r}") from None
-    budget = None if device_memory is None else parse_bytes(device_memory)
-    host = None if host_memory is None else parse_bytes(host_memory)
-    per_node = min(world_size, gpus_per_node or machine.gpus_per_node)
+    machine = resolve_machine(machine, gpus_per_node, host_memory)
+    headroom = 0
+    if device_memory is not None:
+        budget = parse_bytes(device_memory)
+    elif machine.device_memory is not None:
+        headroom = device_headroom(world_size)
+        if machine.device_memory <= headroom:
+            raise ValueError(f"the machine's GPU has {format_bytes(machine.device_memory)}, no more than the "
+                             f"{format_bytes(headroom)} the process needs beside the plan: give device_memory")
+        budget = machine.device_memory - headroom
+    else:
+        budget = None
+    host = machine.host_memory
+    per_node = min(world_size, machine.gpus_per_node)
     machine = dataclasses.replace(machine, gpus_per_node=per_node)
     dev = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     if dev.type == "cuda" and not torch.cuda.is_available():
@@ -278,7 +386,7 @@ def plan(model: nn.Module, loss_fn, *batch, world_size: int = 1, device_memory=N
     model_bytes = sum(p.numel * p.dtype.itemsize for p in traced.params)
     common = dict(world_size=world_size, ranks_per_node=per_node, precision=prec, params=n_params, tokens=n_tokens,
                   device_memory=budget, host_memory=host, model_bytes=model_bytes, trace_seconds=traced.seconds,
-                  passes_seconds=passes_s, traced_on=dev.type)
+                  passes_seconds=passes_s, traced_on=dev.type, machine=machine, device_headroom=headroom)
     if final is None:
         # no plan: the host figure is an estimate, every state on the host and every gradient written back
         params = sum(p.numel for p in traced.params if p.trainable)

@@ -2,9 +2,13 @@
 
     pstar-fx-plan --layers 96 --d-model 12288 --heads 96 --seq 2048 --batch 1 --world-size 32 \\
         --gpus-per-node 8 --device-memory 80GB --host-memory 1TB --checkpoint
+    pstar-fx-plan --layers 88 --d-model 10240 --heads 80 --batch 8 --checkpoint --machine h200 --gpus-per-node 1 \\
+        --host-memory 1.5TB
 
 Runs on any machine (no GPU, no process group): the model is built on the meta device, the step traced and planned as
-each of the --world-size ranks would, and the cost model (pstar_fx/cost.py) estimates the step time. The GPT is
+each of the --world-size ranks would, and the cost model (pstar_fx/cost.py) estimates the step time on --machine (a
+preset: its rates and GPU memory; --host-memory and --gpus-per-node size its nodes, --pcie-gbps, --cpu-adam-gparams
+and --network-gbps replace its rates; --device-memory replaces the budget the GPU's memory gives). The GPT is
 nanoGPT's, the one benchmarks/gpt.py trains: vocab 50304 (--vocab), tied head, learned positions, biases and
 LayerNorms, no dropout, loss cross-entropy; --checkpoint wraps every block in torch.utils.checkpoint. --batch is per
 GPU. Exit status: 0 when the model fits, 1 when it does not. `python -m pstar_fx.api.plan_cli` runs it too.
@@ -12,13 +16,14 @@ GPU. Exit status: 0 when the model fits, 1 when it does not. `python -m pstar_fx
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 import torch
 
-from ..cost import H200, Machine
+from ..cost import GPU, H200
 from ..models.gpt import GPT, GPTConfig, gpt_loss
-from .plan import PlanReport, plan
+from .plan import PlanReport, plan, resolve_machine
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -33,9 +38,13 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--accumulate", type=int, default=1, help="micro-batches per step (--batch is split into them)")
     ap.add_argument("--checkpoint", action="store_true", help="activation checkpointing per block")
     ap.add_argument("--world-size", type=int, default=1)
+    ap.add_argument("--machine", default=GPU.H200.value, choices=[g.value for g in GPU],
+                    help="the GPU preset: its rates and memory (default: h200)")
     ap.add_argument("--gpus-per-node", type=int, default=8)
-    ap.add_argument("--device-memory", default=None, help="per GPU, e.g. 80GB (default: unlimited)")
-    ap.add_argument("--host-memory", default=None, help="per node, e.g. 1TB (default: not checked)")
+    ap.add_argument("--device-memory", default=None,
+                    help="budget per GPU, e.g. 80GB (default: the machine's GPU memory less what the process needs "
+                         "beside the plan)")
+    ap.add_argument("--host-memory", default=None, help="per node, e.g. 1.5TB (default: not checked)")
     ap.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32"])
     ap.add_argument("--chunk-size", type=int, default=None, help="elements per chunk (default: chosen)")
     ap.add_argument("--max-grad-norm", type=float, default=None)
@@ -44,6 +53,12 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--network-gbps", type=float, default=None,
                     help="NCCL bus bandwidth across nodes in GB/s (default: the cost model's assumption, "
                          f"{H200.network_bus_bytes / 1e9:.0f})")
+    ap.add_argument("--pcie-gbps", type=float, default=None,
+                    help="host->device copies in GB/s, one way alone; the other rates scaled alike (default: "
+                         f"{H200.h2d_bytes / 1e9:.0f}, measured)")
+    ap.add_argument("--cpu-adam-gparams", type=float, default=None,
+                    help="the host's fp32 AdamW per GPU in Gparam/s; the mixed-precision rate scaled alike "
+                         f"(default: {H200.cpu_adam / 1e9:.1f}, measured with 16 cores per GPU)")
     return ap
 
 
@@ -54,14 +69,20 @@ def main(argv=None) -> PlanReport:
     cfg = GPTConfig(vocab=args.vocab, seq=args.seq, layers=args.layers, hidden=args.d_model, heads=args.heads)
     with torch.device("meta"):
         model = GPT(cfg, checkpoint=args.checkpoint)
-    machine: Machine = H200
-    if args.network_gbps is not None:
-        machine = Machine(network_bus_bytes=args.network_gbps * 1e9)
+    try:
+        machine = resolve_machine(args.machine, args.gpus_per_node, args.host_memory)
+        if args.network_gbps is not None:
+            machine = dataclasses.replace(machine, network_bus_bytes=args.network_gbps * 1e9)
+        if args.pcie_gbps is not None:
+            machine = machine.with_pcie(args.pcie_gbps * 1e9)
+        if args.cpu_adam_gparams is not None:
+            machine = machine.with_cpu_adam(args.cpu_adam_gparams * 1e9)
+    except ValueError as e:
+        raise SystemExit(f"pstar-fx-plan: {e}") from None
     tokens = ((args.batch, args.seq), torch.long)
     report = plan(model, gpt_loss, tokens, tokens, world_size=args.world_size, device_memory=args.device_memory,
-                  host_memory=args.host_memory, precision=args.precision, chunk_size=args.chunk_size,
-                  accumulate=args.accumulate, max_grad_norm=args.max_grad_norm, gpus_per_node=args.gpus_per_node,
-                  machine=machine, atomic=not args.no_atomic)
+                  precision=args.precision, chunk_size=args.chunk_size, accumulate=args.accumulate,
+                  max_grad_norm=args.max_grad_norm, machine=machine, atomic=not args.no_atomic)
     print(f"GPT {args.layers} layers x d={args.d_model}, {args.heads} heads, seq {args.seq}, vocab {args.vocab}"
           f"{', activation checkpointing' if args.checkpoint else ''}; batch {args.batch} per GPU")
     print(report)

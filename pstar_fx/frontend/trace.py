@@ -53,7 +53,7 @@ from ..ir.fx_utils import (data_dependent_sizes, is_user_file, loss_seed, mutate
 from ..ir.graph import (BufferInfo, InputInfo, NodeAnn, ParamInfo, Phase, Role, Settings, TrainGraph, lazy_modules,
                         to_module)
 from ..ir.outputs import split_outputs
-from . import backward_calls, fake_fixes, moe_rewrites, torch_compile, user_checkpoint
+from . import backward_calls, fake_fixes, moe_rewrites, torch_compile, torchscript, user_checkpoint
 from .aux_outputs import AuxCollector, describe_aux, own_aux_storage, split_returned
 from .batch import BatchSignature, FlatBatch, flatten_batch, leaf_name  # noqa: F401 (re-exported)
 from .guards import GuardingShapeEnv, insert_guards
@@ -428,7 +428,8 @@ def _trace_step(fn, model: nn.Module, batch: tuple, settings: Settings, assume: 
     sources = fx_traceback.preserve_node_meta() if _CHEAP_SOURCES else contextlib.nullcontext()
     try:
         with (_model_restored(model), sources, recorder, fake_fixes.FakeKernelFixes(),
-              moe_rewrites.rewritten(model), lazy_modules(), torch_compile.traced_as_original(model)):
+              moe_rewrites.rewritten(model), lazy_modules(), torch_compile.traced_as_original(model),
+              torchscript.scripted_as_python(model, fn)):
             gm = make_fx(traced if settings.optimizer is not None else forward_only, tracing_mode="fake",
                          record_stack_traces=not _CHEAP_SOURCES)(trainable, frozen, buffers, scale, *fake_batch)
     except UntraceableError:

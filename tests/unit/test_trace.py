@@ -193,6 +193,46 @@ def test_tensor_constants_made_in_forward_are_graph_constants():
     assert "constant(_tensor_constant0)" in str(g)
 
 
+@torch.jit.script
+def _bucketed(rel, mid: int):
+    # as transformers' DeBERTa-v2 make_log_bucket_position: a constant made by torch.tensor inside a script
+    return torch.where((rel < mid) & (rel > -mid), torch.tensor(mid - 1).type_as(rel), torch.abs(rel))
+
+
+class _CallsAScript(nn.Module):
+    """A relative-position bias, its buckets computed by a scripted function."""
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.rel = nn.Embedding(8, 4)
+
+    def forward(self, x):                                                  # (B, T, 4)
+        pos = torch.arange(x.shape[1])
+        bias = self.rel(_bucketed(pos[:, None] - pos[None, :], 2)).mean(1)    # (T, 4)
+        return self.lin(x) + bias
+
+
+def test_scripted_functions_trace_as_their_python_and_train_like_eager():
+    """A torch.jit.script function called by the model's code (its torch.tensor constants are real tensors, which
+    fake tensors refuse) is traced as the Python it was compiled from, and put back after the trace."""
+    torch.manual_seed(0)
+    model, ref = _CallsAScript(), _CallsAScript()
+    ref.load_state_dict(model.state_dict())
+    step = _compile(model, lambda m, x: m(x).pow(2).sum(), debug=True)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, fused=True)
+    for _ in range(3):
+        x = torch.randn(3, 6, 4)
+        loss = step(x)
+        eager = ref(x).pow(2).sum()
+        eager.backward()
+        opt.step()
+        opt.zero_grad()
+        assert loss.item() == eager.item()
+    assert isinstance(_bucketed, torch.jit.ScriptFunction)     # the module's name is the script again
+    sd, ref_sd = step.state_dict(), ref.state_dict()
+    assert all(torch.equal(sd[k], ref_sd[k]) for k in ref_sd)
+
+
 def test_closed_over_real_tensor_names_the_line():
     class Holder(nn.Module):
         def __init__(self):

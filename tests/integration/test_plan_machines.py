@@ -1,0 +1,200 @@
+"""px.plan for a machine: the presets ("h200" measured, "h100" assumed) and user-described machines set the budgets,
+the host memory checked and the rates of the estimate; the report gives each tier's bytes, what bounds the step, and
+which tier runs out and by how much; bad machine arguments say what to change; the command line takes the machine."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import pytest
+import torch
+
+import pstar_fx as px
+from pstar_fx import cost
+from pstar_fx.api.plan import Tier, device_headroom
+from pstar_fx.api.plan_cli import main
+from pstar_fx.cost import GPU, H200, Bound, Lane, Machine, preset
+from models import CASES_BY_NAME
+
+CHUNK = 1024
+GiB = 1 << 30
+
+
+@functools.lru_cache(maxsize=None)
+def _case():
+    base = CASES_BY_NAME["gpt_tied"]
+    return base.__class__(base.name, base.build, base.loss_fn, functools.partial(base.make_batch, B=4))
+
+
+def _plan(**kw):
+    case = _case()
+    kw = dict(dict(precision="fp32", chunk_size=CHUNK, device="cpu"), **kw)
+    return px.plan(case.build_model(), case.loss_fn, *case.batch(0), **kw)
+
+
+@functools.lru_cache(maxsize=None)
+def _need(world: int) -> tuple[int, int]:
+    """The least device budget of the case on `world` ranks, and the host bytes per rank its plan there takes."""
+    need = _plan(world_size=world, device_memory=1).device_needed
+    at = _plan(world_size=world, device_memory=need)
+    return need, max(at.host_bytes, at.host_setup_bytes)
+
+
+def _scaled(gpu: str, world: int, budget: int, host: int | str | None, per_node: int) -> Machine:
+    """A preset whose GPU gives the plan `budget` bytes (the preset's rates; its memory scaled down to the case)."""
+    return dataclasses.replace(preset(gpu, gpus_per_node=per_node, host_memory=host),
+                               device_memory=budget + device_headroom(world))
+
+
+def test_presets_are_the_measured_h200_and_an_assumed_h100():
+    h200 = preset("h200", gpus_per_node=1, host_memory="1.5TB")
+    assert (h200.name, h200.gpus_per_node, h200.host_memory) == ("H200", 1, 1_500_000_000_000)
+    assert h200.device_memory == int(139.8 * GiB)
+    rates = [f.name for f in dataclasses.fields(Machine) if f.name not in ("device_memory", "host_memory", "name",
+                                                                          "gpus_per_node")]
+    assert all(getattr(h200, r) == getattr(H200, r) for r in rates)       # the measured machine's rates
+    h100 = preset(GPU.H100)
+    assert (h100.name, h100.gpus_per_node, h100.host_memory) == ("H100", 8, None)
+    assert h100.device_memory < h200.device_memory and h100.hbm_bytes < h200.hbm_bytes
+    assert h100.matmul_flops == h200.matmul_flops and h100.h2d_bytes == h200.h2d_bytes
+    assert preset("H200") == preset(GPU.H200)
+    # px.plan(machine="h200") is the preset, with plan's own gpus_per_node and host_memory
+    rep = _plan(machine="h200", gpus_per_node=1, host_memory="1TB")
+    assert rep.machine == dataclasses.replace(preset("h200", gpus_per_node=1, host_memory="1TB"))
+    assert rep.device_memory == h200.device_memory - device_headroom(1) and rep.device_headroom == device_headroom(1)
+    assert rep.host_memory == 10**12 and rep.fits
+    assert "1 x H200 (139.80 GiB) per node" in str(rep) and "less 3.20 GiB for the process" in str(rep)
+
+
+@pytest.mark.parametrize("gpu,world,per_node", [("h200", 1, 1), ("h100", 2, 8), ("h200", 4, 2)])
+def test_a_preset_machine_plans_the_model_to_its_tiers(gpu, world, per_node):
+    """The machine's GPU sets the budget (its memory less the process's headroom), its host memory is checked per
+    node, and the plan is the one an explicit budget makes; the tiers are the plan's bytes."""
+    need, host_per_rank = _need(world)
+    budget = need * 13 // 10
+    ranks = min(world, per_node)
+    machine = _scaled(gpu, world, budget, host_per_rank * ranks * 2, per_node)
+    rep = _plan(world_size=world, machine=machine)
+    same = _plan(world_size=world, device_memory=budget, host_memory=machine.host_memory, gpus_per_node=per_node,
+                 machine=machine)
+    assert rep.device_memory == budget and str(rep.graph) == str(same.graph) and rep.cost == same.cost
+    assert rep.fits and rep.shortfalls == () and rep.ranks_per_node == ranks
+    assert rep.machine == dataclasses.replace(machine, gpus_per_node=ranks)
+    device, host, disk = rep.tiers
+    assert (device.tier, host.tier, disk.tier) == (Tier.DEVICE, Tier.HOST, Tier.DISK)
+    assert (device.used, device.capacity) == (rep.peak_device, budget) and 0 < device.used <= budget
+    assert (host.used, host.capacity) == (rep.host_per_node, machine.host_memory) and host.fits
+    assert host.used == ranks * max(rep.host_bytes, rep.host_setup_bytes) > 0
+    assert (disk.used, disk.capacity, rep.disk_per_node) == (0, None, 0)
+    assert rep.step_seconds > 0 and rep.tflops > 0
+    assert rep.bounded_by is cost.LANE_BOUND[rep.cost.bound]
+    text = str(rep)
+    for line in (f"machine: {ranks} x {machine.name}", "verdict: FITS", "disk: 0 B per node",
+                 f"bound by {rep.bounded_by.value}", "TFLOP/s per GPU"):
+        assert line in text, (line, text)
+
+
+def test_the_machines_rates_estimate_the_step_and_say_what_bounds_it():
+    """One plan (placed with the cost model's H200 rates, as px.compile places it on any GPU) estimated on machines
+    whose copies or CPU updates are slower: never faster, and the slowed resource is what bounds the step."""
+    need, _ = _need(1)
+    base = preset("h200", gpus_per_node=1)
+    reports = {}
+    for name, machine in (("h200", base), ("slow pcie", base.with_pcie(base.h2d_bytes / 1e5)),
+                          ("slow cpu", base.with_cpu_adam(base.cpu_adam / 1e5))):
+        reports[name] = _plan(device_memory=need, machine=machine)
+    fast, pcie, cpu = reports["h200"], reports["slow pcie"], reports["slow cpu"]
+    assert str(fast.graph) == str(pcie.graph) == str(cpu.graph)
+    assert fast.h2d_bytes > 0 and fast.cost.busy[Lane.CPU] > 0
+    assert pcie.bounded_by is Bound.PCIE and cpu.bounded_by is Bound.CPU_UPDATES
+    assert pcie.step_seconds > fast.step_seconds and cpu.step_seconds > fast.step_seconds
+    assert pcie.machine.d2h_bytes == pytest.approx(base.d2h_bytes / 1e5)
+    assert cpu.machine.cpu_adam_mixed == pytest.approx(base.cpu_adam_mixed / 1e5)
+    roomy = _plan(machine=base)                       # everything on the GPU: nothing crosses PCIe
+    assert roomy.h2d_bytes == 0 and roomy.bounded_by in (Bound.COMPUTE, Bound.ISSUING)
+
+
+def test_a_model_that_does_not_fit_says_which_tier_and_by_how_much():
+    need, host_per_rank = _need(2)
+    # the device: 1000 bytes short per GPU (the host estimate then counts every state on the host)
+    short_device = _plan(world_size=2, machine=_scaled("h200", 2, need - 1000, None, 8))
+    (device,) = short_device.shortfalls
+    assert device.tier is Tier.DEVICE and device.short_by == 1000 and device.used == need
+    assert not short_device.fits and short_device.cost is None and short_device.bounded_by is None
+    assert "verdict: DOES NOT FIT: device memory short by 1000 B per GPU" in str(short_device)
+    # the host: one byte short per node of two ranks
+    at = _plan(world_size=2, machine=_scaled("h100", 2, need, None, 8))
+    per_node = at.host_per_node
+    assert per_node == 2 * host_per_rank
+    short_host = _plan(world_size=2, machine=_scaled("h100", 2, need, per_node - 1, 8))
+    (host,) = short_host.shortfalls
+    assert host.tier is Tier.HOST and host.short_by == 1 and host.capacity == per_node - 1
+    assert short_host.fits_device and not short_host.fits and short_host.step_seconds > 0
+    assert "verdict: DOES NOT FIT: host memory short by 1 B per node" in str(short_host)
+    # both
+    both = _plan(world_size=2, machine=_scaled("h200", 2, need - 1000, 1000, 8))
+    assert [t.tier for t in both.shortfalls] == [Tier.DEVICE, Tier.HOST]
+    assert both.shortfalls[1].short_by == both.host_per_node - 1000 > 0
+
+
+def test_bad_machine_arguments_say_what_to_change():
+    with pytest.raises(ValueError, match="unknown machine 'a100': use one of 'h200', 'h100'"):
+        _plan(machine="a100")
+    with pytest.raises(ValueError, match="machine must be a pstar_fx.cost.Machine"):
+        _plan(machine=42)
+    with pytest.raises(ValueError, match="gpus_per_node must be an integer >= 1"):
+        _plan(machine="h200", gpus_per_node=0)
+    with pytest.raises(ValueError, match="cannot read 'lots' as a size"):
+        _plan(machine="h100", host_memory="lots")
+    with pytest.raises(ValueError, match="Machine.host_memory must be bytes"):
+        preset("h200", host_memory=-1)
+    with pytest.raises(ValueError, match="Machine.gpus_per_node must be an integer >= 1"):
+        preset("h200", gpus_per_node=2.5)
+    with pytest.raises(ValueError, match="Machine.h2d_bytes must be a positive finite number"):
+        Machine(h2d_bytes=0)
+    with pytest.raises(ValueError, match="Machine.cpu_adam_under_copies must be a positive finite number at most 1"):
+        Machine(cpu_adam_under_copies=1.5)
+    with pytest.raises(ValueError, match="PCIe rate must be positive"):
+        H200.with_pcie(float("inf"))
+    with pytest.raises(ValueError, match="CPU update rate must be positive"):
+        H200.with_cpu_adam(-1)
+    with pytest.raises(ValueError, match="the process needs beside the plan: give device_memory"):
+        _plan(machine=dataclasses.replace(preset("h200"), device_memory=GiB))
+    with pytest.raises(SystemExit):                   # argparse: not one of the presets
+        main(["--layers", "1", "--d-model", "8", "--heads", "2", "--machine", "a100"])
+    with pytest.raises(SystemExit, match="pstar-fx-plan: a PCIe rate must be positive"):
+        main(["--layers", "1", "--d-model", "8", "--heads", "2", "--pcie-gbps", "0"])
+
+
+GPT_ARGS = ["--layers", "2", "--d-model", "64", "--heads", "4", "--seq", "32", "--vocab", "256", "--batch", "2"]
+
+
+def test_command_line_plans_for_the_machine(capsys):
+    rep = main([*GPT_ARGS, "--machine", "h100", "--gpus-per-node", "1", "--host-memory", "1GB", "--pcie-gbps", "10",
+                "--cpu-adam-gparams", "2", "--network-gbps", "100"])
+    m = rep.machine
+    assert (m.name, m.gpus_per_node, m.host_memory) == ("H100", 1, 10**9)
+    assert (m.h2d_bytes, m.cpu_adam, m.network_bus_bytes) == (10e9, 2e9, 100e9)
+    assert rep.device_memory == preset("h100").device_memory - device_headroom(1) and rep.fits
+    out = capsys.readouterr().out
+    for line in ("machine: 1 x H100 (79.10 GiB) per node, 953.67 MiB of host memory per node", "disk: 0 B per node",
+                 "verdict: FITS", "bound by"):
+        assert line in out, (line, out)
+    # without --machine: the H200's memory is the budget
+    assert main(GPT_ARGS).device_memory == preset("h200").device_memory - device_headroom(1)
+
+
+def test_a_large_meta_gpt_plans_on_the_preset_h200_with_a_large_host():
+    """A 3.05B-parameter GPT (d=10240, the width of a 120B one) on one H200 given 16 GiB of it: most optimizer states
+    live on the host, whose 1.5 TB holds them; the step time is estimated at the H200's rates."""
+    from pstar_fx.models.gpt import GPT, GPTConfig, gpt_loss
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab=50304, seq=2048, layers=2, hidden=10240, heads=80))
+    tokens = ((1, 2048), torch.long)
+    rep = px.plan(model, gpt_loss, tokens, tokens, machine="h200", gpus_per_node=1, host_memory="1.5TB",
+                  device_memory="16GiB", device="cpu")
+    assert 3e9 < rep.params < 3.1e9 and rep.fits and rep.peak_device <= 16 * GiB
+    assert rep.states_on_device < rep.trainable_chunks
+    assert 16 * rep.params * 0.3 < rep.host_per_node < 16 * rep.params      # most of the 16 bytes per parameter
+    assert rep.step_seconds > 0 and rep.bounded_by is not None
+    assert all(p.is_meta for p in model.parameters())
