@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 from ..cost import estimate
 from ..ir.graph import ChunkGroup, Precision, StateHome, TrainGraph
-from ..ir.needs import disk_bytes, disk_chunks, host_bytes, state_bytes, state_layout
+from ..ir.needs import aligned, disk_bytes, disk_chunks, host_bytes, state_bytes, state_layout
 from ..runtime.step_runtime import StepStats
 from ..units import format_bytes
 from .compiler import Compiled
@@ -83,7 +83,7 @@ def summarize(g: TrainGraph, compiled: Compiled, last: StepStats | None, prec: P
                   + sum(state_bytes(c, prec, 1, state_layout(g.settings)) for c in trainable))
     own = sum(c.capacity > g.chunk_size for c in g.chunks)
     disk = disk_chunks(g)
-    moved = sum(state_bytes(c, prec, 1, state_layout(g.settings)) for c in disk)
+    moved = sum(aligned(state_bytes(c, prec, 1, state_layout(g.settings))) for c in disk)   # whole 4 KiB blocks
     store = compiled.executor.store
     return Summary(
         chunks=len(g.chunks), chunk_size=g.chunk_size, chunk_bytes=g.chunk_size * prec.dtype.itemsize,

@@ -73,6 +73,24 @@ def _cleanup(root: str, fds: dict, pool: ThreadPoolExecutor) -> None:
     shutil.rmtree(root, ignore_errors=True)
 
 
+class _Moved(dict):
+    """Bytes read and written so far, under a lock of its own."""
+
+    def __init__(self):
+        super().__init__(read=0, written=0)
+        self.lock = threading.Lock()
+
+
+def _transfer(call, fd: int, buf: torch.Tensor, path: str, moved: _Moved, what: str) -> None:
+    """One whole-file read (os.preadv) or write (os.pwritev) of buf at offset 0."""
+    n = call(fd, [_view(buf)], 0)
+    if n != buf.numel():
+        raise OSError(f"pstar-fx disk tier: short {'read' if what == 'read' else 'write'} of {path}: {n} of "
+                      f"{buf.numel()} bytes" + ("" if what == "read" else " (disk full?)"))
+    with moved.lock:
+        moved[what] += buf.numel()
+
+
 class DiskStates:
     """The files of one ChunkStore's disk-homed states and the staging buffers they are read into."""
 
@@ -86,8 +104,7 @@ class DiskStates:
         self.staging: list[torch.Tensor] = []
         self._last: dict[int, Future] = {}       # slot -> its latest operation
         self._lock = threading.Lock()
-        self.read_bytes = 0                       # bytes moved so far (the step runtime reports differences)
-        self.written_bytes = 0
+        self.moved = _Moved()                     # bytes read and written so far (a step reports differences)
 
     def _direct_works(self) -> bool:
         probe = os.path.join(self.root, "probe")
@@ -156,11 +173,25 @@ class DiskStates:
             return f.read()
 
     # -- asynchronous, in a step -----------------------------------------------------------------------------------
+    # (the closures handed to the pool and to Futures hold no reference to self: the object is collected, and its
+    # files removed, once its store lets go of it, whatever Futures the threads still hold)
     def read(self, chunk: int, slot: int) -> Future:
-        return self._chain(slot, None, lambda: self._read(chunk, self.staging[slot][:aligned(self.sizes[chunk])]))
+        fd, buf, path, moved = self._fds[chunk], self.staging[slot][:aligned(self.sizes[chunk])], self.path(chunk), \
+            self.moved
+        return self._chain(slot, None, lambda: _transfer(os.preadv, fd, buf, path, moved, "read"))
 
     def write(self, chunk: int, slot: int, gate: Future | None) -> Future:
-        return self._chain(slot, gate, lambda: self._write(chunk, self.staging[slot][:aligned(self.sizes[chunk])]))
+        fd, buf, path, moved = self._fds[chunk], self.staging[slot][:aligned(self.sizes[chunk])], self.path(chunk), \
+            self.moved
+        return self._chain(slot, gate, lambda: _transfer(os.pwritev, fd, buf, path, moved, "written"))
+
+    @property
+    def read_bytes(self) -> int:
+        return self.moved["read"]
+
+    @property
+    def written_bytes(self) -> int:
+        return self.moved["written"]
 
     def wait_all(self) -> None:
         """Wait for every operation issued so far; re-raise the first failure."""
@@ -183,6 +214,7 @@ class DiskStates:
         with self._lock:
             before = [f for f in (self._last.get(slot), gate) if f is not None]
             self._last[slot] = out
+        pool = self._pool
         left = [len(before)]
         lock = threading.Lock()
 
@@ -191,7 +223,7 @@ class DiskStates:
                 out.set_exception(gate.exception())
                 return
             try:
-                fut = self._pool.submit(fn)
+                fut = pool.submit(fn)
             except RuntimeError as e:      # the pool is shut down (interpreter exit)
                 out.set_exception(e)
                 return
@@ -212,19 +244,10 @@ class DiskStates:
         return out
 
     def _read(self, chunk: int, buf: torch.Tensor) -> None:
-        n = os.preadv(self._fds[chunk], [_view(buf)], 0)
-        if n != buf.numel():
-            raise OSError(f"pstar-fx disk tier: short read of {self.path(chunk)}: {n} of {buf.numel()} bytes")
-        with self._lock:
-            self.read_bytes += self.sizes[chunk]
+        _transfer(os.preadv, self._fds[chunk], buf, self.path(chunk), self.moved, "read")
 
     def _write(self, chunk: int, buf: torch.Tensor) -> None:
-        n = os.pwritev(self._fds[chunk], [_view(buf)], 0)
-        if n != buf.numel():
-            raise OSError(f"pstar-fx disk tier: short write of {self.path(chunk)}: {n} of {buf.numel()} bytes "
-                          "(disk full?)")
-        with self._lock:
-            self.written_bytes += self.sizes[chunk]
+        _transfer(os.pwritev, self._fds[chunk], buf, self.path(chunk), self.moved, "written")
 
     def close(self) -> None:
         """Remove the files now (the finalizer does it otherwise)."""
