@@ -11,10 +11,10 @@ The model, in three parts.
    the collective bus rate plus a latency, a device-side Adam update the shard's elements at the GPU Adam rate, a
    host-side one at the CPU Adam rate; a disk-homed chunk's states are read and written at the disk's rates.
 
-2. Where it runs: six lanes, each doing one thing at a time: the compute stream, the host->device and device->host
-   copy streams, the NCCL stream, the CPU thread that runs host-side updates, and the executor's own thread, which
-   issues everything (a fixed Python cost per node; no GPU work starts before it is issued, and it cannot issue a
-   kernel more than `launch_queue` kernels ahead of the compute stream). Nodes are placed in graph
+2. Where it runs: seven lanes, each doing one thing at a time: the compute stream, the host->device and device->host
+   copy streams, the NCCL stream, the CPU thread that runs host-side updates, the disk of the disk tier, and the
+   executor's own thread, which issues everything (a fixed Python cost per node; no GPU work starts before it is
+   issued, and it cannot issue a kernel more than `launch_queue` kernels ahead of the compute stream). Nodes are placed in graph
    order; each starts when its lane is free and what it waits for is done, as the runtime orders them (`runtime/`):
    - a node that reads a chunk buffer waits for the buffer's fetch or collective (its first use waits, not the fetch);
    - a copy into the device waits for the compute stream to reach the fetch (its slot may still hold an activation),

@@ -233,3 +233,29 @@ def test_cost_model_counts_the_disk(tmp_path):
                 if c.state_home is StateHome.DISK)
     m = cost.machine
     assert cost.busy[Lane.DISK] == pytest.approx(moved / m.disk_read_bytes + moved / m.disk_write_bytes)
+
+
+def test_buffered_io_where_direct_io_is_refused(tmp_path, monkeypatch):
+    """A file system that refuses O_DIRECT (tmpfs) gets buffered I/O, with the same results; summary() says which."""
+    from pstar_fx.runtime.disk import DiskStates
+    monkeypatch.setattr(DiskStates, "_direct_works", lambda self: False)
+    ref = _step("fp32")
+    want = _train(ref, _batches(3))
+    step = _step("fp32", host_memory=_host_memory_for("fp32", 3), offload_dir=tmp_path)
+    assert _train(step, _batches(3)) == want
+    _assert_equal(_optimizer_tensors(step), _optimizer_tensors(ref))
+    assert step.summary().disk_io == "buffered" and "buffered I/O" in str(step.summary())
+
+
+def test_atomic_false_updates_disk_chunks_during_backward(tmp_path):
+    """atomic=False: disk-homed chunks are read, updated and written back during backward, before the commit,
+    with the results of the atomic step."""
+    ref = _step("fp32")
+    want = _train(ref, _batches(3))
+    step = _step("fp32", host_memory=_host_memory_for("fp32", 3), offload_dir=tmp_path, atomic=False)
+    assert _train(step, _batches(3)) == want
+    _assert_equal(_optimizer_tensors(step), _optimizer_tensors(ref))
+    g = step.final_graph
+    roles = [g.ann[n.name].role for n in g.nodes]
+    commit = roles.index(Role.COMMIT)
+    assert any(r is Role.DISK_WRITE for r in roles[:commit])
