@@ -164,7 +164,8 @@ class Compiler:
             early = early_host_bytes(self.tables.params, st.precision, st.world, st.budget,
                                      state_layout(st))
             if early:
-                hostmem.prefault(min(early, spare_host_bytes(int(os.environ.get("LOCAL_WORLD_SIZE", st.world)))))
+                spare = spare_host_bytes(int(os.environ.get("LOCAL_WORLD_SIZE", st.world)))
+                hostmem.prefault(min(early, spare, st.host_budget or spare))   # (host_memory bounds it too)
 
         def set_up_early(stage: TrainGraph) -> None:
             interrupts.deliver()        # a safe point between passes

@@ -229,7 +229,7 @@ def plan(model: nn.Module, loss_fn, *batch, world_size: int = 1, device_memory=N
          precision: str = "bf16", chunk_size: int | None = None, accumulate: int = 1,
          max_grad_norm: float | None = None, optimizer: OptimizerSpec | None = None,
          gpus_per_node: int | None = None, machine: Machine = H200, tokens: int | None = None,
-         device=None, prefetch: int | None = None, atomic: bool = True) -> PlanReport:
+         device=None, prefetch: int | None = None, atomic: bool = True, disk_memory=None) -> PlanReport:
     """Plan `loss_fn(model, *batch)` for `world_size` GPUs without running it (see the module docstring).
 
     batch: what ONE rank passes to the step (tensors, meta tensors, or (shape, dtype) pairs). device_memory: bytes
@@ -238,7 +238,9 @@ def plan(model: nn.Module, loss_fn, *batch, world_size: int = 1, device_memory=N
     groups or its states' bytes matter (default: AdamW's states, one group of every parameter). tokens: per rank per step (default: the first integer batch tensor's
     elements). device: the device type the step is traced for (default: "cuda" when torch sees one, else "cpu":
     a CPU-only torch cannot trace for CUDA, and the CPU trace differs only in the attention kernel's name and in
-    autocast's op lists, which keep the same memory for transformers). atomic: as px.compile's."""
+    autocast's op lists, which keep the same memory for transformers). atomic: as px.compile's. disk_memory: bytes
+    of a disk tier per GPU (px.compile's offload_dir): with host_memory, the optimizer states that do not fit a
+    GPU's share of it are planned on disk (one GPU only so far)."""
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size must be a number of GPUs >= 1, got {world_size!r}")
     if not isinstance(atomic, bool) or (not atomic and world_size > 1):
@@ -249,7 +251,11 @@ def plan(model: nn.Module, loss_fn, *batch, world_size: int = 1, device_memory=N
     except ValueError:
         raise ValueError(f"precision must be one of 'fp32', 'bf16', 'fp16', got {precision!r}") from None
     budget = None if device_memory is None else parse_bytes(device_memory)
-    host = None if host_memory is None else parse_bytes(host_memory)
+    host = None if host_memory is None else parse_bytes(host_memory, "host_memory")
+    disk = None if disk_memory is None else parse_bytes(disk_memory, "disk_memory")
+    if disk is not None and (host is None or world_size > 1):
+        raise ValueError("disk_memory plans a disk tier for the optimizer states that do not fit host_memory: give "
+                         "host_memory too, with world_size=1 (the disk tier is built for one GPU only so far)")
     per_node = min(world_size, gpus_per_node or machine.gpus_per_node)
     machine = dataclasses.replace(machine, gpus_per_node=per_node)
     dev = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -263,7 +269,8 @@ def plan(model: nn.Module, loss_fn, *batch, world_size: int = 1, device_memory=N
     settings = Settings(precision=prec, device=dev, budget=budget, chunk_size=chunk_size,
                         optimizer=_layout(model, optimizer),
                         max_grad_norm=None if max_grad_norm is None else float(max_grad_norm),
-                        accumulate=accumulate, world=world_size, atomic=atomic)
+                        accumulate=accumulate, world=world_size, atomic=atomic,
+                        host_budget=None if disk is None else host // per_node, disk_budget=disk)
     with cycle_collection_paused(), one_intra_op_thread():
         traced = trace_step(loss_fn, model, meta_batch, settings)
         t0 = time.perf_counter()
@@ -271,6 +278,8 @@ def plan(model: nn.Module, loss_fn, *batch, world_size: int = 1, device_memory=N
         try:
             final = run_passes(traced, pipeline(chunk_size=chunk_size, prefetch=prefetch, world=world_size))[-1]
         except BudgetError as e:
+            if e.tier is not None:      # host_memory or the disk tier, not the device, is too small
+                raise
             needed, final = e.needed, None
         passes_s = time.perf_counter() - t0      # the collection at the end is not counted
     n_params = sum(p.numel for p in traced.params)

@@ -48,7 +48,7 @@ def offload_states(g: TrainGraph, machine: Machine) -> TrainGraph:
             f"host_memory {format_bytes(st.host_budget)} ({st.host_budget} bytes) is too small: this plan keeps "
             f"{format_bytes(need)} ({need} bytes) in host memory (parameter and gradient homes, the optimizer states "
             "of the chunks not on the device). Raise host_memory, or give offload_dir (a directory on a local disk) "
-            "so that optimizer states that do not fit go to disk.", node="", needed=need, available=st.host_budget)
+            "so that optimizer states that do not fit go to disk.", node="", needed=need, available=st.host_budget, tier=StateHome.HOST)
     order = [g.ann[n.name].chunk for n in g.nodes if g.ann[n.name].role is Role.OPTIMIZER_STEP]
     movable = [cid for cid in reversed(order) if g.chunks[cid].update_site is UpdateSite.CPU
                and g.chunks[cid].state_home is StateHome.HOST]
@@ -57,7 +57,7 @@ def offload_states(g: TrainGraph, machine: Machine) -> TrainGraph:
             f"host_memory {format_bytes(st.host_budget)} ({st.host_budget} bytes) is too small: this plan keeps "
             f"{format_bytes(need)} ({need} bytes) in host memory, and no chunk's optimizer states there could move "
             "to disk (parameter and gradient homes stay on the host). Raise host_memory or device_memory.",
-            node="", needed=need, available=st.host_budget)
+            node="", needed=need, available=st.host_budget, tier=StateHome.HOST)
     # a first guess from the bytes alone (each chunk moved frees its states, the staging buffers cost some back),
     # then checked on the scheduled graph, one more chunk at a time
     layout = state_layout(st)
@@ -81,7 +81,7 @@ def offload_states(g: TrainGraph, machine: Machine) -> TrainGraph:
                 f"optimizer states of {k} chunks on disk: the host still needs {format_bytes(have)} ({have} bytes) "
                 "for parameter and gradient homes and the disk tier's staging buffers. Raise host_memory, or lower "
                 "chunk_size (smaller staging buffers), or device_memory's pressure on host homes.",
-                node="", needed=have, available=st.host_budget)
+                node="", needed=have, available=st.host_budget, tier=StateHome.HOST)
         k += 1
 
 
@@ -98,7 +98,7 @@ def _check_disk(g: TrainGraph) -> None:
             f"disk_memory {format_bytes(g.settings.disk_budget)} ({g.settings.disk_budget} bytes) is too small: the "
             f"optimizer states that do not fit host_memory need {format_bytes(need)} ({need} bytes) on disk. Raise "
             "disk_memory (or free space in offload_dir), or raise host_memory.",
-            node="", needed=need, available=g.settings.disk_budget)
+            node="", needed=need, available=g.settings.disk_budget, tier=StateHome.DISK)
 
 
 def with_disk_nodes(g: TrainGraph, machine: Machine, seconds: dict[str, float] | None = None) -> TrainGraph:

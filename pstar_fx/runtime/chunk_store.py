@@ -68,7 +68,8 @@ def host_buffer_specs(chunks: tuple[ChunkInfo, ...], precision: Precision, world
         if c.group is not ChunkGroup.TRAINABLE or host_stepped:
             specs.append(BufferSpec(("param", c.id), shard_numel(c, world), c.dtype, True))
         if host_stepped and c.state_home is StateHome.DISK:      # its states are in a file (runtime/disk.py)
-            specs.append(BufferSpec(("grad", c.id), shard_numel(c, world), c.dtype, True))
+            if c.grad_buf() is BufKind.GRAD:
+                specs.append(BufferSpec(("grad", c.id), shard_numel(c, world), c.dtype, True))
         elif host_stepped:
             # pinned only for a streamed update, whose states the device copies (pageable copies are much slower)
             specs.append(BufferSpec(("states", c.id), state_floats(c, precision, world, state), torch.float32,
@@ -135,8 +136,9 @@ class ChunkStore:
                     self.states[c.id].zero_()
                 elif c.state_home is StateHome.DISK:
                     self._disk_files().add(c.id, floats * 4)     # zeros, like fresh states
-                    self.host_grad[c.id] = self.hostmem.zeros(shard_numel(c, self.world), c.dtype,
-                                                              key=("grad", c.id))
+                    if c.grad_buf() is BufKind.GRAD:
+                        self.host_grad[c.id] = self.hostmem.zeros(shard_numel(c, self.world), c.dtype,
+                                                                  key=("grad", c.id))
                 else:
                     self.states[c.id] = self.hostmem.zeros(floats, torch.float32, copied=c.streamed,
                                                            key=("states", c.id))

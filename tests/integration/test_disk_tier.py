@@ -178,10 +178,10 @@ def test_budgets_that_cannot_fit_name_the_tier(tmp_path):
     small_host = _host_memory_for("fp32", 3)
     with pytest.raises(px.BudgetError, match="host_memory .* is too small.*give offload_dir") as e:
         _step("fp32", host_memory=small_host).lower(x, y)
-    assert e.value.available == small_host and e.value.needed > small_host
+    assert e.value.available == small_host and e.value.needed > small_host and e.value.tier is StateHome.HOST
     with pytest.raises(px.BudgetError, match="disk_memory .* is too small") as e:
         _step("fp32", host_memory=small_host, offload_dir=tmp_path, disk_memory=1000).lower(x, y)
-    assert e.value.available == 1000 and e.value.needed > 1000
+    assert e.value.available == 1000 and e.value.needed > 1000 and e.value.tier is StateHome.DISK
     with pytest.raises(px.BudgetError, match="too small even with the optimizer states of 6 chunks on disk"):
         _step("fp32", host_memory=10_000, offload_dir=tmp_path).lower(x, y)
 
@@ -259,3 +259,22 @@ def test_atomic_false_updates_disk_chunks_during_backward(tmp_path):
     roles = [g.ann[n.name].role for n in g.nodes]
     commit = roles.index(Role.COMMIT)
     assert any(r is Role.DISK_WRITE for r in roles[:commit])
+
+
+def test_px_plan_plans_the_disk_tier(tmp_path):
+    """px.plan(host_memory=..., disk_memory=...) plans the states that do not fit the host on disk, as px.compile
+    does, and the cost model's disk lane shows their time; a disk budget too small raises naming the disk."""
+    from pstar_fx.cost import Lane
+    x, y = _batches(1)[0]
+    host = _host_memory_for("bf16", 3)
+    compiled = _step("bf16", host_memory=host, offload_dir=tmp_path)
+    compiled.lower(x, y)
+    report = px.plan(_model(), mlp_loss, x, y, device_memory=DEVICE_MEMORY, host_memory=host, disk_memory="1GiB",
+                     precision="bf16", chunk_size=CHUNK, device="cpu")
+    homes = [c.state_home for c in report.graph.chunks]
+    assert homes == [c.state_home for c in compiled.final_graph.chunks] and StateHome.DISK in homes
+    assert report.cost.busy[Lane.DISK] > 0
+    with pytest.raises(px.BudgetError, match="disk_memory") as e:
+        px.plan(_model(), mlp_loss, x, y, device_memory=DEVICE_MEMORY, host_memory=host, disk_memory=1000,
+                precision="bf16", chunk_size=CHUNK, device="cpu")
+    assert e.value.tier is StateHome.DISK
