@@ -185,7 +185,7 @@ class ChunkStore:
         host memory, where readers and writers use them as host states; `close_states` writes back those marked
         written (`states_written`) and lets go of them, before the next step."""
         assert self.state_home[cid] is StateHome.DISK and self.states[cid] is None, cid
-        self.disk.wait_all()
+        self.disk.settle()          # writes still in flight land first (one that failed raised in its step)
         buf = torch.empty(self.disk.sizes[cid] // 4, dtype=torch.float32)
         self.disk.read_into(cid, buf)
         self.states[cid] = buf

@@ -13,7 +13,7 @@ the store's own under `offload_dir`, read and written asynchronously on a small 
   staging buffer (slot) run in the order they were issued: a read into a slot starts after the slot's previous
   write is done (so the buffer is never overwritten before its states reached the disk), and a write starts once
   `gate` (the chunk's update) is done; a failed gate fails the write without writing. Nothing here blocks the
-  calling thread; `wait` does, and re-raises a failure.
+  calling thread; the store waits on the Futures (a failure is its step's to raise), `settle` for all of them.
 """
 from __future__ import annotations
 
@@ -144,8 +144,8 @@ class DiskStates:
 
     def set_staging(self, slots: int, nbytes: int) -> None:
         """At least `slots` staging buffers of at least nbytes (aligned) each; made once, grown where a plan needs
-        more. Before a step, with nothing in flight."""
-        self.wait_all()
+        more. Before a step: what is still in flight finishes first (a failure was the step's to raise)."""
+        self.settle()
         if len(self.staging) >= slots and all(s.numel() >= nbytes for s in self.staging[:slots]):
             return
         size = max([aligned(nbytes)] + [s.numel() for s in self.staging])
@@ -192,13 +192,6 @@ class DiskStates:
     @property
     def written_bytes(self) -> int:
         return self.moved["written"]
-
-    def wait_all(self) -> None:
-        """Wait for every operation issued so far; re-raise the first failure."""
-        with self._lock:
-            futs = list(self._last.values())
-        for f in futs:
-            f.result()
 
     def settle(self) -> None:
         """Wait for every operation issued so far, ignoring failures (after a failed step)."""

@@ -278,3 +278,27 @@ def test_px_plan_plans_the_disk_tier(tmp_path):
         px.plan(_model(), mlp_loss, x, y, device_memory=DEVICE_MEMORY, host_memory=host, disk_memory=1000,
                 precision="bf16", chunk_size=CHUNK, device="cpu")
     assert e.value.tier is StateHome.DISK
+
+
+def test_states_move_between_disk_host_and_device(tmp_path):
+    """A plan of another signature may home a chunk's states elsewhere: the store moves them from disk to host or
+    device and back (ChunkStore.set_homes), values unchanged, and training goes on as if they had stayed."""
+    import dataclasses
+    ref = _step("fp32")
+    want = _train(ref, _batches(3))
+    step = _step("fp32", host_memory=_host_memory_for("fp32", 3), offload_dir=tmp_path)
+    _train(step, _batches(2))
+    before = _optimizer_tensors(step)
+    store = step._compiler.store
+    chunks = step.final_graph.chunks
+    disk = [c.id for c in chunks if c.state_home is StateHome.DISK]
+    host = [c.id for c in chunks if c.state_home is StateHome.HOST]
+    moved = tuple(dataclasses.replace(c, state_home={disk[0]: StateHome.HOST, disk[1]: StateHome.DEVICE,
+                                                     host[0]: StateHome.DISK}.get(c.id, c.state_home))
+                  for c in chunks)
+    store.set_homes(moved)
+    assert store.states[disk[0]] is not None and store.states[host[0]] is None
+    _assert_equal(_optimizer_tensors(step), before)
+    assert _train(step, _batches(1, start=2)) == want[2:]      # the step's own plan puts them back first
+    assert [store.state_home[c.id] for c in chunks] == [c.state_home for c in chunks]
+    _assert_equal(_optimizer_tensors(step), _optimizer_tensors(ref))
