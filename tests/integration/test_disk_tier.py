@@ -74,6 +74,7 @@ def test_disk_states_train_like_states_in_memory(precision, tmp_path):
     g = step.final_graph
     homes = [c.state_home for c in g.chunks]
     assert 0 < homes.count(StateHome.DISK) < len(homes), homes           # some on disk, some in host memory
+    assert g.plan.h2d_bytes > 0 and g.plan.carried != ()                 # chunks evicted and fetched again
     assert got == want
     _assert_equal(step.state_dict(), ref.state_dict())
     _assert_equal(_optimizer_tensors(step), _optimizer_tensors(ref))
