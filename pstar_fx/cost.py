@@ -9,12 +9,12 @@ The model, in three parts.
    host->device rate, a write-back the same at device->host (a streamed update's states: their fp32 bytes each way),
    an all-gather / reduce-scatter (w-1)/w of the chunk at
    the collective bus rate plus a latency, a device-side Adam update the shard's elements at the GPU Adam rate, a
-   host-side one at the CPU Adam rate.
+   host-side one at the CPU Adam rate; a disk-homed chunk's states are read and written at the disk's rates.
 
-2. Where it runs: six lanes, each doing one thing at a time: the compute stream, the host->device and device->host
-   copy streams, the NCCL stream, the CPU thread that runs host-side updates, and the executor's own thread, which
-   issues everything (a fixed Python cost per node; no GPU work starts before it is issued, and it cannot issue a
-   kernel more than `launch_queue` kernels ahead of the compute stream). Nodes are placed in graph
+2. Where it runs: seven lanes, each doing one thing at a time: the compute stream, the host->device and device->host
+   copy streams, the NCCL stream, the CPU thread that runs host-side updates, the disk of the disk tier, and the
+   executor's own thread, which issues everything (a fixed Python cost per node; no GPU work starts before it is
+   issued, and it cannot issue a kernel more than `launch_queue` kernels ahead of the compute stream). Nodes are placed in graph
    order; each starts when its lane is free and what it waits for is done, as the runtime orders them (`runtime/`):
    - a node that reads a chunk buffer waits for the buffer's fetch or collective (its first use waits, not the fetch);
    - a copy into the device waits for the compute stream to reach the fetch (its slot may still hold an activation),
@@ -22,6 +22,9 @@ The model, in three parts.
    - a write-back waits for the compute stream, and the compute stream then waits for the write-back (the runtime
      keeps the plan's peak exact that way: ChunkStore.release);
    - a reduce-scatter follows the last gradient write; with clipping the compute stream waits for it (the norm);
+   - a disk read waits for the previous write out of its staging buffer, a disk-homed chunk's update for its read,
+     its write for its update, and the step's end for every write (the disk lane: one drive, reads and writes in
+     turn);
    - a host-side update waits for its gradient's write-back and for the copies reading its host buffers, and with
      clipping or fp16 for the commit (the clip coefficient, the overflow flag); the fetch that needs its result waits
      for it (sharded: the executor's thread waits, since collectives are issued in graph order by that thread).
@@ -55,7 +58,7 @@ import torch.fx as fx
 from .ir import ops
 from .ir.fx_utils import mutated_args, storage_key, tensors_of
 from .ir.graph import BufKind, Role, TrainGraph, UpdateSite
-from .ir.needs import BufKey, all_needs, buf_bytes, from_master, shard_numel, state_layout
+from .ir.needs import BufKey, all_needs, buf_bytes, from_master, shard_numel, state_bytes, state_layout
 from .units import format_bytes, parse_bytes
 
 INF = float("inf")
@@ -92,6 +95,8 @@ class Machine:
     #                                      (rail-optimised; rings spread over the NICs), at 90% of line rate
     collective_latency_s: float = 50e-6  # per collective, beyond its bytes
     gpus_per_node: int = 8
+    disk_read_bytes: float = 5e9         # the disk tier (offload_dir): an NVMe drive's sequential reads and writes,
+    disk_write_bytes: float = 3e9        # typical data-sheet figures for an H200 host's local NVMe, not measured
     # sizes px.plan checks a plan against (None: not given, not checked); bytes, or strings such as "1.5TB"
     device_memory: int | None = None     # one GPU's memory, as torch reports its total
     host_memory: int | None = None       # host memory of one node, shared by its GPUs
@@ -186,6 +191,7 @@ class Lane(enum.Enum):
     COMM = "comm"            # collectives (NCCL's stream)
     CPU = "cpu"              # host-side optimizer updates (the store's worker thread)
     HOST = "host"            # the executor's thread: issues every node
+    DISK = "disk"            # reads and writes of disk-homed optimizer states (the disk tier's I/O threads)
 
 
 class Bound(enum.Enum):
@@ -468,6 +474,8 @@ def _simulate(g: TrainGraph, m: Machine, node_s: list[float], background, steps:
     reading: dict[int, float] = {}       # the last copy that reads a chunk's host buffers done
     updated: dict[int, float] = {}       # a chunk's host-side update done
     reduced: set[int] = set()
+    states_read: dict[int, float] = {}   # a disk chunk's states in their staging buffer
+    slot_free: dict[int, float] = {}     # a staging buffer's last write to disk done
     free = sim.free
     ends = []
     launched: list[float] = []           # end times of the compute stream's kernels, in launch order
@@ -552,12 +560,21 @@ def _simulate(g: TrainGraph, m: Machine, node_s: list[float], background, steps:
                 if n.kwargs.get("gather", False):               # the updated chunk is gathered again
                     ready[BufKey(c.id, BufKind.PARAM)] = sim.collective(done, c.nbytes)
             elif a.role is Role.OPTIMIZER_STEP:
-                t = max(issue, reading.get(c.id, 0.0), *(home.get(BufKey(c.id, b), 0.0) for b in BufKind))
+                t = max(issue, reading.get(c.id, 0.0), states_read.get(c.id, 0.0),
+                        *(home.get(BufKey(c.id, b), 0.0) for b in BufKind))
                 if waits_commit:
                     t = max(t, commit_at)
                 updated[c.id] = sim.cpu_update(t, shard_numel(c, world))
+            elif a.role is Role.DISK_READ:
+                nbytes = state_bytes(c, g.settings.precision, world, state_layout(g.settings))
+                start = max(issue, slot_free.get(n.kwargs["slot"], 0.0))
+                states_read[c.id] = sim._fixed(Lane.DISK, start, nbytes / m.disk_read_bytes)
+            elif a.role is Role.DISK_WRITE:
+                nbytes = state_bytes(c, g.settings.precision, world, state_layout(g.settings))
+                slot_free[n.kwargs["slot"]] = sim._fixed(Lane.DISK, max(issue, updated.get(c.id, 0.0)),
+                                                         nbytes / m.disk_write_bytes)
             elif a.role is Role.OUTPUT:
-                end = free[Lane.COMPUTE]
+                end = max([free[Lane.COMPUTE]] + list(slot_free.values()))   # the step waits for its disk writes
                 if world > 1:                                   # the loss, averaged over the ranks
                     end = sim.collective(end, 4)
                 free[Lane.HOST] = max(free[Lane.HOST], end)      # the caller reads the loss

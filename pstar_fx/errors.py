@@ -48,11 +48,13 @@ class BudgetError(PstarError):
     memory then).
     """
 
-    def __init__(self, message: str, *, node: str, needed: int, available: int):
+    def __init__(self, message: str, *, node: str, needed: int, available: int, tier=None):
         super().__init__(message)
         self.node = node
         self.needed = needed
         self.available = available
+        self.tier = tier       # the memory that does not fit: None for the device's budget, else its StateHome
+        #                        (host_memory, the disk tier's disk_memory); node is "" then
 
 
 class DeviceMemoryError(BudgetError, torch.OutOfMemoryError):

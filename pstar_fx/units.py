@@ -11,24 +11,24 @@ _UNITS = {
 _PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
 
 
-def parse_bytes(value: int | str) -> int:
-    """Bytes from an int or a string such as "512MiB", "1.5GB", "4096"."""
+def parse_bytes(value: int | str, name: str = "device_memory") -> int:
+    """Bytes from an int or a string such as "512MiB", "1.5GB", "4096"; `name` is the option's, for the errors."""
     if isinstance(value, bool):
-        raise TypeError(f"device_memory must be an int or a string like '8GiB', not {value!r}")
+        raise TypeError(f"{name} must be an int or a string like '8GiB', not {value!r}")
     if isinstance(value, int):
         if value <= 0:
-            raise ValueError(f"device_memory must be positive, got {value}")
+            raise ValueError(f"{name} must be positive, got {value}")
         return value
     if not isinstance(value, str):
-        raise TypeError(f"device_memory must be an int or a string like '8GiB', not {type(value).__name__}")
+        raise TypeError(f"{name} must be an int or a string like '8GiB', not {type(value).__name__}")
     m = _PATTERN.match(value)
     unit = m.group(2).lower() if m else None
     if m is None or unit not in _UNITS:
-        raise ValueError(f"cannot read {value!r} as a size: use bytes or a number with one of "
+        raise ValueError(f"{name}: cannot read {value!r} as a size: use bytes or a number with one of "
                          "B, KB, MB, GB, TB, KiB, MiB, GiB, TiB (for example '8GiB')")
     n = int(float(m.group(1)) * _UNITS[unit])
     if n <= 0:
-        raise ValueError(f"device_memory must be positive, got {value!r}")
+        raise ValueError(f"{name} must be positive, got {value!r}")
     return n
 
 

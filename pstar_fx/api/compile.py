@@ -14,7 +14,9 @@ def compile(model: nn.Module, *, optimizer: OptimizerSpec | None, device_memory:
             precision: str | None = None, chunk_size: int | None = None, device=None, debug: bool = False,
             prefetch: int | None = None, max_grad_norm: float | None = None,
             accumulate: int = 1, remat="auto", atomic: bool = True,
-            _device_updates: int | None = None, cache_size: int = 8, fuse: bool | None = None) -> Callable[[Callable], CompiledStep]:
+            _device_updates: int | None = None, cache_size: int = 8, fuse: bool | None = None,
+            host_memory: int | str | None = None, offload_dir=None,
+            disk_memory: int | str | None = None) -> Callable[[Callable], CompiledStep]:
     """Compile `step(model, *batch) -> loss` into one training step that fits `device_memory`.
 
     Use as a decorator: `@px.compile(model, optimizer=px.AdamW(lr=3e-4))` over `def step(model, x, y): ...`;
@@ -37,6 +39,9 @@ def compile(model: nn.Module, *, optimizer: OptimizerSpec | None, device_memory:
     moves becomes one region, compiled by Inductor (passes/regions.py; random ops such as dropout and in-place
     writes stay eager). Compiling takes seconds per distinct region on a first run and is cached across processes;
     `fuse=None` takes the device's default (api/options.py DEFAULT_FUSE: off for now). Training steps only.
+    `host_memory` bounds what pstar-fx keeps in host memory (None: unchecked, or with a disk tier what the host has
+    available); `offload_dir`, a directory on a local disk, gives a third home to the optimizer states that do not
+    fit it, up to `disk_memory` bytes (None: the free space there). See docs/memory.md, "The disk tier".
     """
     if _device_updates is not None and (not isinstance(_device_updates, int) or isinstance(_device_updates, bool)
                                         or _device_updates < 0):
@@ -46,10 +51,14 @@ def compile(model: nn.Module, *, optimizer: OptimizerSpec | None, device_memory:
             if max_grad_norm is not None or accumulate != 1 or not atomic or _device_updates is not None or fuse:
                 raise ValueError("max_grad_norm, accumulate, atomic and fuse belong to training steps; a "
                                  "forward-only function (optimizer=None) takes none of them")
+            if host_memory is not None or offload_dir is not None or disk_memory is not None:
+                raise ValueError("host_memory, offload_dir and disk_memory place optimizer states; a forward-only "
+                                 "function (optimizer=None) has none: leave them None")
             return CompiledEval(fn, model, device_memory=device_memory, precision=precision, chunk_size=chunk_size,
                                 device=device, debug=debug, prefetch=prefetch, cache_size=cache_size)
         return CompiledStep(fn, model, optimizer, device_memory=device_memory, precision=precision,
                             chunk_size=chunk_size, device=device, debug=debug, prefetch=prefetch,
                             max_grad_norm=max_grad_norm, accumulate=accumulate, remat=remat, atomic=atomic,
-                            device_updates=_device_updates, cache_size=cache_size, fuse=fuse)
+                            device_updates=_device_updates, cache_size=cache_size, fuse=fuse,
+                            host_memory=host_memory, offload_dir=offload_dir, disk_memory=disk_memory)
     return wrap

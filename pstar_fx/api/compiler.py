@@ -104,7 +104,8 @@ class Compiler:
     first compile makes it. A model's train/eval modes and requires_grad flags are part of the signature."""
 
     def __init__(self, fn: Callable, model: nn.Module, settings: Settings, comm: Comm | None, optimizer, *,
-                 remat: bool, prefetch: int | None, cache_size: int = DEFAULT_MAX_SIZE, fuse: bool = False):
+                 remat: bool, prefetch: int | None, cache_size: int = DEFAULT_MAX_SIZE, fuse: bool = False,
+                 offload_dir: str | None = None):
         self.fn = fn
         self.fuse = fuse
         self.regions = RegionCompiler()  # fused regions compiled for any signature, shared by the next
@@ -114,6 +115,7 @@ class Compiler:
         self.optimizer = optimizer
         self.remat = remat
         self.prefetch = prefetch
+        self.offload_dir = offload_dir   # the disk tier's directory (the store makes its files there)
         self.tables = model_tables(model)
         self.cache: TraceCache[Compiled] = TraceCache(max_size=cache_size)
         self.variants = GuardVariants()  # per signature: the guard outcomes compiled for it (api/guarded.py)
@@ -167,7 +169,8 @@ class Compiler:
             early = early_host_bytes(self.tables.params, st.precision, st.world, st.budget,
                                      state_layout(st))
             if early:
-                hostmem.prefault(min(early, spare_host_bytes(int(os.environ.get("LOCAL_WORLD_SIZE", st.world)))))
+                spare = spare_host_bytes(int(os.environ.get("LOCAL_WORLD_SIZE", st.world)))
+                hostmem.prefault(min(early, spare, st.host_budget or spare))   # (host_memory bounds it too)
 
         def set_up_early(stage: TrainGraph) -> None:
             interrupts.deliver()        # a safe point between passes
@@ -200,7 +203,7 @@ class Compiler:
             # faulted in, and the collection (0.36 s at 17B) runs beside that instead of after it
             collect_now()
             self.store = ChunkStore(final.chunks, final.params, st.precision, st.device, st.budget, comm=self.comm,
-                                    hostmem=hostmem, state=state_layout(st))
+                                    hostmem=hostmem, state=state_layout(st), offload_dir=self.offload_dir)
             if self.optimizer is not None:
                 self.optimizer.attach(self.store)
         executor = Executor(final, self.store, self.regions)
@@ -221,6 +224,6 @@ class Compiler:
             before = run_passes(traced, passes)[-1]
             if self.remat:
                 before = least_need_graph(before)
-            host_only = before.evolve(settings=dataclasses.replace(before.settings, budget=0))
+            host_only = before.evolve(settings=dataclasses.replace(before.settings, budget=0, host_budget=None))
             return min_need(place_optimizer(host_only))
 

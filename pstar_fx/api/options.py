@@ -3,6 +3,7 @@ resolved (device, precision, budget), before anything is traced."""
 from __future__ import annotations
 
 import math
+import shutil
 
 import torch
 import torch.nn as nn
@@ -10,6 +11,8 @@ import torch.nn as nn
 from ..errors import warn
 from ..ir.graph import Precision
 from ..optim import OptimizerSpec
+from ..runtime.disk import check_dir
+from ..runtime.host_memory import spare_host_bytes
 from ..units import parse_bytes
 from .device_budget import (
     ALLOCATOR_EXPANDABLE,
@@ -132,3 +135,33 @@ def resolve_budget(device_memory, device: torch.device, world: int) -> tuple[int
                  "starts (see docs/memory.md)")
         return default.budget, default
     return default_cpu_budget(), None
+
+
+def resolve_tiers(host_memory, offload_dir, disk_memory, world: int) -> tuple[int | None, str | None, int | None]:
+    """(host budget, offload directory, disk budget) from px.compile's host_memory, offload_dir and disk_memory.
+
+    host_memory: bytes or a size string; None: not checked without a disk tier, and with one (offload_dir given)
+    the host memory the system could give now less a margin (runtime/host_memory.spare_host_bytes). offload_dir: an
+    existing, writable directory for the disk tier's files (None: no disk tier). disk_memory: bytes of it the disk
+    tier may use; None: the free space there now. One rank only, so far."""
+    host = None if host_memory is None else parse_bytes(host_memory, "host_memory")
+    if offload_dir is None:
+        if disk_memory is not None:
+            raise ValueError("disk_memory bounds the disk tier, which needs offload_dir (a directory on a local disk "
+                             "for optimizer states that do not fit host_memory); pass offload_dir too, or drop "
+                             "disk_memory")
+        if host is not None and world > 1:
+            raise ValueError(f"host_memory is checked on one rank only so far (this process group has {world}); "
+                             "leave it None, and use px.plan(..., host_memory=...) to check a cluster's hosts")
+        return host, None, None
+    if world > 1:
+        raise ValueError(f"offload_dir (the disk tier) is built for one rank only so far (this process group has "
+                         f"{world}); leave it None")
+    path = check_dir(offload_dir)
+    disk = shutil.disk_usage(path).free if disk_memory is None else parse_bytes(disk_memory, "disk_memory")
+    if host is None:
+        host = spare_host_bytes()
+        if host <= 0:
+            raise ValueError("host_memory=None with offload_dir: the host memory available could not be read "
+                             "(/proc/meminfo); pass host_memory")
+    return host, path, disk

@@ -32,7 +32,7 @@ from ..errors import BudgetError
 from ..frontend.trace import model_tables, trace_step
 from ..ir.graph import (REMAT, USER_CHECKPOINT, BufKind, ChunkGroup, ParamHome, Precision, Role, Settings, StateHome,
                         TrainGraph)
-from ..ir.needs import shard_numel, state_bytes, state_layout
+from ..ir.needs import disk_bytes, shard_numel, staging, state_bytes, state_layout
 from ..optim import ADAM_STATE, OptimizerLayout, OptimizerSpec
 from ..passes import pipeline, run_passes
 from ..units import format_bytes, parse_bytes
@@ -106,7 +106,7 @@ class PlanReport:
     graph: TrainGraph | None = field(default=None, repr=False, compare=False)   # the final stage
     states_streamed: int = 0         # chunks whose states live on the host, updated on the GPU (streamed over and back)
     machine: Machine = H200          # the rates the step time is estimated at, the sizes checked
-    disk_per_node: int = 0           # bytes a node keeps on disk (nothing is kept on disk today)
+    disk_per_node: int = 0           # bytes a node keeps on disk (the disk tier's files; disk_memory)
     device_headroom: int = 0         # device memory left beside the plan when the budget is the machine's
 
     @property
@@ -322,7 +322,7 @@ def plan(model: nn.Module, loss_fn, *batch, world_size: int = 1, device_memory=N
          precision: str = "bf16", chunk_size: int | None = None, accumulate: int = 1,
          max_grad_norm: float | None = None, optimizer: OptimizerSpec | None = None,
          gpus_per_node: int | None = None, machine: Machine | str | None = None, tokens: int | None = None,
-         device=None, prefetch: int | None = None, atomic: bool = True) -> PlanReport:
+         device=None, prefetch: int | None = None, atomic: bool = True, disk_memory=None) -> PlanReport:
     """Plan `loss_fn(model, *batch)` for `world_size` GPUs without running it (see the module docstring).
 
     batch: what ONE rank passes to the step (tensors, meta tensors, or (shape, dtype) pairs). machine: a
@@ -335,7 +335,9 @@ def plan(model: nn.Module, loss_fn, *batch, world_size: int = 1, device_memory=N
     parameter). tokens: per rank per step (default: the first integer batch tensor's elements). device: the device
     type the step is traced for (default: "cuda" when torch sees one, else "cpu": a CPU-only torch cannot trace for
     CUDA, and the CPU trace differs only in the attention kernel's name and in autocast's op lists, which keep the
-    same memory for transformers). atomic: as px.compile's."""
+    same memory for transformers). atomic: as px.compile's. disk_memory: bytes of a disk tier per GPU (px.compile's
+    offload_dir): with host_memory, the optimizer states that do not fit a GPU's share of it are planned on disk
+    (one GPU only so far)."""
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size must be a number of GPUs >= 1, got {world_size!r}")
     if not isinstance(atomic, bool) or (not atomic and world_size > 1):
@@ -358,6 +360,10 @@ def plan(model: nn.Module, loss_fn, *batch, world_size: int = 1, device_memory=N
     else:
         budget = None
     host = machine.host_memory
+    disk = None if disk_memory is None else parse_bytes(disk_memory, "disk_memory")
+    if disk is not None and (host is None or world_size > 1):
+        raise ValueError("disk_memory plans a disk tier for the optimizer states that do not fit host_memory: give "
+                         "host_memory too, with world_size=1 (the disk tier is built for one GPU only so far)")
     per_node = min(world_size, machine.gpus_per_node)
     machine = dataclasses.replace(machine, gpus_per_node=per_node)
     dev = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -371,7 +377,8 @@ def plan(model: nn.Module, loss_fn, *batch, world_size: int = 1, device_memory=N
     settings = Settings(precision=prec, device=dev, budget=budget, chunk_size=chunk_size,
                         optimizer=_layout(model, optimizer),
                         max_grad_norm=None if max_grad_norm is None else float(max_grad_norm),
-                        accumulate=accumulate, world=world_size, atomic=atomic)
+                        accumulate=accumulate, world=world_size, atomic=atomic,
+                        host_budget=None if disk is None else host // per_node, disk_budget=disk)
     with cycle_collection_paused(), one_intra_op_thread():
         traced = trace_step(loss_fn, model, meta_batch, settings)
         t0 = time.perf_counter()
@@ -379,6 +386,8 @@ def plan(model: nn.Module, loss_fn, *batch, world_size: int = 1, device_memory=N
         try:
             final = run_passes(traced, pipeline(chunk_size=chunk_size, prefetch=prefetch, world=world_size))[-1]
         except BudgetError as e:
+            if e.tier is not None:      # host_memory or the disk tier, not the device, is too small
+                raise
             needed, final = e.needed, None
         passes_s = time.perf_counter() - t0      # the collection at the end is not counted
     n_params = sum(p.numel for p in traced.params)
@@ -397,6 +406,8 @@ def plan(model: nn.Module, loss_fn, *batch, world_size: int = 1, device_memory=N
                           h2d_bytes=0, d2h_bytes=0, gathered_bytes=0, reduced_bytes=0, chunks=0, states_on_device=0,
                           trainable_chunks=0, model_flops=6.0 * n_params * n_tokens, cost=None, graph=None, **common)
     steady, setup = host_bytes(final)
+    count, each = staging(final)          # the disk tier's staging buffers: made at set-up, kept
+    steady, setup = steady + count * each, setup + count * each
     trainable = [c for c in final.chunks if c.group is ChunkGroup.TRAINABLE]
     p = final.plan
     return PlanReport(device_needed=None, peak_device=p.predicted_peak, host_bytes=steady, host_setup_bytes=setup,
@@ -405,4 +416,5 @@ def plan(model: nn.Module, loss_fn, *batch, world_size: int = 1, device_memory=N
                       states_on_device=sum(c.state_home is StateHome.DEVICE for c in trainable),
                       states_streamed=sum(c.streamed for c in trainable),
                       trainable_chunks=len(trainable), model_flops=model_flops(final, n_tokens),
-                      cost=estimate(final, machine), graph=final, **common)
+                      cost=estimate(final, machine), graph=final, disk_per_node=disk_bytes(final) * per_node,
+                      **common)

@@ -30,7 +30,8 @@ from .compiler import Compiler
 from .guarded import run_guarded
 from .live_optimizer import build as build_optimizer
 from .model_state import ModelState, holds_own_values
-from .options import check_options, check_world, resolve_budget, resolve_device, resolve_fuse, resolve_precision
+from .options import (check_options, check_world, resolve_budget, resolve_device, resolve_fuse, resolve_precision,
+                      resolve_tiers)
 from .summary import Summary, summarize
 from .trace_cache import DEFAULT_MAX_SIZE
 from .warnings import warn_torch_compiled
@@ -69,7 +70,7 @@ class CompiledStep:
                  precision: str | None = None, chunk_size: int | None = None, device=None, debug: bool = False,
                  prefetch: int | None = None, max_grad_norm: float | None = None, accumulate: int = 1, remat="auto",
                  atomic: bool = True, device_updates: int | None = None, cache_size: int = DEFAULT_MAX_SIZE,
-                 fuse: bool | None = None):
+                 fuse: bool | None = None, host_memory=None, offload_dir=None, disk_memory=None):
         check_options(model, optimizer, chunk_size=chunk_size, prefetch=prefetch, max_grad_norm=max_grad_norm,
                       accumulate=accumulate, remat=remat, atomic=atomic, cache_size=cache_size)
         # torch.compile wrappers are traced through (pstar_fx.frontend.torch_compile)
@@ -83,19 +84,21 @@ class CompiledStep:
         self._comm = default_comm(dev)       # the default process group, when one of 2+ ranks exists
         world = 1 if self._comm is None else self._comm.world
         budget, self._default_budget = resolve_budget(device_memory, dev, world)
+        host_budget, offload, disk_budget = resolve_tiers(host_memory, offload_dir, disk_memory, world)
         self.settings = Settings(precision=prec, device=dev, budget=budget,
                                  chunk_size=chunk_size,
                                  optimizer=self._optimizer.layout if self._optimizer is not None else None,
                                  max_grad_norm=None if max_grad_norm is None else float(max_grad_norm),
                                  accumulate=accumulate, world=world,
-                                 atomic=atomic, device_updates=device_updates)
+                                 atomic=atomic, device_updates=device_updates, host_budget=host_budget,
+                                 disk_budget=disk_budget)
         check_world(atomic, self.settings.world)
         self.debug = debug
         self.prefetch = prefetch
         self._lock = threading.RLock()       # held by a step, save and load: another thread never sees half a step
         self._compiler = self._compiler_class(traced_fn, model, self.settings, self._comm, self._optimizer,
                                               remat=remat is not False, prefetch=prefetch, cache_size=cache_size,
-                                              fuse=resolve_fuse(fuse, dev))
+                                              fuse=resolve_fuse(fuse, dev), offload_dir=offload)
         self._model_state = ModelState(self, model, self._compiler, self._comm, self._lock)
         self._scaler = LossScaler() if prec is Precision.FP16 else None
         self._last_stats: StepStats | None = None

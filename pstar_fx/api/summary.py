@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 from ..cost import estimate
 from ..ir.graph import ChunkGroup, Precision, StateHome, TrainGraph
-from ..ir.needs import state_bytes, state_layout
+from ..ir.needs import aligned, disk_bytes, disk_chunks, host_bytes, state_bytes, state_layout
 from ..runtime.step_runtime import StepStats
 from ..units import format_bytes
 from .compiler import Compiled
@@ -35,6 +35,13 @@ class Summary:
     alloc_retries: int | None = None        # the last step's caching-allocator retries (CUDA)
     states_streamed: int = 0                # of the chunks whose states live on the host: updated on the device
     fused: str | None = None                # fuse=True: the regions, the nodes they replace, the seconds compiling
+    states_on_disk: int = 0                 # trainable chunks whose optimizer states live in offload_dir
+    host_bytes: int = 0                     # host memory the plan keeps (ir.needs.host_bytes)
+    host_budget: int | None = None
+    disk_bytes: int = 0                     # the disk tier's files
+    disk_budget: int | None = None
+    disk_moved: tuple[int, int] = (0, 0)    # bytes read from and written to disk per step (the plan's)
+    disk_io: str | None = None              # "direct (O_DIRECT)" or "buffered": how the disk tier's I/O ran
 
     def __str__(self) -> str:
         rows = [
@@ -44,11 +51,19 @@ class Summary:
             ("budget", "unlimited" if self.budget is None else
                        self.default_budget if self.default_budget is not None else format_bytes(self.budget)),
             ("optimizer states", f"{self.states_on_device} of {self.trainable_chunks} chunks on the device; of the "
-                                 f"others {self.states_streamed} updated on the device (states streamed)"),
+                                 f"others {self.states_streamed} updated on the device (states streamed)"
+                                 + (f", {self.states_on_disk} on disk" if self.states_on_disk else "")),
+            ("tiers", f"device {format_bytes(self.predicted_peak)} peak, host {format_bytes(self.host_bytes)}"
+                      + ("" if self.host_budget is None else f" of {format_bytes(self.host_budget)}")
+                      + f", disk {format_bytes(self.disk_bytes)}"
+                      + ("" if self.disk_budget is None else f" of {format_bytes(self.disk_budget)}")),
             ("predicted peak", format_bytes(self.predicted_peak)),
             ("measured peak", "-" if self.measured_peak is None else format_bytes(self.measured_peak)),
             ("moved per step", f"{format_bytes(self.h2d_bytes)} host->device, "
-                               f"{format_bytes(self.d2h_bytes)} device->host"),
+                               f"{format_bytes(self.d2h_bytes)} device->host"
+                               + (f", {format_bytes(self.disk_moved[0])} read from disk, "
+                                  f"{format_bytes(self.disk_moved[1])} written ({self.disk_io} I/O)"
+                                  if self.states_on_disk else "")),
             ("step time", ("-" if self.estimated_seconds is None else
                            f"{self.estimated_seconds:.3f} s estimated (the cost model's H200 rates)") + ", "
                           + ("-" if self.measured_seconds is None else f"{self.measured_seconds:.3f} s measured")
@@ -68,6 +83,9 @@ def summarize(g: TrainGraph, compiled: Compiled, last: StepStats | None, prec: P
     model_data = (sum(c.nbytes for c in g.chunks) + sum(c.nbytes for c in trainable if not c.grad_inplace)
                   + sum(state_bytes(c, prec, 1, state_layout(g.settings)) for c in trainable))
     own = sum(c.capacity > g.chunk_size for c in g.chunks)
+    disk = disk_chunks(g)
+    moved = sum(aligned(state_bytes(c, prec, 1, state_layout(g.settings))) for c in disk)   # whole 4 KiB blocks
+    store = compiled.executor.store
     return Summary(
         chunks=len(g.chunks), chunk_size=g.chunk_size, chunk_bytes=g.chunk_size * prec.dtype.itemsize,
         own_chunks=own, model_data_bytes=model_data, budget=g.settings.budget,
@@ -82,7 +100,10 @@ def summarize(g: TrainGraph, compiled: Compiled, last: StepStats | None, prec: P
         estimated_seconds=_estimated(g, compiled),
         measured_seconds=None if last is None else last.seconds,
         alloc_retries=None if last is None else last.alloc_retries,
-        fused=str(compiled.executor.region_stats) if "fused" in compiled.stages else None)
+        fused=str(compiled.executor.region_stats) if "fused" in compiled.stages else None,
+        states_on_disk=len(disk), host_bytes=host_bytes(g), host_budget=g.settings.host_budget,
+        disk_bytes=disk_bytes(g), disk_budget=g.settings.disk_budget, disk_moved=(moved, moved),
+        disk_io=None if store.disk is None else store.disk.mode)
 
 
 def _estimated(g: TrainGraph, compiled: Compiled) -> float | None:

@@ -71,6 +71,8 @@ class Role(_Enum):
     OPTIMIZER_STEP = "optimizer_step"
     COMMIT = "commit"                # the commit point: every gradient final; overflow / norm decided; updates follow
     REDUCE_SCATTER = "reduce_scatter"  # multi-GPU: a chunk's final gradient summed over ranks, each keeping its shard
+    DISK_READ = "disk_read"          # a disk-homed chunk's optimizer states read into a host staging buffer
+    DISK_WRITE = "disk_write"        # ... and written back to their file after its update
 
 
 class ChunkGroup(_Enum):
@@ -87,6 +89,7 @@ class BufKind(_Enum):
 class StateHome(_Enum):
     DEVICE = "device"
     HOST = "host"
+    DISK = "disk"        # a file in offload_dir: read into a host staging buffer for its update, written back after
 
 
 class UpdateSite(_Enum):
@@ -210,6 +213,9 @@ class Settings:
     # forward only over a trainer's chunks (optimizer None): the trainer's chunk state layout, whose device-placed
     # states the plan counts (ir.needs.state_layout)
     states: StateLayout | None = None
+    host_budget: int | None = None   # host bytes for what pstar-fx keeps in host memory (ir.needs.host_bytes); None:
+    #                                  not checked
+    disk_budget: int | None = None   # bytes of the disk tier (offload_dir) for optimizer states; None: no disk tier
 
     @property
     def commit_decides(self) -> bool:

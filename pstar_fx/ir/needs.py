@@ -168,6 +168,57 @@ def buf_bytes(g: TrainGraph, key: BufKey) -> int:
     return g.chunks[key.chunk].nbytes
 
 
+# staging buffers for disk-homed states: a chunk's states are read into one, updated there and written back from it;
+# two let the read of the next chunk overlap the update and write-back of the one before
+STAGING_SLOTS = 2
+DISK_ALIGN = 4096        # file sizes and staging buffers are multiples of it (direct I/O's alignment)
+
+
+def aligned(n: int) -> int:
+    return -(-n // DISK_ALIGN) * DISK_ALIGN
+
+
+def disk_chunks(g: TrainGraph) -> list[ChunkInfo]:
+    return [c for c in g.chunks if c.state_home is StateHome.DISK]
+
+
+def staging(g: TrainGraph) -> tuple[int, int]:
+    """The staging buffers a plan's disk-homed chunks need: (how many, bytes each: the largest disk chunk's states,
+    aligned), (0, 0) without any."""
+    disk = disk_chunks(g)
+    if not disk:
+        return 0, 0
+    layout = state_layout(g.settings)
+    size = max(state_bytes(c, g.settings.precision, g.settings.world, layout) for c in disk)
+    return min(STAGING_SLOTS, len(disk)), aligned(size)
+
+
+def disk_bytes(g: TrainGraph) -> int:
+    """Bytes of the files holding the disk-homed chunks' states (each aligned)."""
+    layout = state_layout(g.settings)
+    return sum(aligned(state_bytes(c, g.settings.precision, g.settings.world, layout)) for c in disk_chunks(g))
+
+
+def host_bytes(g: TrainGraph) -> int:
+    """One rank's host memory for g's chunks, as the ChunkStore holds it during a step: parameter homes (of chunks
+    whose home is the host), gradient homes of the chunks the CPU updates and of the gradient buffers the schedule
+    writes back, the optimizer states placed on the host, the staging buffers of disk-homed states (made at set-up
+    and kept, so counted at every node), and in mixed precision the frozen parameters at full precision."""
+    w, prec = g.settings.world, g.settings.precision
+    params = sum(shard_numel(c, w) * c.dtype.itemsize for c in g.chunks if c.param_home is ParamHome.HOST)
+    grads = {c.id for c in g.chunks if c.update_site is UpdateSite.CPU and c.grad_buf() is BufKind.GRAD}
+    for n in g.nodes:
+        a = g.ann[n.name]
+        if a.role is Role.RELEASE and a.buf is BufKind.GRAD and n.kwargs.get("writeback"):
+            grads.add(a.chunk)
+    grad = sum(shard_numel(g.chunks[c], w) * g.chunks[c].dtype.itemsize for c in grads)
+    layout = state_layout(g.settings)
+    on_host = sum(state_bytes(c, prec, w, layout) for c in g.chunks if c.state_home is StateHome.HOST)
+    slots, size = staging(g)
+    frozen = sum(p.numel * p.dtype.itemsize for p in g.params if not p.trainable) if prec.mixed else 0
+    return params + grad + on_host + slots * size + frozen
+
+
 def constants(g: TrainGraph) -> dict[str, torch.Tensor]:
     """The tensor constants the graph's get_attr nodes read (made while tracing, e.g. torch.tensor(...))."""
     return {n.target: getattr(g.gm, n.target) for n in g.gm.graph.nodes if n.op == "get_attr"}

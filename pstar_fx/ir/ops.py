@@ -66,6 +66,18 @@ def optimizer_step(rt, *, chunk: int, gather: bool = False) -> None:
     rt.optimizer_step(chunk, gather)
 
 
+def disk_read(rt, *, chunk: int, slot: int) -> None:
+    """Issue the read of a disk-homed chunk's optimizer states from their file into host staging buffer `slot`
+    (asynchronous: the chunk's update waits for it; the read waits for the slot's previous write to finish)."""
+    rt.disk_read(chunk, slot)
+
+
+def disk_write(rt, *, chunk: int, slot: int) -> None:
+    """Write a disk-homed chunk's updated states from staging buffer `slot` back to their file, once its update is
+    done (asynchronous: the slot's next read and the end of the step wait for it)."""
+    rt.disk_write(chunk, slot)
+
+
 def guard(rt, *values, spec: guards.GuardSpec) -> None:
     """Check a value the trace assumed (ir/guards.py): raise GuardFailed, before the commit point, when the real
     values decide otherwise; the step is then traced for what they decided and run again."""
@@ -92,4 +104,5 @@ def region(rt, *inputs, spec: RegionSpec) -> tuple:
     return tuple(spec.gm(*inputs))
 
 
-RUNTIME_OPS = (guard, param_view, write_grad, fetch, all_gather, alloc, release, reduce_scatter, commit, optimizer_step)
+RUNTIME_OPS = (guard, param_view, write_grad, fetch, all_gather, alloc, release, reduce_scatter, commit, optimizer_step,
+               disk_read, disk_write)

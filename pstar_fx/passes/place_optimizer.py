@@ -25,6 +25,9 @@ chunk; the order is the earliest-deadline-first list schedule of those windows.
 Where the updates wait for the commit (one rank), the first chunks of that order may instead update on the device,
 their states streamed over and back (`ChunkInfo.streamed`, chosen with the cost model by update_sites.py): their
 steps come last, after the commit, in that order.
+With a host budget (Settings.host_budget) that the host-placed states overflow, the last chunks of the CPU's order
+get a third home, the disk (StateHome.DISK, chosen by offload.py), their states read into a host staging buffer
+before their update and written back after it (`disk_read` / `disk_write` nodes).
 """
 from __future__ import annotations
 
@@ -41,6 +44,7 @@ from ..ir.needs import (NO_NEEDS, all_needs, buf_bytes, needs, shard_numel, stat
                         static_bytes)
 from .liveness import analyze
 from .schedule import schedule
+from .offload import offload_states
 from .update_sites import choose_streamed, no_stream_reason
 
 
@@ -83,6 +87,9 @@ def place_optimizer(g: TrainGraph, machine: Machine = H200) -> TrainGraph:
             if seconds < best_s:
                 best, best_s, best_scheduled = candidate, seconds, scheduled
     best, best_scheduled = _stream(g, best, best_scheduled, machine, program_s)
+    offloaded = offload_states(best, machine)
+    if offloaded is not best:
+        best, best_scheduled = offloaded, offloaded.scheduled.result
     out = best.evolve(stage="optimizer_placed", made_by="place_optimizer")
     if best_scheduled is None:
         return out

@@ -16,6 +16,11 @@ Checked at every stage (each check applies once the stage has what it is about):
   with its gradient on the host; a streamed update's states are fetched (copied from their host home) once, before
   its step, and released with a write-back once, after it; static + resident + live + workspace <= budget at every node, and the plan's
   predicted peak is that maximum.
+- the disk tier: a chunk whose states live on disk is updated on the CPU (one rank, a disk budget given); its
+  states are read into a staging buffer once, before its step, and written back once, after it (never
+  before the commit unless atomic=False updates it early); no other chunk's are; a staging buffer takes no read
+  while a chunk read into it is not yet written back; the host bytes (ir.needs.host_bytes, staging included) stay
+  within the host budget at every node and the files within the disk budget.
 - collectives (more than one rank, from the shard stage on): every parameter buffer is brought in by all_gather,
   never by a plain fetch; every trainable chunk is reduce-scattered exactly once, after the last write of any of its
   gradients and before its optimizer step; no collective in a one-rank graph. The graph is the same on every rank,
@@ -25,7 +30,7 @@ from __future__ import annotations
 
 from ..ir import ops
 from ..ir.graph import BufKind, ChunkGroup, ParamHome, Role, StateHome, TrainGraph, UpdateSite
-from ..ir.needs import BufKey, all_needs, buf_bytes, static_bytes
+from ..ir.needs import BufKey, all_needs, buf_bytes, disk_bytes, host_bytes, staging, static_bytes
 from ..ir.printing import format_lines
 from .liveness import analyze
 
@@ -87,6 +92,8 @@ def verify(g: TrainGraph) -> TrainGraph:
         _check_steps(g)
     if g.plan is not None:
         _check_schedule(g)
+    if Role.OPTIMIZER_STEP in roles:
+        _check_disk(g)
     _check_collectives(g, roles)
     return g
 
@@ -313,3 +320,65 @@ def _check_streamed(g: TrainGraph) -> None:
         if tuple(got) != want:
             _fail(g, None, f"chunk {cid}'s streamed update: {got}, where its states must be fetched, updated by its "
                            "step, then written back")
+
+
+def _check_disk(g: TrainGraph) -> None:
+    """Disk-homed states: each chunk's read, step and write in that order, once each; a staging buffer holds one
+    chunk's states at a time; the host and disk budgets hold."""
+    st = g.settings
+    disk = {c.id for c in g.chunks if c.state_home is StateHome.DISK}
+    for cid in sorted(disk):
+        c = g.chunks[cid]
+        if c.streamed or c.update_site is not UpdateSite.CPU:
+            _fail(g, None, f"chunk {cid}'s states live on disk, but it is not updated by the CPU worker")
+        if st.world > 1 or st.disk_budget is None:
+            _fail(g, None, f"chunk {cid}'s states live on disk, but the disk tier needs one rank and a disk budget")
+    slots, _ = staging(g)
+    seen: dict[int, list[str]] = {cid: [] for cid in disk}
+    holder: dict[int, int] = {}         # staging buffer -> the chunk read into it and not yet written back
+    committed = False
+    want = ("read", "step", "write")
+    for i, n in enumerate(g.nodes):
+        a = g.ann[n.name]
+        if a.role is Role.COMMIT:
+            committed = True
+        if a.role not in (Role.DISK_READ, Role.DISK_WRITE) and not (a.role is Role.OPTIMIZER_STEP and a.chunk in disk):
+            continue
+        if a.chunk not in disk:
+            _fail(g, i, f"a disk {a.role.value.split('_')[1]} of chunk {a.chunk}, whose states do not live on disk")
+        if a.role is Role.OPTIMIZER_STEP:
+            what = "step"
+        else:
+            what = "read" if a.role is Role.DISK_READ else "write"
+            slot = n.kwargs.get("slot")
+            if not isinstance(slot, int) or not 0 <= slot < slots:
+                _fail(g, i, f"staging buffer {slot!r} of chunk {a.chunk}'s disk {what}: the plan has {slots}")
+            if what == "read":
+                if slot in holder:
+                    _fail(g, i, f"chunk {a.chunk}'s states are read into staging buffer {slot} while chunk "
+                                f"{holder[slot]}'s, read into it before, are not written back yet")
+                holder[slot] = a.chunk
+            else:
+                if holder.get(slot) != a.chunk:
+                    _fail(g, i, f"chunk {a.chunk}'s states are written back from staging buffer {slot}, which holds "
+                                f"{'nothing' if slot not in holder else f'chunk {holder[slot]}'}")
+                del holder[slot]
+                if not committed and not st.early_updates:
+                    _fail(g, i, f"chunk {a.chunk}'s states are written to disk before the commit (a step that "
+                                "failed there would have changed them)")
+        seen[a.chunk].append(what)
+        got = seen[a.chunk]
+        if tuple(got) != want[:len(got)]:
+            _fail(g, i, f"chunk {a.chunk}'s disk-homed update: {got}, where its states must be read into a staging "
+                        "buffer, updated by its step, then written back after it")
+    for cid, got in seen.items():
+        if tuple(got) != want:
+            _fail(g, None, f"chunk {cid}'s disk-homed update: {got}, where its states must be read into a staging "
+                           "buffer, updated by its step, then written back after it")
+    if g.plan is not None and st.host_budget is not None:
+        host = host_bytes(g)
+        if st.host_budget is not None and host > st.host_budget:
+            _fail(g, None, f"host bytes {host} exceed the host budget {st.host_budget} (at every node: the staging "
+                           "buffers are held for the whole step)")
+    if disk and disk_bytes(g) > st.disk_budget:
+        _fail(g, None, f"disk bytes {disk_bytes(g)} exceed the disk budget {st.disk_budget}")

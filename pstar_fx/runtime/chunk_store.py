@@ -46,10 +46,11 @@ from concurrent.futures import Future
 import torch
 
 from ..ir.graph import BufKind, ChunkGroup, ChunkInfo, ParamHome, ParamInfo, Precision, StateHome
-from ..ir.needs import BufKey, shard_numel, state_floats
+from ..ir.needs import STAGING_SLOTS, BufKey, shard_numel, state_floats
 from ..optim import NO_STATE, StateLayout
 from .comm import Comm
 from .device_pool import DevicePool
+from .disk import DiskStates
 from .host_memory import BufferSpec, HostMemory, spare_threads
 from .host_updates import HostUpdates
 from .store_values import StoreValues
@@ -66,7 +67,10 @@ def host_buffer_specs(chunks: tuple[ChunkInfo, ...], precision: Precision, world
         host_stepped = c.group is ChunkGroup.TRAINABLE and c.state_home is not StateHome.DEVICE
         if c.group is not ChunkGroup.TRAINABLE or host_stepped:
             specs.append(BufferSpec(("param", c.id), shard_numel(c, world), c.dtype, True))
-        if host_stepped:
+        if host_stepped and c.state_home is StateHome.DISK:      # its states are in a file (runtime/disk.py)
+            if c.grad_buf() is BufKind.GRAD:
+                specs.append(BufferSpec(("grad", c.id), shard_numel(c, world), c.dtype, True))
+        elif host_stepped:
             # pinned only for a streamed update, whose states the device copies (pageable copies are much slower)
             specs.append(BufferSpec(("states", c.id), state_floats(c, precision, world, state), torch.float32,
                                     c.streamed))
@@ -91,10 +95,19 @@ class ChunkStore:
 
     def __init__(self, chunks: tuple[ChunkInfo, ...], params: tuple[ParamInfo, ...], precision: Precision,
                  device: torch.device, budget: int | None, comm: Comm | None = None,
-                 hostmem: HostMemory | None = None, state: StateLayout = NO_STATE):
+                 hostmem: HostMemory | None = None, state: StateLayout = NO_STATE, offload_dir: str | None = None):
         """hostmem: host memory with buffers already reserved (host_buffer_specs), or None to make them here.
-        state: the optimizer's chunk state layout (NO_STATE without an optimizer: no trainable chunk)."""
+        state: the optimizer's chunk state layout (NO_STATE without an optimizer: no trainable chunk).
+        offload_dir: where the disk tier's files go (a directory of the store's own is made there when a plan
+        first puts states on disk)."""
         self.comm = comm
+        self.offload_dir = offload_dir
+        self.disk: DiskStates | None = None
+        self._opened: dict[int, bool] = {}     # disk chunks whose states are read into memory outside a step -> dirty
+        self._staged: dict[int, int] = {}      # disk chunk -> staging buffer, from its read to its write (a step)
+        self._disk_reads: dict[int, Future] = {}
+        self._disk_writes: list[Future] = []
+        self._update_done: dict[int, Future] = {}   # a disk chunk's update submitted to the worker
         self.world = 1 if comm is None else comm.world
         self.chunks = chunks
         self.params = {p.name: p for p in params}
@@ -121,6 +134,11 @@ class ChunkStore:
                 if c.state_home is StateHome.DEVICE:
                     self.states[c.id] = self.pool.take(floats, torch.float32, what=f"optimizer states of chunk {c.id}")
                     self.states[c.id].zero_()
+                elif c.state_home is StateHome.DISK:
+                    self._disk_files().add(c.id, floats * 4)     # zeros, like fresh states
+                    if c.grad_buf() is BufKind.GRAD:
+                        self.host_grad[c.id] = self.hostmem.zeros(shard_numel(c, self.world), c.dtype,
+                                                                  key=("grad", c.id))
                 else:
                     self.states[c.id] = self.hostmem.zeros(floats, torch.float32, copied=c.streamed,
                                                            key=("states", c.id))
@@ -148,23 +166,117 @@ class ChunkStore:
     # -- optimizer states --------------------------------------------------------------------------------------
     def parts(self, cid: int, states: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """Views into the state buffer (of this rank's shard), without waiting: for the step, which orders its own
-        work. states: a buffer of the same layout to view instead (a streamed update's device slot)."""
+        work. states: a buffer of the same layout to view instead (a streamed update's device slot, a disk chunk's
+        staging buffer). A disk-homed chunk's states, outside a step, are first read into memory (`open_states`)."""
+        if states is None and self.states[cid] is None:
+            self.open_states(cid)
         s = self.states[cid] if states is None else states
         return self.state_layout.parts(s, shard_numel(self.chunks[cid], self.world), self.precision.mixed)
+
+    # -- the disk tier (runtime/disk.py) -------------------------------------------------------------------------
+    def _disk_files(self) -> DiskStates:
+        if self.disk is None:
+            assert self.offload_dir is not None, "a plan put optimizer states on disk without an offload_dir"
+            self.disk = DiskStates(self.offload_dir)
+        return self.disk
+
+    def open_states(self, cid: int) -> None:
+        """Outside a step (state dicts, checkpoints, loads): a disk-homed chunk's states read from their file into
+        host memory, where readers and writers use them as host states; `close_states` writes back those marked
+        written (`states_written`) and lets go of them, before the next step."""
+        assert self.state_home[cid] is StateHome.DISK and self.states[cid] is None, cid
+        self.disk.settle()          # writes still in flight land first (one that failed raised in its step)
+        buf = torch.empty(self.disk.sizes[cid] // 4, dtype=torch.float32)
+        self.disk.read_into(cid, buf)
+        self.states[cid] = buf
+        self._opened[cid] = False
+
+    def states_written(self, cid: int) -> None:
+        """A writer outside a step changed chunk cid's states (or master): an opened disk chunk's go back to disk."""
+        if cid in self._opened:
+            self._opened[cid] = True
+
+    def close_states(self) -> None:
+        """Write the opened disk chunks' states that were changed back to their files, and drop every opened one."""
+        for cid, dirty in sorted(self._opened.items()):
+            if dirty:
+                self.disk.write_from(cid, self.states[cid])
+            self.states[cid] = None
+        self._opened.clear()
+
+    def disk_read(self, cid: int, slot: int) -> None:
+        """Issue the read of a disk chunk's states into staging buffer `slot` (after the slot's previous write)."""
+        self._staged[cid] = slot
+        self._disk_reads[cid] = self.disk.read(cid, slot)
+
+    def staged_parts(self, cid: int) -> tuple[dict[str, torch.Tensor], Future]:
+        """A disk chunk's states in its staging buffer, and the read that fills it (its update waits for it)."""
+        slot = self._staged[cid]
+        return self.parts(cid, self.disk.states(cid, slot)), self._disk_reads.pop(cid)
+
+    def gate_disk_write(self, cid: int, update: Future) -> None:
+        """The worker's Future of a disk chunk's update: its disk write waits for it."""
+        self._update_done[cid] = update
+
+    def disk_write(self, cid: int, slot: int) -> None:
+        """Issue the write of a disk chunk's updated states from its staging buffer, once its update is done."""
+        assert self._staged.pop(cid) == slot, (cid, slot)
+        self._disk_writes.append(self.disk.write(cid, slot, self._update_done.pop(cid, None)))
+
+    def finish_disk(self) -> None:
+        """At the end of a step: wait for its disk writes (a failure raises, as CommitError from the executor)."""
+        writes, self._disk_writes = self._disk_writes, []
+        for f in writes:
+            f.result()
+
+    def abandon_disk(self) -> None:
+        """After a failed step: wait for the disk I/O in flight, whatever its outcome, and forget it."""
+        self._staged.clear()
+        self._disk_reads.clear()
+        self._update_done.clear()
+        self._disk_writes = []
+        if self.disk is not None:
+            self.disk.settle()
 
     def master(self, cid: int) -> torch.Tensor:
         return self.parts(cid)["master"]
 
     def set_homes(self, chunks: tuple[ChunkInfo, ...]) -> None:
         """Move optimizer states to where this graph's plan put them. If any moves, every slot goes home first, so
-        the new device states fit the budget next to what the new plan starts from (`enter` brings that in)."""
+        the new device states fit the budget next to what the new plan starts from (`enter` brings that in).
+        Disk-homed states read into memory outside a step go back to their files first; the staging buffers take
+        this plan's size."""
+        self.close_states()
         if any(c.group is ChunkGroup.TRAINABLE and c.state_home is not self.state_home[c.id]
                or c.param_home is not self.chunks[c.id].param_home for c in chunks):
             self.evict_all()
         for c in chunks:
             if c.group is not ChunkGroup.TRAINABLE or c.state_home is self.state_home[c.id]:
                 continue
+            if self.state_home[c.id] is StateHome.DISK:       # read in, then moved on like host states
+                self.open_states(c.id)
+                self._opened.pop(c.id)
+                self.state_home[c.id] = StateHome.HOST
+                if c.state_home is StateHome.HOST and c.streamed:     # copied to the device: pinned
+                    pinned = self.hostmem.zeros(self.states[c.id].numel(), torch.float32, copied=True)
+                    self.states[c.id] = pinned.copy_(self.states[c.id])
+                if c.state_home is StateHome.HOST:
+                    continue
             old = self.states[c.id]
+            if c.state_home is StateHome.DISK:
+                disk = self._disk_files()
+                if not disk.has(c.id):
+                    disk.add(c.id, old.numel() * 4)
+                disk.write_from(c.id, old)
+                if self.state_home[c.id] is StateHome.DEVICE:
+                    self.pool.give(old)
+                else:
+                    self.hostmem.free(old)
+                if self.host_grad[c.id] is None and c.grad_buf() is BufKind.GRAD:
+                    self.host_grad[c.id] = self.hostmem.zeros(shard_numel(c, self.world), c.dtype)
+                self.states[c.id] = None
+                self.state_home[c.id] = c.state_home
+                continue
             if c.state_home is StateHome.DEVICE:
                 new = self.pool.take(old.numel(), torch.float32, what=f"optimizer states of chunk {c.id}")
                 new.copy_(old)
@@ -186,6 +298,10 @@ class ChunkStore:
                 home.copy_(self.master(c.id))
                 self.host_param[c.id] = home
         self.chunks = chunks
+        disk = [c for c in chunks if c.state_home is StateHome.DISK]
+        if disk:
+            size = max(state_floats(c, self.precision, self.world, self.state_layout) * 4 for c in disk)
+            self._disk_files().set_staging(min(STAGING_SLOTS, len(disk)), size)
 
     # -- chunk buffers ----------------------------------------------------------------------------------------
     def from_master(self, key: BufKey) -> bool:

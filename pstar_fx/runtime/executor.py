@@ -21,7 +21,7 @@ from ..ir.graph import Role, TrainGraph
 from ..ir.needs import BufKey, constants
 from ..units import format_bytes, parse_bytes
 from .chunk_store import ChunkStore
-from .compiled_regions import RegionCompiler, RegionStats
+from .compiled_regions import RegionCompiler
 from .step_runtime import Runtime
 
 _RUNTIME_OPS = frozenset(ops.RUNTIME_OPS)
@@ -135,7 +135,9 @@ class Executor:
             rt.h2d += h2d
             rt.d2h += d2h
             outputs, peak = self._run(inputs, scale, rt, trace_peaks, before_node, interrupts)
+            self.store.finish_disk()    # the disk tier's writes of this step (after its commit)
         except BaseException as e:
+            self.store.abandon_disk()   # reads in flight finish (into staging buffers only) before anything else
             self.store.reclaim()        # slots still being written back
             # before the commit no parameter slot was written except by in-place gradients (mixed precision, whose
             # host homes are rebuilt from the masters below): what goes home is what the step started from

@@ -43,7 +43,10 @@ def run_training_step(executor: Executor, tensors: list[torch.Tensor], interrupt
         rt.found_inf = torch.zeros((), dtype=torch.bool, device=store.device)
     per_node: list[int] | None = [] if debug else None
     retries = alloc_retries(store.device)
+    disk = (store.disk.read_bytes, store.disk.written_bytes) if store.disk is not None else (0, 0)
     outputs, peak = executor.run(inputs, scale, rt, interrupts, trace_peaks=per_node, before_node=before_node)
+    if store.disk is not None:
+        disk = (store.disk.read_bytes - disk[0], store.disk.written_bytes - disk[1])
     if retries is not None:
         retries = alloc_retries(store.device) - retries
     if store.comm is not None:        # the loss reported is the mean over every rank's batch
@@ -52,7 +55,7 @@ def run_training_step(executor: Executor, tensors: list[torch.Tensor], interrupt
         scaler.update(rt.skip)
     stats = StepStats(measured_peak=peak, h2d_bytes=rt.h2d, d2h_bytes=rt.d2h, skipped=rt.skip,
                       seconds=time.perf_counter() - started, lr=tuple(c.lr for c in rt.cfg), _grad_norm=rt.grad_norm,
-                      alloc_retries=retries)
+                      alloc_retries=retries, disk_read_bytes=disk[0], disk_write_bytes=disk[1])
     if per_node is not None:
         check_measured(g, per_node)
     return StepRun(outputs, stats, per_node)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..ir.graph import BufKind, TrainGraph, UpdateSite
+from ..ir.graph import BufKind, StateHome, TrainGraph, UpdateSite
 from ..ir.needs import BufKey, shard_numel
 from .chunk_store import ChunkStore
 from .optimizers import device_step, host_update
@@ -44,6 +44,8 @@ class StepStats:
     lr: tuple[float, ...] = ()       # the learning rate of each optimizer group during the step
     _grad_norm: torch.Tensor | None = None
     alloc_retries: int | None = None  # CUDA: the caching allocator's retries during the step (each frees its cache)
+    disk_read_bytes: int = 0         # the disk tier: optimizer-state bytes read from and written to offload_dir
+    disk_write_bytes: int = 0
 
     @property
     def grad_norm(self) -> float | None:
@@ -214,12 +216,22 @@ class Runtime:
             self._clip_coef_host = (host, event)
         return self._clip_coef_host
 
+    def disk_read(self, chunk: int, slot: int) -> None:
+        self.store.disk_read(chunk, slot)
+
+    def disk_write(self, chunk: int, slot: int) -> None:
+        self.store.disk_write(chunk, slot)
+
     def _host_step(self, chunk: int, cfg, parts) -> None:
         """Queue the update of a chunk whose states live on the host (on the store's worker thread; inline without
-        one). Everything it reads from this step is fixed now: the copies to wait for, the scale, the skip."""
+        one). Everything it reads from this step is fixed now: the copies to wait for, the scale, the skip. A
+        disk-homed chunk's states are its staging buffer's, once their read is done."""
         st = self.store
         c = self.g.chunks[chunk]
         events = st.take_host_events(chunk)
+        if c.state_home is StateHome.DISK:
+            parts, read = st.staged_parts(chunk)
+            events.append(_Done(read))
         param, grad = st.host_param[chunk], st.host(BufKey(chunk, c.grad_buf()))
         coef, coef_ready = self._host_coef()
         inv_scale = 1.0 / self.scaler.scale if self.scaler is not None else None
@@ -239,14 +251,16 @@ class Runtime:
                 e.synchronize()
             update()
         else:
-            st.updates.submit(chunk, update, after=waits)
+            done = st.updates.submit(chunk, update, after=waits)
+            if c.state_home is StateHome.DISK:
+                st.gate_disk_write(chunk, done)       # its disk write waits for it
 
     def optimizer_step(self, chunk: int, gather: bool = False) -> None:
         c = self.g.chunks[chunk]
         cfg = self.cfg[c.opt_group]
         st = self.store
         if c.update_site is UpdateSite.CPU:
-            self._host_step(chunk, cfg, st.parts(chunk))
+            self._host_step(chunk, cfg, None if c.state_home is StateHome.DISK else st.parts(chunk))
             return
         if self._norm_pending:
             self._take_pending_norm(chunk)
@@ -309,6 +323,16 @@ class Runtime:
             param.copy_(parts["master"])   # new half-precision parameters (also restores them after a skip)
         finally:
             st.pool.give(g32)
+
+
+class _Done:
+    """A Future waited for like a CUDA event (`synchronize`), among the events a host-side update waits for."""
+
+    def __init__(self, fut):
+        self.fut = fut
+
+    def synchronize(self) -> None:
+        self.fut.result()
 
 
 def _squared_norm(t: torch.Tensor) -> torch.Tensor:

@@ -55,6 +55,7 @@ class StoreValues:
                 value, home = flat[src:src + hi - lo], self.store.host_param[c.id]
                 if self.store.precision.mixed and c.group is ChunkGroup.TRAINABLE:
                     master = self.store.master(c.id)[lo:hi]
+                    self.store.states_written(c.id)       # (a disk chunk's: read in, written back before a step)
                     if self.store.pin and value.is_cuda and not master.is_cuda and home is not None:
                         # a host master is pageable (a GPU copies into it at 6-7 GB/s): staged through the
                         # pinned home, which is written after
@@ -157,7 +158,9 @@ class StoreValues:
 
     def put_state_parts(self, cid: int, parts: dict[str, torch.Tensor]) -> None:
         """After changing what state_parts returned: sharded, write this rank's shard of it back; compressed,
-        quantise m and v (after the 0-d parts, whose step count picks the rounding's random bits)."""
+        quantise m and v (after the 0-d parts, whose step count picks the rounding's random bits); a disk-homed
+        chunk's go back to their file before the next step."""
+        self.store.states_written(cid)
         own = self.store.parts(cid)
         packed = is_packed(own)
         if self.store.comm is None and not packed:

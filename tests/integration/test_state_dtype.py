@@ -16,7 +16,7 @@ from pstar_fx import checkpoint
 from pstar_fx.ir.graph import StateHome
 from pstar_fx.ir.needs import state_bytes, state_layout
 
-from harness import HYPER, eager_run, small_batches
+from harness import HYPER, small_batches
 from models import CASES_BY_NAME, GPT, gpt_loss
 
 CASE = small_batches(CASES_BY_NAME["gpt_tied"])
