@@ -312,14 +312,28 @@ def _check_streamed(g: TrainGraph) -> None:
             what = "step"
         else:
             continue
-        seen[a.chunk].append(what)
-        if tuple(seen[a.chunk]) != want[:len(seen[a.chunk])]:
-            _fail(g, i, f"chunk {a.chunk}'s streamed update: {seen[a.chunk]}, where its states must be fetched, "
-                        "updated by its step, then written back")
+        _in_order(g, i, seen, a.chunk, what, want, "streamed update",
+                  "its states must be fetched, updated by its step, then written back")
+    _all_in_order(g, seen, want, "streamed update", "its states must be fetched, updated by its step, then written back")
+
+
+def _in_order(g: TrainGraph, i: int, seen: dict[int, list[str]], chunk: int, what: str, want: tuple[str, ...],
+              kind: str, rule: str) -> None:
+    """Record chunk's move `what` at node i; its moves so far must begin `want`."""
+    got = seen[chunk]
+    got.append(what)
+    if tuple(got) != want[:len(got)]:
+        _fail(g, i, f"chunk {chunk}'s {kind}: {got}, where {rule}")
+
+
+def _all_in_order(g: TrainGraph, seen: dict[int, list[str]], want: tuple[str, ...], kind: str, rule: str) -> None:
+    """At the end of the graph every chunk's moves are exactly `want`."""
     for cid, got in seen.items():
         if tuple(got) != want:
-            _fail(g, None, f"chunk {cid}'s streamed update: {got}, where its states must be fetched, updated by its "
-                           "step, then written back")
+            _fail(g, None, f"chunk {cid}'s {kind}: {got}, where {rule}")
+
+
+_DISK_RULE = "its states must be read into a staging buffer, updated by its step, then written back after it"
 
 
 def _check_disk(g: TrainGraph) -> None:
@@ -366,18 +380,11 @@ def _check_disk(g: TrainGraph) -> None:
                 if not committed and not st.early_updates:
                     _fail(g, i, f"chunk {a.chunk}'s states are written to disk before the commit (a step that "
                                 "failed there would have changed them)")
-        seen[a.chunk].append(what)
-        got = seen[a.chunk]
-        if tuple(got) != want[:len(got)]:
-            _fail(g, i, f"chunk {a.chunk}'s disk-homed update: {got}, where its states must be read into a staging "
-                        "buffer, updated by its step, then written back after it")
-    for cid, got in seen.items():
-        if tuple(got) != want:
-            _fail(g, None, f"chunk {cid}'s disk-homed update: {got}, where its states must be read into a staging "
-                           "buffer, updated by its step, then written back after it")
+        _in_order(g, i, seen, a.chunk, what, want, "disk-homed update", _DISK_RULE)
+    _all_in_order(g, seen, want, "disk-homed update", _DISK_RULE)
     if g.plan is not None and st.host_budget is not None:
         host = host_bytes(g)
-        if st.host_budget is not None and host > st.host_budget:
+        if host > st.host_budget:
             _fail(g, None, f"host bytes {host} exceed the host budget {st.host_budget} (at every node: the staging "
                            "buffers are held for the whole step)")
     if disk and disk_bytes(g) > st.disk_budget:

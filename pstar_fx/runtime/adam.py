@@ -47,6 +47,23 @@ HOST_BLOCK = 1 << 22
 HOST_PACKED_BLOCK = 1 << 18
 
 
+def block_gradient(grad: torch.Tensor, lo: int, hi: int, g32: torch.Tensor | None, inv_scale: float | None,
+                   coef: torch.Tensor | None) -> torch.Tensor:
+    """Elements [lo, hi) of a host-side update's gradient as the update reads them: in mixed precision (`g32`, an
+    fp32 scratch of at least a block) converted to fp32 and unscaled (fp16's `inv_scale`); clipped by `coef`. In
+    fp32 a view of the gradient, clipped in place."""
+    if g32 is None:
+        g = grad[lo:hi]
+    else:
+        g = g32[:hi - lo]
+        g.copy_(grad[lo:hi])
+        if inv_scale is not None:
+            g.mul_(inv_scale)
+    if coef is not None:
+        g.mul_(coef)
+    return g
+
+
 def host_step(cfg: AdamConfig, param: torch.Tensor, grad: torch.Tensor, m: torch.Tensor | None,
               v: torch.Tensor | None, step: torch.Tensor, *, master: torch.Tensor | None = None,
               inv_scale: float | None = None, coef: torch.Tensor | None = None, skip: bool = False,
@@ -70,19 +87,9 @@ def host_step(cfg: AdamConfig, param: torch.Tensor, grad: torch.Tensor, m: torch
         g32 = torch.empty(min(block if packed is None else packed.block, n), dtype=torch.float32)
     for lo, hi in spans:
         bm, bv = (m[lo:hi], v[lo:hi]) if packed is None else packed.load(lo, hi)
-        if master is None:
-            g = grad[lo:hi]
-            if coef is not None:
-                g.mul_(coef)
-            _apply(cfg, param[lo:hi], g, bm, bv, step)
-        else:
-            g = g32[:hi - lo]
-            g.copy_(grad[lo:hi])
-            if inv_scale is not None:
-                g.mul_(inv_scale)
-            if coef is not None:
-                g.mul_(coef)
-            _apply(cfg, master[lo:hi], g, bm, bv, step)
+        g = block_gradient(grad, lo, hi, g32, inv_scale, coef)
+        _apply(cfg, param[lo:hi] if master is None else master[lo:hi], g, bm, bv, step)
+        if master is not None:
             param[lo:hi].copy_(master[lo:hi])
         if packed is not None:
             packed.store(lo, hi, step)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from ..optim import STEPS, AdamConfig, TorchConfig
-from .adam import HOST_BLOCK, HOST_PACKED_BLOCK, adam_step
+from .adam import HOST_BLOCK, HOST_PACKED_BLOCK, adam_step, block_gradient
 from .adam import host_step as adam_host_step
 from .quantize import Packed, is_packed
 
@@ -66,20 +66,10 @@ def host_update(cfg, param: torch.Tensor, grad: torch.Tensor, parts: dict[str, t
     g32 = torch.empty(min(block, n), dtype=torch.float32) if master is not None else None
     for lo in range(0, n, block):
         hi = min(n, lo + block)
-        if master is None:
-            g = grad[lo:hi]
-            if coef is not None:
-                g.mul_(coef)
-            run.block(param[lo:hi], g, lo, hi)
-            continue
-        g = g32[:hi - lo]
-        g.copy_(grad[lo:hi])
-        if inv_scale is not None:
-            g.mul_(inv_scale)
-        if coef is not None:
-            g.mul_(coef)
-        run.block(master[lo:hi], g, lo, hi)
-        param[lo:hi].copy_(master[lo:hi])
+        g = block_gradient(grad, lo, hi, g32, inv_scale, coef)
+        run.block(param[lo:hi] if master is None else master[lo:hi], g, lo, hi)
+        if master is not None:
+            param[lo:hi].copy_(master[lo:hi])
     run.finish()
 
 
