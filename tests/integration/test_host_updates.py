@@ -117,8 +117,12 @@ def test_worker_thread_ends_with_its_step():
     thread = step._compiler.store.updates._thread
     assert thread is not None and thread.is_alive()
     del step
-    gc.collect()
-    thread.join(timeout=10)
+    # an update still running on the worker holds the store until it ends, and the store is freed by a collection
+    # after that: collect until the thread ends (at most 10 s)
+    deadline = time.monotonic() + 10
+    while thread.is_alive() and time.monotonic() < deadline:
+        gc.collect()
+        thread.join(timeout=0.1)
     assert not thread.is_alive()
 
 
