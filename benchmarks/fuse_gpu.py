@@ -12,7 +12,8 @@ Each system runs in this process one after the other, the model rebuilt from the
 freed between them. Eager: the model on the device in fp32, torch.autocast(bf16), torch.optim.AdamW(fused=True).
 torch.compile: the same with the model's forward compiled (default mode). pstar-fx: px.compile(precision=bf16,
 device_memory=--budget), px.AdamW(fused=None), fuse=False and fuse=True; its compile time is the first step's, and
-for fuse=True the summary's line (regions, nodes fused, seconds compiling, cache hits) is printed.
+for fuse=True the summary's line (regions, nodes fused, seconds compiling, cache hits) is printed; each pstar-fx
+system's step.summary() is printed after its steps.
 """
 import argparse
 import gc
@@ -79,6 +80,8 @@ def timed(make, device, data, warmup):
         times.append(time.perf_counter() - t)
     compile_s = time.perf_counter() - t0 - sum(times[1:])     # building it and the first step
     fused = step.summary().fused if isinstance(step, px.CompiledStep) else None
+    if isinstance(step, px.CompiledStep):
+        print(step.summary(), flush=True)     # the plan, the estimate, what moved, the allocator's retries
     del step
     gc.collect()
     if device.type == "cuda":
