@@ -53,7 +53,6 @@ from .device_pool import DevicePool
 from .disk import DiskStates
 from .host_memory import BufferSpec, HostMemory, spare_threads
 from .host_updates import HostUpdates
-from .quantize_compiled import CompiledCodecs
 from .store_values import StoreValues
 
 
@@ -117,7 +116,6 @@ class ChunkStore:
         self.state_layout = state
         self.device = device
         self.pool = DevicePool(device, budget)
-        self.codecs = CompiledCodecs()         # the CPU worker's compressed-moment quantisers (compiled when used)
         self.pin = device.type == "cuda"
         self.hostmem = hostmem if hostmem is not None else HostMemory(self.pin)
         # a chunk whose parameters are cast from its device master (ParamHome.MASTER) has no host home

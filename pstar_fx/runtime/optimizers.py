@@ -20,7 +20,6 @@ from ..optim import STEPS, AdamConfig, TorchConfig
 from .adam import HOST_BLOCK, HOST_PACKED_BLOCK, adam_step, block_gradient
 from .adam import host_step as adam_host_step
 from .quantize import Packed, is_packed
-from .quantize_compiled import CompiledCodecs
 
 
 def device_step(cfg, param: torch.Tensor, grad: torch.Tensor, parts: dict[str, torch.Tensor],
@@ -44,18 +43,16 @@ def device_step(cfg, param: torch.Tensor, grad: torch.Tensor, parts: dict[str, t
 
 def host_update(cfg, param: torch.Tensor, grad: torch.Tensor, parts: dict[str, torch.Tensor], *,
                 master: torch.Tensor | None, inv_scale: float | None, coef: torch.Tensor | None, skip: bool,
-                block: int = HOST_BLOCK, chunk: int = 0, first: int = 0, codecs: CompiledCodecs | None = None,
-                packed_block: int = HOST_PACKED_BLOCK) -> None:
+                block: int = HOST_BLOCK, chunk: int = 0, first: int = 0) -> None:
     """One host-side update of a flat chunk, block by block (see adam.host_step, which Adam / AdamW run): in mixed
     precision the gradient block is converted to fp32, unscaled and clipped, the master stepped and the parameters
     written from it while the block is in cache. `skip` (fp16 overflow): no update. chunk, first: the chunk's id
-    and the chunk element its shard starts at (compressed moments' random bits); codecs: the compiled quantisers
-    of compressed moments (op by op without), which go in blocks of packed_block elements."""
+    and the chunk element its shard starts at (compressed moments' random bits)."""
     if isinstance(cfg, AdamConfig):
         if is_packed(parts):
             adam_host_step(cfg, param, grad, None, None, parts["step"], master=master, inv_scale=inv_scale,
                            coef=coef, skip=skip, block=block,
-                           packed=Packed(parts, chunk, first, block=packed_block, codecs=codecs))
+                           packed=Packed(parts, chunk, first, block=HOST_PACKED_BLOCK))
             return
         adam_host_step(cfg, param, grad, parts["exp_avg"], parts["exp_avg_sq"], parts["step"], master=master,
                        inv_scale=inv_scale, coef=coef, skip=skip, block=block)

@@ -28,7 +28,6 @@ import torch
 
 from ..optim import INT8_BLOCK, StateDtype
 from ..optim.state_dtype import SCRATCH_BLOCK, SCRATCH_FLOATS
-from .quantize_compiled import CompiledCodecs
 
 _K1, _K2, _K3 = 0x7FEB352D, 0x2C1B3C6D, 0x297A2D39     # a 32-bit integer hash's multipliers (each below 2**31)
 _STEP_K, _CHUNK_K = 0x5BD1E995, 0x1B873593
@@ -129,7 +128,7 @@ def quantize_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, r8: tor
 def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, a: torch.Tensor, signed: bool) -> None:
     """out (fp32) = the values of codes q with their block scales; a: fp32 scratch of out's size."""
     out.copy_(q)
-    out.mul_(1 / _levels(signed))     # by the reciprocal, as the compiled kernel does (quantize_compiled.py)
+    out.div_(_levels(signed))
     if signed:
         out.mul_(torch.abs(out, out=a))
     else:
@@ -144,22 +143,18 @@ class Packed:
     parts: the state buffer's views (StateLayout.parts of a compressed layout); chunk: the chunk's id; first: the
     chunk element the shard starts at (the random bits are per chunk element); scratch: a flat fp32 tensor of at
     least `scratch_floats(numel)` elements on the states' device (the device's counted workspace), or None to make
-    it here (the host); block: the most elements a block has (the scratch holds SCRATCH_FLOATS values for each);
-    codecs: compiled quantisers (runtime/quantize_compiled.py) for the blocks they take, the same values.
+    it here (the host); block: the most elements a block has (the scratch holds SCRATCH_FLOATS values for each).
     `load(lo, hi)` dequantises elements [lo, hi) into (m, v) fp32 views of the scratch;
-    `store(lo, hi, step)` quantises them back (the fp32 blocks the last load returned), rounded with step's random
-    bits (step: the 0-d count after the update)."""
+    `store(lo, hi, step)` quantises them back, rounded with step's random bits (step: the 0-d count after the
+    update)."""
 
     def __init__(self, parts: dict[str, torch.Tensor], chunk: int, first: int = 0,
-                 scratch: torch.Tensor | None = None, block: int = SCRATCH_BLOCK,
-                 codecs: CompiledCodecs | None = None):
+                 scratch: torch.Tensor | None = None, block: int = SCRATCH_BLOCK):
         self.parts = parts
         m = parts["exp_avg"]
         self.dtype = StateDtype.BF16 if m.dtype == torch.bfloat16 else StateDtype.INT8
         self.numel = m.numel()
         self.chunk, self.first = chunk, first
-        self.codecs = codecs
-        self.current: tuple[torch.Tensor, torch.Tensor] | None = None     # the fp32 m and v of the block loaded
         assert block % INT8_BLOCK == 0 and block <= SCRATCH_BLOCK, block
         self.block = min(self.numel, block)
         if scratch is None:
@@ -173,12 +168,6 @@ class Packed:
         assert lo % INT8_BLOCK == 0 and hi - lo <= self.block, (lo, hi)
         p, n = self.parts, hi - lo
         m, v = self.m32[:n], self.v32[:n]
-        if self.codecs is not None:
-            got = self.codecs.load(self.dtype, self._codes(lo, hi), n)
-            if got is not None:
-                self.current = got
-                return got
-        self.current = m, v
         if self.dtype is StateDtype.BF16:
             dequantize_bf16(p["exp_avg"][lo:hi], m)
             dequantize_bf16(p["exp_avg_sq"][lo:hi], v)
@@ -188,23 +177,8 @@ class Packed:
             dequantize_int8(p["exp_avg_sq"][lo:hi], p["exp_avg_sq.scale"][blocks], v, self.a[:n], False)
         return m, v
 
-    def _codes(self, lo: int, hi: int) -> dict[str, torch.Tensor]:
-        """The parts' views of elements [lo, hi) (lo block-aligned): the codes and, for int8, their blocks' scales."""
-        out = {k: self.parts[k][lo:hi] for k in MOMENTS}
-        if self.dtype is StateDtype.INT8:
-            blocks = slice(lo // INT8_BLOCK, -(-hi // INT8_BLOCK))
-            out.update({f"{k}.scale": self.parts[f"{k}.scale"][blocks] for k in MOMENTS})
-        return out
-
     def store(self, lo: int, hi: int, step: torch.Tensor) -> None:
         p, n = self.parts, hi - lo
-        if self.codecs is not None:
-            offset = seed(self.chunk, step) + _i32(self.first + lo)
-            if self.codecs.store(self.dtype, *self.current, self._codes(lo, hi), offset):
-                return
-        if self.current[0].data_ptr() != self.m32.data_ptr():      # a compiled load's new tensors, stored op by op
-            self.m32[:n].copy_(self.current[0])
-            self.v32[:n].copy_(self.current[1])
         bits, tmp = random_bits(self.bits[:n], self.tmp[:n], seed(self.chunk, step), self.first + lo), self.tmp[:n]
         if self.dtype is StateDtype.BF16:
             quantize_bf16(self.m32[:n], p["exp_avg"][lo:hi], _field(bits, 0, 16, tmp))
@@ -217,18 +191,10 @@ class Packed:
                       self.a[:n], self.u[:n], False)
 
     def blocks(self):
-        """(lo, hi) over the shard in blocks of the scratch's size (block-aligned: INT8_BLOCK divides it). int8: a
-        last block of whole INT8_BLOCKs and a partial one goes as two, the first for the compiled quantisers (which
-        take whole INT8_BLOCKs only): the same values either way, each INT8_BLOCK being quantised on its own and
-        Adam's kernel element by element."""
+        """(lo, hi) over the shard in blocks of the scratch's size (block-aligned: INT8_BLOCK divides it)."""
         b = self.block
         for lo in range(0, self.numel, b):
-            hi = min(self.numel, lo + b)
-            whole = lo + (hi - lo) // INT8_BLOCK * INT8_BLOCK
-            if self.dtype is StateDtype.INT8 and lo < whole < hi:
-                yield lo, whole
-                lo = whole
-            yield lo, hi
+            yield lo, min(self.numel, lo + b)
 
     # -- whole values, outside a step ----------------------------------------------------------------------------
     def read(self) -> dict[str, torch.Tensor]:
@@ -246,7 +212,6 @@ class Packed:
         for lo, hi in self.blocks():
             self.m32[:hi - lo].copy_(values["exp_avg"][lo:hi])
             self.v32[:hi - lo].copy_(values["exp_avg_sq"][lo:hi])
-            self.current = self.m32[:hi - lo], self.v32[:hi - lo]
             self.store(lo, hi, step)
 
 

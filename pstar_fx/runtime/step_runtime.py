@@ -236,8 +236,6 @@ class Runtime:
         coef, coef_ready = self._host_coef()
         inv_scale = 1.0 / self.scaler.scale if self.scaler is not None else None
         master = parts["master"] if self.precision.mixed else None
-        if st.state_layout.dtype.compressed:
-            st.codecs.warm()          # here, on the step's thread, before the worker needs them
         skip = self.skip
         first = self._first(chunk)
 
@@ -245,7 +243,7 @@ class Runtime:
 
         def update() -> None:
             host_update(cfg, param, grad, parts, master=master, inv_scale=inv_scale, coef=coef, skip=skip,
-                        chunk=chunk, first=first, codecs=st.codecs)
+                        chunk=chunk, first=first)
 
         self.stepped.append(chunk)
         if st.updates is None:

@@ -1,8 +1,8 @@
 """Compressed optimizer states: px.AdamW(state_dtype="bf16" | "int8").
 
 The moments are rounded, so a compressed run follows eager AdamW closely rather than exactly; what must hold
-exactly: the update is the same wherever it runs (device states, the CPU worker with its compiled quantisers, a
-streamed update: the random bits are per chunk element and step), the plan's memory (debug=True: measured == predicted at every node) with the
+exactly: the update is the same wherever it runs (device states, the CPU worker, a streamed update: the random bits
+are per chunk element and step), the plan's memory (debug=True: measured == predicted at every node) with the
 smaller state bytes, checkpoints and optimizer state dicts that resume bit for bit, and torch's global generator
 untouched. Training quality: the small GPT on the shipped corpus reaches the same loss with every state_dtype.
 """
@@ -66,7 +66,6 @@ def test_update_is_the_same_on_device_host_and_streamed_and_follows_eager(state_
     assert set(homes["device"]) == {StateHome.DEVICE} and set(homes["host"]) == {StateHome.HOST}
     assert any(c.streamed for c in steps["streamed"].graphs["scheduled"].chunks)
     assert losses["device"] == losses["host"] == losses["streamed"]
-    assert steps["host"]._compiler.store.codecs.calls > 0      # the CPU worker's compiled quantisers ran
     raw = {k: _raw_states(s) for k, s in steps.items()}
     for k in ("host", "streamed"):
         assert all(torch.equal(a, b) for a, b in zip(raw["device"], raw[k])), k
