@@ -1,9 +1,10 @@
 """The CPU worker's Adam update rate per state_dtype: one mixed-precision host-side update (bf16 parameters and
 gradient, fp32 master) of a chunk of --chunk elements through `pstar_fx.runtime.optimizers.host_update`, the moments
 fp32 (exact), bf16 or int8 (dequantised, updated and quantised back block by block), in Gparam/s (median of
---repeat after one warm-up) on --threads intra-op threads (default: torch's).
+--repeat after one warm-up) on --threads intra-op threads (default: torch's), the compressed ones in blocks of each
+of --blocks elements.
 
-    python3 benchmarks/state_update_rate.py [--chunk 16777216] [--threads 14] [--repeat 3]
+    python3 benchmarks/state_update_rate.py [--chunk 16777216] [--threads 14] [--repeat 3] [--blocks 262144,1048576]
 """
 from __future__ import annotations
 
@@ -14,13 +15,14 @@ import time
 import torch
 
 from pstar_fx.optim import ADAM_STATE, AdamConfig, StateDtype
+from pstar_fx.runtime.adam import HOST_PACKED_BLOCK
 from pstar_fx.runtime.optimizers import host_update
 
 CFG = AdamConfig(lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, decoupled=True, maximize=False,
                  fused=None)
 
 
-def rate(dtype: StateDtype, numel: int, repeat: int) -> float:
+def rate(dtype: StateDtype, numel: int, repeat: int, block: int) -> float:
     layout = ADAM_STATE.with_dtype(dtype)
     buf = torch.zeros(layout.floats(numel, True))
     parts = layout.parts(buf, numel, True)
@@ -30,7 +32,8 @@ def rate(dtype: StateDtype, numel: int, repeat: int) -> float:
     times = []
     for _ in range(repeat + 1):
         t0 = time.perf_counter()
-        host_update(CFG, param, grad, parts, master=parts["master"], inv_scale=None, coef=None, skip=False)
+        host_update(CFG, param, grad, parts, master=parts["master"], inv_scale=None, coef=None, skip=False,
+                    packed_block=block)
         times.append(time.perf_counter() - t0)
     return numel / statistics.median(times[1:]) / 1e9
 
@@ -40,15 +43,19 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=1 << 24, help="elements of the updated chunk")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--blocks", default=str(HOST_PACKED_BLOCK),
+                    help="comma-separated elements per block of a compressed update (default: the CPU worker's)")
     args = ap.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     print(f"chunk {args.chunk:,} elements, {torch.get_num_threads()} threads")
-    base = None
-    for dtype in StateDtype:
-        r = rate(dtype, args.chunk, args.repeat)
-        base = base or r
-        print(f"state_dtype {dtype.value:>4s}: {r:6.3f} Gparam/s ({base / r:4.1f}x the time of fp32)", flush=True)
+    base = rate(StateDtype.FP32, args.chunk, args.repeat, HOST_PACKED_BLOCK)
+    print(f"state_dtype fp32: {base:6.3f} Gparam/s", flush=True)
+    for dtype in (StateDtype.BF16, StateDtype.INT8):
+        for block in (int(b) for b in args.blocks.split(",")):
+            r = rate(dtype, args.chunk, args.repeat, block)
+            print(f"state_dtype {dtype.value:>4s}, blocks of {block:>9,}: {r:6.3f} Gparam/s ({base / r:4.1f}x the time "
+                  "of fp32)", flush=True)
 
 
 if __name__ == "__main__":

@@ -42,9 +42,12 @@ def adam_step(cfg: AdamConfig, param: torch.Tensor, grad: torch.Tensor, m: torch
 HOST_BLOCK = 1 << 22
 
 
-# a compressed host update's block (a multiple of INT8_BLOCK): its dequantised moments and temporaries (six fp32
-# values an element, 6 MiB) stay in the cache while each of its ops runs on every thread
-HOST_PACKED_BLOCK = 1 << 18
+# a compressed host update's block (a multiple of INT8_BLOCK). Each block runs about 40 ops, each a parallel region of
+# its own, so the block must be large enough for every thread to have work: on the H200 machine's host (16 threads,
+# a 16.8M-element chunk, benchmarks/state_update_rate.py) blocks of 1M elements updated bf16 moments at 1.00
+# Gparam/s and int8 at 0.49, blocks of 256K at 0.35 and 0.17 (fp32: 3.5). Its scratch: 24 MiB (six fp32 values an
+# element). Inductor-compiled quantisers (one loop for several ops) were slower there than these ops (0.41, 0.17).
+HOST_PACKED_BLOCK = 1 << 20
 
 
 def block_gradient(grad: torch.Tensor, lo: int, hi: int, g32: torch.Tensor | None, inv_scale: float | None,

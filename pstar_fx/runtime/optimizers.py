@@ -43,16 +43,18 @@ def device_step(cfg, param: torch.Tensor, grad: torch.Tensor, parts: dict[str, t
 
 def host_update(cfg, param: torch.Tensor, grad: torch.Tensor, parts: dict[str, torch.Tensor], *,
                 master: torch.Tensor | None, inv_scale: float | None, coef: torch.Tensor | None, skip: bool,
-                block: int = HOST_BLOCK, chunk: int = 0, first: int = 0) -> None:
+                block: int = HOST_BLOCK, chunk: int = 0, first: int = 0,
+                packed_block: int = HOST_PACKED_BLOCK) -> None:
     """One host-side update of a flat chunk, block by block (see adam.host_step, which Adam / AdamW run): in mixed
     precision the gradient block is converted to fp32, unscaled and clipped, the master stepped and the parameters
     written from it while the block is in cache. `skip` (fp16 overflow): no update. chunk, first: the chunk's id
-    and the chunk element its shard starts at (compressed moments' random bits)."""
+    and the chunk element its shard starts at (compressed moments' random bits); packed_block: the elements of a
+    compressed update's blocks."""
     if isinstance(cfg, AdamConfig):
         if is_packed(parts):
             adam_host_step(cfg, param, grad, None, None, parts["step"], master=master, inv_scale=inv_scale,
                            coef=coef, skip=skip, block=block,
-                           packed=Packed(parts, chunk, first, block=HOST_PACKED_BLOCK))
+                           packed=Packed(parts, chunk, first, block=packed_block))
             return
         adam_host_step(cfg, param, grad, parts["exp_avg"], parts["exp_avg_sq"], parts["step"], master=master,
                        inv_scale=inv_scale, coef=coef, skip=skip, block=block)
