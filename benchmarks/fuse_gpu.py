@@ -4,7 +4,7 @@ bf16 autocast, fused AdamW) on one GPU: eager PyTorch, torch.compile'd eager, ps
 fuse=True; the same model, batch and optimizer settings; median step times, ratios to eager, compile times.
 
     python benchmarks/fuse_gpu.py                                        # the 1.3B GPT, unlimited budget
-    python benchmarks/fuse_gpu.py --layers 32 --hidden 4096 --heads 32 --batch 4 --budget 40GiB   # the 6.66B shape
+    python benchmarks/fuse_gpu.py --layers 32 --hidden 4096 --heads 32 --batch 4   # the 6.66B shape (BENCHMARKS.md)
     python benchmarks/fuse_gpu.py --device cpu --layers 1 --hidden 64 --heads 2 --seq 32 --batch 2 --vocab 128 \\
         --steps 2 --warmup 1 --precision fp32                            # a smoke run on the CPU
 
