@@ -369,6 +369,23 @@ def node_seconds(n: fx.Node, m: Machine = H200) -> float:
     return memory + m.kernel_s if moved else 0.0
 
 
+def region_seconds(n: fx.Node, m: Machine = H200) -> float:
+    """Compute-stream time of a fused region (passes/regions.py, fuse=True): its matmul and attention nodes as
+    node_seconds has them (Inductor calls the same library kernels), and everything else in it as one pass over the
+    region's inputs and outputs at the memory rate (fused, its intermediates stay on chip), plus one kernel's
+    overhead. A bound from above on what fusion saves: Inductor may split a region into several kernels."""
+    inner = [x for x in n.kwargs["spec"].gm.graph.nodes if x.op == "call_function"]
+    heavy = sum(node_seconds(x, m) for x in inner if x.target in MATMUL_FLOPS or x.target in ATTENTION_FLOPS)
+    io = (sum(_tensor_bytes(t) for a in n.all_input_nodes for t in tensors_of(a))
+          + sum(_tensor_bytes(t) for t in tensors_of(n)))
+    return heavy + io / m.hbm_bytes + m.kernel_s
+
+
+def region_flops(n: fx.Node) -> float:
+    """FLOPs of a fused region's matmul, convolution and attention nodes."""
+    return sum(flops(x) for x in n.kwargs["spec"].gm.graph.nodes if x.op == "call_function")
+
+
 # -- 2. the lanes ------------------------------------------------------------------------------------------------------
 
 class _Timeline:
@@ -485,7 +502,7 @@ def _simulate(g: TrainGraph, m: Machine, node_s: list[float], background, steps:
         commit_at = 0.0
         for i, n in enumerate(nodes):
             a = g.ann[n.name]
-            program = a.role is Role.COMPUTE or a.role is Role.PARAM_VIEW or a.role is Role.WRITE_GRAD
+            program = a.role in _PROGRAM
             launches = (node_s[i] > 0 or a.role is Role.WRITE_GRAD) if program else True
             if launches and len(launched) >= m.launch_queue:
                 free[Lane.HOST] = max(free[Lane.HOST], launched[-m.launch_queue])   # the launch queue is full
@@ -582,9 +599,18 @@ def _simulate(g: TrainGraph, m: Machine, node_s: list[float], background, steps:
     return sim, ends
 
 
+# nodes of the user's program: they run on the compute stream in graph order, after the chunk buffers they read arrive
+_PROGRAM = (Role.COMPUTE, Role.REGION, Role.PARAM_VIEW, Role.WRITE_GRAD)
+
+
 def compute_seconds(g: TrainGraph, machine: Machine = H200) -> list[float]:
-    """node_seconds of every node of the user's program in g, 0 for the others, in graph order."""
-    return [node_seconds(n, machine) if g.ann[n.name].role is Role.COMPUTE else 0.0 for n in g.nodes]
+    """The compute time of every node of the user's program in g (node_seconds; region_seconds for a fused
+    region), 0 for the others, in graph order."""
+    def one(n: fx.Node) -> float:
+        role = g.ann[n.name].role
+        return (node_seconds(n, machine) if role is Role.COMPUTE else
+                region_seconds(n, machine) if role is Role.REGION else 0.0)
+    return [one(n) for n in g.nodes]
 
 
 def estimate(g: TrainGraph, machine: Machine = H200, *, steps: int = 3,
@@ -598,12 +624,14 @@ def estimate(g: TrainGraph, machine: Machine = H200, *, steps: int = 3,
     if program_s is None:
         node_s = compute_seconds(g, machine)
     else:
-        node_s = [program_s[n.name] if g.ann[n.name].role is Role.COMPUTE else 0.0 for n in g.nodes]
+        node_s = [program_s[n.name] if g.ann[n.name].role is Role.COMPUTE else
+                  region_seconds(n, machine) if g.ann[n.name].role is Role.REGION else 0.0 for n in g.nodes]
     first, _ = _simulate(g, machine, node_s, None, steps)
     sim, ends = _simulate(g, machine, node_s, first.lanes, steps)
     last = steps - 1
     busy = {lane: sim.lanes[lane].busy(last) for lane in Lane}
-    total = sum(flops(n) for n in g.nodes if g.ann[n.name].role is Role.COMPUTE)
+    total = sum(flops(n) if g.ann[n.name].role is Role.COMPUTE else
+                region_flops(n) if g.ann[n.name].role is Role.REGION else 0.0 for n in g.nodes)
     return StepCost(seconds=ends[-1] - ends[-2], first_seconds=ends[0], busy=MappingProxyType(busy), flops=total,
                     machine=machine)
 

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import pstar_fx as px
+from pstar_fx import cost
 from pstar_fx.ir import Role, ops
 from pstar_fx.ir.fx_utils import draws_random, mutated_args
 from pstar_fx.ir.graph import REMAT
@@ -117,6 +118,14 @@ def test_mlp_accumulate_matches_unfused():
     assert s1.last_step.measured_peak == g.plan.predicted_peak <= budget
     assert sum(r.kwargs["spec"].nodes for r in _regions(g)) > 0.5 * sum(
         1 for n in plain.nodes if plain.ann[n.name].role is Role.COMPUTE)
+    # the cost model times the regions: the same matmul FLOPs; the fused compute no longer, nor less than its
+    # matmuls; the step estimated within the unfused one's range
+    fused_cost, plain_cost = cost.estimate(g), cost.estimate(plain)
+    assert fused_cost.flops == plain_cost.flops > 0
+    fused_s, plain_s = sum(cost.compute_seconds(g)), sum(cost.compute_seconds(plain))
+    matmuls = sum(cost.node_seconds(n) for n in plain.nodes if n.target in cost.MATMUL_FLOPS)
+    assert matmuls < fused_s <= plain_s, (matmuls, fused_s, plain_s)
+    assert 0.5 * plain_cost.seconds <= fused_cost.seconds <= plain_cost.seconds * 1.01
 
 
 def test_fuse_option_checked():
