@@ -24,7 +24,7 @@ from pstar_fx.ir import Role, ops
 from pstar_fx.ir.fx_utils import draws_random, mutated_args
 from pstar_fx.ir.graph import REMAT
 
-from harness import HYPER, eager_run, fetch_counts, rel_err
+from harness import HYPER, eager_run, fetch_counts, rel_err, small_batches, tight_budget
 from models import CASES_BY_NAME, GPT, Case, _gpt_batch, assert_state_close, gpt_loss
 
 STEPS = 3
@@ -126,6 +126,25 @@ def test_mlp_accumulate_matches_unfused():
     matmuls = sum(cost.node_seconds(n) for n in plain.nodes if n.target in cost.MATMUL_FLOPS)
     assert matmuls < fused_s <= plain_s, (matmuls, fused_s, plain_s)
     assert 0.5 * plain_cost.seconds <= fused_cost.seconds <= plain_cost.seconds * 1.01
+
+
+@pytest.mark.slow
+def test_bf16_fused_tracks_unfused_bf16_under_a_budget_that_evicts():
+    """Mixed precision (bf16 chunks, fp32 masters) with fused regions under a budget that evicts: the losses follow
+    the unfused bf16 run's within the mixed-precision tolerance of the suite (2e-3 relative: Inductor rounds a
+    region's bf16 intermediates once, eager kernels each op), and the plan is measured exactly (debug=True)."""
+    case = small_batches(CASES_BY_NAME["gpt_tied"])
+    budget = int(tight_budget(case, CHUNK) * 1.2)
+    losses, steps = {}, {}
+    for fuse in (False, True):
+        steps[fuse] = _step(case, budget, fuse=fuse, precision="bf16")
+        losses[fuse] = [steps[fuse](*case.batch(i)).item() for i in range(5)]
+    g = steps[True].graphs["fused"]
+    _check_regions(g)
+    assert all(c.dtype == torch.bfloat16 for c in g.chunks)
+    assert max(fetch_counts(g).values()) >= 2                     # it evicts
+    assert steps[True].last_step.measured_peak == g.plan.predicted_peak <= budget
+    assert max(abs(a - b) / b for a, b in zip(losses[True], losses[False])) < 2e-3, losses
 
 
 def test_fuse_option_checked():
