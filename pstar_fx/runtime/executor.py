@@ -26,6 +26,52 @@ from .step_runtime import Runtime
 
 _RUNTIME_OPS = frozenset(ops.RUNTIME_OPS)
 
+# what the executor does at a node, decided once per graph (the loop compares small ints, not strings and ops)
+_GET_ATTR, _BUFFER, _SCALE, _INPUT, _OUTPUT, _REGION, _RUNTIME, _ATEN = range(8)
+
+
+def _kind(n: fx.Node, role: Role) -> int:
+    if n.op == "get_attr":
+        return _GET_ATTR
+    if n.op == "placeholder":
+        return _BUFFER if role is Role.BUFFER else _SCALE if role is Role.SCALE else _INPUT
+    if n.op == "output":
+        return _OUTPUT
+    if role is Role.REGION:
+        return _REGION
+    return _RUNTIME if n.target in _RUNTIME_OPS else _ATEN
+
+
+def _template(args, pos: dict) -> list | None:
+    """A flat argument list's recipe: for each argument, (the position of the node whose value it is, or -1, and
+    the constant otherwise); None where an argument nests nodes in a list or tuple (fx's map_arg builds those)."""
+    out = []
+    for a in args:
+        if isinstance(a, fx.Node):
+            out.append((pos[a], None))
+        elif _has_node(a):
+            return None
+        else:
+            out.append((-1, a))
+    return out
+
+
+def _has_node(a) -> bool:
+    found = []
+    fx.node.map_arg(a, lambda x: found.append(x))
+    return bool(found)
+
+
+def _flat_tensors(val) -> list[torch.Tensor]:
+    """tensors_in, without a pytree walk for a tuple or list of tensors and None (multi-output ops)."""
+    if type(val) is torch.Tensor:
+        return [val]
+    if val is None:
+        return []
+    if type(val) in (tuple, list) and all(t is None or type(t) is torch.Tensor for t in val):
+        return [t for t in val if t is not None]
+    return tensors_in(val)
+
 
 def mutated_buffers(g: TrainGraph) -> list[str]:
     """Module buffers the step writes in place (BatchNorm's running statistics): put back if a step fails."""
@@ -115,6 +161,15 @@ class Executor:
                       if n.target is ops.fetch or n.target is ops.alloc else None for n in self.nodes]
         self.room = [plan.predicted_peak - (plan.static_bytes + a.resident_bytes + a.live_bytes + a.workspace_bytes)
                      for a in (g.ann[n.name] for n in self.nodes)]
+        # per node: what to do, its arguments' recipe (None: fx's map_arg), its keyword arguments when constant
+        self.kinds = [_kind(n, r) for n, r in zip(self.nodes, self.roles)]
+        self.arg_recipes = [_template(n.args, pos) if k in (_RUNTIME, _ATEN) else None
+                            for n, k in zip(self.nodes, self.kinds)]
+        self.const_kwargs = [None if _has_node(n.kwargs) else n.kwargs for n in self.nodes]
+        # the first value written (the commit, or an earlier host-side step): from after its delivery check on, Ctrl-C
+        # waits for the step's end
+        self.holds_from = next((i for i, r in enumerate(self.roles) if r is Role.COMMIT or r is Role.OPTIMIZER_STEP),
+                               len(self.nodes))
 
     def run(self, inputs: list[torch.Tensor], scale: torch.Tensor | None, rt: Runtime, interrupts: DeferredInterrupt,
             trace_peaks: list[int] | None = None, before_node=None) -> tuple[list[torch.Tensor], int]:
@@ -173,7 +228,7 @@ class Executor:
 
         def hold(v) -> int:
             added = 0
-            for t in tensors_in(v):
+            for t in _flat_tensors(v):
                 s = t.untyped_storage()
                 ptr = s.data_ptr()
                 if ptr == 0 or ptr in owned:
@@ -188,7 +243,7 @@ class Executor:
 
         def drop(v) -> int:
             removed = 0
-            for t in tensors_in(v):
+            for t in _flat_tensors(v):
                 ptr = t.untyped_storage().data_ptr()
                 e = held.get(ptr)
                 if e is not None:
@@ -212,72 +267,78 @@ class Executor:
                 consts[name] = slots[-1].view(t.shape).copy_(t)
             result = None
             store = self.store
-            holding = False          # from the commit (or the first step node) on, Ctrl-C waits for the end
-            for i, n in enumerate(self.nodes):
+            nodes, kinds, recipes, const_kwargs = self.nodes, self.kinds, self.arg_recipes, self.const_kwargs
+            workspace, free_after, room, takes = self.workspace, self.free_after, self.room, self.takes
+            budget, plan_peak, holds_from = pool.budget, self.g.plan.predicted_peak, self.holds_from
+            for i, n in enumerate(nodes):
                 self._at = i
-                role = self.roles[i]
+                kind = kinds[i]
                 draining = 0              # released slots still being written back: device bytes the plan freed
                 if store.draining:
                     # give back as many as this node's room needs (all of them at the end of the step)
-                    store.reclaim(0 if n.op == "output" else self.room[i])
+                    store.reclaim(0 if kind == _OUTPUT else room[i])
                     draining = store.draining_bytes
                     pool.sample()         # this node's window starts after the slots given back
                 if pool.cached:
                     # free-listed slots fit in the node's room beside the draining ones; a slot the node takes from
                     # the list is counted by the plan already
-                    spec = self.takes[i]
+                    spec = takes[i]
                     taken = spec[0] * spec[1].itemsize if spec is not None and spec in pool.free else 0
-                    pool.trim(self.room[i] + taken - draining, spare=spec)
-                if interrupts.pending and not holding:
+                    pool.trim(room[i] + taken - draining, spare=spec)
+                if interrupts.pending and i <= holds_from:
                     interrupts.deliver()      # before the first value written: a KeyboardInterrupt rolls back
                 if before_node is not None:
                     before_node(i, n)
-                if role is Role.COMMIT or role is Role.OPTIMIZER_STEP:   # the first value written: hold Ctrl-C
-                    holding = True
-                if n.op == "get_attr":
-                    val = consts[n.target]
-                elif n.op == "placeholder":
-                    if role is Role.BUFFER:
-                        val = self.store.buffers[n.meta["buffer"]]
-                    elif role is Role.SCALE:
-                        val = scale
-                    else:
-                        val = next(input_iter)
-                elif n.op == "output":
-                    result = fx.node.map_arg(n.args[0], load)
-                    val = None
-                elif role is Role.REGION:
+                if kind == _ATEN:
+                    recipe = recipes[i]
+                    args = (fx.node.map_arg(n.args, load) if recipe is None else
+                            [env[p] if p >= 0 else c for p, c in recipe])
+                    kwargs = const_kwargs[i]
+                    if kwargs is None:
+                        kwargs = fx.node.map_arg(n.kwargs, load)
+                    try:
+                        val = n.target(*args, **kwargs)
+                    except Exception as e:
+                        raise RuntimeError(f"pstar-fx: {n.target} failed at node {n.name}{_source(n)}: {e}") from e
+                    val = self._compact(val, self.planned[i], pool)
+                elif kind == _RUNTIME:
+                    recipe = recipes[i]
+                    args = (fx.node.map_arg(n.args, load) if recipe is None else
+                            [env[p] if p >= 0 else c for p, c in recipe])
+                    val = n.target(rt, *args, **n.kwargs)
+                elif kind == _REGION:
                     args = [env[self.pos[a]] for a in n.args]
                     try:
                         val = tuple(self.compiled[i](args))
                     except Exception as e:
                         raise RuntimeError(f"pstar-fx: {n.kwargs['spec']!r} failed at node {n.name}: {e}") from e
                     val = self._compact(val, self.planned[i], pool)
-                elif n.target in _RUNTIME_OPS:
-                    args = fx.node.map_arg(n.args, load)
-                    val = n.target(rt, *args, **n.kwargs)
-                else:
-                    args = fx.node.map_arg(n.args, load)
-                    kwargs = fx.node.map_arg(n.kwargs, load)
-                    try:
-                        val = n.target(*args, **kwargs)
-                    except Exception as e:
-                        raise RuntimeError(f"pstar-fx: {n.target} failed at node {n.name}{_source(n)}: {e}") from e
-                    val = self._compact(val, self.planned[i], pool)
+                elif kind == _GET_ATTR:
+                    val = consts[n.target]
+                elif kind == _BUFFER:
+                    val = store.buffers[n.meta["buffer"]]
+                elif kind == _SCALE:
+                    val = scale
+                elif kind == _INPUT:
+                    val = next(input_iter)
+                else:                     # the output
+                    result = fx.node.map_arg(n.args[0], load)
+                    val = None
                 env[i] = val
                 act += hold(val)
-                total = pool.sample() + act + self.workspace[i]
-                peak = max(peak, total)
+                total = pool.sample() + act + workspace[i]
+                if total > peak:
+                    peak = total
                 if trace_peaks is not None:
                     trace_peaks.append(total - draining)     # what the plan counts at this node
-                if pool.budget is not None and total > pool.budget:
+                if budget is not None and total > budget:
                     raise RuntimeError(f"pstar-fx bug: node {n.name} holds {format_bytes(total)} on the device, "
-                                       f"past the budget {format_bytes(pool.budget)} that the plan promised to keep")
-                if draining and total > self.g.plan.predicted_peak:
+                                       f"past the budget {format_bytes(budget)} that the plan promised to keep")
+                if draining and total > plan_peak:
                     raise RuntimeError(f"pstar-fx bug: node {n.name} holds {format_bytes(total)} on the device "
                                        f"({format_bytes(draining)} of slots being written back), past the plan's "
-                                       f"peak {format_bytes(self.g.plan.predicted_peak)}")
-                for j in self.free_after[i]:
+                                       f"peak {format_bytes(plan_peak)}")
+                for j in free_after[i]:
                     act -= drop(env[j])
                     env[j] = None
         finally:
