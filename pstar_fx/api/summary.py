@@ -42,6 +42,7 @@ class Summary:
     disk_budget: int | None = None
     disk_moved: tuple[int, int] = (0, 0)    # bytes read from and written to disk per step (the plan's)
     disk_io: str | None = None              # "direct (O_DIRECT)" or "buffered": how the disk tier's I/O ran
+    choices: tuple[str, ...] = ()           # why the passes planned what they did ("pass: why"), in pass order
 
     def __str__(self) -> str:
         rows = [
@@ -71,7 +72,8 @@ class Summary:
             ("graph", f"{self.nodes} nodes"),
             ("compiled in", "{:.1f} s trace + {:.1f} s passes + {:.1f} s set-up".format(*self.compile_seconds)),
         ] + ([("fused", self.fused)] if self.fused is not None else [])
-        return "\n".join(f"{k:>17s}: {v}" for k, v in rows)
+        rows += [("why" if i == 0 else "", c) for i, c in enumerate(self.choices)]
+        return "\n".join(f"{k:>17s}: {v}" if k else f"{'':>19s}{v}" for k, v in rows)
 
 
 def summarize(g: TrainGraph, compiled: Compiled, last: StepStats | None, prec: Precision,
@@ -103,7 +105,8 @@ def summarize(g: TrainGraph, compiled: Compiled, last: StepStats | None, prec: P
         fused=str(compiled.executor.region_stats) if "fused" in compiled.stages else None,
         states_on_disk=len(disk), host_bytes=host_bytes(g), host_budget=g.settings.host_budget,
         disk_bytes=disk_bytes(g), disk_budget=g.settings.disk_budget, disk_moved=(moved, moved),
-        disk_io=None if store.disk is None else store.disk.mode)
+        disk_io=None if store.disk is None else store.disk.mode,
+        choices=tuple(f"{c.made_by}: {c.why}" for c in g.choices))
 
 
 def _estimated(g: TrainGraph, compiled: Compiled) -> float | None:

@@ -284,6 +284,13 @@ class Scheduled:
 
 
 @dataclass(frozen=True)
+class Choice:
+    """Why a pass planned what it did, in a sentence with its figures (step.summary() and px.plan print them)."""
+    made_by: str                     # the pass
+    why: str
+
+
+@dataclass(frozen=True)
 class TrainGraph:
     gm: fx.GraphModule
     stage: str                       # "traced", "canonical", ..., "scheduled"
@@ -300,6 +307,7 @@ class TrainGraph:
     output_spec: AuxOutputs | None = None   # forward only (optimizer=None): what rebuilds the function's output
     aux: AuxOutputs | None = None    # training: what the step function returned beside the loss (ir/outputs.py)
     seconds: float = 0.0             # how long the pass took (kept out of the printed text)
+    choices: tuple[Choice, ...] = ()  # why the passes so far planned what they did, in pass order
     scheduled: Scheduled | None = dataclasses.field(default=None, repr=False, compare=False)  # optimizer_placed
 
     def evolve(self, **changes) -> "TrainGraph":

@@ -38,8 +38,9 @@ import torch.fx as fx
 from ..cost import H200, Lane, Machine, compute_seconds, estimate, most_copy_seconds
 from ..errors import BudgetError
 from ..ir import ops
-from ..ir.graph import (BufKind, ChunkGroup, NodeAnn, Phase, Role, Scheduled, StateHome, TrainGraph, UpdateSite,
-                        copy_graph, to_module)
+from ..ir.graph import (BufKind, Choice, ChunkGroup, NodeAnn, Phase, Role, Scheduled, StateHome, TrainGraph,
+                        UpdateSite, copy_graph, to_module)
+from ..units import format_bytes
 from ..ir.needs import (NO_NEEDS, all_needs, buf_bytes, needs, shard_numel, state_bytes, state_layout,
                         static_bytes)
 from .liveness import analyze
@@ -74,38 +75,91 @@ def place_optimizer(g: TrainGraph, machine: Machine = H200) -> TrainGraph:
     # its copies cannot bound its step when they would take less than the step's compute even at their slowest
     fullest = (estimate(best_scheduled, machine, program_s=program_s)
                if fewer and most_copy_seconds(best_scheduled.plan, machine) >= sum(node_s) else None)
+    why = [_why_most(most, ranked)]
     if fullest is not None and fullest.bound in (Lane.H2D, Lane.D2H):
         best_s = fullest.seconds
+        tried = []
         all_host = with_steps(g, trainable).evolve(chunks=chunks)     # the first was used up by the fullest
         for homes in fewer:
             candidate = _placed(g, all_host, homes, machine, node_s)
+            on_device = sum(c.state_home is StateHome.DEVICE for c in homes)
             try:
                 scheduled = schedule(candidate)
             except BudgetError:
+                tried.append(f"{on_device}: does not fit")
                 continue
             seconds = estimate(scheduled, machine, program_s=program_s).seconds
+            tried.append(f"{on_device}: {seconds:.4g} s")
             if seconds < best_s:
                 best, best_s, best_scheduled = candidate, seconds, scheduled
-    best, best_scheduled = _stream(g, best, best_scheduled, machine, program_s)
+        kept = sum(c.state_home is StateHome.DEVICE for c in best.chunks)
+        why.append(f"copies bound that placement's step ({fullest.seconds:.4g} s estimated, busiest lane "
+                   f"{fullest.bound.value}), so fewer device states were tried, keeping more parameters resident "
+                   f"instead (device states: estimated step) {'; '.join(tried)}: {kept} kept ({best_s:.4g} s)")
+    else:
+        why.append(_why_not_fewer(most, fewer, fullest, node_s, machine))
+    best, best_scheduled, streamed = _stream(g, best, best_scheduled, machine, program_s)
+    if streamed is not None:
+        why.append(streamed)
     offloaded = offload_states(best, machine)
     if offloaded is not best:
         best, best_scheduled = offloaded, offloaded.scheduled.result
-    out = best.evolve(stage="optimizer_placed", made_by="place_optimizer")
+        on_disk = sum(c.state_home is StateHome.DISK for c in best.chunks)
+        why.append(f"{on_disk} chunks' optimizer states on disk: host_memory "
+                   f"{format_bytes(best.settings.host_budget)} does not hold them with the rest")
+    choices = best.choices + tuple(Choice("place_optimizer", w) for w in why)
+    out = best.evolve(stage="optimizer_placed", made_by="place_optimizer", choices=choices)
     if best_scheduled is None:
         return out
-    return out.evolve(scheduled=Scheduled(out.gm, out.ann, out.chunks, out.settings, best_scheduled))
+    return out.evolve(scheduled=Scheduled(out.gm, out.ann, out.chunks, out.settings,
+                                          best_scheduled.evolve(choices=choices)))
+
+
+def _why_most(most: TrainGraph, ranked: list[int]) -> str:
+    """Why the fullest placement holds the device states it holds."""
+    trainable = [c for c in most.chunks if c.group is ChunkGroup.TRAINABLE]
+    on_device = sum(c.state_home is StateHome.DEVICE for c in trainable)
+    if on_device == len(trainable):
+        return f"optimizer states of all {len(trainable)} chunks on the device: they fit beside the step's needs"
+    if on_device == 0:
+        return (f"optimizer states of none of the {len(trainable)} chunks on the device: none leaves room for two "
+                "chunk buffers beside every node's least need")
+    return (f"optimizer states of {on_device} of {len(trainable)} chunks on the device: the most that leave room for "
+            "two chunk buffers beside every node's least need, taken where the CPU would have the least time for "
+            "their update (the embedding and the first layers first)")
+
+
+def _why_not_fewer(most: TrainGraph, fewer: list, fullest, node_s: list[float], machine: Machine) -> str:
+    """Why placements with fewer device states were not compared (the tests of _fewer_states, then of the caller)."""
+    host = [c for c in most.chunks if c.group is ChunkGroup.TRAINABLE and c.state_home is StateHome.HOST]
+    if not host:
+        return "no fewer device states tried: nothing to make room for"
+    if not any(c.state_home is StateHome.DEVICE for c in most.chunks):
+        return "no fewer device states tried: none is on the device"
+    if not fewer:
+        cpu = sum(shard_numel(c, most.settings.world) for c in host) / _cpu_rate(most, machine)
+        return (f"no fewer device states tried: the CPU's updates ({cpu:.4g} s estimated) would take at least the "
+                f"device's compute ({sum(node_s):.4g} s), and fewer would only add to them")
+    if fullest is None:
+        return ("no fewer device states tried: its copies take less than the step's compute even at their slowest, "
+                "so they cannot bound it")
+    return (f"no fewer device states tried: copies do not bound its step ({fullest.seconds:.4g} s estimated, "
+            f"busiest lane {fullest.bound.value})")
 
 
 def _stream(g: TrainGraph, best: TrainGraph, best_scheduled: TrainGraph | None, machine: Machine, program_s
-            ) -> tuple[TrainGraph, TrainGraph | None]:
+            ) -> tuple[TrainGraph, TrainGraph | None, str | None]:
     """best (states placed, steps arranged) with the chunks update_sites chooses streamed: their steps after the
     CPU's, in the CPU's order (the next forward's first needs first), the CPU keeping the rest in its order. A chunk
-    whose streamed step alone would not fit the budget stays with the CPU."""
+    whose streamed step alone would not fit the budget stays with the CPU. With it: why (None where no chunk's
+    states are on the host)."""
     reason = no_stream_reason(g.settings)
+    if not any(c.update_site is UpdateSite.CPU for c in best.chunks):
+        return best, best_scheduled, None
     if reason is not None:
         if g.settings.device_updates:
             raise ValueError(f"_device_updates={g.settings.device_updates}: {reason}")
-        return best, best_scheduled
+        return best, best_scheduled, f"no host-placed chunk updated on the device: {reason}"
     nodes = best.nodes
     lv = analyze(nodes, best.ann)
     static = static_bytes(best)

@@ -45,17 +45,21 @@ def candidates(n: int, cpu_s: float, copy_s: float) -> list[int]:
 
 
 def choose_streamed(g: TrainGraph, order: list[int], build: Callable[[int], TrainGraph], machine: Machine,
-                    program_s, base: tuple[TrainGraph, TrainGraph | None]) -> tuple[TrainGraph, TrainGraph | None]:
+                    program_s, base: tuple[TrainGraph, TrainGraph | None]
+                    ) -> tuple[TrainGraph, TrainGraph | None, str]:
     """The placed graph with the first k of `order` (the CPU's update order) streamed, for the k whose schedule
-    the cost model finds fastest, and that schedule (None: not scheduled here). `build(k)` makes the placed graph
-    for k; `base` is the one for k = 0 and its schedule if known. A candidate whose schedule does not fit the budget
-    is skipped; a tie goes to fewer streamed chunks."""
+    the cost model finds fastest, that schedule (None: not scheduled here), and why, in a sentence. `build(k)` makes
+    the placed graph for k; `base` is the one for k = 0 and its schedule if known. A candidate whose schedule does
+    not fit the budget is skipped; a tie goes to fewer streamed chunks."""
     forced = g.settings.device_updates
     if forced is not None:
         k = min(forced, len(order))
-        return (build(k), None) if k else base
-    if not order or g.settings.budget is None:
-        return base
+        why = f"{k} host-placed chunks updated on the device (states streamed), as _device_updates asks"
+        return (*((build(k), None) if k else base), why)
+    if not order:
+        return (*base, "no host-placed chunk updated on the device: none has room for its states beside its step")
+    if g.settings.budget is None:
+        return (*base, "no host-placed chunk updated on the device: no budget")
     world, prec = g.settings.world, g.settings.precision
     elems = sum(shard_numel(g.chunks[c], world) for c in order) / len(order)
     cpu_s = elems / (machine.cpu_adam_mixed if prec.mixed else machine.cpu_adam)
@@ -76,7 +80,7 @@ def choose_streamed(g: TrainGraph, order: list[int], build: Callable[[int], Trai
     for k in candidates(len(order), cpu_s, copy_s):
         attempt(k)
     if not tried:
-        return base
+        return (*base, "no host-placed chunk updated on the device: no candidate's schedule fits the budget")
     best = min(tried, key=lambda k: (tried[k][0], k))
     done = sorted(tried)
     at = done.index(best)
@@ -84,4 +88,7 @@ def choose_streamed(g: TrainGraph, order: list[int], build: Callable[[int], Trai
         attempt((best + other) // 2)
     best = min(tried, key=lambda k: (tried[k][0], k))
     _, placed, scheduled = tried[best]
-    return placed, scheduled
+    figures = ", ".join(f"{k}: {tried[k][0]:.4g} s" for k in sorted(tried))
+    why = (f"{best} of {len(order)} host-placed chunks updated on the device, their states streamed over and "
+           f"back (steps estimated with k streamed: {figures}); the CPU updates the rest")
+    return placed, scheduled, why

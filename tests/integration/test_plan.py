@@ -407,13 +407,20 @@ def test_state_placement_is_not_slower_than_chunk_order(cpu_slower, copies_slowe
     fewer = _fewer_states(most, ranked, m)
     fullest = cost.estimate(schedule(_placed(before, all_host, most.chunks, m)), m)
     assert bool(fewer) == (cpu_slower < 1000)
+    why = [c.why for c in chosen.choices if c.made_by == "place_optimizer"]
+    on_device = sum(c.state_home is StateHome.DEVICE for c in most.chunks)
+    assert why[0].startswith(f"optimizer states of {on_device} of {len(trainable)} chunks on the device"), why
     if copies_slower > 1:
         assert fewer and fullest.bound in (Lane.H2D, Lane.D2H)
         compared = [fullest.seconds] + [cost.estimate(schedule(_placed(before, all_host, homes, m)), m).seconds
                                         for homes in fewer]
         assert cost.estimate(chosen, m).seconds == min(compared)
+        kept = sum(c.state_home is StateHome.DEVICE for c in chosen.chunks)
+        assert why[1].startswith("copies bound that placement's step") and f"{kept} kept" in why[1], why
     elif fullest.bound not in (Lane.H2D, Lane.D2H):
         assert [c.state_home for c in chosen.chunks] == [c.state_home for c in most.chunks]
+    if not fewer:
+        assert why[1].startswith("no fewer device states tried: the CPU's updates"), why
 
 
 @given(queue=st.integers(1, 4096), world=st.sampled_from([1, 2]))

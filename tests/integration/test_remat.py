@@ -7,6 +7,7 @@ CPU tests (exact fp32 comparisons), not marked cuda.
 """
 import dataclasses
 import functools
+import re
 
 import pytest
 import torch
@@ -77,6 +78,15 @@ def test_remat_leaves_the_graph_unchanged_when_it_fits():
     tight = _step(case, int(_least(case, "auto") * 1.05)).lower(*case.batch(0))
     assert tight["remat"].gm is not tight["liveness"].gm
     assert "recompute" in str(tight["remat"])          # recomputed nodes print with their own phase
+    # why, recorded for step.summary(): nothing recomputed at 1 TiB; at the tight budget, the segments taken and
+    # the least budgets without and with them
+    assert [c.why for c in stages["remat"].choices] == [
+        "nothing recomputed: at the budget 1024.00 GiB every activation fits beside every chunk on the device"]
+    (why,) = [c.why for c in tight["remat"].choices]
+    recomputed = sum(REMAT in n.meta for n in tight["remat"].nodes)
+    assert re.match(rf"recomputes \d+ of \d+ candidate segments \({recomputed} nodes, ", why), why
+    assert "without them the step needs at least" in why or "less to move" in why, why
+    assert tight["scheduled"].choices[:1] == tight["remat"].choices        # carried to the final graph
 
 
 def test_min_device_memory_is_the_least_budget_with_remat():

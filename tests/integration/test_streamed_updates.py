@@ -8,6 +8,7 @@ eager AdamW at the suite's tolerance, under budgets that evict chunks, with the 
 update ran. The cost model chooses how many chunks stream when the CPU bounds the step.
 """
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -195,11 +196,17 @@ def test_the_cost_model_streams_when_the_cpu_bounds_the_step_and_not_when_it_doe
     fast = dataclasses.replace(H200, cpu_adam=1e15, cpu_adam_mixed=1e15)    # the CPU costs nothing
     chosen = place_optimizer(g, slow)
     none = place_optimizer(g.evolve(settings=dataclasses.replace(g.settings, device_updates=0)), slow)
-    assert sum(c.streamed for c in chosen.chunks) > 0
+    k = sum(c.streamed for c in chosen.chunks)
+    assert k > 0
     assert estimate(schedule(chosen), slow).seconds < estimate(schedule(none), slow).seconds
+    # why, with the candidates' estimates, is recorded for step.summary()
+    why = [c.why for c in chosen.choices if c.made_by == "place_optimizer"]
+    assert any(re.match(rf"{k} of \d+ host-placed chunks updated on the device", w) and f"{k}: " in w
+               for w in why), why
     assert sum(c.streamed for c in place_optimizer(g, fast).chunks) == 0
-    early = g.evolve(settings=dataclasses.replace(g.settings, atomic=False))
-    assert sum(c.streamed for c in place_optimizer(early, slow).chunks) == 0      # atomic=False: not needed
+    early = place_optimizer(g.evolve(settings=dataclasses.replace(g.settings, atomic=False)), slow)
+    assert sum(c.streamed for c in early.chunks) == 0      # atomic=False: not needed
+    assert any("with atomic=False the CPU updates during backward already" in c.why for c in early.choices)
 
 
 def test_several_ranks_do_not_stream_and_say_why():
@@ -216,6 +223,12 @@ def test_summary_and_plan_say_how_many_chunks_stream():
     n = len(_streamed(step))
     assert n and f"{n} updated on the device (states streamed)" in str(step.summary())
     assert step.summary().states_streamed == n
+    # and why the plan is what it is: remat's and place_optimizer's choices, in pass order, under "why"
+    text = str(step.summary())
+    why = text[text.index("              why: "):].splitlines()
+    assert why[0].strip().startswith("why: remat: ")
+    assert [w.strip().split(":")[0] for w in why[1:]] == ["place_optimizer"] * (len(why) - 1) and len(why) >= 3
+    assert any("_device_updates asks" in w for w in why), why
 
 
 @pytest.mark.parametrize("make_opt", [lambda: px.SGD(lr=1e-2, momentum=0.9, weight_decay=1e-2),

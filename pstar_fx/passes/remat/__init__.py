@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 
 from ...errors import BudgetError
-from ...ir.graph import TrainGraph
+from ...ir.graph import Choice, TrainGraph
 from ...ir.needs import all_needs, buf_bytes, static_bytes
 from ...units import format_bytes
 from ..liveness import analyze
@@ -38,27 +38,52 @@ def remat(g: TrainGraph, *, enabled: bool = True) -> TrainGraph:
     undone = "remat (user checkpoints undone: the activations fit)"
     if budget is None:
         kept = keep_forward_values(g)
-        return unchanged if kept is g else kept.evolve(stage="remat", made_by=undone)
+        return unchanged if kept is g else _chose(kept.evolve(stage="remat", made_by=undone),
+                                                  "the user's checkpoints undone: no budget, every activation kept")
     G = GraphFacts(g)
     replay = Replay(g, G, budget)
     if replay.figures(()).excess == 0:         # comfort fits: nothing would move
         # keeping the forward values holds at every node at least what recomputing them does, so only a step that
         # fits with its checkpoints can fit without them: the graph without them is made only then
         kept = keep_forward_values(g)
+        fits = f"at the budget {format_bytes(budget)} every activation fits beside every chunk on the device"
         if kept is not g and Replay(kept, GraphFacts(kept), budget).figures(()).excess == 0:
-            return kept.evolve(stage="remat", made_by=undone)
-        return unchanged
+            return _chose(kept.evolve(stage="remat", made_by=undone), f"the user's checkpoints undone: {fits}")
+        return _chose(unchanged, f"nothing recomputed: {fits}")
     segments = find_segments(g, G)
     replay.add(segments)
     chosen = choose(replay, segments, budget)
+    rule = "each kept only where it saves more copying than its compute costs or lets the step fit"
     if replay.figures(chosen).need > budget:
         chosen = least_need(replay, segments)
+        rule = "the least need: the budget holds no cheaper choice"
         if replay.figures(chosen).need > budget:
             raise _budget_error(apply(g, [s for s in segments if s.id in chosen]), budget)
     out = apply(g, [s for s in segments if s.id in chosen])
     assert replay.live(chosen) == [out.ann[n.name].live_bytes for n in out.nodes], \
         "remat's replay of liveness disagrees with liveness on the rewritten graph"
-    return out.evolve(stage="remat", made_by="remat")
+    return _chose(out.evolve(stage="remat", made_by="remat"), _why(replay, segments, chosen, budget, rule))
+
+
+def _chose(g: TrainGraph, why: str) -> TrainGraph:
+    return g.evolve(choices=g.choices + (Choice("remat", why),))
+
+
+def _why(replay: Replay, segments: tuple[Segment, ...], chosen: tuple[int, ...], budget: int, rule: str) -> str:
+    """What recomputing the chosen segments buys, in the figures the choice is made by."""
+    before, after = replay.figures(()), replay.figures(chosen)
+    picked = [s for s in segments if s.id in chosen]
+    b = format_bytes(budget)
+    over = f"with every activation kept, everything on the device would exceed the budget {b} by " \
+           f"{format_bytes(before.peak)} at the fullest node"
+    if not picked:
+        return f"nothing recomputed: {over}, and no segment saves more copying than its compute costs"
+    what = (f"recomputes {len(picked)} of {len(segments)} candidate segments ({sum(len(s.recompute) for s in picked)} "
+            f"nodes, {sum(s.seconds for s in picked):.4g} s of compute estimated), {rule}")
+    if before.need > budget:
+        return (f"{what}: without them the step needs at least {format_bytes(before.need)}, more than the budget {b}; "
+                f"with them {format_bytes(after.need)}")
+    return f"{what}: {over}, by {format_bytes(after.peak)} with them recomputed (less to move)"
 
 
 def least_need_graph(g: TrainGraph) -> TrainGraph:
