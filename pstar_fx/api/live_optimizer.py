@@ -29,7 +29,7 @@ import torch.nn as nn
 
 from ..ir.graph import ChunkGroup
 from ..optim import (ADAM_STATE, OptimizerLayout, OptimizerSpec, StateLayout, TorchConfig, check_group, check_options,
-                     probe)
+                     is_adam, probe)
 
 _STEP_EXPLAINED = ("step.optimizer is driven by the compiled step: calling step(*batch) runs forward, backward and "
                    "this optimizer's update. Do not call step.optimizer.step(); change param_groups (or use an "
@@ -73,11 +73,7 @@ class _Live:
 
     @property
     def is_adam(self) -> bool:
-        return self.torch_class in (torch.optim.Adam, torch.optim.AdamW)
-
-    @property
-    def decoupled(self) -> bool:
-        return self.torch_class is torch.optim.AdamW
+        return is_adam(self.torch_class)
 
     def step(self, closure=None):
         raise RuntimeError(_STEP_EXPLAINED)
@@ -98,7 +94,7 @@ class _Live:
         """One group's options, checked (ValueError naming `where` and the option): Adam's AdamConfig, or the
         general route's TorchConfig, whose states must be among those px.compile laid out."""
         if self.is_adam:
-            return check_options(where, g, self.decoupled, construction=False)
+            return check_options(where, g, self.torch_class is torch.optim.AdamW, construction=False)
         opts = check_group(self.torch_class, where, g, construction=False)
         vectors, scalars = self._keys(opts, where)
         have = self.layout.state.vectors + self.layout.state.scalars

@@ -117,6 +117,11 @@ ADAM_STATE = StateLayout(vectors=("exp_avg", "exp_avg_sq"), scalars=("step",), c
 NO_STATE = StateLayout()
 
 
+def is_adam(torch_class: type) -> bool:
+    """The torch.optim classes pstar-fx updates with its own chunk kernels (Adam, AdamW: AdamW decoupled)."""
+    return torch_class in (torch.optim.Adam, torch.optim.AdamW)
+
+
 @dataclass(frozen=True, eq=False)
 class OptimizerSpec:
     """What `px.Adam(...)`, `px.AdamW(...)`, `px.SGD(...)`, `px.Lion(...)` and `px.optim_from_torch(...)` return:
@@ -131,7 +136,7 @@ class OptimizerSpec:
     @property
     def is_adam(self) -> bool:
         """Adam / AdamW run pstar-fx's own (fused) chunk kernels; every other optimizer torch's update."""
-        return self.torch_class in (torch.optim.Adam, torch.optim.AdamW)
+        return is_adam(self.torch_class)
 
     @property
     def decoupled(self) -> bool:
