@@ -41,6 +41,19 @@ class AdamConfig:
         return "AdamW" if self.decoupled else "Adam"
 
 
+def refuse_torch_modes(where: str, opts: Mapping[str, Any], construction: bool) -> None:
+    """torch.optim's modes pstar-fx does not run: differentiable=True always; at construction also capturable=True
+    (pstar-fx schedules the step) and foreach=True (it updates whole flat chunks)."""
+    if opts.get("differentiable"):
+        raise ValueError(f"{where}: differentiable=True is not supported")
+    if construction:
+        if opts.get("capturable"):
+            raise ValueError(f"{where}: capturable=True is not supported (pstar-fx schedules the step itself)")
+        if opts.get("foreach"):
+            raise ValueError(f"{where}: foreach=True is not supported: pstar-fx updates whole flat chunks; "
+                             "leave foreach=None")
+
+
 def check_options(where: str, opts: Mapping[str, Any], decoupled: bool, *, construction: bool) -> AdamConfig:
     """torch.optim.Adam's checks on one group's options (with its messages, e.g. "Invalid learning rate: nan"),
     plus what torch accepts but pstar-fx cannot honour; NaN and inf are rejected everywhere (torch accepts an inf
@@ -73,16 +86,7 @@ def check_options(where: str, opts: Mapping[str, Any], decoupled: bool, *, const
         raise ValueError(f"{where}: fused must be None, True or False, got {fused!r}")
     if opts.get("amsgrad"):
         raise ValueError(f"{where}: amsgrad=True is not supported yet; use amsgrad=False")
-    if construction:
-        if opts.get("capturable"):
-            raise ValueError(f"{where}: capturable=True is not supported (pstar-fx schedules the step itself)")
-        if opts.get("differentiable"):
-            raise ValueError(f"{where}: differentiable=True is not supported")
-        if opts.get("foreach"):
-            raise ValueError(f"{where}: foreach=True is not supported: pstar-fx updates whole flat chunks; "
-                             "leave foreach=None")
-    elif opts.get("differentiable"):
-        raise ValueError(f"{where}: differentiable=True is not supported")
+    refuse_torch_modes(where, opts, construction)
     return AdamConfig(lr=float(lr), beta1=float(betas[0]), beta2=float(betas[1]), eps=float(eps),
                       weight_decay=float(wd), decoupled=bool(opts.get("decoupled_weight_decay", decoupled)),
                       maximize=bool(opts.get("maximize", False)), fused=fused)

@@ -27,7 +27,7 @@ from typing import Any, Mapping
 
 import torch
 
-from .adam import Adam, AdamW
+from .adam import Adam, AdamW, refuse_torch_modes
 from .spec import STEPS, OptimizerSpec, StateLayout, is_real, param_groups
 
 # an update's time per element relative to torch's fused Adam: torch's single-tensor updates run op by op, a pass
@@ -154,14 +154,8 @@ def check_group(cls: type, where: str, opts: Mapping[str, Any], *, construction:
         values = v if isinstance(v, (tuple, list)) else (v,)
         if any(is_real(x) and not math.isfinite(x) for x in values):
             raise ValueError(f"{where}: {k} must be finite, got {v!r}")
-    if opts.get("differentiable"):
-        raise ValueError(f"{where}: differentiable=True is not supported")
+    refuse_torch_modes(where, opts, construction)
     if construction:
-        if opts.get("capturable"):
-            raise ValueError(f"{where}: capturable=True is not supported (pstar-fx schedules the step itself)")
-        if opts.get("foreach"):
-            raise ValueError(f"{where}: foreach=True is not supported: pstar-fx updates whole flat chunks; "
-                             "leave foreach=None")
         if opts.get("fused"):
             raise ValueError(f"{where}: fused=True is not supported on this route: pstar-fx runs torch's "
                              "single-tensor update on flat chunk views; leave fused=None")
