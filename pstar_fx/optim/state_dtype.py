@@ -46,7 +46,7 @@ def scratch_bytes(numel: int, dtype: StateDtype) -> int:
 # an update's time per element relative to exact fp32 Adam's, for the cost model: the moments are dequantised into
 # fp32 scratch and quantised back around the same fused kernel. Measured with benchmarks/state_update_rate.py on the
 # H200 machine's host (16 threads, mixed precision, blocks of 1M elements): bf16 3.5x, int8 7.1x the time of fp32.
-UPDATE_COST = {StateDtype.FP32: 1.0, StateDtype.BF16: 3.5, StateDtype.INT8: 7.0}
+UPDATE_COST = {StateDtype.FP32: 1.0, StateDtype.BF16: 3.5, StateDtype.INT8: 7.1}
 
 
 def parse_state_dtype(value, where: str) -> StateDtype:

@@ -120,13 +120,14 @@ def _why_most(most: TrainGraph, ranked: list[int]) -> str:
     trainable = [c for c in most.chunks if c.group is ChunkGroup.TRAINABLE]
     on_device = sum(c.state_home is StateHome.DEVICE for c in trainable)
     if on_device == len(trainable):
-        return f"optimizer states of all {len(trainable)} chunks on the device: they fit beside the step's needs"
+        return (f"optimizer states of all {len(trainable)} chunks on the device: "
+                + ("no budget" if most.settings.budget is None else "they fit beside the step's needs"))
     if on_device == 0:
-        return (f"optimizer states of none of the {len(trainable)} chunks on the device: none leaves room for two "
-                "chunk buffers beside every node's least need")
-    return (f"optimizer states of {on_device} of {len(trainable)} chunks on the device: the most that leave room for "
-            "two chunk buffers beside every node's least need, taken where the CPU would have the least time for "
-            "their update (the embedding and the first layers first)")
+        return (f"optimizer states of none of the {len(trainable)} chunks on the device: the first in rank order "
+                "would not leave room for two chunk buffers beside every node's least need")
+    return (f"optimizer states of {on_device} of {len(trainable)} chunks on the device: taken in rank order (the "
+            "least time the CPU would have for their update first) while each leaves room for two chunk buffers "
+            "beside every node's least need")
 
 
 def _why_not_fewer(most: TrainGraph, fewer: list, fullest, node_s: list[float], machine: Machine) -> str:
@@ -154,11 +155,11 @@ def _stream(g: TrainGraph, best: TrainGraph, best_scheduled: TrainGraph | None, 
     whose streamed step alone would not fit the budget stays with the CPU. With it: why (None where no chunk's
     states are on the host)."""
     reason = no_stream_reason(g.settings)
+    if reason is not None and g.settings.device_updates:
+        raise ValueError(f"_device_updates={g.settings.device_updates}: {reason}")
     if not any(c.update_site is UpdateSite.CPU for c in best.chunks):
         return best, best_scheduled, None
     if reason is not None:
-        if g.settings.device_updates:
-            raise ValueError(f"_device_updates={g.settings.device_updates}: {reason}")
         return best, best_scheduled, f"no host-placed chunk updated on the device: {reason}"
     nodes = best.nodes
     lv = analyze(nodes, best.ann)

@@ -90,5 +90,7 @@ def choose_streamed(g: TrainGraph, order: list[int], build: Callable[[int], Trai
     _, placed, scheduled = tried[best]
     figures = ", ".join(f"{k}: {tried[k][0]:.4g} s" for k in sorted(tried))
     why = (f"{best} of {len(order)} host-placed chunks updated on the device, their states streamed over and "
-           f"back (steps estimated with k streamed: {figures}); the CPU updates the rest")
+           f"back (steps estimated with k streamed: {figures}); the CPU updates the rest" if best else
+           f"none of {len(order)} host-placed chunks streamed: the CPU updating them all is estimated fastest "
+           f"(steps estimated with k streamed: {figures})")
     return placed, scheduled, why

@@ -16,12 +16,13 @@ import pstar_fx as px
 from pstar_fx.ir import Phase
 from pstar_fx.passes import pipeline, run_passes
 from pstar_fx.passes.liveness import analyze
-from pstar_fx.ir import REMAT
+from pstar_fx.ir import REMAT, USER_CHECKPOINT
 from pstar_fx.ir.fx_utils import draws_random
-from pstar_fx.passes.remat import GraphFacts, Replay, apply, block_paths, find_segments
+from pstar_fx.passes.remat import GraphFacts, Replay, apply, block_paths, find_segments, remat
+from pstar_fx.passes.remat.rewrite import keep_forward_values
 from pstar_fx.frontend.trace import trace_step
 from harness import HYPER, compiled_step, eager_run, rel_err
-from models import CASES_BY_NAME, GPT, Case, _gpt_batch, assert_state_close, gpt_loss
+from models import CASES_BY_NAME, CHECKPOINT_CASES, GPT, Case, _gpt_batch, assert_state_close, gpt_loss
 
 
 STEPS = 4
@@ -207,3 +208,19 @@ def test_remat_lowers_the_peak_the_optimizer_states_share():
                    if c.group is ChunkGroup.TRAINABLE)
     first_two = [s for s in segments if s.block in ("h.0", "h.1")]
     assert on_device(out) > on_device(apply(g, first_two))
+
+
+def test_why_says_the_users_checkpoints_stay_where_the_activations_fit_only_with_them():
+    """At a budget where everything fits on the device with the user's checkpoints and not without them, remat keeps
+    them, and its recorded why says so (not that every activation fits)."""
+    case = CHECKPOINT_CASES[0]
+    step = px.compile(case.build_model(), optimizer=px.AdamW(**HYPER), device="cpu", chunk_size=1024,
+                      remat=False)(case.loss_fn)
+    g = step.lower(*case.batch(0))["liveness"]
+    comfort = lambda gr: Replay(gr, GraphFacts(gr), 0).figures(()).peak     # noqa: E731 - budget 0: the peak itself
+    with_them, without = comfort(g), comfort(keep_forward_values(g))
+    assert with_them < without
+    out = remat(g.evolve(settings=dataclasses.replace(g.settings, budget=with_them)))
+    assert any(USER_CHECKPOINT in n.meta and n.meta[USER_CHECKPOINT].recompute_of is not None for n in out.nodes)
+    (why,) = [c.why for c in out.choices]
+    assert why.startswith("the user's checkpoints kept and nothing more recomputed"), why

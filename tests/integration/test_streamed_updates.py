@@ -215,6 +215,9 @@ def test_several_ranks_do_not_stream_and_say_why():
     assert "several ranks" in no_stream_reason(two)
     with pytest.raises(ValueError, match="several ranks"):
         place_optimizer(g.evolve(settings=dataclasses.replace(two, device_updates=ALL)))
+    roomy = g.evolve(settings=dataclasses.replace(two, device_updates=ALL, budget=None))   # every state on the device
+    with pytest.raises(ValueError, match="several ranks"):
+        place_optimizer(roomy)
 
 
 def test_summary_and_plan_say_how_many_chunks_stream():

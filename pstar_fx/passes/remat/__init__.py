@@ -47,9 +47,13 @@ def remat(g: TrainGraph, *, enabled: bool = True) -> TrainGraph:
         # fits with its checkpoints can fit without them: the graph without them is made only then
         kept = keep_forward_values(g)
         fits = f"at the budget {format_bytes(budget)} every activation fits beside every chunk on the device"
-        if kept is not g and Replay(kept, GraphFacts(kept), budget).figures(()).excess == 0:
+        if kept is g:
+            return _chose(unchanged, f"nothing recomputed: {fits}")
+        if Replay(kept, GraphFacts(kept), budget).figures(()).excess == 0:
             return _chose(kept.evolve(stage="remat", made_by=undone), f"the user's checkpoints undone: {fits}")
-        return _chose(unchanged, f"nothing recomputed: {fits}")
+        return _chose(unchanged, f"the user's checkpoints kept and nothing more recomputed: at the budget "
+                                 f"{format_bytes(budget)} the activations fit beside every chunk on the device "
+                                 "with them, not without")
     segments = find_segments(g, G)
     replay.add(segments)
     chosen = choose(replay, segments, budget)
@@ -74,10 +78,12 @@ def _why(replay: Replay, segments: tuple[Segment, ...], chosen: tuple[int, ...],
     before, after = replay.figures(()), replay.figures(chosen)
     picked = [s for s in segments if s.id in chosen]
     b = format_bytes(budget)
-    over = f"with every activation kept, everything on the device would exceed the budget {b} by " \
-           f"{format_bytes(before.peak)} at the fullest node"
+    over = f"with the activations as traced, everything on the device would exceed the budget {b} by " \
+           f"{format_bytes(before.peak)} at its fullest (a node, or the updates at the step's end)"
     if not picked:
-        return f"nothing recomputed: {over}, and no segment saves more copying than its compute costs"
+        none = ("no segment saves more copying than its compute costs" if not any(s.worthwhile for s in segments)
+                else "no segment worth its compute lowers what exceeds it")
+        return f"nothing recomputed: {over}, and {none}"
     what = (f"recomputes {len(picked)} of {len(segments)} candidate segments ({sum(len(s.recompute) for s in picked)} "
             f"nodes, {sum(s.seconds for s in picked):.4g} s of compute estimated), {rule}")
     if before.need > budget:
