@@ -603,14 +603,19 @@ def _simulate(g: TrainGraph, m: Machine, node_s: list[float], background, steps:
 _PROGRAM = (Role.COMPUTE, Role.REGION, Role.PARAM_VIEW, Role.WRITE_GRAD)
 
 
+def _program_seconds(n: fx.Node, role: Role, machine: Machine) -> float:
+    return (node_seconds(n, machine) if role is Role.COMPUTE else
+            region_seconds(n, machine) if role is Role.REGION else 0.0)
+
+
+def _program_flops(n: fx.Node, role: Role) -> float:
+    return flops(n) if role is Role.COMPUTE else region_flops(n) if role is Role.REGION else 0.0
+
+
 def compute_seconds(g: TrainGraph, machine: Machine = H200) -> list[float]:
     """The compute time of every node of the user's program in g (node_seconds; region_seconds for a fused
     region), 0 for the others, in graph order."""
-    def one(n: fx.Node) -> float:
-        role = g.ann[n.name].role
-        return (node_seconds(n, machine) if role is Role.COMPUTE else
-                region_seconds(n, machine) if role is Role.REGION else 0.0)
-    return [one(n) for n in g.nodes]
+    return [_program_seconds(n, g.ann[n.name].role, machine) for n in g.nodes]
 
 
 def estimate(g: TrainGraph, machine: Machine = H200, *, steps: int = 3,
@@ -625,13 +630,12 @@ def estimate(g: TrainGraph, machine: Machine = H200, *, steps: int = 3,
         node_s = compute_seconds(g, machine)
     else:
         node_s = [program_s[n.name] if g.ann[n.name].role is Role.COMPUTE else
-                  region_seconds(n, machine) if g.ann[n.name].role is Role.REGION else 0.0 for n in g.nodes]
+                  _program_seconds(n, g.ann[n.name].role, machine) for n in g.nodes]
     first, _ = _simulate(g, machine, node_s, None, steps)
     sim, ends = _simulate(g, machine, node_s, first.lanes, steps)
     last = steps - 1
     busy = {lane: sim.lanes[lane].busy(last) for lane in Lane}
-    total = sum(flops(n) if g.ann[n.name].role is Role.COMPUTE else
-                region_flops(n) if g.ann[n.name].role is Role.REGION else 0.0 for n in g.nodes)
+    total = sum(_program_flops(n, g.ann[n.name].role) for n in g.nodes)
     return StepCost(seconds=ends[-1] - ends[-2], first_seconds=ends[0], busy=MappingProxyType(busy), flops=total,
                     machine=machine)
 

@@ -215,7 +215,7 @@ class PlanReport:
         rows.append(("planned in", f"{self.trace_seconds:.1f} s trace + {self.passes_seconds:.1f} s passes "
                                    f"(traced for {self.traced_on})"))
         choices = () if self.graph is None else self.graph.choices
-        rows += [("why" if i == 0 else "", f"{c.made_by}: {c.why}") for i, c in enumerate(choices)]
+        rows += [("why" if i == 0 else "", str(c)) for i, c in enumerate(choices)]
         return "\n".join(f"{k:>15s}: {v}" if k else f"{'':>17s}{v}" for k, v in rows)
 
 

@@ -106,7 +106,7 @@ def summarize(g: TrainGraph, compiled: Compiled, last: StepStats | None, prec: P
         states_on_disk=len(disk), host_bytes=host_bytes(g), host_budget=g.settings.host_budget,
         disk_bytes=disk_bytes(g), disk_budget=g.settings.disk_budget, disk_moved=(moved, moved),
         disk_io=None if store.disk is None else store.disk.mode,
-        choices=tuple(f"{c.made_by}: {c.why}" for c in g.choices))
+        choices=tuple(map(str, g.choices)))
 
 
 def _estimated(g: TrainGraph, compiled: Compiled) -> float | None:

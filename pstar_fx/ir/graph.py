@@ -289,6 +289,9 @@ class Choice:
     made_by: str                     # the pass
     why: str
 
+    def __str__(self) -> str:
+        return f"{self.made_by}: {self.why}"
+
 
 @dataclass(frozen=True)
 class TrainGraph:

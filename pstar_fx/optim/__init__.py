@@ -9,6 +9,6 @@ from .lion import Lion, LionOptimizer
 from .spec import ADAM_STATE, NO_STATE, STEPS, OptimizerLayout, OptimizerSpec, StateLayout, is_adam
 from .state_dtype import INT8_BLOCK, StateDtype, parse_state_dtype
 
-__all__ = ["Adam", "AdamW", "AdamConfig", "check_options", "is_adam", "SGD", "Lion", "LionOptimizer", "optim_from_torch",
-           "TorchConfig", "check_group", "probe", "OptimizerSpec", "OptimizerLayout", "StateLayout", "ADAM_STATE",
-           "NO_STATE", "STEPS", "StateDtype", "INT8_BLOCK", "parse_state_dtype"]
+__all__ = ["Adam", "AdamW", "AdamConfig", "check_options", "is_adam", "SGD", "Lion", "LionOptimizer",
+           "optim_from_torch", "TorchConfig", "check_group", "probe", "OptimizerSpec", "OptimizerLayout", "StateLayout",
+           "ADAM_STATE", "NO_STATE", "STEPS", "StateDtype", "INT8_BLOCK", "parse_state_dtype"]

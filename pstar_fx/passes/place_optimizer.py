@@ -75,7 +75,7 @@ def place_optimizer(g: TrainGraph, machine: Machine = H200) -> TrainGraph:
     # its copies cannot bound its step when they would take less than the step's compute even at their slowest
     fullest = (estimate(best_scheduled, machine, program_s=program_s)
                if fewer and most_copy_seconds(best_scheduled.plan, machine) >= sum(node_s) else None)
-    why = [_why_most(most, ranked)]
+    why = [_why_most(most)]
     if fullest is not None and fullest.bound in (Lane.H2D, Lane.D2H):
         best_s = fullest.seconds
         tried = []
@@ -115,7 +115,7 @@ def place_optimizer(g: TrainGraph, machine: Machine = H200) -> TrainGraph:
                                           best_scheduled.evolve(choices=choices)))
 
 
-def _why_most(most: TrainGraph, ranked: list[int]) -> str:
+def _why_most(most: TrainGraph) -> str:
     """Why the fullest placement holds the device states it holds."""
     trainable = [c for c in most.chunks if c.group is ChunkGroup.TRAINABLE]
     on_device = sum(c.state_home is StateHome.DEVICE for c in trainable)

@@ -289,23 +289,21 @@ class Executor:
                     interrupts.deliver()      # before the first value written: a KeyboardInterrupt rolls back
                 if before_node is not None:
                     before_node(i, n)
-                if kind == _ATEN:
+                if kind == _ATEN or kind == _RUNTIME:
                     recipe = recipes[i]
                     args = (fx.node.map_arg(n.args, load) if recipe is None else
                             [env[p] if p >= 0 else c for p, c in recipe])
-                    kwargs = const_kwargs[i]
-                    if kwargs is None:
-                        kwargs = fx.node.map_arg(n.kwargs, load)
-                    try:
-                        val = n.target(*args, **kwargs)
-                    except Exception as e:
-                        raise RuntimeError(f"pstar-fx: {n.target} failed at node {n.name}{_source(n)}: {e}") from e
-                    val = self._compact(val, self.planned[i], pool)
-                elif kind == _RUNTIME:
-                    recipe = recipes[i]
-                    args = (fx.node.map_arg(n.args, load) if recipe is None else
-                            [env[p] if p >= 0 else c for p, c in recipe])
-                    val = n.target(rt, *args, **n.kwargs)
+                    if kind == _RUNTIME:
+                        val = n.target(rt, *args, **n.kwargs)
+                    else:
+                        kwargs = const_kwargs[i]
+                        if kwargs is None:
+                            kwargs = fx.node.map_arg(n.kwargs, load)
+                        try:
+                            val = n.target(*args, **kwargs)
+                        except Exception as e:
+                            raise RuntimeError(f"pstar-fx: {n.target} failed at node {n.name}{_source(n)}: {e}") from e
+                        val = self._compact(val, self.planned[i], pool)
                 elif kind == _REGION:
                     args = [env[self.pos[a]] for a in n.args]
                     try:
