@@ -2,12 +2,17 @@
 blocks a compressed update runs through (runtime/adam.py runs the update itself).
 
 An update dequantises a block of m and v into fp32 scratch, runs the same fused Adam as an exact update on it, and
-quantises the block back; nothing chunk-sized is made in fp32. Plain torch ops, the same on the CPU and the GPU, each
-in place on the scratch (`Packed`), so a device update allocates nothing beyond its counted workspace.
+quantises the block back; nothing chunk-sized is made in fp32. On the GPU, plain torch ops, each in place on the
+scratch (`Packed`), so a device update allocates nothing beyond its counted workspace; on the CPU, the native kernels
+of runtime/native (each conversion one pass, the same bits: every operation is correctly rounded, torch's CPU sqrt
+going through float64 here for it), or these ops where no C compiler is found.
 
 Rounding is stochastic and unbiased, and deterministic: the random bits of element i of chunk c at step t come from
 a counter-based hash of (c, t, i) computed here (never torch's global generator, which stays untouched), so a rerun,
-or a run resumed from a checkpoint, writes the same codes bit for bit, on the host and on the device alike.
+or a run resumed from a checkpoint, writes the same codes bit for bit, and the host and the device draw the same
+bits. On the CPU, a chunk's update is the same bit for bit wherever the plan runs it; on a GPU, its Adam kernel (and
+torch's CUDA division by a constant, a multiplication by the reciprocal) round differently from the CPU's, so a
+chunk updated on the host or on the device can differ in the last bits, as exact states do.
 
 - bf16: m and v rounded to bfloat16 by adding 16 random bits below bf16's last bit and truncating.
 - int8, per block of INT8_BLOCK elements with one fp32 scale s (the block's largest magnitude): m as signed codes
@@ -28,6 +33,7 @@ import torch
 
 from ..optim import INT8_BLOCK, StateDtype
 from ..optim.state_dtype import SCRATCH_BLOCK, SCRATCH_FLOATS
+from . import native
 
 _K1, _K2, _K3 = 0x7FEB352D, 0x2C1B3C6D, 0x297A2D39     # a 32-bit integer hash's multipliers (each below 2**31)
 _STEP_K, _CHUNK_K = 0x5BD1E995, 0x1B873593
@@ -111,9 +117,9 @@ def quantize_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, r8: tor
     if n > full * INT8_BLOCK:
         scale[full] = a[full * INT8_BLOCK:].amax()
     _per_block(a, scale.clamp_min(_TINY), lambda t, s: t.div_(s))   # an all-zero block stays 0
-    a.sqrt_()
+    _sqrt_(a)
     if not signed:
-        a.sqrt_()
+        _sqrt_(a)
     a.mul_(levels)
     u.copy_(r8)
     a.add_(u, alpha=1 / 256).add_(0.5 / 256).floor_().clamp_max_(levels)
@@ -123,6 +129,16 @@ def quantize_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, r8: tor
         torch.maximum(a, u.copy_(x).mul_(1e38).clamp_max_(1.0).ceil_(), out=a)   # (... and ceil for those)
     a.nan_to_num_(0.0, 0.0, 0.0)
     q.copy_(a)
+
+
+def _sqrt_(a: torch.Tensor) -> None:
+    """a's square roots, correctly rounded (as the native kernels and CUDA's sqrt round them): torch's vectorised
+    CPU sqrt is within an ulp, not exact, so on the CPU it goes through float64 (whose root, rounded to fp32, is the
+    correctly rounded fp32 root)."""
+    if a.device.type == "cpu":
+        a.copy_(a.double().sqrt_())
+    else:
+        a.sqrt_()
 
 
 def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, a: torch.Tensor, signed: bool) -> None:
@@ -146,10 +162,11 @@ class Packed:
     it here (the host); block: the most elements a block has (the scratch holds SCRATCH_FLOATS values for each).
     `load(lo, hi)` dequantises elements [lo, hi) into (m, v) fp32 views of the scratch;
     `store(lo, hi, step)` quantises them back, rounded with step's random bits (step: the 0-d count after the
-    update)."""
+    update). On the CPU the conversions run through the native kernels (runtime/native: one pass each, the same
+    bits) where they are built, unless `use_native` is False; elsewhere through the torch ops here."""
 
     def __init__(self, parts: dict[str, torch.Tensor], chunk: int, first: int = 0,
-                 scratch: torch.Tensor | None = None, block: int = SCRATCH_BLOCK):
+                 scratch: torch.Tensor | None = None, block: int = SCRATCH_BLOCK, use_native: bool = True):
         self.parts = parts
         m = parts["exp_avg"]
         self.dtype = StateDtype.BF16 if m.dtype == torch.bfloat16 else StateDtype.INT8
@@ -163,6 +180,7 @@ class Packed:
         b = self.block
         self.m32, self.v32, self.a, self.u = (scratch[i * b:(i + 1) * b] for i in range(4))
         self.bits, self.tmp = (scratch[i * b:(i + 1) * b].view(torch.int32) for i in (4, 5))
+        self.native = native.kernels() if use_native and m.device.type == "cpu" else None
 
     def load(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
         assert lo % INT8_BLOCK == 0 and hi - lo <= self.block, (lo, hi)
@@ -171,6 +189,10 @@ class Packed:
         if self.dtype is StateDtype.BF16:
             dequantize_bf16(p["exp_avg"][lo:hi], m)
             dequantize_bf16(p["exp_avg_sq"][lo:hi], v)
+        elif self.native is not None:
+            blocks = slice(lo // INT8_BLOCK, -(-hi // INT8_BLOCK))
+            self.native.dequant_int8(p["exp_avg"][lo:hi], p["exp_avg_sq"][lo:hi], p["exp_avg.scale"][blocks],
+                                     p["exp_avg_sq.scale"][blocks], m, v)
         else:
             blocks = slice(lo // INT8_BLOCK, -(-hi // INT8_BLOCK))
             dequantize_int8(p["exp_avg"][lo:hi], p["exp_avg.scale"][blocks], m, self.a[:n], True)
@@ -179,6 +201,9 @@ class Packed:
 
     def store(self, lo: int, hi: int, step: torch.Tensor) -> None:
         p, n = self.parts, hi - lo
+        if self.native is not None:
+            self._store_native(lo, hi, int(seed(self.chunk, step)))
+            return
         bits, tmp = random_bits(self.bits[:n], self.tmp[:n], seed(self.chunk, step), self.first + lo), self.tmp[:n]
         if self.dtype is StateDtype.BF16:
             quantize_bf16(self.m32[:n], p["exp_avg"][lo:hi], _field(bits, 0, 16, tmp))
@@ -189,6 +214,17 @@ class Packed:
                       self.a[:n], self.u[:n], True)
         quantize_int8(self.v32[:n], p["exp_avg_sq"][lo:hi], p["exp_avg_sq.scale"][blocks], _field(bits, 8, 8, tmp),
                       self.a[:n], self.u[:n], False)
+
+    def _store_native(self, lo: int, hi: int, seed_: int) -> None:
+        p, n, first = self.parts, hi - lo, self.first + lo
+        assert first + n < 1 << 31, "chunk elements are indexed in int32"
+        if self.dtype is StateDtype.BF16:
+            self.native.quant_bf16(self.m32[:n], self.v32[:n], p["exp_avg"][lo:hi], p["exp_avg_sq"][lo:hi], first,
+                                   seed_)
+            return
+        blocks = slice(lo // INT8_BLOCK, -(-hi // INT8_BLOCK))
+        self.native.quant_int8(self.m32[:n], self.v32[:n], p["exp_avg"][lo:hi], p["exp_avg_sq"][lo:hi],
+                               p["exp_avg.scale"][blocks], p["exp_avg_sq.scale"][blocks], first, seed_)
 
     def blocks(self):
         """(lo, hi) over the shard in blocks of the scratch's size (block-aligned: INT8_BLOCK divides it)."""

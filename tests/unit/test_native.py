@@ -1,0 +1,132 @@
+"""The native CPU kernels of compressed moments (pstar_fx.runtime.native): built here, bit for bit the torch ops'
+codes, scales and dequantised values (zeros, tiny, huge, NaN and inf, tails, any chunk offset and step), used by
+the CPU worker's update, and refused with a reason where they cannot be built or trusted."""
+import shutil
+
+import pytest
+import torch
+
+from pstar_fx.optim import ADAM_STATE, INT8_BLOCK, AdamConfig, StateDtype
+from pstar_fx.runtime import native
+from pstar_fx.runtime.adam import host_step
+from pstar_fx.runtime.optimizers import host_update
+from pstar_fx.runtime.quantize import Packed
+
+HAVE_CC = shutil.which("cc") is not None
+needs_cc = pytest.mark.skipif(not HAVE_CC, reason="no C compiler on this machine: the torch ops serve")
+CFG = AdamConfig(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, decoupled=True, maximize=False,
+                 fused=None)
+
+
+def _moments(n: int, gen_seed: int) -> dict[str, torch.Tensor]:
+    """Moments over many orders of magnitude, with zeros, fp32's subnormals, the largest floats, NaN and inf."""
+    g = torch.Generator().manual_seed(gen_seed)
+    m = torch.randn(n, generator=g) * torch.logspace(-30, 30, n)[torch.randperm(n, generator=g)]
+    v = torch.rand(n, generator=g) ** 4 * torch.logspace(-30, 30, n)[torch.randperm(n, generator=g)]
+    m[::97] = 0
+    v[::89] = 0
+    m[3], v[4], m[5], v[6] = -1e-40, 1e-41, 3e38, 3e38
+    if n > 2 * INT8_BLOCK:
+        m[INT8_BLOCK + 1], v[INT8_BLOCK + 2] = float("nan"), float("inf")
+        m[2 * INT8_BLOCK - 1] = -float("inf")
+    return {"exp_avg": m, "exp_avg_sq": v}
+
+
+def _written(dtype: StateDtype, values, use_native: bool, first: int, step: float, block: int | None = None):
+    n = values["exp_avg"].numel()
+    layout = ADAM_STATE.with_dtype(dtype)
+    buf = torch.zeros(layout.floats(n, False))
+    kw = {} if block is None else {"block": block}
+    packed = Packed(layout.parts(buf, n, False), chunk=11, first=first, use_native=use_native, **kw)
+    assert (packed.native is not None) == use_native
+    packed.write(values, torch.tensor(step))
+    return buf.view(torch.int32).clone(), packed.read()
+
+
+@needs_cc
+def test_the_kernels_build_and_load_here():
+    assert native.kernels() is not None, native.why_not()
+    assert native.why_not() is None
+
+
+@needs_cc
+@pytest.mark.parametrize("dtype", [StateDtype.BF16, StateDtype.INT8])
+@pytest.mark.parametrize("n, first, step", [(5 * INT8_BLOCK + 37, 0, 1.0), (3000, 1 << 20, 7.0),
+                                            (INT8_BLOCK, 123 * INT8_BLOCK, 12345.0), (70_001, 4096, 2.0),
+                                            (1 << 21, 0, 3.0)])
+def test_native_codes_and_values_are_the_torch_ops_bit_for_bit(dtype, n, first, step):
+    """The large case has narrowly spread moments, where an op rounded differently (torch's CPU sqrt is not
+    correctly rounded) changes a code now and then."""
+    values = _moments(n, n + int(step)) if n < 100_000 else {
+        "exp_avg": torch.randn(n, generator=torch.Generator().manual_seed(0)),
+        "exp_avg_sq": torch.rand(n, generator=torch.Generator().manual_seed(1)) * 1e-3}
+    block = 2048 if n < 100_000 else None
+    want_buf, want = _written(dtype, values, False, first, step, block)
+    got_buf, got = _written(dtype, values, True, first, step, block)
+    assert torch.equal(got_buf, want_buf)
+    for k in want:     # NaN compares by its bits
+        assert torch.equal(got[k].view(torch.int32), want[k].view(torch.int32)), k
+    assert torch.isnan(got["exp_avg"]).any() == (2 * INT8_BLOCK < n < 100_000)
+
+
+@needs_cc
+@pytest.mark.parametrize("dtype", [StateDtype.BF16, StateDtype.INT8])
+def test_the_cpu_workers_update_is_the_same_with_and_without_them(dtype):
+    """A mixed-precision host update, three steps over several blocks: every bit of the states and parameters."""
+    n = 3 * 4096 + 300
+    layout = ADAM_STATE.with_dtype(dtype)
+    runs = []
+    for use_native in (True, False):
+        buf = torch.zeros(layout.floats(n, True))
+        parts = layout.parts(buf, n, True)
+        parts["master"].copy_(torch.randn(n, generator=torch.Generator().manual_seed(1)))
+        param = parts["master"].to(torch.bfloat16)
+        for i in range(3):
+            grad = torch.randn(n, generator=torch.Generator().manual_seed(10 + i)).to(torch.bfloat16)
+            packed = Packed(parts, 3, 256, block=4096, use_native=use_native)
+            host_step(CFG, param, grad, None, None, parts["step"], master=parts["master"], packed=packed)
+        runs.append((buf.view(torch.int32).clone(), param.clone()))
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+    assert runs[0][1].float().std() > 0.5      # the parameters are real values, not zeros
+
+
+@needs_cc
+def test_host_update_uses_them(monkeypatch):
+    """optimizers.host_update's compressed route calls the native kernels (their codes equal the ops', so only a
+    look at the calls tells)."""
+    n = 1 << 16
+    layout = ADAM_STATE.with_dtype(StateDtype.INT8)
+    parts = layout.parts(torch.zeros(layout.floats(n, False)), n, False)
+    seen = []
+
+    class Spy:
+        def __getattr__(self, name):
+            seen.append(name)
+            return getattr(kernels, name)
+
+    kernels = native.kernels()
+    monkeypatch.setattr(native, "kernels", Spy)
+    host_update(CFG, torch.randn(n), torch.randn(n), parts, master=None, inv_scale=None, coef=None, skip=False)
+    assert seen.count("quant_int8") == seen.count("dequant_int8") >= 1
+
+
+def test_they_are_refused_with_a_reason(monkeypatch, tmp_path):
+    load = native._load.__wrapped__
+    monkeypatch.setenv("PSTAR_FX_NATIVE", "0")
+    assert load() == (None, "PSTAR_FX_NATIVE=0")
+    monkeypatch.delenv("PSTAR_FX_NATIVE")
+    monkeypatch.setenv("CC", "no-such-compiler-here")
+    kernels, why = load()
+    assert kernels is None and "no C compiler" in why and "set CC" in why
+    monkeypatch.setenv("CC", "false")        # a compiler that fails
+    monkeypatch.setenv("PSTAR_FX_CACHE", str(tmp_path / "cache"))
+    kernels, why = load()
+    assert kernels is None and "false failed" in why
+    assert list((tmp_path / "cache" / "native").iterdir()) == []      # nothing half-built is left
+    shared = tmp_path / "shared"
+    (shared / "native").mkdir(parents=True)
+    (shared / "native").chmod(0o777)
+    monkeypatch.setenv("PSTAR_FX_CACHE", str(shared))
+    monkeypatch.setenv("CC", "cc")
+    kernels, why = load()
+    assert kernels is None and "not private to this user" in why
