@@ -1,10 +1,12 @@
 """The CPU worker's Adam update rate per state_dtype: one mixed-precision host-side update (bf16 parameters and
 gradient, fp32 master) of a chunk of --chunk elements through `pstar_fx.runtime.optimizers.host_update`, the moments
-fp32 (exact), bf16 or int8 (dequantised, updated and quantised back block by block), in Gparam/s (median of
---repeat after one warm-up) on --threads intra-op threads (default: torch's), the compressed ones in blocks of each
-of --blocks elements.
+fp32 (exact), bf16 or int8, in Gparam/s (median of --repeat after one warm-up) on --threads intra-op threads
+(default: torch's). Compressed moments go through the native one-pass kernel where it is built (the first line says
+whether), else (or with PSTAR_FX_NATIVE=0) through the torch route: dequantised, updated and quantised back block by
+block, in blocks of each of --blocks elements.
 
     python3 benchmarks/state_update_rate.py [--chunk 16777216] [--threads 14] [--repeat 3] [--blocks 262144,1048576]
+    PSTAR_FX_NATIVE=0 python3 benchmarks/state_update_rate.py      # the torch route
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import torch
 
 from pstar_fx.optim import ADAM_STATE, AdamConfig, StateDtype
 from pstar_fx.runtime.adam import HOST_PACKED_BLOCK
+from pstar_fx.runtime import native
 from pstar_fx.runtime.optimizers import host_update
 
 CFG = AdamConfig(lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, decoupled=True, maximize=False,
@@ -48,14 +51,18 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    print(f"chunk {args.chunk:,} elements, {torch.get_num_threads()} threads")
+    kernels = native.kernels()
+    print(f"chunk {args.chunk:,} elements, {torch.get_num_threads()} threads, compressed moments through "
+          + ("the native kernel" if kernels else f"the torch route ({native.why_not()})"))
+    blocks = [int(b) for b in args.blocks.split(",")] if kernels is None else [HOST_PACKED_BLOCK]
     base = rate(StateDtype.FP32, args.chunk, args.repeat, HOST_PACKED_BLOCK)
     print(f"state_dtype fp32: {base:6.3f} Gparam/s", flush=True)
     for dtype in (StateDtype.BF16, StateDtype.INT8):
-        for block in (int(b) for b in args.blocks.split(",")):
+        for block in blocks:
             r = rate(dtype, args.chunk, args.repeat, block)
-            print(f"state_dtype {dtype.value:>4s}, blocks of {block:>9,}: {r:6.3f} Gparam/s ({base / r:4.1f}x the time "
-                  "of fp32)", flush=True)
+            how = "one pass" if kernels else f"blocks of {block:>9,}"
+            print(f"state_dtype {dtype.value:>4s}, {how}: {r:6.3f} Gparam/s ({base / r:4.1f}x the time of fp32)",
+                  flush=True)
 
 
 if __name__ == "__main__":

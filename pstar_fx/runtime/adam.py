@@ -3,15 +3,16 @@
 `fused=None` uses torch's fused kernel (`torch._fused_adam_` / `torch._fused_adamw_`, on CPU and CUDA) where the
 dtype allows; `fused=False` applies torch.optim's single-tensor formula op by op, which reproduces
 `torch.optim.AdamW(foreach=False)` bit for bit. Both work in place on (param, grad, m, v, step) views of the chunk.
-Compressed moments (state_dtype bf16 / int8: `packed`, runtime/quantize.py) go block by block through fp32
-scratch around the same kernels.
+Compressed moments (state_dtype bf16 / int8: `packed`, runtime/quantize.py) on the CPU go through the native
+kernel (runtime/native/adam.c: torch's formula in one pass over the chunk, no scratch) where it is built; elsewhere
+block by block through fp32 scratch around the same torch kernels as exact moments.
 """
 from __future__ import annotations
 
 import torch
 
 from ..optim import AdamConfig
-from .quantize import Packed
+from .quantize import Packed, seed
 
 
 def _fused_ok(cfg: AdamConfig, param: torch.Tensor) -> bool:
@@ -28,6 +29,8 @@ def adam_step(cfg: AdamConfig, param: torch.Tensor, grad: torch.Tensor, m: torch
     if packed is None:
         _apply(cfg, param, grad, m, v, step)
         return
+    if _native(cfg, packed, param, None, grad, step, None, None):
+        return
     for lo, hi in packed.blocks():
         pm, pv = packed.load(lo, hi)
         _apply(cfg, param[lo:hi], grad[lo:hi], pm, pv, step)
@@ -42,11 +45,12 @@ def adam_step(cfg: AdamConfig, param: torch.Tensor, grad: torch.Tensor, m: torch
 HOST_BLOCK = 1 << 22
 
 
-# a compressed host update's block (a multiple of INT8_BLOCK). Each block runs about 40 ops, each a parallel region of
-# its own, so the block must be large enough for every thread to have work: on the H200 machine's host (16 threads,
-# a 16.8M-element chunk, benchmarks/state_update_rate.py) blocks of 1M elements updated bf16 moments at 1.00
-# Gparam/s and int8 at 0.49, blocks of 256K at 0.35 and 0.17 (fp32: 3.5). Its scratch: 24 MiB (six fp32 values an
-# element). Inductor-compiled quantisers (one loop for several ops) were slower there than these ops (0.41, 0.17).
+# a compressed host update's block on the torch route (no native kernels, or fused=False; a multiple of INT8_BLOCK).
+# Each block runs about 40 ops, each a parallel region of its own, so the block must be large enough for every thread
+# to have work: on the H200 machine's host (16 threads, a 16.8M-element chunk, benchmarks/state_update_rate.py with
+# PSTAR_FX_NATIVE=0) blocks of 1M elements updated bf16 moments at 1.00 Gparam/s and int8 at 0.49, blocks of 256K at
+# 0.35 and 0.17 (fp32: 3.5). Its scratch: 24 MiB (six fp32 values an element). Inductor-compiled quantisers (one
+# loop for several ops) were slower there than these ops (0.41, 0.17).
 HOST_PACKED_BLOCK = 1 << 20
 
 
@@ -82,6 +86,10 @@ def host_step(cfg: AdamConfig, param: torch.Tensor, grad: torch.Tensor, m: torch
             param.copy_(master)
         return
     step += 1
+    if packed is not None and _native(cfg, packed, param if master is None else master,
+                                      None if master is None else param, grad, step,
+                                      None if master is None else inv_scale, coef):   # as block_gradient
+        return
     n = param.numel()
     spans = ((lo, min(n, lo + block)) for lo in range(0, n, block)) if packed is None else \
         packed.blocks()
@@ -96,6 +104,20 @@ def host_step(cfg: AdamConfig, param: torch.Tensor, grad: torch.Tensor, m: torch
             param[lo:hi].copy_(master[lo:hi])
         if packed is not None:
             packed.store(lo, hi, step)
+
+
+def _native(cfg: AdamConfig, packed: Packed, target: torch.Tensor, out: torch.Tensor | None, grad: torch.Tensor,
+            step: torch.Tensor, inv_scale: float | None, coef: torch.Tensor | None) -> bool:
+    """The whole update of compressed moments in the native kernel (runtime/native/adam.c: one pass, no scratch),
+    where the moments are on the CPU, the kernels are built and the fused kernel is asked for (fused=False keeps
+    torch.optim's formula op by op). target: the fp32 parameter or master; out: the half-precision parameter written
+    from it. False: not taken."""
+    if packed.native is None or not _fused_ok(cfg, target):
+        return False
+    packed.native.adam(cfg, float(step), target, out, grad, packed.parts, packed.first,
+                       int(seed(packed.chunk, step)), inv_scale=1.0 if inv_scale is None else inv_scale,
+                       coef=1.0 if coef is None else float(coef))
+    return True
 
 
 def _apply(cfg: AdamConfig, param, grad, m, v, step: torch.Tensor) -> None:

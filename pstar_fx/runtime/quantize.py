@@ -29,6 +29,8 @@ chunk updated on the host or on the device can differ in the last bits, as exact
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..optim import INT8_BLOCK, StateDtype
@@ -174,13 +176,27 @@ class Packed:
         self.chunk, self.first = chunk, first
         assert block % INT8_BLOCK == 0 and block <= SCRATCH_BLOCK, block
         self.block = min(self.numel, block)
-        if scratch is None:
-            scratch = torch.empty(SCRATCH_FLOATS * self.block, dtype=torch.float32, device=m.device)
-        assert scratch.numel() >= SCRATCH_FLOATS * self.block and scratch.dtype == torch.float32, scratch.shape
-        b = self.block
-        self.m32, self.v32, self.a, self.u = (scratch[i * b:(i + 1) * b] for i in range(4))
-        self.bits, self.tmp = (scratch[i * b:(i + 1) * b].view(torch.int32) for i in (4, 5))
+        assert scratch is None or (scratch.numel() >= SCRATCH_FLOATS * self.block
+                                   and scratch.dtype == torch.float32), scratch
+        self._scratch = scratch
         self.native = native.kernels() if use_native and m.device.type == "cpu" else None
+
+    @functools.cached_property
+    def _views(self) -> tuple[torch.Tensor, ...]:
+        """m32, v32, a, u (fp32) and bits, tmp (int32) views of the scratch, made here at first use if none was
+        given (the native one-pass update needs none)."""
+        b, scratch = self.block, self._scratch
+        if scratch is None:
+            scratch = torch.empty(SCRATCH_FLOATS * b, dtype=torch.float32, device=self.parts["exp_avg"].device)
+        return (*(scratch[i * b:(i + 1) * b] for i in range(4)),
+                *(scratch[i * b:(i + 1) * b].view(torch.int32) for i in (4, 5)))
+
+    m32 = property(lambda self: self._views[0])
+    v32 = property(lambda self: self._views[1])
+    a = property(lambda self: self._views[2])
+    u = property(lambda self: self._views[3])
+    bits = property(lambda self: self._views[4])
+    tmp = property(lambda self: self._views[5])
 
     def load(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
         assert lo % INT8_BLOCK == 0 and hi - lo <= self.block, (lo, hi)
@@ -235,7 +251,7 @@ class Packed:
     # -- whole values, outside a step ----------------------------------------------------------------------------
     def read(self) -> dict[str, torch.Tensor]:
         """m and v of the whole shard, dequantised into new fp32 tensors."""
-        out = {k: torch.empty(self.numel, dtype=torch.float32, device=self.m32.device)
+        out = {k: torch.empty(self.numel, dtype=torch.float32, device=self.parts["exp_avg"].device)
                for k in ("exp_avg", "exp_avg_sq")}
         for lo, hi in self.blocks():
             m, v = self.load(lo, hi)

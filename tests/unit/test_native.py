@@ -1,6 +1,8 @@
 """The native CPU kernels of compressed moments (pstar_fx.runtime.native): built here, bit for bit the torch ops'
-codes, scales and dequantised values (zeros, tiny, huge, NaN and inf, tails, any chunk offset and step), used by
-the CPU worker's update, and refused with a reason where they cannot be built or trusted."""
+codes, scales and dequantised values (zeros, tiny, huge, NaN and inf, tails, any chunk offset and step); the
+one-pass update following torch's fused Adam with every option; used by the CPU worker's update; refused with a
+reason where they cannot be built or trusted."""
+import dataclasses
 import shutil
 
 import pytest
@@ -69,31 +71,55 @@ def test_native_codes_and_values_are_the_torch_ops_bit_for_bit(dtype, n, first, 
     assert torch.isnan(got["exp_avg"]).any() == (2 * INT8_BLOCK < n < 100_000)
 
 
-@needs_cc
-@pytest.mark.parametrize("dtype", [StateDtype.BF16, StateDtype.INT8])
-def test_the_cpu_workers_update_is_the_same_with_and_without_them(dtype):
-    """A mixed-precision host update, three steps over several blocks: every bit of the states and parameters."""
+def _three_updates(dtype: StateDtype, cfg: AdamConfig, half: torch.dtype | None, use_native: bool):
+    """Three host updates of one chunk (bf16 / fp16 parameters with an fp32 master, or fp32 parameters), with an
+    inverse loss scale and a clipping coefficient: the states, and the parameters."""
     n = 3 * 4096 + 300
     layout = ADAM_STATE.with_dtype(dtype)
-    runs = []
-    for use_native in (True, False):
-        buf = torch.zeros(layout.floats(n, True))
-        parts = layout.parts(buf, n, True)
-        parts["master"].copy_(torch.randn(n, generator=torch.Generator().manual_seed(1)))
-        param = parts["master"].to(torch.bfloat16)
-        for i in range(3):
-            grad = torch.randn(n, generator=torch.Generator().manual_seed(10 + i)).to(torch.bfloat16)
-            packed = Packed(parts, 3, 256, block=4096, use_native=use_native)
-            host_step(CFG, param, grad, None, None, parts["step"], master=parts["master"], packed=packed)
-        runs.append((buf.view(torch.int32).clone(), param.clone()))
-    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
-    assert runs[0][1].float().std() > 0.5      # the parameters are real values, not zeros
+    buf = torch.zeros(layout.floats(n, half is not None))
+    parts = layout.parts(buf, n, half is not None)
+    start = torch.randn(n, generator=torch.Generator().manual_seed(1))
+    if half is None:
+        param, master = start, None
+    else:
+        parts["master"].copy_(start)
+        param, master = start.to(half), parts["master"]
+    for i in range(3):
+        grad = torch.randn(n, generator=torch.Generator().manual_seed(10 + i)).to(half or torch.float32)
+        host_step(cfg, param, grad, None, None, parts["step"], master=master, inv_scale=0.5 if master is not None
+                  else None, coef=torch.tensor(0.7),
+                  packed=Packed(parts, 3, 256, block=4096, use_native=use_native))
+    return parts, param
+
+
+@needs_cc
+@pytest.mark.parametrize("dtype", [StateDtype.BF16, StateDtype.INT8])
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16, None])
+@pytest.mark.parametrize("options", [{}, {"decoupled": False}, {"maximize": True}])
+def test_the_native_update_follows_torchs_fused_adam(dtype, half, options):
+    """adam.c's one-pass update against the torch route (the same quantisers around torch._fused_adam(w)_), three
+    steps: the fp32 masters (or parameters) agree to fp32's last bits, the half-precision parameters are the
+    masters rounded to nearest even, and all but a few codes are the same (a moment a few ulps apart can round to
+    the other code)."""
+    cfg = dataclasses.replace(CFG, **options)
+    (got, got_param), (want, want_param) = (_three_updates(dtype, cfg, half, u) for u in (True, False))
+    target = "master" if half is not None else None
+    g, w = (got[target], want[target]) if target else (got_param, want_param)
+    torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    assert (g - w).abs().max() > 0 or half is None      # not the same route twice (fp32 params may agree exactly)
+    if half is not None:
+        assert torch.equal(got_param, got["master"].to(half))
+    for k in ("exp_avg", "exp_avg_sq"):
+        assert (got[k] != want[k]).float().mean() < 1e-3, k
+    assert got["step"].item() == want["step"].item() == 3
+    read = Packed(got, 3, 256).read()
+    assert read["exp_avg"].abs().max() > 0 and read["exp_avg_sq"].min() >= 0
 
 
 @needs_cc
 def test_host_update_uses_them(monkeypatch):
-    """optimizers.host_update's compressed route calls the native kernels (their codes equal the ops', so only a
-    look at the calls tells)."""
+    """optimizers.host_update's compressed route makes one call of the native update for the whole chunk; with
+    fused=False (torch.optim's formula op by op) the blocks go through the native conversions around it."""
     n = 1 << 16
     layout = ADAM_STATE.with_dtype(StateDtype.INT8)
     parts = layout.parts(torch.zeros(layout.floats(n, False)), n, False)
@@ -107,7 +133,11 @@ def test_host_update_uses_them(monkeypatch):
     kernels = native.kernels()
     monkeypatch.setattr(native, "kernels", Spy)
     host_update(CFG, torch.randn(n), torch.randn(n), parts, master=None, inv_scale=None, coef=None, skip=False)
-    assert seen.count("quant_int8") == seen.count("dequant_int8") >= 1
+    assert seen == ["adam"]
+    seen.clear()
+    host_update(dataclasses.replace(CFG, fused=False), torch.randn(n), torch.randn(n), parts, master=None,
+                inv_scale=None, coef=None, skip=False)
+    assert seen.count("quant_int8") == seen.count("dequant_int8") >= 1 and "adam" not in seen
 
 
 def test_they_are_refused_with_a_reason(monkeypatch, tmp_path):

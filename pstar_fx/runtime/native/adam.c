@@ -1,0 +1,127 @@
+/* Adam / AdamW on compressed moments in one pass (pstar_fx/runtime/adam.py's compressed route on the CPU): per int8
+ * block of elements, the gradient read and converted to fp32 (unscaled, clipped), m and v dequantised, the update of
+ * torch's fused Adam applied to the fp32 parameter (or master), the half-precision parameter written from it, and m
+ * and v quantised back with their random bits, all while the block is in registers and L1. No scratch.
+ *
+ * The update is torch's formula (torch.optim.Adam / AdamW, amsgrad off) in fp32, not its kernel: the last bits can
+ * differ from torch._fused_adamw_'s (as the GPU's do); every CPU update of compressed moments runs here, so a chunk's
+ * update is the same wherever the plan runs it on the CPU. The quantisers are codes.h's, bit for bit the torch ops'.
+ */
+#include "codes.h"
+
+enum kind { FP32 = 0, BF16 = 1, FP16 = 2 };
+
+struct adam {            /* the ctypes Structure of pstar_fx/runtime/native/__init__.py; each value computed in
+                          * double there and rounded to fp32 once, as torch's kernels take their scalars */
+    float decay;          /* AdamW: 1 - lr * weight_decay */
+    float weight_decay;   /* Adam: added to the gradient times the parameter */
+    float w1;             /* 1 - beta1 */
+    float beta2, w2;      /* beta2, 1 - beta2 */
+    float eps;
+    float step_size;      /* lr / (1 - beta1^step) */
+    float bc2_sqrt;       /* sqrt(1 - beta2^step) */
+    float inv_scale;      /* fp16's loss scale's inverse, else 1 */
+    float coef;           /* the clipping coefficient, else 1 */
+    int32_t decoupled, maximize, grad_kind, out_kind;
+};
+
+/* torch's conversion of fp32 to bf16: round to nearest even; a NaN as torch's CPU kernels write it (0xFFFF). */
+static inline uint16_t round_bf16(float x) {
+    uint32_t u = as_bits(x);
+    uint16_t r = (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+    return x != x ? (uint16_t)0xFFFF : r;
+}
+
+/* The gradient of a block in fp32: converted, times inv_scale, times coef (each a rounding, as the ops do). */
+static inline void gradient(const struct adam *a, const void *grad, int64_t lo, int64_t k, float *restrict g) {
+    if (a->grad_kind == BF16) {
+        const uint16_t *src = (const uint16_t *)grad + lo;
+        for (int64_t j = 0; j < k; j++)
+            g[j] = as_float((uint32_t)src[j] << 16);
+    } else if (a->grad_kind == FP16) {
+        const _Float16 *src = (const _Float16 *)grad + lo;
+        for (int64_t j = 0; j < k; j++)
+            g[j] = (float)src[j];
+    } else {
+        memcpy(g, (const float *)grad + lo, (size_t)k * 4);
+    }
+    const float s = a->inv_scale, c = a->coef, sign = a->maximize ? -1.0f : 1.0f;
+    for (int64_t j = 0; j < k; j++)
+        g[j] = ((g[j] * s) * c) * sign;
+}
+
+/* One block's update: p (fp32) in place, m and v in place (fp32), the half-precision parameter written. */
+static inline void update(const struct adam *a, float *restrict p, const float *restrict g, float *restrict m,
+                          float *restrict v, void *out, int64_t lo, int64_t k) {
+    const float w1 = a->w1, b2 = a->beta2, w2 = a->w2, decay = a->decay, wd = a->weight_decay;
+    const float step_size = a->step_size, bc2 = a->bc2_sqrt, eps = a->eps;
+    const int decoupled = a->decoupled;
+    for (int64_t j = 0; j < k; j++) {
+        float pj = p[j], gj = g[j];
+        if (decoupled)
+            pj = pj * decay;
+        else
+            gj = gj + pj * wd;
+        float mj = m[j] + w1 * (gj - m[j]);             /* lerp(m, g, 1 - beta1), 1 - beta1 < 0.5 */
+        float vj = v[j] * b2 + (gj * gj) * w2;
+        float denom = sqrtf(vj) / bc2 + eps;
+        p[j] = pj - step_size * mj / denom;
+        m[j] = mj;
+        v[j] = vj;
+    }
+    if (a->out_kind == BF16) {
+        uint16_t *dst = (uint16_t *)out + lo;
+        for (int64_t j = 0; j < k; j++)
+            dst[j] = round_bf16(p[j]);
+    } else if (a->out_kind == FP16) {
+        _Float16 *dst = (_Float16 *)out + lo;
+        for (int64_t j = 0; j < k; j++)
+            dst[j] = (_Float16)p[j];
+    }
+}
+
+void pstar_adam_bf16(const struct adam *a, float *p32, void *out, const void *grad, uint16_t *qm, uint16_t *qv,
+                     int64_t n, int32_t first, int32_t seed, int threads) {
+    int64_t blocks = (n + INT8_BLOCK - 1) / INT8_BLOCK;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t b = 0; b < blocks; b++) {
+        int64_t lo = b * INT8_BLOCK, k = n - lo < INT8_BLOCK ? n - lo : INT8_BLOCK;
+        float g[INT8_BLOCK], m[INT8_BLOCK], v[INT8_BLOCK];
+        gradient(a, grad, lo, k, g);
+        for (int64_t j = 0; j < k; j++) {
+            m[j] = as_float((uint32_t)qm[lo + j] << 16);
+            v[j] = as_float((uint32_t)qv[lo + j] << 16);
+        }
+        update(a, p32 + lo, g, m, v, out, lo, k);
+        for (int64_t j = 0; j < k; j++) {
+            uint32_t r = bits_of((uint32_t)first + (uint32_t)(lo + j), (uint32_t)seed);
+            qm[lo + j] = to_bf16((as_bits(m[j]) + (r & 0xFFFFu)) & 0xFFFF0000u);
+            qv[lo + j] = to_bf16((as_bits(v[j]) + (r >> 16)) & 0xFFFF0000u);
+        }
+    }
+}
+
+void pstar_adam_int8(const struct adam *a, float *p32, void *out, const void *grad, int8_t *qm, uint8_t *qv,
+                     float *sm, float *sv, int64_t n, int32_t first, int32_t seed, int threads) {
+    int64_t blocks = (n + INT8_BLOCK - 1) / INT8_BLOCK;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t b = 0; b < blocks; b++) {
+        int64_t lo = b * INT8_BLOCK, k = n - lo < INT8_BLOCK ? n - lo : INT8_BLOCK;
+        float g[INT8_BLOCK], m[INT8_BLOCK], v[INT8_BLOCK];
+        uint32_t r[INT8_BLOCK];
+        gradient(a, grad, lo, k, g);
+        const float s = sm[b], t = sv[b];
+        for (int64_t j = 0; j < k; j++) {
+            m[j] = value_m(qm[lo + j], s);
+            v[j] = value_v(qv[lo + j], t);
+        }
+        update(a, p32 + lo, g, m, v, out, lo, k);
+        for (int64_t j = 0; j < k; j++)
+            r[j] = bits_of((uint32_t)first + (uint32_t)(lo + j), (uint32_t)seed);
+        float am = block_amax(m, k), av = block_amax(v, k);
+        sm[b] = am;
+        sv[b] = av;
+        codes_m(m, r, clamp_tiny(am), qm + lo, k);
+        codes_v(v, r, clamp_tiny(av), qv + lo, k);
+    }
+}
