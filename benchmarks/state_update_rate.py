@@ -7,6 +7,10 @@ block, in blocks of each of --blocks elements.
 
     python3 benchmarks/state_update_rate.py [--chunk 16777216] [--threads 14] [--repeat 3] [--blocks 262144,1048576]
     PSTAR_FX_NATIVE=0 python3 benchmarks/state_update_rate.py      # the torch route
+    python3 benchmarks/state_update_rate.py --device cuda          # device-placed states (fp32 parameters)
+
+--device cuda times the update of device-placed states instead (optimizers.device_step: fp32 parameter and
+gradient on the GPU, compressed moments through the torch route and their scratch), each update synchronised.
 """
 from __future__ import annotations
 
@@ -19,7 +23,8 @@ import torch
 from pstar_fx.optim import ADAM_STATE, AdamConfig, StateDtype
 from pstar_fx.runtime.adam import HOST_PACKED_BLOCK
 from pstar_fx.runtime import native
-from pstar_fx.runtime.optimizers import host_update
+from pstar_fx.runtime.optimizers import device_step, host_update
+from pstar_fx.runtime.quantize import Packed, scratch_floats
 
 CFG = AdamConfig(lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, decoupled=True, maximize=False,
                  fused=None)
@@ -41,6 +46,21 @@ def rate(dtype: StateDtype, numel: int, repeat: int, block: int) -> float:
     return numel / statistics.median(times[1:]) / 1e9
 
 
+def device_rate(dtype: StateDtype, numel: int, repeat: int, device: torch.device) -> float:
+    layout = ADAM_STATE.with_dtype(dtype)
+    parts = layout.parts(torch.zeros(layout.floats(numel, False), device=device), numel, False)
+    param, grad = torch.randn(numel, device=device), torch.randn(numel, device=device)
+    scratch = torch.empty(scratch_floats(numel), device=device) if dtype.compressed else None
+    times = []
+    for _ in range(repeat + 1):
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        device_step(CFG, param, grad, parts, None if scratch is None else Packed(parts, 0, 0, scratch))
+        torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return numel / statistics.median(times[1:]) / 1e9
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--chunk", type=int, default=1 << 24, help="elements of the updated chunk")
@@ -48,7 +68,17 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--blocks", default=str(HOST_PACKED_BLOCK),
                     help="comma-separated elements per block of a compressed update (default: the CPU worker's)")
+    ap.add_argument("--device", default="cpu", help="cpu: the CPU worker's update; cuda: device-placed states")
     args = ap.parse_args()
+    if args.device != "cpu":
+        device = torch.device(args.device)
+        print(f"device {torch.cuda.get_device_name(device)}, chunk {args.chunk:,} elements, fp32 parameters")
+        base = device_rate(StateDtype.FP32, args.chunk, args.repeat, device)
+        print(f"state_dtype fp32: {base:7.2f} Gparam/s", flush=True)
+        for dtype in (StateDtype.BF16, StateDtype.INT8):
+            r = device_rate(dtype, args.chunk, args.repeat, device)
+            print(f"state_dtype {dtype.value:>4s}: {r:7.2f} Gparam/s ({base / r:4.1f}x the time of fp32)", flush=True)
+        return
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     kernels = native.kernels()
