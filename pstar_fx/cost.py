@@ -572,7 +572,7 @@ def _simulate(g: TrainGraph, m: Machine, node_s: list[float], background, steps:
                 numel = shard_numel(c, world)
                 convert = numel * 12 / m.hbm_bytes if g.settings.precision.mixed else 0.0
                 t = max([compute_at] + [ready.get(k, 0.0) for k in keys])
-                rate = m.gpu_adam / state_layout(g.settings).update_cost
+                rate = m.gpu_adam / state_layout(g.settings).device_update_cost
                 done = sim._fixed(Lane.COMPUTE, t, numel / rate + convert + m.kernel_s)
                 if n.kwargs.get("gather", False):               # the updated chunk is gathered again
                     ready[BufKey(c.id, BufKind.PARAM)] = sim.collective(done, c.nbytes)

@@ -386,7 +386,8 @@ def plan(model: nn.Module, loss_fn, *batch, world_size: int = 1, device_memory=N
         t0 = time.perf_counter()
         needed = None
         try:
-            final = run_passes(traced, pipeline(chunk_size=chunk_size, prefetch=prefetch, world=world_size))[-1]
+            final = run_passes(traced, pipeline(chunk_size=chunk_size, prefetch=prefetch, world=world_size,
+                                                machine=machine))[-1]
         except BudgetError as e:
             if e.tier is not None:      # host_memory or the disk tier, not the device, is too small
                 raise

@@ -195,7 +195,7 @@ def optim_from_torch(torch_class: type, params=None, **options) -> OptimizerSpec
         vectors += tuple(k for k in v if k not in vectors)
         scalars += tuple(k for k in s if k not in scalars)
     state = StateLayout(vectors=vectors, scalars=scalars, counter=STEPS if vectors or scalars else None,
-                        update_cost=TORCH_UPDATE_COST)
+                        update_cost=TORCH_UPDATE_COST, device_update_cost=TORCH_UPDATE_COST)
     return OptimizerSpec(torch_class=torch_class, defaults=defaults, groups=groups, state=state)
 
 

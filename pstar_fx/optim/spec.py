@@ -9,7 +9,7 @@ from typing import Any, Mapping
 
 import torch
 
-from .state_dtype import INT8_BLOCK, UPDATE_COST, StateDtype
+from .state_dtype import DEVICE_UPDATE_COST, INT8_BLOCK, UPDATE_COST, StateDtype
 
 # the part of a general-route chunk's state buffer that counts the chunk's steps (torch keeps no such count for
 # every optimizer: SGD's momentum buffer is made at the first step, so pstar-fx must know whether it exists)
@@ -24,8 +24,8 @@ class StateLayout:
     (torch's 0-d per-parameter states: 'step', NAdam's 'mu_product'), then the step counter when it is not one of
     them. A chunk has state once its counter is > 0 (as torch creates a parameter's state at its first step).
     An optimizer with no state (SGD without momentum) has no vectors, no scalars and no counter: 0 bytes per chunk
-    in fp32. `update_cost`: an update's time per element relative to torch's fused Adam's (the cost model's
-    rates, on the CPU and the GPU).
+    in fp32. `update_cost` / `device_update_cost`: an update's time per element relative to torch's fused Adam's
+    on the CPU / on the GPU (the cost model's rates).
 
     `dtype` other than FP32 (Adam's compressed moments, optim/state_dtype.py): the buffer is still one flat fp32
     buffer per chunk (what moves between host, device and disk as opaque bytes), now carved by bytes: each vector
@@ -36,6 +36,7 @@ class StateLayout:
     scalars: tuple[str, ...] = ()
     counter: str | None = None
     update_cost: float = 1.0
+    device_update_cost: float = 1.0
     dtype: StateDtype = StateDtype.FP32
     unsigned: tuple[str, ...] = ()          # vectors that are never negative (Adam's exp_avg_sq)
 
@@ -46,7 +47,8 @@ class StateLayout:
 
     def with_dtype(self, dtype: StateDtype) -> "StateLayout":
         """This layout with its vectors stored in `dtype` (and the update's cost scaled accordingly)."""
-        return dataclasses.replace(self, dtype=dtype, update_cost=self.update_cost * UPDATE_COST[dtype])
+        return dataclasses.replace(self, dtype=dtype, update_cost=self.update_cost * UPDATE_COST[dtype],
+                                   device_update_cost=self.device_update_cost * DEVICE_UPDATE_COST[dtype])
 
     @property
     def scalar_parts(self) -> tuple[str, ...]:

@@ -43,10 +43,12 @@ def scratch_bytes(numel: int, dtype: StateDtype) -> int:
     return SCRATCH_FLOATS * 4 * min(numel, SCRATCH_BLOCK) if dtype.compressed else 0
 
 
-# an update's time per element relative to exact fp32 Adam's, for the cost model: the moments are dequantised into
-# fp32 scratch and quantised back around the same fused kernel. Measured with benchmarks/state_update_rate.py on the
-# H200 machine's host (16 threads, mixed precision, blocks of 1M elements): bf16 3.5x, int8 7.1x the time of fp32.
+# an update's time per element relative to exact fp32 Adam's, for the cost model. On the CPU (UPDATE_COST) the native
+# one-pass kernel (pstar_fx/runtime/native/adam.c); on the GPU (DEVICE_UPDATE_COST) the torch route, the moments
+# dequantised into fp32 scratch and quantised back around torch's fused kernel, about 40 kernels a block. Measured
+# with benchmarks/state_update_rate.py on the H200 machine (16 threads, mixed precision; --device cuda).
 UPDATE_COST = {StateDtype.FP32: 1.0, StateDtype.BF16: 3.5, StateDtype.INT8: 7.1}
+DEVICE_UPDATE_COST = {StateDtype.FP32: 1.0, StateDtype.BF16: 3.5, StateDtype.INT8: 7.1}
 
 
 def parse_state_dtype(value, where: str) -> StateDtype:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import time
 
+from ..cost import H200, Machine
 from ..ir.graph import TrainGraph
 from .assign_chunks import assign_chunks
 from .canonicalize import canonicalize
@@ -23,18 +24,19 @@ _remat = remat              # pipeline's keyword `remat` shadows the pass
 
 
 def pipeline(*, chunk_size=None, layout=None, prefetch: int | None = None, train: bool = True, remat: bool = True,
-             world: int = 1, fuse: bool = False):
+             world: int = 1, fuse: bool = False, machine: Machine = H200):
     """The passes in order, with their settings bound as keyword arguments. A forward-only (evaluation) graph has
     no optimizer to place: its "optimizer_placed" stage is the liveness stage passed through (and nothing to
     recompute). remat=False: nothing is recomputed (the stage is passed through). With more than one rank the
     shard pass follows the schedule. fuse=True: the compute between chunk operations is grouped into regions, each
-    run as compiled code (stage "fused", last)."""
+    run as compiled code (stage "fused", last). machine: the rates remat and place_optimizer weigh their choices at
+    (px.plan's machine; the H200's for a compiled step)."""
     return [
         canonicalize,
         functools.partial(assign_chunks, chunk_size=chunk_size, layout=layout),
         liveness,
-        functools.partial(_remat, enabled=remat),
-        place_optimizer if train else _no_optimizer,
+        functools.partial(_remat, enabled=remat, machine=machine),
+        functools.partial(place_optimizer, machine=machine) if train else _no_optimizer,
         functools.partial(schedule, prefetch=prefetch),
     ] + ([shard] if world > 1 else []) + ([fuse_regions] if fuse else [])
 

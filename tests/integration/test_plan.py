@@ -487,3 +487,17 @@ def test_most_copy_seconds_bounds_the_estimates_copy_lanes(slowdown):
     busy = cost.estimate(g, m).busy
     bound = cost.most_copy_seconds(g.plan, m)
     assert 0 < busy[Lane.H2D] <= bound and 0 < busy[Lane.D2H] <= bound
+
+
+def test_plan_weighs_its_choices_at_its_machines_rates():
+    """px.plan's machine reaches the passes, not only the final estimate: at a budget where the CPU updates every
+    host-placed chunk on the H200's rates, a machine whose CPU updates 1000x slower streams some chunks' states to
+    the device for their update, and its plan is not slower at its own rates than the H200's plan would be."""
+    case = _case("gpt_tied", 4)
+    budget = tight_budget(case, CHUNK)
+    slow = dataclasses.replace(H200, cpu_adam=H200.cpu_adam / 1000, cpu_adam_mixed=H200.cpu_adam_mixed / 1000)
+    fast_plan, slow_plan = (_plan(case, case.batch(0), device_memory=budget, machine=m) for m in (H200, slow))
+    streamed = [sum(c.streamed for c in r.graph.chunks) for r in (fast_plan, slow_plan)]
+    assert streamed[0] == 0 < streamed[1], streamed
+    assert any("streamed over and back" in str(c) for c in slow_plan.graph.choices)
+    assert slow_plan.cost.seconds <= cost.estimate(fast_plan.graph, slow).seconds

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from ...cost import H200, Machine
 from ...errors import BudgetError
 from ...ir.graph import Choice, TrainGraph
 from ...ir.needs import all_needs, buf_bytes, static_bytes
@@ -27,8 +28,9 @@ from .rewrite import apply, keep_forward_values
 from .segments import GraphFacts, Segment, block_paths, find_segments
 
 
-def remat(g: TrainGraph, *, enabled: bool = True) -> TrainGraph:
-    """The pass (see the module docstring); enabled=False passes the graph through, the user's checkpoints kept."""
+def remat(g: TrainGraph, *, enabled: bool = True, machine: Machine = H200) -> TrainGraph:
+    """The pass (see the module docstring); enabled=False passes the graph through, the user's checkpoints kept.
+    machine: the rates a segment's recompute and the copying it saves are weighed at."""
     budget = g.settings.budget
     unchanged = g.evolve(stage="remat", made_by="remat")
     if not enabled or g.settings.optimizer is None:
@@ -54,7 +56,7 @@ def remat(g: TrainGraph, *, enabled: bool = True) -> TrainGraph:
         return _chose(unchanged, f"the user's checkpoints kept and nothing more recomputed: at the budget "
                                  f"{format_bytes(budget)} the activations fit beside every chunk on the device "
                                  "with them, not without")
-    segments = find_segments(g, G)
+    segments = find_segments(g, G, machine)
     replay.add(segments)
     chosen = choose(replay, segments, budget)
     rule = "each kept only where it saves more copying than its compute costs or lets the step fit"

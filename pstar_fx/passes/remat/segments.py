@@ -50,10 +50,11 @@ class Segment:
     seed: int                        # the loss seed of its micro-batch: users after it are backward users
     freed: int                       # bytes of storages no longer kept from forward into backward
     seconds: float                   # estimated recompute time
+    copy_s: float                    # the time to copy `freed` bytes once between host and device
 
     @property
     def worthwhile(self) -> bool:
-        return self.seconds <= cost.copy_seconds(self.freed)
+        return self.seconds <= self.copy_s
 
 
 def block_paths(names) -> dict[str, str | None]:
@@ -151,9 +152,10 @@ def _windows(g: TrainGraph, nodes: list[fx.Node]) -> list[tuple[int, int]]:
     return [(0 if k == 0 else seeds[k - 1] + 1, s) for k, s in enumerate(seeds)]
 
 
-def find_segments(g: TrainGraph, G: GraphFacts | None = None) -> tuple[Segment, ...]:
+def find_segments(g: TrainGraph, G: GraphFacts | None = None, machine: cost.Machine = cost.H200
+                  ) -> tuple[Segment, ...]:
     """The candidate segments of a liveness-stage graph (see the module docstring); those with nothing to free are
-    left out."""
+    left out. Their recompute and copy times are at `machine`'s rates."""
     G = G or GraphFacts(g)
     nodes = G.nodes
     blocks = block_paths(p.name for p in g.params)
@@ -178,7 +180,7 @@ def find_segments(g: TrainGraph, G: GraphFacts | None = None) -> tuple[Segment, 
         cuts.append(seed)
         labels = [r[0] for r in runs] or [None]
         for k, (a, b) in enumerate(zip(cuts, cuts[1:])):
-            seg = _segment(G, len(out), labels[k], a, b, [i for i in window if a <= i < b], seed)
+            seg = _segment(G, len(out), labels[k], a, b, [i for i in window if a <= i < b], seed, machine)
             if seg is not None:
                 out.append(seg)
     return tuple(out)
@@ -203,7 +205,8 @@ def _frontier(G: GraphFacts, seed: int) -> list[int]:
     return out
 
 
-def _segment(G: GraphFacts, sid: int, block, start: int, end: int, members: list[int], seed: int) -> Segment | None:
+def _segment(G: GraphFacts, sid: int, block, start: int, end: int, members: list[int], seed: int,
+             machine: cost.Machine) -> Segment | None:
     nodes, pos = G.nodes, G.pos
     inside = set(members)
     late = {i: [pos[u] for u in nodes[i].users if pos[u] > seed and u.op != "output"] for i in members}
@@ -249,4 +252,5 @@ def _segment(G: GraphFacts, sid: int, block, start: int, end: int, members: list
     return Segment(id=sid, block=block, start=start, end=end, recompute=tuple(sorted(recompute)),
                    values=tuple(sorted(values)), inputs=tuple(sorted(inputs)),
                    at=min(p for i in values for p in late[i]), seed=seed, freed=freed,
-                   seconds=sum(cost.seconds(nodes[i]) for i in recompute))
+                   seconds=sum(cost.seconds(nodes[i], machine) for i in recompute),
+                   copy_s=cost.copy_seconds(freed, machine))
