@@ -112,7 +112,7 @@ def _native(cfg: AdamConfig, packed: Packed, target: torch.Tensor, out: torch.Te
     where the moments are on the CPU, the kernels are built and the fused kernel is asked for (fused=False keeps
     torch.optim's formula op by op). target: the fp32 parameter or master; out: the half-precision parameter written
     from it. False: not taken."""
-    if packed.native is None or not _fused_ok(cfg, target):
+    if packed.native is None or not _fused_ok(cfg, target) or not packed.native.takes(grad, out):
         return False
     packed.native.adam(cfg, float(step), target, out, grad, packed.parts, packed.first,
                        int(seed(packed.chunk, step)), inv_scale=1.0 if inv_scale is None else inv_scale,

@@ -55,6 +55,7 @@ _SIGNATURES = {
     "pstar_dequant_int8": [_F, _F, _F, _F, _F, _F, _I64, _INT],
     "pstar_adam_bf16": [_A, _F, _F, _F, _F, _F, _I64, _I32, _I32, _INT],
     "pstar_adam_int8": [_A, _F, _F, _F, _F, _F, _F, _F, _I64, _I32, _I32, _INT],
+    "pstar_has_fp16": [],
 }
 
 
@@ -64,6 +65,16 @@ class Kernels:
     runtime/quantize.py). first: the chunk element of element 0; seed: quantize.seed's value; element 0 starts an
     int8 block."""
     lib: ctypes.CDLL
+
+    @property
+    def fp16(self) -> bool:
+        """The update takes fp16 gradients and parameters (the compiler had _Float16)."""
+        return bool(self.lib.pstar_has_fp16())
+
+    def takes(self, *tensors) -> bool:
+        """The update takes these tensors' dtypes (None: absent)."""
+        return all(t is None or t.dtype in (torch.float32, torch.bfloat16) or (t.dtype == torch.float16 and self.fp16)
+                   for t in tensors)
 
     def quant_bf16(self, m, v, qm, qv, first: int, seed: int) -> None:
         self.lib.pstar_quant_bf16(_p(m), _p(v), _p(qm), _p(qv), m.numel(), first, seed, torch.get_num_threads())
@@ -138,7 +149,7 @@ def _load() -> tuple[Kernels | None, str | None]:
         lib = ctypes.CDLL(str(path))
         for name, args in _SIGNATURES.items():
             fn = getattr(lib, name)
-            fn.argtypes, fn.restype = args, None
+            fn.argtypes, fn.restype = args, (ctypes.c_int if name == "pstar_has_fp16" else None)
     except (OSError, AttributeError) as e:
         return None, f"could not load {path}: {e}"
     return Kernels(lib), None

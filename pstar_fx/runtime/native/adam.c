@@ -11,6 +11,16 @@
 
 enum kind { FP32 = 0, BF16 = 1, FP16 = 2 };
 
+/* fp16 gradients and parameters need the compiler's _Float16 (GCC 12, clang 15 on x86-64); without it the caller
+ * keeps fp16 on the torch route (pstar_has_fp16). */
+#ifdef __FLT16_MAX__
+#define HAVE_FP16 1
+#else
+#define HAVE_FP16 0
+#endif
+
+int pstar_has_fp16(void) { return HAVE_FP16; }
+
 struct adam {            /* the ctypes Structure of pstar_fx/runtime/native/__init__.py; each value computed in
                           * double there and rounded to fp32 once, as torch's kernels take their scalars */
     float decay;          /* AdamW: 1 - lr * weight_decay */
@@ -38,10 +48,12 @@ static inline void gradient(const struct adam *a, const void *grad, int64_t lo, 
         const uint16_t *src = (const uint16_t *)grad + lo;
         for (int64_t j = 0; j < k; j++)
             g[j] = as_float((uint32_t)src[j] << 16);
+#if HAVE_FP16
     } else if (a->grad_kind == FP16) {
         const _Float16 *src = (const _Float16 *)grad + lo;
         for (int64_t j = 0; j < k; j++)
             g[j] = (float)src[j];
+#endif
     } else {
         memcpy(g, (const float *)grad + lo, (size_t)k * 4);
     }
@@ -73,10 +85,12 @@ static inline void update(const struct adam *a, float *restrict p, const float *
         uint16_t *dst = (uint16_t *)out + lo;
         for (int64_t j = 0; j < k; j++)
             dst[j] = round_bf16(p[j]);
+#if HAVE_FP16
     } else if (a->out_kind == FP16) {
         _Float16 *dst = (_Float16 *)out + lo;
         for (int64_t j = 0; j < k; j++)
             dst[j] = (_Float16)p[j];
+#endif
     }
 }
 
