@@ -46,9 +46,11 @@ def scratch_bytes(numel: int, dtype: StateDtype) -> int:
 # an update's time per element relative to exact fp32 Adam's, for the cost model. On the CPU (UPDATE_COST) the native
 # one-pass kernel (pstar_fx/runtime/native/adam.c); on the GPU (DEVICE_UPDATE_COST) the torch route, the moments
 # dequantised into fp32 scratch and quantised back around torch's fused kernel, about 40 kernels a block. Measured
-# with benchmarks/state_update_rate.py on the H200 machine (16 threads, mixed precision; --device cuda).
-UPDATE_COST = {StateDtype.FP32: 1.0, StateDtype.BF16: 3.5, StateDtype.INT8: 7.1}
-DEVICE_UPDATE_COST = {StateDtype.FP32: 1.0, StateDtype.BF16: 3.5, StateDtype.INT8: 7.1}
+# with benchmarks/state_update_rate.py on the H200 machine: the host's 16 threads, mixed precision, a 16.8M-element
+# chunk (fp32 3.63, bf16 5.52, int8 2.56 Gparam/s); the GPU, fp32 parameters, a 100.7M-element chunk (--device cuda:
+# fp32 119, bf16 2.45, int8 0.87 Gparam/s).
+UPDATE_COST = {StateDtype.FP32: 1.0, StateDtype.BF16: 0.7, StateDtype.INT8: 1.4}
+DEVICE_UPDATE_COST = {StateDtype.FP32: 1.0, StateDtype.BF16: 48.6, StateDtype.INT8: 137.6}
 
 
 def parse_state_dtype(value, where: str) -> StateDtype:
