@@ -159,7 +159,7 @@ def resolve_tiers(host_memory, offload_dir, disk_memory, comm: Comm | None = Non
     rank's budgets are made the smallest over the ranks (one all-reduce on the control group), whether given or
     measured, and a disk tier given on some ranks only raises ValueError on every rank."""
     world = 1 if comm is None else comm.world
-    local = local_ranks(world)
+    local = 1 if comm is None else local_ranks(world)
     host = None if host_memory is None else parse_bytes(host_memory, "host_memory") // local
     if offload_dir is None and disk_memory is not None:
         raise ValueError("disk_memory bounds the disk tier, which needs offload_dir (a directory on a local disk "

@@ -186,6 +186,9 @@ def test_px_plan_plans_the_disk_tier_of_two_ranks_as_they_do(trained):
     with pytest.raises(px.BudgetError, match=r"disk_memory .* per rank\) is too small") as e:
         px.plan(build(), mlp_loss, x[:per], y[:per], disk_memory=1000, **kw)
     assert e.value.tier is StateHome.DISK
+    with pytest.raises(px.BudgetError, match=r"host_memory's share of each rank, .* \(host_memory is per node") as e:
+        px.plan(build(), mlp_loss, x[:per], y[:per], disk_memory="1GiB", **dict(kw, host_memory=20_000))
+    assert e.value.tier is StateHome.HOST and e.value.available == 20_000 // WORLD
 
 
 # -- without launching ranks ----------------------------------------------------------------------------------------
@@ -217,6 +220,8 @@ def test_host_memory_is_per_node_and_the_ranks_take_the_smallest_budgets(tmp_pat
     from pstar_fx.runtime.host_memory import spare_host_bytes
     free = shutil.disk_usage(tmp_path).free
     assert abs(disk - free // 4) <= (64 << 20) // 4 and 0 < host <= spare_host_bytes(4) + (64 << 20) // 4
+    # one process (no process group) takes host_memory whole, whatever LOCAL_WORLD_SIZE says
+    assert resolve_tiers("4000", None, None, None) == (4000, None, None)
     # host_memory=None and no disk tier on every rank: not checked
     assert resolve_tiers(None, None, None, _Ranks(2, 0, [[0, 0, _UNSET, _UNSET]])) == (None, None, None)
 
