@@ -40,8 +40,9 @@ def compile(model: nn.Module, *, optimizer: OptimizerSpec | None, device_memory:
     writes stay eager). Compiling takes seconds per distinct region on a first run and is cached across processes;
     `fuse=None` takes the device's default (api/options.py DEFAULT_FUSE: off for now). Training steps only.
     `host_memory` bounds what pstar-fx keeps in host memory (None: unchecked, or with a disk tier what the host has
-    available); `offload_dir`, a directory on a local disk, gives a third home to the optimizer states that do not
-    fit it, up to `disk_memory` bytes (None: the free space there). See docs/memory.md, "The disk tier".
+    available), per node: each of several ranks gets its share; `offload_dir`, a directory on a local disk, gives a
+    third home to the optimizer states that do not fit it, up to `disk_memory` bytes per rank (None: the free space
+    there), each rank in files of its own. See docs/memory.md, "The disk tier".
     """
     if _device_updates is not None and (not isinstance(_device_updates, int) or isinstance(_device_updates, bool)
                                         or _device_updates < 0):

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
-import os
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -29,7 +28,7 @@ from ..runtime.chunk_store import ChunkStore, host_buffer_specs
 from ..runtime.comm import Comm
 from ..runtime.compiled_regions import RegionCompiler
 from ..runtime.executor import Executor
-from ..runtime.host_memory import HostMemory, spare_host_bytes
+from ..runtime.host_memory import HostMemory, local_ranks, spare_host_bytes
 from .guarded import GuardVariants, traced_outcomes
 from .trace_cache import DEFAULT_MAX_SIZE, TraceCache
 from .warnings import warn_chunk_padding, warn_host_threads
@@ -169,7 +168,7 @@ class Compiler:
             early = early_host_bytes(self.tables.params, st.precision, st.world, st.budget,
                                      state_layout(st))
             if early:
-                spare = spare_host_bytes(int(os.environ.get("LOCAL_WORLD_SIZE", st.world)))
+                spare = spare_host_bytes(local_ranks(st.world))
                 hostmem.prefault(min(early, spare, st.host_budget or spare))   # (host_memory bounds it too)
 
         def set_up_early(stage: TrainGraph) -> None:

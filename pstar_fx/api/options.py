@@ -11,8 +11,9 @@ import torch.nn as nn
 from ..errors import warn
 from ..ir.graph import Precision
 from ..optim import OptimizerSpec
+from ..runtime.comm import Comm
 from ..runtime.disk import check_dir
-from ..runtime.host_memory import spare_host_bytes
+from ..runtime.host_memory import local_ranks, spare_host_bytes
 from ..units import parse_bytes
 from .device_budget import (
     ALLOCATOR_EXPANDABLE,
@@ -137,31 +138,54 @@ def resolve_budget(device_memory, device: torch.device, world: int) -> tuple[int
     return default_cpu_budget(), None
 
 
-def resolve_tiers(host_memory, offload_dir, disk_memory, world: int) -> tuple[int | None, str | None, int | None]:
-    """(host budget, offload directory, disk budget) from px.compile's host_memory, offload_dir and disk_memory.
+# "not given" in the ranks' agreement on their tier budgets (an int64 larger than any budget)
+_UNSET = 1 << 62
 
-    host_memory: bytes or a size string; None: not checked without a disk tier, and with one (offload_dir given)
-    the host memory the system could give now less a margin (runtime/host_memory.spare_host_bytes). offload_dir: an
-    existing, writable directory for the disk tier's files (None: no disk tier). disk_memory: bytes of it the disk
-    tier may use; None: the free space there now. One rank only, so far."""
-    host = None if host_memory is None else parse_bytes(host_memory, "host_memory")
-    if offload_dir is None:
-        if disk_memory is not None:
-            raise ValueError("disk_memory bounds the disk tier, which needs offload_dir (a directory on a local disk "
-                             "for optimizer states that do not fit host_memory); pass offload_dir too, or drop "
-                             "disk_memory")
-        if host is not None and world > 1:
-            raise ValueError(f"host_memory is checked on one rank only so far (this process group has {world}); "
-                             "leave it None, and use px.plan(..., host_memory=...) to check a cluster's hosts")
-        return host, None, None
-    if world > 1:
-        raise ValueError(f"offload_dir (the disk tier) is built for one rank only so far (this process group has "
-                         f"{world}); leave it None")
-    path = check_dir(offload_dir)
-    disk = shutil.disk_usage(path).free if disk_memory is None else parse_bytes(disk_memory, "disk_memory")
-    if host is None:
-        host = spare_host_bytes()
-        if host <= 0:
-            raise ValueError("host_memory=None with offload_dir: the host memory available could not be read "
-                             "(/proc/meminfo); pass host_memory")
+
+def resolve_tiers(host_memory, offload_dir, disk_memory, comm: Comm | None = None
+                  ) -> tuple[int | None, str | None, int | None]:
+    """(host budget, offload directory, disk budget) of this rank, from px.compile's host_memory, offload_dir and
+    disk_memory.
+
+    host_memory: bytes or a size string, for the node (with several ranks, each rank's budget is its share: divided
+    by the ranks on the node, LOCAL_WORLD_SIZE, as px.plan divides a node's host memory among its GPUs); None: not
+    checked without a disk tier, and with one (offload_dir given) the host memory the system could give now less a
+    margin, shared among the node's ranks (runtime/host_memory.spare_host_bytes). offload_dir: an existing, writable
+    directory for the disk tier's files (None: no disk tier); ranks may share it, each making a directory of its own
+    there. disk_memory: bytes of it each rank's disk tier may use (per rank, as px.plan's per GPU); None: the free
+    space there now, shared among the node's ranks.
+
+    With several ranks (comm), every rank must plan the same chunks on disk, since the schedule is collective: each
+    rank's budgets are made the smallest over the ranks (one all-reduce on the control group), whether given or
+    measured, and a disk tier given on some ranks only raises ValueError on every rank."""
+    world = 1 if comm is None else comm.world
+    local = 1 if comm is None else local_ranks(world)
+    host = None if host_memory is None else parse_bytes(host_memory, "host_memory") // local
+    if offload_dir is None and disk_memory is not None:
+        raise ValueError("disk_memory bounds the disk tier, which needs offload_dir (a directory on a local disk "
+                         "for optimizer states that do not fit host_memory); pass offload_dir too, or drop "
+                         "disk_memory")
+    path = disk = None
+    if offload_dir is not None:
+        path = check_dir(offload_dir)
+        disk = (shutil.disk_usage(path).free // local if disk_memory is None
+                else parse_bytes(disk_memory, "disk_memory"))
+        if host is None:
+            host = spare_host_bytes(local)
+            if host <= 0:
+                raise ValueError("host_memory=None with offload_dir: the host memory available could not be read "
+                                 "(/proc/meminfo); pass host_memory")
+    if comm is not None:
+        tier = int(path is not None)
+        fewest_tiers, neg_most_tiers, host_min, disk_min = comm.smallest(
+            [tier, -tier, _UNSET if host is None else host, _UNSET if disk is None else disk])
+        if fewest_tiers != -neg_most_tiers:
+            raise ValueError(f"offload_dir is given on some ranks and not on others (this is rank {comm.rank} of "
+                             f"{world}, {'with' if tier else 'without'} one): every rank must plan the same chunks "
+                             "on disk, so pass offload_dir on every rank or on none")
+        host = None if host_min == _UNSET else host_min
+        disk = None if disk_min == _UNSET else disk_min
+    if host is not None and host <= 0:
+        raise ValueError(f"host_memory {host_memory!r} is less than a byte for each of the {local} ranks on this "
+                         "node (host_memory is per node, shared by its ranks): pass the node's host memory")
     return host, path, disk

@@ -8,7 +8,9 @@ answer comes from the plan and from the cost model (`pstar_fx.cost`).
   bytes the step needs at least. The peak and the bytes moved and communicated are the plan's, per rank.
 - Host: what the ChunkStore of one rank keeps in host memory (its shard of every chunk's parameter home, the gradient
   homes the plan writes back, the optimizer states placed on the host; at set-up the same but gradient homes),
-  times the ranks of a node, against `host_memory` per node.
+  times the ranks of a node, against `host_memory` per node. With `disk_memory` (a disk tier per GPU, px.compile's
+  offload_dir) the optimizer states that do not fit a GPU's share of host_memory are planned on disk, as each rank
+  of px.compile would plan them: its shard of those chunks' states in files of its own.
 - Speed: `cost.estimate` on the final graph: one steady-state step, and TFLOP/s per GPU counted as
   6 x parameters x tokens + attention (12 x B x heads x Tq x Tk x head_dim per attention layer: nanoGPT's count,
   the causal mask not discounted, recompute not counted), over the estimated step time.
@@ -106,7 +108,9 @@ class PlanReport:
     graph: TrainGraph | None = field(default=None, repr=False, compare=False)   # the final stage
     states_streamed: int = 0         # chunks whose states live on the host, updated on the GPU (streamed over and back)
     machine: Machine = H200          # the rates the step time is estimated at, the sizes checked
-    disk_per_node: int = 0           # bytes a node keeps on disk (the disk tier's files; disk_memory)
+    disk_bytes: int = 0              # one rank's bytes on disk: the disk tier's files of its shards (disk_memory)
+    disk_per_node: int = 0           # bytes a node keeps on disk: disk_bytes times the ranks of a node
+    states_on_disk: int = 0          # trainable chunks whose optimizer states live on disk
     device_headroom: int = 0         # device memory left beside the plan when the budget is the machine's
 
     @property
@@ -186,7 +190,9 @@ class PlanReport:
             ("host memory", f"{fit(self.fits_host)}: {format_bytes(self.host_per_node)} per node of {host_mem} "
                             f"({format_bytes(self.host_bytes)} per GPU, "
                             f"{format_bytes(self.host_setup_bytes)} while setting up)"),
-            ("disk", f"{format_bytes(self.disk_per_node)} per node"),
+            ("disk", f"{format_bytes(self.disk_per_node)} per node" + (
+                f" ({format_bytes(self.disk_bytes)} per GPU: {'its shard of ' if w > 1 else ''}the optimizer states "
+                f"of {self.states_on_disk} chunks)" if self.states_on_disk else "")),
             ("verdict", "FITS" if self.fits else f"DOES NOT FIT: {short}" if short else "DOES NOT FIT"),
             ("not counted", f"the model's own values: {format_bytes(self.model_bytes)} in each process if "
                             "materialised (px.compile copies them in)"),
@@ -338,8 +344,9 @@ def plan(model: nn.Module, loss_fn, *batch, world_size: int = 1, device_memory=N
     type the step is traced for (default: "cuda" when torch sees one, else "cpu": a CPU-only torch cannot trace for
     CUDA, and the CPU trace differs only in the attention kernel's name and in autocast's op lists, which keep the
     same memory for transformers). atomic: as px.compile's. disk_memory: bytes of a disk tier per GPU (px.compile's
-    offload_dir): with host_memory, the optimizer states that do not fit a GPU's share of it are planned on disk
-    (one GPU only so far)."""
+    offload_dir): with host_memory, the optimizer states that do not fit a GPU's share of it (host_memory over the
+    GPUs of a node) are planned on disk, each GPU's shard of them in its own files; the report gives the disk bytes
+    per GPU and per node."""
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size must be a number of GPUs >= 1, got {world_size!r}")
     if not isinstance(atomic, bool) or (not atomic and world_size > 1):
@@ -363,9 +370,10 @@ def plan(model: nn.Module, loss_fn, *batch, world_size: int = 1, device_memory=N
         budget = None
     host = machine.host_memory
     disk = None if disk_memory is None else parse_bytes(disk_memory, "disk_memory")
-    if disk is not None and (host is None or world_size > 1):
+    if disk is not None and host is None:
         raise ValueError("disk_memory plans a disk tier for the optimizer states that do not fit host_memory: give "
-                         "host_memory too, with world_size=1 (the disk tier is built for one GPU only so far)")
+                         "host_memory too (per node; each GPU's share of it is host_memory over the GPUs of a "
+                         "node)")
     per_node = min(world_size, machine.gpus_per_node)
     machine = dataclasses.replace(machine, gpus_per_node=per_node)
     dev = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -419,5 +427,7 @@ def plan(model: nn.Module, loss_fn, *batch, world_size: int = 1, device_memory=N
                       states_on_device=sum(c.state_home is StateHome.DEVICE for c in trainable),
                       states_streamed=sum(c.streamed for c in trainable),
                       trainable_chunks=len(trainable), model_flops=model_flops(final, n_tokens),
-                      cost=estimate(final, machine), graph=final, disk_per_node=disk_bytes(final) * per_node,
+                      cost=estimate(final, machine), graph=final, disk_bytes=disk_bytes(final),
+                      disk_per_node=disk_bytes(final) * per_node,
+                      states_on_disk=sum(c.state_home is StateHome.DISK for c in trainable),
                       **common)

@@ -84,7 +84,7 @@ class CompiledStep:
         self._comm = default_comm(dev)       # the default process group, when one of 2+ ranks exists
         world = 1 if self._comm is None else self._comm.world
         budget, self._default_budget = resolve_budget(device_memory, dev, world)
-        host_budget, offload, disk_budget = resolve_tiers(host_memory, offload_dir, disk_memory, world)
+        host_budget, offload, disk_budget = resolve_tiers(host_memory, offload_dir, disk_memory, self._comm)
         self.settings = Settings(precision=prec, device=dev, budget=budget,
                                  chunk_size=chunk_size,
                                  optimizer=self._optimizer.layout if self._optimizer is not None else None,

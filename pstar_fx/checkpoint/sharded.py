@@ -480,6 +480,8 @@ def _read_pieces(state: StepState, path, params, buffers, stepped, small, meta, 
             parts["exp_avg_sq"].zero_()
         parts["step"].fill_(count)
     _load(state, entries, path, md)
+    for cid in sorted(set(moments) | {st.params[n].chunk for n in params}):
+        st.states_written(cid)     # (written in place: a disk-homed chunk's states go back to its file)
     for cid, parts in moments.items():
         st.values.set_moments(cid, parts)
     # mixed precision: the half-precision parameters are the masters rounded; frozen ones come from their whole value

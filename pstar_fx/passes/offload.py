@@ -45,7 +45,7 @@ def offload_states(g: TrainGraph, machine: Machine) -> TrainGraph:
         return g
     if st.disk_budget is None:
         raise BudgetError(
-            f"host_memory {format_bytes(st.host_budget)} ({st.host_budget} bytes) is too small: this plan keeps "
+            f"{host_memory(st)} is too small: this plan keeps "
             f"{format_bytes(need)} ({need} bytes) in host memory (parameter and gradient homes, the optimizer states "
             "of the chunks not on the device). Raise host_memory, or give offload_dir (a directory on a local disk) "
             "so that optimizer states that do not fit go to disk.", node="", needed=need, available=st.host_budget, tier=StateHome.HOST)
@@ -54,7 +54,7 @@ def offload_states(g: TrainGraph, machine: Machine) -> TrainGraph:
                and g.chunks[cid].state_home is StateHome.HOST]
     if not movable:
         raise BudgetError(
-            f"host_memory {format_bytes(st.host_budget)} ({st.host_budget} bytes) is too small: this plan keeps "
+            f"{host_memory(st)} is too small: this plan keeps "
             f"{format_bytes(need)} ({need} bytes) in host memory, and no chunk's optimizer states there could move "
             "to disk (parameter and gradient homes stay on the host). Raise host_memory or device_memory.",
             node="", needed=need, available=st.host_budget, tier=StateHome.HOST)
@@ -77,12 +77,19 @@ def offload_states(g: TrainGraph, machine: Machine) -> TrainGraph:
             return placed.evolve(scheduled=Scheduled(placed.gm, placed.ann, placed.chunks, placed.settings, done))
         if k == len(movable):
             raise BudgetError(
-                f"host_memory {format_bytes(st.host_budget)} ({st.host_budget} bytes) is too small even with the "
+                f"{host_memory(st)} is too small even with the "
                 f"optimizer states of {k} chunks on disk: the host still needs {format_bytes(have)} ({have} bytes) "
                 "for parameter and gradient homes and the disk tier's staging buffers. Raise host_memory, or lower "
                 "chunk_size (smaller staging buffers), or device_memory's pressure on host homes.",
                 node="", needed=have, available=st.host_budget, tier=StateHome.HOST)
         k += 1
+
+
+def host_memory(st) -> str:
+    """The host budget as an error names it: with several ranks, this rank's share of px.compile's host_memory."""
+    b = f"{format_bytes(st.host_budget)} ({st.host_budget} bytes)"
+    return (f"host_memory {b}" if st.world == 1 else
+            f"host_memory's share of each rank, {b} (host_memory is per node, divided among the node's ranks),")
 
 
 def _homes(g: TrainGraph, disk: list[int]) -> TrainGraph:
@@ -95,8 +102,9 @@ def _check_disk(g: TrainGraph) -> None:
     need = disk_bytes(g)
     if need > g.settings.disk_budget:
         raise BudgetError(
-            f"disk_memory {format_bytes(g.settings.disk_budget)} ({g.settings.disk_budget} bytes) is too small: the "
-            f"optimizer states that do not fit host_memory need {format_bytes(need)} ({need} bytes) on disk. Raise "
+            f"disk_memory {format_bytes(g.settings.disk_budget)} ({g.settings.disk_budget} bytes"
+            f"{', per rank' if g.settings.world > 1 else ''}) is too small: the optimizer states that do not fit "
+            f"host_memory need {format_bytes(need)} ({need} bytes) on disk. Raise "
             "disk_memory (or free space in offload_dir), or raise host_memory.",
             node="", needed=need, available=g.settings.disk_budget, tier=StateHome.DISK)
 

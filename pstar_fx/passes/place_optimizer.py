@@ -40,12 +40,11 @@ from ..errors import BudgetError
 from ..ir import ops
 from ..ir.graph import (BufKind, Choice, ChunkGroup, NodeAnn, Phase, Role, Scheduled, StateHome, TrainGraph,
                         UpdateSite, copy_graph, to_module)
-from ..units import format_bytes
 from ..ir.needs import (NO_NEEDS, all_needs, buf_bytes, needs, shard_numel, state_bytes, state_layout,
                         static_bytes)
 from .liveness import analyze
 from .schedule import schedule
-from .offload import offload_states
+from .offload import host_memory, offload_states
 from .update_sites import choose_streamed, no_stream_reason
 
 
@@ -105,8 +104,8 @@ def place_optimizer(g: TrainGraph, machine: Machine = H200) -> TrainGraph:
     if offloaded is not best:
         best, best_scheduled = offloaded, offloaded.scheduled.result
         on_disk = sum(c.state_home is StateHome.DISK for c in best.chunks)
-        why.append(f"{on_disk} chunks' optimizer states on disk: host_memory "
-                   f"{format_bytes(best.settings.host_budget)} does not hold them with the rest")
+        why.append(f"{on_disk} chunks' optimizer states on disk: {host_memory(best.settings)} does not hold them "
+                   "with the rest")
     choices = best.choices + tuple(Choice("place_optimizer", w) for w in why)
     out = best.evolve(stage="optimizer_placed", made_by="place_optimizer", choices=choices)
     if best_scheduled is None:

@@ -16,7 +16,7 @@ Checked at every stage (each check applies once the stage has what it is about):
   with its gradient on the host; a streamed update's states are fetched (copied from their host home) once, before
   its step, and released with a write-back once, after it; static + resident + live + workspace <= budget at every node, and the plan's
   predicted peak is that maximum.
-- the disk tier: a chunk whose states live on disk is updated on the CPU (one rank, a disk budget given); its
+- the disk tier: a chunk whose states live on disk is updated on the CPU (a disk budget given); its
   states are read into a staging buffer once, before its step, and written back once, after it (never
   before the commit unless atomic=False updates it early); no other chunk's are; a staging buffer takes no read
   while a chunk read into it is not yet written back; the host bytes (ir.needs.host_bytes, staging included) stay
@@ -345,8 +345,8 @@ def _check_disk(g: TrainGraph) -> None:
         c = g.chunks[cid]
         if c.streamed or c.update_site is not UpdateSite.CPU:
             _fail(g, None, f"chunk {cid}'s states live on disk, but it is not updated by the CPU worker")
-        if st.world > 1 or st.disk_budget is None:
-            _fail(g, None, f"chunk {cid}'s states live on disk, but the disk tier needs one rank and a disk budget")
+        if st.disk_budget is None:
+            _fail(g, None, f"chunk {cid}'s states live on disk, but the plan has no disk budget")
     slots, _ = staging(g)
     seen: dict[int, list[str]] = {cid: [] for cid in disk}
     holder: dict[int, int] = {}         # staging buffer -> the chunk read into it and not yet written back

@@ -178,7 +178,7 @@ class ChunkStore:
     def _disk_files(self) -> DiskStates:
         if self.disk is None:
             assert self.offload_dir is not None, "a plan put optimizer states on disk without an offload_dir"
-            self.disk = DiskStates(self.offload_dir)
+            self.disk = DiskStates(self.offload_dir, rank=None if self.comm is None else self.comm.rank)
         return self.disk
 
     def open_states(self, cid: int) -> None:

@@ -120,6 +120,14 @@ class Comm:
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.control)
         return int(t[0]) == ~int(t[1])
 
+    def smallest(self, values: list[int]) -> list[int]:
+        """Each of `values` (int64s) at its smallest over the ranks (a collective on the control group: one
+        all-reduce), for settings every rank must take the same where each rank measured its own."""
+        t = torch.tensor(values, dtype=torch.int64)
+        with self._failing("agreeing on the smallest of each rank's settings"):
+            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.control)
+        return [int(v) for v in t]
+
     def gather_objects(self, obj) -> list:
         """Every rank's `obj` (picklable), in rank order (a collective on the control group)."""
         every: list = [None] * self.world

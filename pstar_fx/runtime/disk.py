@@ -1,10 +1,13 @@
 """The disk tier's files and I/O: one file per disk-homed chunk holding its optimizer state buffer, in a directory of
 the store's own under `offload_dir`, read and written asynchronously on a small thread pool.
 
-- **Scratch, not a checkpoint.** `DiskStates` makes `offload_dir/pstar-fx-<random>/` at set-up, one file per chunk
-  (`states-<chunk>.bin`, its size aligned to 4 KiB, made with ftruncate: zeros, like fresh host states), and removes
-  the directory when it is garbage-collected or the process exits normally (a weakref finalizer, which Python also
-  runs at exit). `step.save` reads the states out of these files into the checkpoint as it reads host states.
+- **Scratch, not a checkpoint.** `DiskStates` makes `offload_dir/pstar-fx-<random>/` at set-up (with several ranks
+  `pstar-fx-rank<r>-<random>/`: ranks sharing one offload_dir never share a directory, and a listing says whose each
+  is), one file per chunk (`states-<chunk>.bin`, its size aligned to 4 KiB, made with ftruncate: zeros, like fresh
+  host states), and removes the directory when it is garbage-collected or the process exits normally (a weakref
+  finalizer, which Python also runs at exit). With several ranks each file holds this rank's shard of the chunk's
+  states only, and only this rank reads and writes it. `step.save` reads the states out of these files into the
+  checkpoint as it reads host states.
 - **Direct I/O where it works.** Each file is opened with O_DIRECT where the OS has it; a first aligned write at
   set-up tells whether the file system takes it (tmpfs and some others refuse: EINVAL). If not, the files are opened
   for buffered I/O. `direct` says which ran (step.summary() prints it). Transfers go through buffers aligned to 4 KiB
@@ -61,6 +64,12 @@ def check_dir(path) -> str:
     return p
 
 
+def scratch_prefix(rank: int | None) -> str:
+    """The name a store's scratch directory starts with: the rank's number in it where there are several ranks
+    (rank None: one process)."""
+    return "pstar-fx-" if rank is None else f"pstar-fx-rank{rank}-"
+
+
 def _cleanup(root: str, fds: dict, pool: ThreadPoolExecutor) -> None:
     # (collected in one of the pool's own threads, which cannot wait for itself, nothing is in flight: every
     # operation holds the object alive)
@@ -92,10 +101,11 @@ def _transfer(call, fd: int, buf: torch.Tensor, path: str, moved: _Moved, what: 
 
 
 class DiskStates:
-    """The files of one ChunkStore's disk-homed states and the staging buffers they are read into."""
+    """The files of one ChunkStore's disk-homed states (with several ranks: of this rank's shards) and the staging
+    buffers they are read into. rank: this process's rank where there are several (None: one process)."""
 
-    def __init__(self, offload_dir: str):
-        self.root = tempfile.mkdtemp(prefix="pstar-fx-", dir=offload_dir)
+    def __init__(self, offload_dir: str, rank: int | None = None):
+        self.root = tempfile.mkdtemp(prefix=scratch_prefix(rank), dir=offload_dir)
         self._fds: dict[int, int] = {}
         self.sizes: dict[int, int] = {}          # chunk -> bytes of its state buffer (unaligned)
         self._pool = ThreadPoolExecutor(max_workers=IO_THREADS, thread_name_prefix="pstar-fx disk")

@@ -21,6 +21,7 @@ traces (`prefault`), and `reserve` lays the buffers out in that pool.
 from __future__ import annotations
 
 import ctypes
+import os
 import mmap
 import threading
 import time
@@ -77,6 +78,12 @@ def touch(t: torch.Tensor, threads: int | None = None) -> None:
     ctypes.memset(cut[0], 0, cut[1] - cut[0])
     for w in workers:
         w.join()
+
+
+def local_ranks(world: int) -> int:
+    """The ranks of this process's node, which share its host memory: torchrun's LOCAL_WORLD_SIZE, else (launched
+    otherwise) all `world` of them."""
+    return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
 
 
 def spare_host_bytes(ranks: int = 1) -> int:

@@ -110,6 +110,23 @@ def test_checkpoints_save_load_resume_with_disk_states(tmp_path):
     assert not any(p.suffix == ".bin" for p in (tmp_path / "ckpt").iterdir())
 
 
+def test_a_sharded_checkpoint_loads_into_disk_states(tmp_path):
+    """The sharded format (several ranks' default; one process loads it too) writes the loaded states and masters in
+    place: a disk chunk's go back to its file before the next step."""
+    import pstar_fx.checkpoint as ckpt
+    kw = dict(host_memory=_host_memory_for("fp32", 3), offload_dir=tmp_path)
+    first = _step("fp32", **kw)
+    _train(first, _batches(2))
+    ckpt.save(first._step_state(), tmp_path / "ckpt", sharded=True)
+    want = _train(first, _batches(2, start=2))
+    resumed = _step("fp32", **kw)
+    resumed.lower(*_batches(1, start=2)[0])         # the store exists: the load writes into the disk chunks' files
+    resumed.load(tmp_path / "ckpt")
+    assert _train(resumed, _batches(2, start=2)) == want
+    _assert_equal(resumed.state_dict(), first.state_dict())
+    _assert_equal(_optimizer_tensors(resumed), _optimizer_tensors(first))
+
+
 def _disk_files(step) -> dict:
     disk = step._compiler.store.disk
     return {cid: disk.file_bytes(cid) for cid in sorted(disk.sizes)}
