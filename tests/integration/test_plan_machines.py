@@ -95,8 +95,9 @@ def test_a_preset_machine_plans_the_model_to_its_tiers(gpu, world, per_node):
 
 
 def test_the_machines_rates_estimate_the_step_and_say_what_bounds_it():
-    """One plan (placed with the cost model's H200 rates, as px.compile places it on any GPU) estimated on machines
-    whose copies or CPU updates are slower: never faster, and the slowed resource is what bounds the step."""
+    """One plan (the H200's) estimated on machines whose copies or CPU updates are slower: never faster, and the
+    slowed resource is what bounds the step; each machine's own plan (px.plan weighs its choices at its rates) is
+    not slower at its rates than the H200's plan."""
     need, _ = _need(1)
     base = preset("h200", gpus_per_node=1)
     reports = {}
@@ -104,10 +105,12 @@ def test_the_machines_rates_estimate_the_step_and_say_what_bounds_it():
                           ("slow cpu", base.with_cpu_adam(base.cpu_adam / 1e5))):
         reports[name] = _plan(device_memory=need, machine=machine)
     fast, pcie, cpu = reports["h200"], reports["slow pcie"], reports["slow cpu"]
-    assert str(fast.graph) == str(pcie.graph) == str(cpu.graph)
     assert fast.h2d_bytes > 0 and fast.cost.busy[Lane.CPU] > 0
-    assert pcie.bounded_by is Bound.PCIE and cpu.bounded_by is Bound.CPU_UPDATES
-    assert pcie.step_seconds > fast.step_seconds and cpu.step_seconds > fast.step_seconds
+    at = {name: cost.estimate(fast.graph, reports[name].machine) for name in ("slow pcie", "slow cpu")}
+    assert at["slow pcie"].bounded_by is Bound.PCIE and at["slow cpu"].bounded_by is Bound.CPU_UPDATES
+    assert min(c.seconds for c in at.values()) > fast.step_seconds
+    assert pcie.step_seconds <= at["slow pcie"].seconds * (1 + 1e-9)
+    assert cpu.step_seconds <= at["slow cpu"].seconds * (1 + 1e-9)
     assert pcie.machine.d2h_bytes == pytest.approx(base.d2h_bytes / 1e5)
     assert cpu.machine.cpu_adam_mixed == pytest.approx(base.cpu_adam_mixed / 1e5)
     roomy = _plan(machine=base)                       # everything on the GPU: nothing crosses PCIe
