@@ -35,8 +35,8 @@ import torch
 _HERE = Path(__file__).parent
 _SOURCES = [_HERE / "quantize.c", _HERE / "adam.c"]
 _HEADERS = [_HERE / "codes.h"]
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared",
-          "-std=c99"]
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fPIC",
+          "-shared", "-std=c99"]
 _F, _I64, _I32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_int
 
 
@@ -65,11 +65,7 @@ class Kernels:
     runtime/quantize.py). first: the chunk element of element 0; seed: quantize.seed's value; element 0 starts an
     int8 block."""
     lib: ctypes.CDLL
-
-    @property
-    def fp16(self) -> bool:
-        """The update takes fp16 gradients and parameters (the compiler had _Float16)."""
-        return bool(self.lib.pstar_has_fp16())
+    fp16: bool          # the update takes fp16 gradients and parameters (the compiler had _Float16)
 
     def takes(self, *tensors) -> bool:
         """The update takes these tensors' dtypes (None: absent)."""
@@ -86,7 +82,6 @@ class Kernels:
     def dequant_int8(self, qm, qv, sm, sv, m, v) -> None:
         self.lib.pstar_dequant_int8(_p(qm), _p(qv), _p(sm), _p(sv), _p(m), _p(v), m.numel(),
                                     torch.get_num_threads())
-
 
     def adam(self, cfg, step: float, p32, out, grad, parts: dict, first: int, seed: int, *, inv_scale: float = 1.0,
              coef: float = 1.0) -> None:
@@ -152,7 +147,7 @@ def _load() -> tuple[Kernels | None, str | None]:
             fn.argtypes, fn.restype = args, (ctypes.c_int if name == "pstar_has_fp16" else None)
     except (OSError, AttributeError) as e:
         return None, f"could not load {path}: {e}"
-    return Kernels(lib), None
+    return Kernels(lib, fp16=bool(lib.pstar_has_fp16())), None
 
 
 def _build(cc: str, directory: Path, path: Path) -> str | None:
