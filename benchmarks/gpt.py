@@ -16,10 +16,10 @@ end the others):
   MixedPrecisionPolicy (fp32 reductions), in a one-process group the script initialises itself (nccl on CUDA, gloo on
   the CPU, where offloading means nothing and is left out); fused AdamW on the host shards. Per-block activation
   checkpointing with --checkpoint on only.
-- pstar: px.compile(..., precision bf16, device_memory=each of --budgets), px.AdamW. With --init-empty the model is
-  built under `px.init_empty(device=device)` after torch.manual_seed(0) (no memory; initialised on the device at the
-  first step, into the chunks) instead of on the device and moved to the host; the row's first_step_s is then the
-  first step's time with that initialisation in it. --checkpoint on builds it with per-block checkpoints, which the
+- pstar: px.compile(..., precision bf16, device_memory=each of --budgets), px.AdamW (its moments per --state-dtype).
+  With --init-empty the model is built under `px.init_empty(device=device)` after torch.manual_seed(0) (no memory;
+  initialised on the device at the first step, into the chunks) instead of on the device and moved to the host; the
+  row's first_step_s is then the first step's time with that initialisation in it. --checkpoint on builds it with per-block checkpoints, which the
   remat pass keeps where the budget needs them; without them (auto, off) the remat pass chooses what to recompute
   (the 17.26B GPT on one H200: every block but the last, 8% faster than with the checkpoints; BENCHMARKS.md).
 With --gpus N (a list: 1,2), every system runs on N GPUs of this host, one process per GPU launched by torchrun, data
@@ -245,7 +245,7 @@ def run_pstar(cfg, args, device, batch, budget: str) -> dict:
     models.set_checkpoint(model, args.checkpoint == "on")    # the user's per-block checkpoints (remat may undo them)
     n = n_params(model)
     dm = None if budget == "none" else budget
-    opt = px.AdamW(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
+    opt = px.AdamW(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, state_dtype=args.state_dtype)
     step = px.compile(model, optimizer=opt, device_memory=dm, precision=args.precision, device=device,
                       chunk_size=args.chunk_size, accumulate=args.accumulate, atomic=not args.no_atomic,
                       **prefetch_kw(args))(models.loss)
@@ -538,6 +538,8 @@ def main():
                     help="eager: per-block activation checkpointing (auto: only if it does not fit without); "
                          "pstar: on builds the model with the checkpoints (remat may undo them), else without")
     ap.add_argument("--precision", default="bf16", help="pstar-fx precision")
+    ap.add_argument("--state-dtype", default="fp32", choices=["fp32", "bf16", "int8"],
+                    help="pstar-fx's AdamW moments (px.AdamW state_dtype; eager and FSDP2 keep fp32)")
     ap.add_argument("--chunk-size", type=int, default=None, help="pstar-fx elements per chunk (default: its own)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
@@ -574,7 +576,7 @@ def main():
     passthrough = ["--model", args.model, "--intermediate", str(args.intermediate), "--layers", str(args.layers), "--hidden", str(args.hidden), "--heads", str(args.heads),
                    "--batch", str(args.batch), "--seq", str(args.seq), "--vocab", str(args.vocab),
                    "--warmup", str(args.warmup), "--steps", str(args.steps), "--device", args.device,
-                   "--precision", args.precision, "--checkpoint", args.checkpoint,
+                   "--precision", args.precision, "--state-dtype", args.state_dtype, "--checkpoint", args.checkpoint,
                    "--accumulate", str(args.accumulate)]
     if args.chunk_size:
         passthrough += ["--chunk-size", str(args.chunk_size)]
@@ -591,7 +593,8 @@ def main():
     if args.prefetch:
         passthrough += ["--prefetch", args.prefetch]
     print(f"{cfg}, batch {args.batch} x {args.seq} tokens"
-          f"{f' in {args.accumulate} micro-batches' if args.accumulate > 1 else ''}, device {args.device}"
+          f"{f' in {args.accumulate} micro-batches' if args.accumulate > 1 else ''}"
+          f"{f', pstar-fx moments {args.state_dtype}' if args.state_dtype != 'fp32' else ''}, device {args.device}"
           f"{' (' + torch.cuda.get_device_name() + ')' if args.device.startswith('cuda') else ''}, "
           f"torch {torch.__version__}; TFLOP/s = (6*N*tokens + 12*layers*hidden*seq*tokens) / median step time",
           flush=True)

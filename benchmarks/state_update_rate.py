@@ -10,7 +10,8 @@ block, in blocks of each of --blocks elements.
     python3 benchmarks/state_update_rate.py --device cuda          # device-placed states (fp32 parameters)
 
 --device cuda times the update of device-placed states instead (optimizers.device_step: fp32 parameter and
-gradient on the GPU, compressed moments through the torch route and their scratch), each update synchronised.
+gradient on the GPU, compressed moments through the one-pass Triton kernel, runtime/device_adam.py, or with
+PSTAR_FX_NATIVE=0 the torch route and its scratch), each update synchronised.
 """
 from __future__ import annotations
 
@@ -72,7 +73,10 @@ def main() -> None:
     args = ap.parse_args()
     if args.device != "cpu":
         device = torch.device(args.device)
-        print(f"device {torch.cuda.get_device_name(device)}, chunk {args.chunk:,} elements, fp32 parameters")
+        from pstar_fx.runtime import device_adam
+        print(f"device {torch.cuda.get_device_name(device)}, chunk {args.chunk:,} elements, fp32 parameters, "
+              "compressed moments through " + ("the one-pass Triton kernel" if device_adam.why_not() is None else
+                                               f"the torch route ({device_adam.why_not()})"))
         base = device_rate(StateDtype.FP32, args.chunk, args.repeat, device)
         print(f"state_dtype fp32: {base:7.2f} Gparam/s", flush=True)
         for dtype in (StateDtype.BF16, StateDtype.INT8):

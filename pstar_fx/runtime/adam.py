@@ -4,14 +4,16 @@
 dtype allows; `fused=False` applies torch.optim's single-tensor formula op by op, which reproduces
 `torch.optim.AdamW(foreach=False)` bit for bit. Both work in place on (param, grad, m, v, step) views of the chunk.
 Compressed moments (state_dtype bf16 / int8: `packed`, runtime/quantize.py) on the CPU go through the native
-kernel (runtime/native/adam.c: torch's formula in one pass over the chunk, no scratch) where it is built; elsewhere
-block by block through fp32 scratch around the same torch kernels as exact moments.
+kernel (runtime/native/adam.c: torch's formula in one pass over the chunk, no scratch) where it is built, on the GPU
+through the same arithmetic in one Triton kernel (runtime/device_adam.py) where Triton is installed; elsewhere block
+by block through fp32 scratch around the same torch kernels as exact moments.
 """
 from __future__ import annotations
 
 import torch
 
 from ..optim import AdamConfig
+from . import device_adam
 from .quantize import Packed, seed
 
 
@@ -30,6 +32,9 @@ def adam_step(cfg: AdamConfig, param: torch.Tensor, grad: torch.Tensor, m: torch
         _apply(cfg, param, grad, m, v, step)
         return
     if _native(cfg, packed, param, None, grad, step, None, None):
+        return
+    if device_adam.takes(cfg, param, grad, packed.parts):
+        device_adam.adam(cfg, param, grad, packed.parts, step, packed.chunk, packed.first)
         return
     for lo, hi in packed.blocks():
         pm, pv = packed.load(lo, hi)

@@ -10,9 +10,10 @@ going through float64 here for it), or these ops where no C compiler is found.
 Rounding is stochastic and unbiased, and deterministic: the random bits of element i of chunk c at step t come from
 a counter-based hash of (c, t, i) computed here (never torch's global generator, which stays untouched), so a rerun,
 or a run resumed from a checkpoint, writes the same codes bit for bit, and the host and the device draw the same
-bits. On the CPU, a chunk's update is the same bit for bit wherever the plan runs it; on a GPU, its Adam kernel (and
-torch's CUDA division by a constant, a multiplication by the reciprocal) round differently from the CPU's, so a
-chunk updated on the host or on the device can differ in the last bits, as exact states do.
+bits. The quantisers divide by multiplying with a correctly rounded fp32 reciprocal (1/127, 1/255, 1/scale), which
+every device computes alike and the CPU does faster than a division. On the CPU, a chunk's update is the same bit for
+bit wherever the plan runs it; on a GPU, its Adam kernel rounds differently from the CPU's, so a chunk updated on
+the host or on the device can differ in the last bits, as exact states do.
 
 - bf16: m and v rounded to bfloat16 by adding 16 random bits below bf16's last bit and truncating.
 - int8, per block of INT8_BLOCK elements with one fp32 scale s (the block's largest magnitude): m as signed codes
@@ -21,8 +22,8 @@ chunk updated on the host or on the device can differ in the last bits, as exact
   spread the codes over four (m) and nine (v) orders of magnitude below the block's largest value instead of two,
   where small moments sit; a v > 0 never codes as 0, since Adam divides by sqrt(v) (a v rounded to 0 under a
   non-zero m would turn the step into m / eps). Rounding adds (r + 1/2)/256 for 8 random bits r and floors.
-- Dequantising then quantising again returns the same codes (the block's largest element maps to exactly 1, and a
-  dequantised value lies within a few ulps of its code, far closer than the 1/512 the rounding's offset keeps from
+- Dequantising then quantising again returns the same codes (the block's largest element maps to 1 within an ulp, and
+  a dequantised value lies within a few ulps of its code, far closer than the 1/512 the rounding's offset keeps from
   it): a state read out in fp32 (optimizer.state_dict(), a checkpoint) and loaded back is the state it was.
 - NaN or inf: a bf16 moment keeps it; an int8 block holding one gets a non-finite scale and dequantises to NaN (as
   an exact update's parameters turn NaN after such a gradient anyway).
@@ -118,7 +119,7 @@ def quantize_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, r8: tor
         torch.amax(a[:full * INT8_BLOCK].view(full, INT8_BLOCK), dim=1, out=scale[:full])
     if n > full * INT8_BLOCK:
         scale[full] = a[full * INT8_BLOCK:].amax()
-    _per_block(a, scale.clamp_min(_TINY), lambda t, s: t.div_(s))   # an all-zero block stays 0
+    _per_block(a, scale.clamp_min(_TINY).reciprocal_(), lambda t, s: t.mul_(s))   # an all-zero block stays 0
     _sqrt_(a)
     if not signed:
         _sqrt_(a)
@@ -146,7 +147,7 @@ def _sqrt_(a: torch.Tensor) -> None:
 def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, a: torch.Tensor, signed: bool) -> None:
     """out (fp32) = the values of codes q with their block scales; a: fp32 scratch of out's size."""
     out.copy_(q)
-    out.div_(_levels(signed))
+    out.mul_(1 / _levels(signed))
     if signed:
         out.mul_(torch.abs(out, out=a))
     else:

@@ -15,6 +15,7 @@ import pstar_fx as px
 from pstar_fx import checkpoint
 from pstar_fx.ir.graph import StateHome
 from pstar_fx.ir.needs import state_bytes, state_layout
+from pstar_fx.runtime import device_adam, native
 
 from harness import HYPER, small_batches
 from models import CASES_BY_NAME, GPT, gpt_loss
@@ -23,9 +24,10 @@ CASE = small_batches(CASES_BY_NAME["gpt_tied"])
 ALL = 1000      # more chunks than the case has: every host-placed chunk that can streams
 
 
-def _step(state_dtype, precision="bf16", budget=None, device_updates=None, debug=True, case=CASE):
-    return px.compile(case.build_model(), optimizer=px.AdamW(**HYPER, state_dtype=state_dtype), chunk_size=256,
-                      device_memory=budget, precision=precision, device="cpu", debug=debug,
+def _step(state_dtype, precision="bf16", budget=None, device_updates=None, debug=True, case=CASE, device="cpu"):
+    model = case.build_model()
+    return px.compile(model.to(device), optimizer=px.AdamW(**HYPER, state_dtype=state_dtype), chunk_size=256,
+                      device_memory=budget, precision=precision, device=device, debug=debug,
                       _device_updates=device_updates)(case.loss_fn)
 
 
@@ -35,9 +37,10 @@ def _raw_states(step) -> list[torch.Tensor]:
     return [s.view(torch.uint8).clone() for s in store.states if s is not None]
 
 
-def _tight(state_dtype, precision):
+def _tight(state_dtype, precision, device="cpu"):
     """Just above the least budget: every optimizer state on the host."""
-    return int(_step(state_dtype, precision).min_device_memory(*CASE.batch(0)) * 1.1)
+    batch = [t.to(device) for t in CASE.batch(0)]
+    return int(_step(state_dtype, precision, device=device).min_device_memory(*batch) * 1.1)
 
 
 def test_bad_state_dtypes_and_other_optimizers_are_refused():
@@ -76,6 +79,25 @@ def test_update_is_the_same_on_device_host_and_streamed_and_follows_eager(state_
     got = [_step(state_dtype, precision="fp32")(*CASE.batch(0)).item()]
     assert got[0] == want[0]
     assert max(abs(a - b) / b for a, b in zip(losses["device"], want)) < 2e-3, (losses["device"], want)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available() or device_adam.why_not() is not None or native.kernels() is None,
+                    reason="needs a GPU, Triton (the device's one-pass kernel) and cc (the host's)")
+@pytest.mark.parametrize("state_dtype", ["bf16", "int8"])
+def test_on_the_gpu_device_host_and_streamed_updates_give_the_same_bits(state_dtype):
+    """On a GPU the device's update (the Triton kernel) and the CPU worker's (the native kernel) are the same
+    arithmetic: a chunk's states and the losses are the same bits wherever the plan updates it."""
+    budget = _tight(state_dtype, "bf16", "cuda")
+    steps = {"device": _step(state_dtype, device="cuda"),
+             "host": _step(state_dtype, budget=budget, device_updates=0, device="cuda"),
+             "streamed": _step(state_dtype, budget=budget, device_updates=ALL, device="cuda")}
+    batches = [[t.cuda() for t in CASE.batch(i)] for i in range(4)]
+    losses = {k: [s(*b).item() for b in batches] for k, s in steps.items()}
+    assert losses["device"] == losses["host"] == losses["streamed"], losses
+    raw = {k: _raw_states(s) for k, s in steps.items()}
+    for k in ("host", "streamed"):
+        assert all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(raw["device"], raw[k])), k
 
 
 def test_plan_counts_the_smaller_states():

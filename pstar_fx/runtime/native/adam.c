@@ -135,7 +135,7 @@ void pstar_adam_int8(const struct adam *a, float *p32, void *out, const void *gr
         float am = block_amax(m, k), av = block_amax(v, k);
         sm[b] = am;
         sv[b] = av;
-        codes_m(m, r, clamp_tiny(am), qm + lo, k);
-        codes_v(v, r, clamp_tiny(av), qv + lo, k);
+        codes_m(m, r, inverse(am), qm + lo, k);
+        codes_v(v, r, inverse(av), qv + lo, k);
     }
 }

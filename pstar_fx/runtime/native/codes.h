@@ -52,18 +52,19 @@ static inline float block_amax(const float *restrict x, int64_t k) {
     return as_float(s);
 }
 
-/* quantize_int8's clamp_min_(tiny) of a scale: NaN stays NaN. */
-static inline float clamp_tiny(float s) {
+/* quantize_int8's reciprocal of a scale clamped below at fp32's tiny (finite: at most 2^126); NaN stays NaN. */
+static inline float inverse(float s) {
     const float tiny = 1.17549435082228750797e-38f;
-    return s < tiny ? tiny : s;
+    return 1.0f / (s < tiny ? tiny : s);
 }
 
-/* quantize_int8's codes of one block of m (k elements, scale s clamped): a square-root domain, signed, rounded
- * with the 8 random bits r & 0xFF. The operations, in order, of the torch ops; nan_to_num_ last. */
-static inline void codes_m(const float *restrict x, const uint32_t *restrict r, float s, int8_t *restrict q,
+/* quantize_int8's codes of one block of m (k elements, inv the reciprocal of its clamped scale): a square-root
+ * domain, signed, rounded with the 8 random bits r & 0xFF. The operations, in order, of the torch ops; nan_to_num_
+ * last. */
+static inline void codes_m(const float *restrict x, const uint32_t *restrict r, float inv, int8_t *restrict q,
                            int64_t k) {
     for (int64_t j = 0; j < k; j++) {
-        float a = fabsf(x[j]) / s;
+        float a = fabsf(x[j]) * inv;
         a = sqrtf(a) * 127.0f;
         a = a + (float)(int32_t)(r[j] & 0xFFu) * (1.0f / 256.0f);
         a = floorf(a + 0.5f / 256.0f);
@@ -75,10 +76,10 @@ static inline void codes_m(const float *restrict x, const uint32_t *restrict r, 
 
 /* The same for v: a fourth-root domain, unsigned, the random bits (r >> 8) & 0xFF, and a v > 0 codes as 1 at
  * least (torch.maximum with ceil(min(v * 1e38, 1)), NaN if either is). */
-static inline void codes_v(const float *restrict x, const uint32_t *restrict r, float s, uint8_t *restrict q,
+static inline void codes_v(const float *restrict x, const uint32_t *restrict r, float inv, uint8_t *restrict q,
                            int64_t k) {
     for (int64_t j = 0; j < k; j++) {
-        float a = fabsf(x[j]) / s;
+        float a = fabsf(x[j]) * inv;
         a = sqrtf(sqrtf(a)) * 255.0f;
         a = a + (float)(int32_t)((r[j] >> 8) & 0xFFu) * (1.0f / 256.0f);
         a = floorf(a + 0.5f / 256.0f);
@@ -91,14 +92,15 @@ static inline void codes_v(const float *restrict x, const uint32_t *restrict r, 
 }
 
 
-/* dequantize_int8's value of a code: m = sign(q) (q/127)^2 s, v = (q/255)^4 s, op by op. */
+/* dequantize_int8's value of a code: m = sign(q) (q/127)^2 s, v = (q/255)^4 s, op by op, q/127 and q/255 as a
+ * multiplication by the fp32 reciprocal (as torch's mul_ by a Python float rounds it). */
 static inline float value_m(int8_t q, float s) {
-    float x = (float)q / 127.0f;
+    float x = (float)q * (1.0f / 127.0f);
     return (x * fabsf(x)) * s;
 }
 
 static inline float value_v(uint8_t q, float s) {
-    float y = (float)q / 255.0f;
+    float y = (float)q * (1.0f / 255.0f);
     y = y * y;
     return (y * y) * s;
 }

@@ -28,8 +28,8 @@ void pstar_quant_int8(const float *m, const float *v, int8_t *qm, uint8_t *qv, f
         float am = block_amax(m + lo, k), av = block_amax(v + lo, k);
         sm[b] = am;
         sv[b] = av;
-        codes_m(m + lo, r, clamp_tiny(am), qm + lo, k);
-        codes_v(v + lo, r, clamp_tiny(av), qv + lo, k);
+        codes_m(m + lo, r, inverse(am), qm + lo, k);
+        codes_v(v + lo, r, inverse(av), qv + lo, k);
     }
 }
 
