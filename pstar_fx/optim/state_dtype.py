@@ -43,14 +43,13 @@ def scratch_bytes(numel: int, dtype: StateDtype) -> int:
     return SCRATCH_FLOATS * 4 * min(numel, SCRATCH_BLOCK) if dtype.compressed else 0
 
 
-# an update's time per element relative to exact fp32 Adam's, for the cost model. On the CPU (UPDATE_COST) the native
-# one-pass kernel (pstar_fx/runtime/native/adam.c); on the GPU (DEVICE_UPDATE_COST) the torch route, the moments
-# dequantised into fp32 scratch and quantised back around torch's fused kernel, about 40 kernels a block. Measured
-# with benchmarks/state_update_rate.py on the H200 machine: the host's 16 threads, mixed precision, a 16.8M-element
-# chunk (fp32 3.63, bf16 5.52, int8 2.56 Gparam/s); the GPU, fp32 parameters, a 100.7M-element chunk (--device cuda:
-# fp32 119, bf16 2.45, int8 0.87 Gparam/s).
-UPDATE_COST = {StateDtype.FP32: 1.0, StateDtype.BF16: 0.7, StateDtype.INT8: 1.4}
-DEVICE_UPDATE_COST = {StateDtype.FP32: 1.0, StateDtype.BF16: 48.6, StateDtype.INT8: 137.6}
+# an update's time per element relative to exact fp32 Adam's, for the cost model: on the CPU (UPDATE_COST) the native
+# one-pass kernel (pstar_fx/runtime/native/adam.c), on the GPU (DEVICE_UPDATE_COST) its Triton twin
+# (pstar_fx/runtime/device_adam.py). Measured with benchmarks/state_update_rate.py on the H200 machine: the host's 16
+# threads, mixed precision, a 16.8M-element chunk (fp32 3.87, bf16 5.61, int8 2.64 Gparam/s); the GPU, fp32
+# parameters, a 100.7M-element chunk (--device cuda: fp32 109, bf16 142, int8 105 Gparam/s).
+UPDATE_COST = {StateDtype.FP32: 1.0, StateDtype.BF16: 0.69, StateDtype.INT8: 1.47}
+DEVICE_UPDATE_COST = {StateDtype.FP32: 1.0, StateDtype.BF16: 0.77, StateDtype.INT8: 1.05}
 
 
 def parse_state_dtype(value, where: str) -> StateDtype:
