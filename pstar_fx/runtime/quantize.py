@@ -15,7 +15,7 @@ every device computes alike and the CPU does faster than a division. On the CPU,
 bit wherever the plan runs it; on a GPU, its Adam kernel rounds differently from the CPU's, so a chunk updated on
 the host or on the device can differ in the last bits, as exact states do.
 
-- bf16: m and v rounded to bfloat16 by adding 16 random bits below bf16's last bit and truncating.
+- bf16: m and v rounded to bfloat16 by adding 16 random bits below bf16's last bit and truncating (a NaN takes none).
 - int8, per block of INT8_BLOCK elements with one fp32 scale s (the block's largest magnitude): m as signed codes
   q in [-127, 127] with m = sign(q) (q/127)^2 s (a square-root domain); v as unsigned codes in [0, 255] with
   v = (q/255)^4 s (a fourth-root domain, i.e. sqrt(v), which has m's units, in a square-root domain). The roots
@@ -77,11 +77,15 @@ def _field(bits: torch.Tensor, shift: int, width: int, out: torch.Tensor) -> tor
 
 
 # -- bf16 ---------------------------------------------------------------------------------------------------------
-def quantize_bf16(x: torch.Tensor, q: torch.Tensor, r16: torch.Tensor) -> None:
+def quantize_bf16(x: torch.Tensor, q: torch.Tensor, r16: torch.Tensor, t: torch.Tensor) -> None:
     """q (bfloat16) = x (fp32, overwritten) rounded stochastically with the 16 random bits r16 (int32 in
-    [0, 65536)): adding them below bf16's last bit and truncating rounds up with probability equal to the fraction
-    cut off. A value bf16 holds exactly is unchanged."""
+    [0, 65536); zeroed where x is NaN): adding them below bf16's last bit and truncating rounds up with probability
+    equal to the fraction cut off. A value bf16 holds exactly is unchanged. A NaN takes no random bits: its carry
+    could run into the sign (a GPU's NaN, 0x7FFFFFFF, plus the bits is -0.0), so it stays NaN (any quiet NaN; one
+    with payload bits below bf16's only would truncate to inf). t: int32 scratch of x's size."""
     bits = x.view(torch.int32)
+    t.copy_(bits).bitwise_and_(0x7FFFFFFF).sub_(0x7F800001).bitwise_right_shift_(31)     # -1, or 0 for a NaN
+    r16.bitwise_and_(t)
     bits.add_(r16)
     bits.bitwise_and_(-65536)
     q.copy_(x)
@@ -223,8 +227,9 @@ class Packed:
             return
         bits, tmp = random_bits(self.bits[:n], self.tmp[:n], seed(self.chunk, step), self.first + lo), self.tmp[:n]
         if self.dtype is StateDtype.BF16:
-            quantize_bf16(self.m32[:n], p["exp_avg"][lo:hi], _field(bits, 0, 16, tmp))
-            quantize_bf16(self.v32[:n], p["exp_avg_sq"][lo:hi], _field(bits, 16, 16, tmp))
+            t = self.a[:n].view(torch.int32)
+            quantize_bf16(self.m32[:n], p["exp_avg"][lo:hi], _field(bits, 0, 16, tmp), t)
+            quantize_bf16(self.v32[:n], p["exp_avg_sq"][lo:hi], _field(bits, 16, 16, tmp), t)
             return
         blocks = slice(lo // INT8_BLOCK, -(-hi // INT8_BLOCK))
         quantize_int8(self.m32[:n], p["exp_avg"][lo:hi], p["exp_avg.scale"][blocks], _field(bits, 0, 8, tmp),

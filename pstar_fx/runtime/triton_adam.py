@@ -125,8 +125,10 @@ def adam_bf16(p_ptr, g_ptr, qm_ptr, qv_ptr, step_ptr, n, first, seed_c, step_k, 
     tl.store(p_ptr + offs, p, mask=mask)
     r = _bits(first + offs, seed, k1, k2, k3)
     # quantize_bf16: 16 random bits added below bf16's last bit, then truncated (exact in bf16)
-    qm = ((m.to(tl.int32, bitcast=True) + (r & 0xFFFF)) & -65536).to(tl.float32, bitcast=True)
-    qv = ((v.to(tl.int32, bitcast=True) + ((r >> 16) & 0xFFFF)) & -65536).to(tl.float32, bitcast=True)
+    # (a NaN takes no bits: its carry could run into the sign, 0x7FFFFFFF + r being -0.0)
+    qm = ((m.to(tl.int32, bitcast=True) + tl.where(m != m, 0, r & 0xFFFF)) & -65536).to(tl.float32, bitcast=True)
+    qv = ((v.to(tl.int32, bitcast=True) + tl.where(v != v, 0, (r >> 16) & 0xFFFF)) & -65536).to(tl.float32,
+                                                                                                bitcast=True)
     tl.store(qm_ptr + offs, qm.to(tl.bfloat16), mask=mask)
     tl.store(qv_ptr + offs, qv.to(tl.bfloat16), mask=mask)
 

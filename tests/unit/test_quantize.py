@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from pstar_fx.optim import ADAM_STATE, INT8_BLOCK, StateDtype, parse_state_dtype
+from pstar_fx.runtime import native
 from pstar_fx.runtime.quantize import Packed, random_bits, seed
 
 N = 3 * INT8_BLOCK + 100          # three whole blocks and a tail
@@ -190,3 +191,20 @@ def test_nan_and_inf_poison_their_own_block_only():
             rest = got[k][2 * INT8_BLOCK:]
             assert rest.isfinite().all(), (dtype, k)
             assert torch.allclose(rest, want[k][2 * INT8_BLOCK:], rtol=0.2, atol=1e-3 * want[k].abs().max())
+
+
+@pytest.mark.parametrize("use_native", [False, True])
+def test_every_quiet_nan_stays_nan_in_bf16(use_native):
+    """The random bits added below bf16's last bit must not carry out of a NaN: a GPU's NaN (0x7FFFFFFF) plus
+    them would wrap to -0.0 and a negative one (0xFFFFFFFF) to +0.0, silently zeroing a poisoned moment."""
+    if use_native and native.kernels() is None:
+        pytest.skip(f"no native kernels here: {native.why_not()}")
+    patterns = torch.tensor([0x7FFFFFFF, -1, 0x7FC00000, -0x400000, 0x7FFF0001], dtype=torch.int32)
+    n = 4096 * len(patterns)
+    layout = ADAM_STATE.with_dtype(StateDtype.BF16)
+    pk = Packed(layout.parts(torch.zeros(layout.floats(n, False)), n, False), chunk=3, use_native=use_native)
+    nan = patterns.repeat_interleave(4096).view(torch.float32)
+    assert nan.isnan().all()
+    pk.write({"exp_avg": nan.clone(), "exp_avg_sq": nan.clone()}, torch.tensor(9.0))
+    got = pk.read()
+    assert got["exp_avg"].isnan().all() and got["exp_avg_sq"].isnan().all()

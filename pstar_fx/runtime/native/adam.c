@@ -109,8 +109,8 @@ void pstar_adam_bf16(const struct adam *a, float *p32, void *out, const void *gr
         update(a, p32 + lo, g, m, v, out, lo, k);
         for (int64_t j = 0; j < k; j++) {
             uint32_t r = bits_of((uint32_t)first + (uint32_t)(lo + j), (uint32_t)seed);
-            qm[lo + j] = to_bf16((as_bits(m[j]) + (r & 0xFFFFu)) & 0xFFFF0000u);
-            qv[lo + j] = to_bf16((as_bits(v[j]) + (r >> 16)) & 0xFFFF0000u);
+            qm[lo + j] = round_bf16_stochastic(m[j], r & 0xFFFFu);
+            qv[lo + j] = round_bf16_stochastic(v[j], r >> 16);
         }
     }
 }

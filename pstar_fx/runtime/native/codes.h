@@ -41,6 +41,12 @@ static inline uint16_t to_bf16(uint32_t u) {
     return isnan(as_float(u)) ? (uint16_t)0xFFFF : (uint16_t)(u >> 16);
 }
 
+/* quantize_bf16 of x with the 16 random bits r16: added below bf16's last bit, then truncated; a NaN takes no bits
+ * (its carry could run into the sign: a GPU's NaN, 0x7FFFFFFF, plus the bits is -0.0). */
+static inline uint16_t round_bf16_stochastic(float x, uint32_t r16) {
+    return to_bf16((as_bits(x) + (isnan(x) ? 0u : r16)) & 0xFFFF0000u);
+}
+
 /* torch.amax of |x| over a block (k elements): NaN if any element is NaN. For x >= 0 the bits order as the values
  * do, a NaN's above infinity's, so an integer maximum (which vectorises) finds both. */
 static inline float block_amax(const float *restrict x, int64_t k) {

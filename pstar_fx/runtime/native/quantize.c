@@ -10,8 +10,8 @@ void pstar_quant_bf16(const float *m, const float *v, uint16_t *qm, uint16_t *qv
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t i = 0; i < n; i++) {
         uint32_t r = bits_of((uint32_t)first + (uint32_t)i, (uint32_t)seed);
-        qm[i] = to_bf16((as_bits(m[i]) + (r & 0xFFFFu)) & 0xFFFF0000u);
-        qv[i] = to_bf16((as_bits(v[i]) + (r >> 16)) & 0xFFFF0000u);
+        qm[i] = round_bf16_stochastic(m[i], r & 0xFFFFu);
+        qv[i] = round_bf16_stochastic(v[i], r >> 16);
     }
 }
 
