@@ -51,6 +51,7 @@ import gzip
 import json
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -248,11 +249,14 @@ def run_pstar(cfg, args, device, batch, budget: str) -> dict:
     opt = px.AdamW(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, state_dtype=args.state_dtype)
     step = px.compile(model, optimizer=opt, device_memory=dm, precision=args.precision, device=device,
                       chunk_size=args.chunk_size, accumulate=args.accumulate, atomic=not args.no_atomic,
+                      host_memory=args.host_memory, offload_dir=args.offload_dir, disk_memory=args.disk_memory,
                       **prefetch_kw(args))(models.loss)
     if args.plan_only:       # px.plan of this very step (model, optimizer, budget, ranks), without a store
         report = px.plan(model, models.loss, *batch, world_size=world(), device_memory=dm, precision=args.precision,
                          chunk_size=args.chunk_size, accumulate=args.accumulate, atomic=not args.no_atomic,
-                         optimizer=opt, device=device.type, **prefetch_kw(args))
+                         optimizer=opt, device=device.type, host_memory=args.host_memory,
+                         disk_memory=None if not args.offload_dir else args.disk_memory or shutil.disk_usage(args.offload_dir).free,
+                         **prefetch_kw(args))
         print(f"plan of rank {os.environ.get('RANK', 0)}:\n{report}", file=sys.stderr, flush=True)
         raise SystemExit(0)
     t0 = time.perf_counter()
@@ -300,7 +304,8 @@ def run_pstar(cfg, args, device, batch, budget: str) -> dict:
                init_empty=args.init_empty, atomic=not args.no_atomic, host_threads=args.host_threads,
                prefetch=args.prefetch,
                predicted_peak=s.predicted_peak, measured_peak=st.measured_peak, chunks=s.chunks,
-               states_on_device=f"{s.states_on_device}/{s.trainable_chunks}", nodes=s.nodes,
+               states_on_device=f"{s.states_on_device}/{s.trainable_chunks}", states_on_disk=s.states_on_disk,
+               nodes=s.nodes,
                budget=s.default_budget or fmt_bytes(s.budget), alloc_retries=st.alloc_retries,
                estimated_s=None if s.estimated_seconds is None else round(s.estimated_seconds, 3))
     if args.profile:
@@ -538,6 +543,10 @@ def main():
                     help="eager: per-block activation checkpointing (auto: only if it does not fit without); "
                          "pstar: on builds the model with the checkpoints (remat may undo them), else without")
     ap.add_argument("--precision", default="bf16", help="pstar-fx precision")
+    ap.add_argument("--host-memory", default=None, help="pstar-fx host_memory (e.g. 100GiB; default: unchecked)")
+    ap.add_argument("--offload-dir", default=None, help="pstar-fx offload_dir: a disk tier for the optimizer states "
+                    "that do not fit --host-memory")
+    ap.add_argument("--disk-memory", default=None, help="pstar-fx disk_memory (default: the free space there)")
     ap.add_argument("--state-dtype", default="fp32", choices=["fp32", "bf16", "int8"],
                     help="pstar-fx's AdamW moments (px.AdamW state_dtype; eager and FSDP2 keep fp32)")
     ap.add_argument("--chunk-size", type=int, default=None, help="pstar-fx elements per chunk (default: its own)")
@@ -588,6 +597,10 @@ def main():
         passthrough += ["--plan-only"]
     if args.no_atomic:
         passthrough += ["--no-atomic"]
+    for flag, value in (("--host-memory", args.host_memory), ("--offload-dir", args.offload_dir),
+                        ("--disk-memory", args.disk_memory)):
+        if value:
+            passthrough += [flag, value]
     if args.host_threads:
         passthrough += ["--host-threads", str(args.host_threads)]
     if args.prefetch:

@@ -201,11 +201,12 @@ class Bound(enum.Enum):
     CPU_UPDATES = "CPU updates"              # optimizer updates on the host
     NETWORK = "network"                      # collectives
     ISSUING = "issuing"                      # the executor's thread, a fixed cost per node
+    DISK = "disk I/O"                        # reads and writes of the disk tier
 
 
 LANE_BOUND: Mapping[Lane, Bound] = MappingProxyType({
     Lane.COMPUTE: Bound.COMPUTE, Lane.H2D: Bound.PCIE, Lane.D2H: Bound.PCIE, Lane.CPU: Bound.CPU_UPDATES,
-    Lane.COMM: Bound.NETWORK, Lane.HOST: Bound.ISSUING})
+    Lane.COMM: Bound.NETWORK, Lane.HOST: Bound.ISSUING, Lane.DISK: Bound.DISK})
 
 
 @dataclass(frozen=True)
