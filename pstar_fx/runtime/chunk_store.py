@@ -105,6 +105,7 @@ class ChunkStore:
         self.offload_dir = offload_dir
         self.disk: DiskStates | None = None
         self._opened: dict[int, bool] = {}     # disk chunks whose states are read into memory outside a step -> dirty
+        self._transient: int | None = None     # an opened disk chunk no one holds views of: closed when another opens
         self._staged: dict[int, int] = {}      # disk chunk -> staging buffer, from its read to its write (a step)
         self._disk_reads: dict[int, Future] = {}
         self._disk_writes: list[Future] = []
@@ -186,6 +187,9 @@ class ChunkStore:
         host memory, where readers and writers use them as host states; `close_states` writes back those marked
         written (`states_written`) and lets go of them, before the next step."""
         assert self.state_home[cid] is StateHome.DISK and self.states[cid] is None, cid
+        if self._transient is not None and self._transient != cid and self._transient in self._opened:
+            self.close_state(self._transient)
+        self._transient = None
         self.disk.settle()          # writes still in flight land first (one that failed raised in its step)
         buf = torch.empty(self.disk.sizes[cid] // 4, dtype=torch.float32)
         self.disk.read_into(cid, buf)
@@ -197,13 +201,27 @@ class ChunkStore:
         if cid in self._opened:
             self._opened[cid] = True
 
+    def let_go_when_another_opens(self, cid: int) -> None:
+        """A writer outside a step is done with chunk cid's states for now and holds no views of them (load_params):
+        if they are an opened disk chunk's, they go back to their file when another disk chunk is read in, so a
+        pass over every chunk holds one in host memory at a time."""
+        if cid in self._opened:
+            self._transient = cid
+
+    def is_open(self, cid: int) -> bool:
+        """A disk-homed chunk's states are read into memory (outside a step)."""
+        return cid in self._opened
+
+    def close_state(self, cid: int) -> None:
+        """Write an opened disk chunk's states back to its file if they were changed, and drop them."""
+        if self._opened.pop(cid):
+            self.disk.write_from(cid, self.states[cid])
+        self.states[cid] = None
+
     def close_states(self) -> None:
         """Write the opened disk chunks' states that were changed back to their files, and drop every opened one."""
-        for cid, dirty in sorted(self._opened.items()):
-            if dirty:
-                self.disk.write_from(cid, self.states[cid])
-            self.states[cid] = None
-        self._opened.clear()
+        for cid in sorted(self._opened):
+            self.close_state(cid)
 
     def disk_read(self, cid: int, slot: int) -> None:
         """Issue the read of a disk chunk's states into staging buffer `slot` (after the slot's previous write)."""

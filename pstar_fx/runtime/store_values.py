@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..ir.graph import ChunkGroup, ChunkInfo, Role
+from ..ir.graph import ChunkGroup, ChunkInfo, Role, StateHome
 from ..ir.needs import shard_numel
 from .quantize import MOMENTS, Packed, is_packed
 
@@ -62,6 +62,8 @@ class StoreValues:
                         staged_copy(master, value.to(torch.float32), home[lo:hi])
                     else:
                         master.copy_(value.to(torch.float32))
+                    # (a disk chunk's states go back to their file when another is read in: one at a time)
+                    self.store.let_go_when_another_opens(c.id)
                 if home is not None:
                     home[lo:hi].copy_(value.to(c.dtype))
             if self.store.precision.mixed and c.group is not ChunkGroup.TRAINABLE:
@@ -96,6 +98,14 @@ class StoreValues:
                 t = self.store.pool.take(v.numel(), v.dtype, what=f"module buffer {name}")
                 self.store.buffers[name] = t.view(v.shape)
             self.store.buffers[name].copy_(v.detach())
+
+    def on_disk(self, name: str) -> bool:
+        """The parameter's full-precision value is a disk-homed chunk's master (mixed precision): in host memory
+        only while its chunk is read in (load_params writes it, marking it changed, one chunk at a time)."""
+        st = self.store
+        cid = st.params[name].chunk
+        return (name not in self.frozen_full and st.precision.mixed and st.chunks[cid].group is ChunkGroup.TRAINABLE
+                and st.state_home[cid] is StateHome.DISK)
 
     def param_value(self, name: str) -> torch.Tensor:
         """The full-precision value of a parameter (the fp32 master in mixed precision)."""
@@ -159,12 +169,10 @@ class StoreValues:
     def put_state_parts(self, cid: int, parts: dict[str, torch.Tensor]) -> None:
         """After changing what state_parts returned: sharded, write this rank's shard of it back; compressed,
         quantise m and v (after the 0-d parts, whose step count picks the rounding's random bits); a disk-homed
-        chunk's go back to their file before the next step."""
+        chunk's go back to their file now, and out of host memory (a load holds one disk chunk at a time)."""
         self.store.states_written(cid)
         own = self.store.parts(cid)
         packed = is_packed(own)
-        if self.store.comm is None and not packed:
-            return
         shard = (lambda v: v) if self.store.comm is None else self.store.comm.shard
         if self.store.comm is not None:
             for k, v in parts.items():
@@ -172,17 +180,24 @@ class StoreValues:
                     own[k].copy_(v if v.dim() == 0 else shard(v))
         if packed:
             self.set_moments(cid, {k: shard(parts[k]) for k in MOMENTS})
+        if self.store.state_home[cid] is StateHome.DISK and self.store.is_open(cid):
+            self.store.close_state(cid)
 
     def restore_params_from_masters(self) -> None:
         """After a step failed before its commit point: in mixed precision a chunk's gradients may have overwritten
         its half-precision parameters (in place) and reached the host home; the fp32 masters are untouched, and the
-        half-precision parameters are always the masters rounded, so they are rebuilt from them."""
+        half-precision parameters are always the masters rounded, so they are rebuilt from them (a disk-homed
+        chunk's read in and let go one at a time)."""
         if not self.store.precision.mixed:
             return
-        self.store.before_host_write()
-        for c in self.store.chunks:
-            if c.group is ChunkGroup.TRAINABLE and self.store.host_param[c.id] is not None:
-                self.store.host_param[c.id].copy_(self.store.master(c.id))
+        st = self.store
+        st.before_host_write()
+        for c in st.chunks:
+            if c.group is ChunkGroup.TRAINABLE and st.host_param[c.id] is not None:
+                was_open = st.is_open(c.id)
+                st.host_param[c.id].copy_(st.master(c.id))
+                if st.state_home[c.id] is StateHome.DISK and not was_open:
+                    st.close_state(c.id)        # read, not changed: one disk chunk in memory at a time
 
     def value_source(self, name: str) -> torch.Tensor | None:
         """The flat buffer of this rank's shard holding the parameter's full-precision value; None where it is kept

@@ -62,8 +62,8 @@ def _update(p, g, m, v, step_size, bc2, decay, wd, w1, b2, w2, eps, DECOUPLED: t
 
 @triton.jit
 def adam_int8(p_ptr, g_ptr, qm_ptr, qv_ptr, sm_ptr, sv_ptr, step_ptr, n, first, seed_c, step_k, k1, k2, k3, tiny,
-              lr_hi, lr_lo, b1_hi, b1_lo, b2_hi, b2_lo, decay, wd, w1, b2, w2, eps, DECOUPLED: tl.constexpr, MAXIMIZE: tl.constexpr,
-              ROWS: tl.constexpr, BLOCK: tl.constexpr):
+              lr_hi, lr_lo, b1_hi, b1_lo, b2_hi, b2_lo, decay, wd, w1, b2, w2, eps, DECOUPLED: tl.constexpr,
+              MAXIMIZE: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
     step_size, bc2, e = _scalars(step_ptr, lr_hi, lr_lo, b1_hi, b1_lo, b2_hi, b2_lo)
     seed = e * step_k + seed_c
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)

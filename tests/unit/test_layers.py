@@ -134,7 +134,11 @@ def test_no_import_cycles():
     assert not cycles, f"import cycles: {cycles}"
 
 
+# modules that need an optional dependency, imported inside a function where it is there (runtime/device_adam.py)
+NEEDS_OPTIONAL = {"pstar_fx.runtime.triton_adam"}      # Triton (torch's CUDA wheels bring it)
+
+
 def test_imports_inside_functions_stay_in_their_folder():
-    lazy = [(m, t) for m in MODULES for t, nested in EDGES[m] if nested]
+    lazy = [(m, t) for m in MODULES for t, nested in EDGES[m] if nested and t not in NEEDS_OPTIONAL]
     assert all(_group(m) == _group(t) for m, t in lazy), f"imports inside functions across folders: {lazy}"
     assert len(lazy) <= 1, f"imports inside functions: {lazy}"

@@ -35,7 +35,10 @@ def test_importing_any_module_rebinds_no_public_name():
     assert set(px.__all__) == PUBLIC
     before = {name: getattr(px, name) for name in px.__all__}
     for m in pkgutil.walk_packages(px.__path__, "pstar_fx."):
-        importlib.import_module(m.name)
+        try:
+            importlib.import_module(m.name)
+        except ModuleNotFoundError as e:      # an optional dependency's module (Triton's kernels) without it
+            assert m.name == "pstar_fx.runtime.triton_adam" and e.name == "triton", (m.name, e)
     changed = [name for name in px.__all__ if getattr(px, name) is not before[name]]
     assert not changed, f"importing the package's modules rebound {changed}"
     assert inspect.isfunction(px.plan) and inspect.isfunction(px.compile)

@@ -196,11 +196,13 @@ def _targets(params: dict[str, Ref], buffers: dict[str, Ref]) -> dict[int, list[
 def _homes(rec: Recording, store, targets, *, cpu_only: bool) -> dict[int, torch.Tensor]:
     """The storages that are exactly one parameter, in the dtype of its chunk's full-precision home (the host chunk
     in fp32, the fp32 master in mixed precision, which is on the device where the plan put its chunk's optimizer
-    states there): that home, flat; with cpu_only, only homes on the CPU. One rank only (sharded, a home is a part)."""
+    states there): that home, flat; with cpu_only, only homes on the CPU. One rank only (sharded, a home is a part).
+    A master on disk is not a home here (it is in memory only while load_params writes it, one chunk at a time)."""
     homes = {}
     for sid, ts in targets.items():
         is_param, name, ref = ts[0]
-        if store.world == 1 and len(ts) == 1 and is_param and _contiguous_whole(ref, rec.storages[sid]):
+        if (store.world == 1 and len(ts) == 1 and is_param and _contiguous_whole(ref, rec.storages[sid])
+                and not store.values.on_disk(name)):
             home = store.values.param_value(name)
             if (home.dtype == ref.dtype and tuple(home.shape) == ref.shape
                     and (home.device.type == "cpu" or not cpu_only)):
