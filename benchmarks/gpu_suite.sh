@@ -134,6 +134,19 @@ stage() {
     llama13b)     # the Llama-2-13B shape at the default budget, atomic and atomic=False
       gpt llama13b_default 330 "${llama13[@]}" --budgets none
       gpt llama13b_free 330 "${llama13[@]}" --budgets none --no-atomic ;;
+    state_rates)  # compressed moments' update rates: the host's native kernel, the GPU's Triton kernel, and the GPU's
+      # kernel against the native one bit for bit
+      (cd tests/support && timeout 120 python3 device_adam_check.py cuda | tail -3)
+      timeout 200 python3 benchmarks/state_update_rate.py --repeat 5
+      timeout 200 python3 benchmarks/state_update_rate.py --device cuda --chunk 100663296 --repeat 5 ;;
+    int8_30b)     # 30.59B (49 x 7168, 56 heads, 8 x 2048 tokens) with int8 moments, built under px.init_empty
+      gpt int8_30b 420 --layers 49 --hidden 7168 --heads 56 --batch 8 --systems pstar --init-empty \
+          --state-dtype int8 --warmup 2 --steps 5 ;;
+    disk_tier)    # the largest exact GPT with the disk tier: 19.15B (60 x 5120), host_memory 100 GiB, states of the
+      # chunks beyond it in ../disk (the machine's one disk); 1 warm-up step
+      mkdir -p ../disk
+      gpt disk_tier 570 --layers 60 --hidden 5120 --heads 40 --batch 8 --systems pstar --init-empty \
+          --host-memory 100GiB --offload-dir ../disk --disk-memory 58GiB --warmup 1 --steps 5 ;;
     gpt17b_ckpt)  # 17.26B built with per-block torch.utils.checkpoint, atomic=False
       gpt17 gpt17b_ckpt --checkpoint on --no-atomic ;;
     gpt17b_budgets) # 17.26B, atomic=False, at 135 and 133 GiB (headroom for the CUDA allocator)

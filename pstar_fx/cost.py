@@ -95,8 +95,8 @@ class Machine:
     #                                      (rail-optimised; rings spread over the NICs), at 90% of line rate
     collective_latency_s: float = 50e-6  # per collective, beyond its bytes
     gpus_per_node: int = 8
-    disk_read_bytes: float = 5e9         # the disk tier (offload_dir): an NVMe drive's sequential reads and writes,
-    disk_write_bytes: float = 3e9        # typical data-sheet figures for an H200 host's local NVMe, not measured
+    disk_read_bytes: float = 2.3e9       # the disk tier (offload_dir): the lent H200 machine's disk, direct I/O in
+    disk_write_bytes: float = 2.0e9      # 16 MiB blocks (dd, BENCHMARKS.md); a local NVMe drive does 2-3x more
     # sizes px.plan checks a plan against (None: not given, not checked); bytes, or strings such as "1.5TB"
     device_memory: int | None = None     # one GPU's memory, as torch reports its total
     host_memory: int | None = None       # host memory of one node, shared by its GPUs

@@ -1,11 +1,13 @@
 """Compressed optimizer moments (px.Adam / px.AdamW `state_dtype="bf16"` or `"int8"`): the quantisers, and the
 blocks a compressed update runs through (runtime/adam.py runs the update itself).
 
-An update dequantises a block of m and v into fp32 scratch, runs the same fused Adam as an exact update on it, and
-quantises the block back; nothing chunk-sized is made in fp32. On the GPU, plain torch ops, each in place on the
-scratch (`Packed`), so a device update allocates nothing beyond its counted workspace; on the CPU, the native kernels
-of runtime/native (each conversion one pass, the same bits: every operation is correctly rounded, torch's CPU sqrt
-going through float64 here for it), or these ops where no C compiler is found.
+The update itself runs in one pass where it can: the native kernel on the CPU (runtime/native/adam.c), one Triton
+kernel on the GPU (runtime/device_adam.py), each with these quantisers' arithmetic. Elsewhere (no C compiler, no
+Triton, `PSTAR_FX_NATIVE=0`, fused=False) an update dequantises a block of m and v into fp32 scratch, runs the same
+fused Adam as an exact update on it, and quantises the block back, through the plain torch ops here, each in place on
+the scratch (`Packed`), so a device update allocates nothing beyond its counted workspace; nothing chunk-sized is made
+in fp32. The conversions on the CPU go through runtime/native too (each one pass, the same bits: every operation is
+correctly rounded, torch's CPU sqrt going through float64 here for it).
 
 Rounding is stochastic and unbiased, and deterministic: the random bits of element i of chunk c at step t come from
 a counter-based hash of (c, t, i) computed here (never torch's global generator, which stays untouched), so a rerun,
