@@ -4,11 +4,14 @@
         --gpus-per-node 8 --device-memory 80GB --host-memory 1TB --checkpoint
     pstar-fx-plan --layers 88 --d-model 10240 --heads 80 --batch 8 --checkpoint --machine h200 --gpus-per-node 1 \\
         --host-memory 1.5TB
+    pstar-fx-plan --layers 49 --d-model 7168 --heads 56 --batch 8 --gpus-per-node 1 --host-memory 126GiB \\
+        --state-dtype int8
 
 Runs on any machine (no GPU, no process group): the model is built on the meta device, the step traced and planned as
 each of the --world-size ranks would, and the cost model (pstar_fx/cost.py) estimates the step time on --machine (a
 preset: its rates and GPU memory; --host-memory and --gpus-per-node size its nodes, --pcie-gbps, --cpu-adam-gparams
-and --network-gbps replace its rates; --device-memory replaces the budget the GPU's memory gives). The GPT is
+and --network-gbps replace its rates; --device-memory replaces the budget the GPU's memory gives); --state-dtype
+compresses AdamW's moments, --disk-memory adds a disk tier for the states beyond --host-memory. The GPT is
 nanoGPT's, the one benchmarks/gpt.py trains: vocab 50304 (--vocab), tied head, learned positions, biases and
 LayerNorms, no dropout, loss cross-entropy; --checkpoint wraps every block in torch.utils.checkpoint. --batch is per
 GPU. Exit status: 0 when the model fits, 1 when it does not. `python -m pstar_fx.api.plan_cli` runs it too.
@@ -23,6 +26,7 @@ import torch
 
 from ..cost import GPU, H200
 from ..models.gpt import GPT, GPTConfig, gpt_loss
+from ..optim import AdamW
 from .plan import PlanReport, plan, resolve_machine
 
 
@@ -48,6 +52,11 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32"])
     ap.add_argument("--chunk-size", type=int, default=None, help="elements per chunk (default: chosen)")
     ap.add_argument("--max-grad-norm", type=float, default=None)
+    ap.add_argument("--state-dtype", default="fp32", choices=["fp32", "bf16", "int8"],
+                    help="AdamW's moments (px.AdamW state_dtype): exact fp32, or compressed to bf16 or int8")
+    ap.add_argument("--disk-memory", default=None,
+                    help="a disk tier per GPU, e.g. 500GB: the optimizer states that do not fit --host-memory go "
+                         "to disk (px.compile's offload_dir); needs --host-memory")
     ap.add_argument("--no-atomic", action="store_true",
                     help="px.compile(atomic=False): host-side updates may start during backward (one GPU)")
     ap.add_argument("--network-gbps", type=float, default=None,
@@ -79,10 +88,15 @@ def main(argv=None) -> PlanReport:
             machine = machine.with_cpu_adam(args.cpu_adam_gparams * 1e9)
     except ValueError as e:
         raise SystemExit(f"pstar-fx-plan: {e}") from None
+    if args.disk_memory is not None and args.host_memory is None:
+        raise SystemExit("pstar-fx-plan: --disk-memory plans a disk tier for the optimizer states that do not fit "
+                         "--host-memory: give --host-memory too")
     tokens = ((args.batch, args.seq), torch.long)
+    optimizer = None if args.state_dtype == "fp32" else AdamW(state_dtype=args.state_dtype)
     report = plan(model, gpt_loss, tokens, tokens, world_size=args.world_size, device_memory=args.device_memory,
                   precision=args.precision, chunk_size=args.chunk_size, accumulate=args.accumulate,
-                  max_grad_norm=args.max_grad_norm, machine=machine, atomic=not args.no_atomic)
+                  max_grad_norm=args.max_grad_norm, machine=machine, atomic=not args.no_atomic,
+                  optimizer=optimizer, disk_memory=args.disk_memory)
     print(f"GPT {args.layers} layers x d={args.d_model}, {args.heads} heads, seq {args.seq}, vocab {args.vocab}"
           f"{', activation checkpointing' if args.checkpoint else ''}; batch {args.batch} per GPU")
     print(report)

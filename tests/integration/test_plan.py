@@ -206,6 +206,19 @@ def test_command_line_no_fit_and_px_plan_survive_importing_the_module(capsys):
     assert callable(px.plan) and px.plan(case.build_model(), case.loss_fn, *case.batch(0), device="cpu").fits
 
 
+def test_command_line_plans_compressed_states_and_a_disk_tier(tmp_path, capsys):
+    """--state-dtype int8 plans smaller optimizer states (less host memory than exact ones at the same budget);
+    --disk-memory with --host-memory plans the states that do not fit it on disk; --disk-memory alone is refused."""
+    from pstar_fx.api.plan_cli import main
+    tight = [*GPT_ARGS, "--device-memory", "1MB", "--gpus-per-node", "1"]
+    exact, int8 = main(tight), main([*tight, "--state-dtype", "int8"])
+    assert 0 < int8.host_bytes < exact.host_bytes
+    on_disk = main([*tight, "--host-memory", str(exact.host_bytes * 2 // 3), "--disk-memory", "1GB"])
+    assert on_disk.states_on_disk > 0 and on_disk.disk_bytes > 0 and on_disk.fits
+    with pytest.raises(SystemExit, match="--disk-memory plans a disk tier"):
+        main([*tight, "--disk-memory", "1GB"])
+
+
 def test_benchmark_flops_are_the_plans_model_flops():
     """benchmarks/gpt.py runs the reference GPT that `pstar-fx-plan` plans (it imports it), and counts a step's
     FLOPs as the plan does: 6 N tokens + 12 layers hidden seq tokens."""
