@@ -33,7 +33,7 @@ def adam_step(cfg: AdamConfig, param: torch.Tensor, grad: torch.Tensor, m: torch
         return
     if _native(cfg, packed, param, None, grad, step, None, None):
         return
-    if device_adam.takes(cfg, param, grad, packed.parts):
+    if device_adam.takes(cfg, param, grad):
         device_adam.adam(cfg, param, grad, packed.parts, step, packed.chunk, packed.first)
         return
     for lo, hi in packed.blocks():

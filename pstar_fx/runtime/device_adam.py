@@ -48,7 +48,10 @@ def _triton():
         return f"triton is not importable ({e})"
     if not (hasattr(tl, "sqrt_rn") and hasattr(tl, "div_rn")):
         return "this Triton lacks sqrt_rn / div_rn"
-    from . import triton_adam
+    try:
+        from . import triton_adam
+    except Exception as e:       # a Triton that imports but cannot define the kernels
+        return f"the Triton kernels could not be defined ({type(e).__name__}: {e})"
     return triton_adam
 
 
@@ -58,7 +61,7 @@ def why_not() -> str | None:
     return k if isinstance(k, str) else None
 
 
-def takes(cfg: AdamConfig, param: torch.Tensor, grad: torch.Tensor, parts: dict) -> bool:
+def takes(cfg: AdamConfig, param: torch.Tensor, grad: torch.Tensor) -> bool:
     """The kernel runs this update: CUDA tensors, fp32 parameter and gradient, the fused kernel asked for."""
     return (cfg.fused is not False and param.is_cuda and param.dtype == torch.float32
             and grad.dtype == torch.float32 and not isinstance(_triton(), str))

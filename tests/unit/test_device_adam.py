@@ -47,13 +47,12 @@ def _device_parts(dtype: StateDtype, n: int, device) -> dict:
 
 def test_taken_only_for_fused_updates_of_fp32_gpu_tensors():
     p, g = torch.randn(1000), torch.randn(1000)
-    parts = _device_parts(StateDtype.INT8, 1000, "cpu")
-    assert not device_adam.takes(CFG, p, g, parts)                      # the CPU: the native kernel's
+    assert not device_adam.takes(CFG, p, g)                      # the CPU: the native kernel's
     if CUDA:
         pc, gc = p.cuda(), g.cuda()
-        assert device_adam.takes(CFG, pc, gc, parts) == HAVE_TRITON
-        assert not device_adam.takes(dataclasses.replace(CFG, fused=False), pc, gc, parts)
-        assert not device_adam.takes(CFG, pc.half(), gc.half(), parts)
+        assert device_adam.takes(CFG, pc, gc) == HAVE_TRITON
+        assert not device_adam.takes(dataclasses.replace(CFG, fused=False), pc, gc)
+        assert not device_adam.takes(CFG, pc.half(), gc.half())
 
 
 def test_reason_given_when_not_used(monkeypatch):
