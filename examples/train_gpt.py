@@ -78,13 +78,14 @@ def fmt_bytes(n):
     return f"{n} B"
 
 
-def configure_optimizer(model, lr, weight_decay):
-    """nanoGPT's two groups: decay for matrices (2+ dims), none for biases and norms."""
+def configure_optimizer(model, lr, weight_decay, state_dtype="fp32"):
+    """nanoGPT's two groups: decay for matrices (2+ dims), none for biases and norms. state_dtype: Adam's moments
+    exact ("fp32") or compressed ("bf16", "int8")."""
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
     return px.AdamW([{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-                    lr=lr, betas=(0.9, 0.95), eps=1e-8)
+                    lr=lr, betas=(0.9, 0.95), eps=1e-8, state_dtype=state_dtype)
 
 
 def warmup_cosine(warmup, total, min_ratio=0.1):
@@ -139,6 +140,8 @@ def main():
     parser.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default=None,
                         help="default: pstar-fx's default")
     parser.add_argument("--device", default=None, help="e.g. cpu, cuda (default: pstar-fx picks)")
+    parser.add_argument("--state-dtype", choices=["fp32", "bf16", "int8"], default="fp32",
+                        help="AdamW's moments: exact, or compressed to bf16 / int8 (docs/memory.md)")
     parser.add_argument("--seed", type=int, default=1337)
     parser.add_argument("--eval-every", type=int, default=100)
     parser.add_argument("--log-every", type=int, default=25)
@@ -175,8 +178,9 @@ def main():
     options = dict(device_memory=budget, chunk_size=args.chunk_size, device=args.device)
     if args.precision is not None:
         options["precision"] = args.precision
-    step = px.compile(model, optimizer=configure_optimizer(model, args.lr, 0.1), max_grad_norm=args.clip,
-                      accumulate=args.accumulate, **options)(gpt_loss)
+    optimizer = configure_optimizer(model, args.lr, 0.1, args.state_dtype)
+    step = px.compile(model, optimizer=optimizer, max_grad_norm=args.clip, accumulate=args.accumulate,
+                      **options)(gpt_loss)
     evaluate = px.compile(model, optimizer=None, **options)(gpt_loss)          # forward only, shares the chunks
     generate = px.compile(model, optimizer=None, **options)(lambda m, idx: m(idx))
     sched = torch.optim.lr_scheduler.LambdaLR(step.optimizer, warmup_cosine(args.warmup, args.steps))
