@@ -74,6 +74,8 @@ def adam(cfg: AdamConfig, param: torch.Tensor, grad: torch.Tensor, parts: dict, 
     shard starts at (the random bits)."""
     k = _triton()
     n = param.numel()
+    if n == 0:        # an empty shard: nothing to update (Triton takes no empty grid)
+        return
     assert grad.numel() == n and param.is_contiguous() and grad.is_contiguous() and first + n < 1 << 31
     qm, qv = parts["exp_avg"], parts["exp_avg_sq"]
     lr, b1, b2 = _split(cfg.lr), _split(cfg.beta1), _split(cfg.beta2)
