@@ -12,6 +12,9 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ..errors import CheckpointError
+from ..ir.graph import StateHome
+from ..runtime.host_memory import local_ranks, spare_host_bytes
+from ..units import format_bytes
 from . import checks, dcp_storage, files, plain
 from . import sharded as sharded_format
 from .step_state import StepState
@@ -40,6 +43,28 @@ def _any(comm, flag: bool) -> bool:
     every: list = [None] * comm.world
     dist.all_gather_object(every, flag, group=comm.group)
     return any(every)
+
+
+def disk_states_fit(state: StepState, doing: str) -> None:
+    """Before a save (either format) or a sharded load: those read every disk-tier chunk's optimizer states into host
+    memory at once (checkpoints do not stream them yet). Where the host has less to spare than that (MemAvailable
+    less a margin, runtime/host_memory.spare_host_bytes), CheckpointError says so on every rank, before anything is
+    read or written, instead of the process running out of memory."""
+    st = state.store
+    short = None
+    if st is not None and st.disk is not None:
+        shut = [c for c, home in enumerate(st.state_home) if home is StateHome.DISK and not st.is_open(c)]
+        need = sum(st.disk.sizes[c] for c in shut)
+        spare = spare_host_bytes(1 if state.comm is None else local_ranks(state.comm.world))
+        if shut and spare and need > spare:
+            short = (len(shut), need, spare)
+    if _any(state.comm, short is not None):
+        what = ("another rank's" if short is None else
+                f"the optimizer states of the {short[0]} chunks in the disk tier ({format_bytes(short[1])}), and this "
+                f"host has {format_bytes(short[2])} to spare")
+        raise CheckpointError(f"{doing} reads every disk-tier chunk's optimizer states into host memory at once: "
+                              f"{what}; checkpoints do not stream the disk tier's states yet. Nothing was read or "
+                              "written. Free host memory (or give this model more host memory) to checkpoint it.")
 
 
 def _gather(comm, value: dict) -> dict:
@@ -106,6 +131,7 @@ def save(state: StepState, path, *, sharded: bool | None = None) -> None:
     comm = state.comm
     as_sharded = comm is not None if sharded is None else bool(sharded)
     rank = state.rank
+    disk_states_fit(state, f"step.save({path!r})")
     contents = None
     if not as_sharded:
         # read everything before writing anything (collectives with several ranks: every rank gathers it)
@@ -199,6 +225,7 @@ def load(state: StepState, path) -> None:
                          "then step.load")
     manifest = _open(state.comm, path)
     if manifest.kind is files.Kind.SHARDED:
+        disk_states_fit(state, f"step.load({path!r})")
         whole = sharded_format.read(state, path, manifest)
         if whole is not None:
             model_sd, opt_sd, meta = whole

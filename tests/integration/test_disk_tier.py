@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import pstar_fx as px
+from pstar_fx import checkpoint
 from pstar_fx.ir import Role, ops
 from pstar_fx.ir.graph import StateHome
 from pstar_fx.ir.needs import aligned, host_bytes, state_bytes, state_layout
@@ -108,6 +109,32 @@ def test_checkpoints_save_load_resume_with_disk_states(tmp_path):
         _assert_equal(_optimizer_tensors(resumed), _optimizer_tensors(first))
     # the checkpoint holds the states, not the scratch files
     assert not any(p.suffix == ".bin" for p in (tmp_path / "ckpt").iterdir())
+
+
+def test_a_checkpoint_the_host_cannot_hold_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    """Saving (and loading a sharded checkpoint) reads every disk chunk's states into host memory at once: where the
+    host has less to spare, CheckpointError says so before anything is read or written (the process does not run
+    out of memory), and the step trains on as before."""
+    import pstar_fx.checkpoint.save_load as save_load
+    kw = dict(host_memory=_host_memory_for("fp32", 3), offload_dir=tmp_path / "scratch")
+    (tmp_path / "scratch").mkdir()
+    ref, step = _step("fp32"), _step("fp32", **kw)
+    assert _train(step, _batches(2)) == _train(ref, _batches(2))
+    monkeypatch.setattr(save_load, "spare_host_bytes", lambda ranks=1: 1000)
+    with pytest.raises(px.CheckpointError, match=r"reads every disk-tier chunk's optimizer states .* chunks in the "
+                                                 r"disk tier .* to spare; checkpoints do not stream"):
+        checkpoint.save(step._step_state(), tmp_path / "ckpt", sharded=True)
+    with pytest.raises(px.CheckpointError, match="disk-tier chunk"):
+        step.save(tmp_path / "ckpt")
+    assert not (tmp_path / "ckpt").exists()
+    assert _train(step, _batches(1, start=2)) == _train(ref, _batches(1, start=2))
+    monkeypatch.undo()
+    checkpoint.save(step._step_state(), tmp_path / "ckpt", sharded=True)
+    assert _train(step, _batches(1, start=3)) == _train(ref, _batches(1, start=3))   # (the states back on disk)
+    monkeypatch.setattr(save_load, "spare_host_bytes", lambda ranks=1: 1000)
+    with pytest.raises(px.CheckpointError, match=r"step.load\(.*disk-tier chunk"):
+        step.load(tmp_path / "ckpt")
+    assert _train(step, _batches(1, start=4)) == _train(ref, _batches(1, start=4))
 
 
 def test_a_sharded_checkpoint_loads_into_disk_states(tmp_path):
