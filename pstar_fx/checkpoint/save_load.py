@@ -46,10 +46,10 @@ def _any(comm, flag: bool) -> bool:
 
 
 def disk_states_fit(state: StepState, doing: str) -> None:
-    """Before a save (either format) or a sharded load: those read every disk-tier chunk's optimizer states into host
-    memory at once (checkpoints do not stream them yet). Where the host has less to spare than that (MemAvailable
-    less a margin, runtime/host_memory.spare_host_bytes), CheckpointError says so on every rank, before anything is
-    read or written, instead of the process running out of memory."""
+    """Before a save (either format): it reads every disk-tier chunk's optimizer states into host memory at once
+    (a save does not stream them yet; a load does, a chunk at a time). Where the host has less to spare than that
+    (MemAvailable less a margin, runtime/host_memory.spare_host_bytes), CheckpointError says so on every rank, before
+    anything is read or written, instead of the process running out of memory."""
     st = state.store
     short = None
     if st is not None and st.disk is not None:
@@ -63,7 +63,7 @@ def disk_states_fit(state: StepState, doing: str) -> None:
                 f"the optimizer states of the {short[0]} chunks in the disk tier ({format_bytes(short[1])}), and this "
                 f"host has {format_bytes(short[2])} to spare")
         raise CheckpointError(f"{doing} reads every disk-tier chunk's optimizer states into host memory at once: "
-                              f"{what}; checkpoints do not stream the disk tier's states yet. Nothing was read or "
+                              f"{what}; saves do not stream the disk tier's states yet. Nothing was read or "
                               "written. Free host memory (or give this model more host memory) to checkpoint it.")
 
 
@@ -225,7 +225,6 @@ def load(state: StepState, path) -> None:
                          "then step.load")
     manifest = _open(state.comm, path)
     if manifest.kind is files.Kind.SHARDED:
-        disk_states_fit(state, f"step.load({path!r})")
         whole = sharded_format.read(state, path, manifest)
         if whole is not None:
             model_sd, opt_sd, meta = whole

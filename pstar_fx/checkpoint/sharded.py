@@ -57,7 +57,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
 from ..errors import CheckpointError
-from ..ir.graph import ChunkGroup, Role
+from ..ir.graph import ChunkGroup, Role, StateHome
 from . import checks, files
 from . import dcp_storage as storage
 from .step_state import StepState
@@ -455,35 +455,22 @@ def _read_pieces(state: StepState, path, params, buffers, stepped, small, meta, 
     st.evict_all()
     state.mark_broken(f"step.load({path!r}) failed while it was writing values into the step: load a checkpoint "
                       "again before the next step")
-    entries: dict = {}
+    # one read for the chunks in memory, then one per disk-homed chunk (collectives: every rank plans the same
+    # chunks on disk), each disk chunk read in, loaded into and written back before the next: host memory holds one
+    chunks = {st.params[n].chunk for n in params} | set(plan)
+    on_disk = sorted(c for c in chunks if st.state_home[c] is StateHome.DISK)
     whole: dict[str, torch.Tensor] = {}
-    for name in params:
-        p = st.params[name]
-        src = st.values.value_source(name)
-        if src is None:
-            whole[name] = entries[f"model.{name}"] = torch.empty(_shape(p.shape), dtype=torch.float32)
-            continue
-        start, stop, at = st.values.piece(name)
-        entries[f"model.{name}"] = _entry(comm, src[at:at + stop - start], start, stop, p.shape)
-    # fp32 states to load into: views of the buffers, or (compressed moments) fp32 shards quantised after the load
-    moments = {cid: st.values.moments(cid) for cid in plan}
-    for name in stepped:
-        p = st.params[name]
-        parts = moments[p.chunk]
-        start, stop, at = st.values.piece(name)
-        for key in ("exp_avg", "exp_avg_sq"):
-            entries[f"optim.{name}.{key}"] = _entry(comm, parts[key][at:at + stop - start], start, stop, p.shape)
-    for cid, count in plan.items():
-        parts = moments[cid]
-        if count == 0:
-            parts["exp_avg"].zero_()
-            parts["exp_avg_sq"].zero_()
-        parts["step"].fill_(count)
-    _load(state, entries, path, md)
-    for cid in sorted(set(moments) | {st.params[n].chunk for n in params}):
-        st.states_written(cid)     # (written in place: a disk-homed chunk's states go back to its file)
-    for cid, parts in moments.items():
-        st.values.set_moments(cid, parts)
+    for group in [chunks - set(on_disk), *({c} for c in on_disk)]:
+        entries, moments = _load_targets(st, comm, group, params, stepped, plan, whole)
+        if entries:
+            _load(state, entries, path, md)
+        for cid in sorted(group):
+            st.states_written(cid)     # (written in place: a disk-homed chunk's states go back to its file)
+        for cid, parts in moments.items():
+            st.values.set_moments(cid, parts)
+        for cid in group:
+            if st.state_home[cid] is StateHome.DISK and st.is_open(cid):
+                st.close_state(cid)
     # mixed precision: the half-precision parameters are the masters rounded; frozen ones come from their whole value
     st.values.restore_params_from_masters()
     for name, v in whole.items():
@@ -494,6 +481,40 @@ def _read_pieces(state: StepState, path, params, buffers, stepped, small, meta, 
     st.values.load_buffers({n: small[f"model.{n}"] for n in buffers})
     apply_meta(state, meta)
     state.clear_broken()
+
+
+def _load_targets(st, comm, group: set[int], params, stepped, plan: dict[int, float], whole: dict
+                  ) -> tuple[dict, dict[int, dict]]:
+    """The DCP entries to load the parameters and optimizer states of the chunks in `group` into (views of the
+    chunks' buffers; a frozen parameter's whole value goes into `whole`), and those chunks' fp32 states (compressed
+    moments: fp32 copies, quantised after the load by set_moments), their step counts set from `plan`."""
+    entries: dict = {}
+    for name in params:
+        p = st.params[name]
+        if p.chunk not in group:
+            continue
+        src = st.values.value_source(name)
+        if src is None:
+            whole[name] = entries[f"model.{name}"] = torch.empty(_shape(p.shape), dtype=torch.float32)
+            continue
+        start, stop, at = st.values.piece(name)
+        entries[f"model.{name}"] = _entry(comm, src[at:at + stop - start], start, stop, p.shape)
+    # fp32 states to load into: views of the buffers, or (compressed moments) fp32 shards quantised after the load
+    moments = {cid: st.values.moments(cid) for cid in plan if cid in group}
+    for name in stepped:
+        p = st.params[name]
+        if p.chunk not in group:
+            continue
+        parts = moments[p.chunk]
+        start, stop, at = st.values.piece(name)
+        for key in ("exp_avg", "exp_avg_sq"):
+            entries[f"optim.{name}.{key}"] = _entry(comm, parts[key][at:at + stop - start], start, stop, p.shape)
+    for cid, parts in moments.items():
+        if plan[cid] == 0:
+            parts["exp_avg"].zero_()
+            parts["exp_avg_sq"].zero_()
+        parts["step"].fill_(plan[cid])
+    return entries, moments
 
 
 def apply_meta(state: StepState, meta: dict) -> None:

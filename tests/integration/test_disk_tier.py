@@ -111,18 +111,18 @@ def test_checkpoints_save_load_resume_with_disk_states(tmp_path):
     assert not any(p.suffix == ".bin" for p in (tmp_path / "ckpt").iterdir())
 
 
-def test_a_checkpoint_the_host_cannot_hold_is_refused_before_anything_is_written(tmp_path, monkeypatch):
-    """Saving (and loading a sharded checkpoint) reads every disk chunk's states into host memory at once: where the
-    host has less to spare, CheckpointError says so before anything is read or written (the process does not run
-    out of memory), and the step trains on as before."""
+def test_a_save_the_host_cannot_hold_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    """A save reads every disk chunk's states into host memory at once: where the host has less to spare,
+    CheckpointError says so before anything is read or written (the process does not run out of memory), and the
+    step trains on as before. A load streams them a chunk at a time and goes ahead."""
     import pstar_fx.checkpoint.save_load as save_load
     kw = dict(host_memory=_host_memory_for("fp32", 3), offload_dir=tmp_path / "scratch")
     (tmp_path / "scratch").mkdir()
     ref, step = _step("fp32"), _step("fp32", **kw)
     assert _train(step, _batches(2)) == _train(ref, _batches(2))
     monkeypatch.setattr(save_load, "spare_host_bytes", lambda ranks=1: 1000)
-    with pytest.raises(px.CheckpointError, match=r"reads every disk-tier chunk's optimizer states .* chunks in the "
-                                                 r"disk tier .* to spare; checkpoints do not stream"):
+    with pytest.raises(px.CheckpointError, match=r"step.save\(.*reads every disk-tier chunk's optimizer states .* "
+                                                 r"chunks in the disk tier .* to spare; saves do not stream"):
         checkpoint.save(step._step_state(), tmp_path / "ckpt", sharded=True)
     with pytest.raises(px.CheckpointError, match="disk-tier chunk"):
         step.save(tmp_path / "ckpt")
@@ -130,16 +130,18 @@ def test_a_checkpoint_the_host_cannot_hold_is_refused_before_anything_is_written
     assert _train(step, _batches(1, start=2)) == _train(ref, _batches(1, start=2))
     monkeypatch.undo()
     checkpoint.save(step._step_state(), tmp_path / "ckpt", sharded=True)
-    assert _train(step, _batches(1, start=3)) == _train(ref, _batches(1, start=3))   # (the states back on disk)
+    ref.save(tmp_path / "ref")
+    want = _train(ref, _batches(1, start=3))
+    assert _train(step, _batches(1, start=3)) == want   # (the states back on disk)
     monkeypatch.setattr(save_load, "spare_host_bytes", lambda ranks=1: 1000)
-    with pytest.raises(px.CheckpointError, match=r"step.load\(.*disk-tier chunk"):
-        step.load(tmp_path / "ckpt")
-    assert _train(step, _batches(1, start=4)) == _train(ref, _batches(1, start=4))
+    step.load(tmp_path / "ckpt")                        # the state after 3 steps, a disk chunk at a time
+    ref.load(tmp_path / "ref")
+    assert _train(step, _batches(1, start=3)) == _train(ref, _batches(1, start=3)) == want
 
 
 def test_a_sharded_checkpoint_loads_into_disk_states(tmp_path):
     """The sharded format (several ranks' default; one process loads it too) writes the loaded states and masters in
-    place: a disk chunk's go back to its file before the next step."""
+    place, one disk chunk at a time: each is read in, loaded into and written back to its file before the next."""
     import pstar_fx.checkpoint as ckpt
     kw = dict(host_memory=_host_memory_for("fp32", 3), offload_dir=tmp_path)
     first = _step("fp32", **kw)
@@ -148,7 +150,16 @@ def test_a_sharded_checkpoint_loads_into_disk_states(tmp_path):
     want = _train(first, _batches(2, start=2))
     resumed = _step("fp32", **kw)
     resumed.lower(*_batches(1, start=2)[0])         # the store exists: the load writes into the disk chunks' files
+    store = resumed._compiler.store
+    opened, most = store.open_states, []
+
+    def counting(cid):
+        opened(cid)
+        most.append(sum(store.is_open(c) for c in range(len(store.state_home))))
+    store.open_states = counting        # (an attribute of this store only)
     resumed.load(tmp_path / "ckpt")
+    del store.open_states
+    assert most and max(most) == 1, most            # a disk chunk at a time
     assert _train(resumed, _batches(2, start=2)) == want
     _assert_equal(resumed.state_dict(), first.state_dict())
     _assert_equal(_optimizer_tensors(resumed), _optimizer_tensors(first))
