@@ -12,15 +12,18 @@ Plain files (one process: the default). A directory of three ordinary files, eac
   states the step draws from: torch's CPU generator, and the device's CUDA generator when the step runs on CUDA;
 - manifest.json: written last; says "plain" and gives each file's size and checksums (files.py).
 
-Sharded (several ranks: the default; `save(step, path, sharded=True)` with one): a torch.distributed.checkpoint
-directory (one `.distcp` file per rank, and `.metadata`, which here is pstar-fx's JSON manifest holding DCP's
-metadata and the files' checksums, not DCP's pickle) in which each rank wrote only the pieces of parameters and
-optimizer states it owns, with the same contents (see sharded.py). No rank gathers the model. Loading reads each
-rank's pieces under the current world size and chunk layout, whatever saved it: a run saved at world size 2
-resumes at world size 1 and the reverse. Load after the chunk store exists (after a step, or `step.lower(*batch)`)
-to read only this rank's pieces; a load before it reads the values whole into the model and the optimizer (as the
-model is whole on every rank until the first step), and the first step takes them. With several ranks every
-rank calls `save` and `load`, with the same path, on a file system they share.
+Sharded (the default with several ranks or a disk tier; `save(step, path, sharded=True)` otherwise): a
+torch.distributed.checkpoint directory (one `.distcp` file per rank, and `.metadata`, which here is pstar-fx's JSON
+manifest holding DCP's metadata and the files' checksums, not DCP's pickle) in which each rank wrote only the pieces of
+parameters and optimizer states it owns, with the same contents (see sharded.py). No rank gathers the model. Loading
+reads each rank's pieces under the current world size and chunk layout, whatever saved it: a run saved at world size 2
+resumes at world size 1 and the reverse. Load after the chunk store exists (after a step, or `step.lower(*batch)`) to
+read only this rank's pieces; a load before it reads the values whole into the model and the optimizer (as the model is
+whole on every rank until the first step), and the first step takes them. With several ranks every rank calls `save` and
+`load`, with the same path, on a file system they share. The disk tier's states stream: a load reads into and writes
+back one disk chunk at a time, and so does one rank's sharded save (each disk chunk's entries read from its file as
+DCP's writer reaches them); a plain save, or a sharded one by several ranks, reads them all into host memory and refuses
+(CheckpointError) where the host cannot hold them.
 
 Across world sizes. Values, moments and step counts continue exactly (bit for bit in fp32 and mixed precision: a
 run at world size W on a global batch equals, on this machine, a run at world size 1 with W micro-batches, which

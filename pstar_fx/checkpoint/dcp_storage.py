@@ -18,7 +18,7 @@ torch's file system storage (present, with the same fields, in torch 2.11 throug
 from __future__ import annotations
 
 import torch
-from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
                                                    MetadataIndex, StorageMeta, TensorProperties,
@@ -53,6 +53,20 @@ class Reader(FileSystemReader):
     def read_metadata(self, *args, **kwargs) -> Metadata:
         self._metadata.storage_meta = StorageMeta(load_id=self.load_id)
         return self._metadata
+
+
+class LazySavePlanner(DefaultSavePlanner):
+    """DCP's save planner, where the state dict's entries named in `lazy` are placeholders (meta tensors of the
+    entry's shape and dtype) and their values are made only when the writer asks for them, in the plan's order (the
+    file system writer's one-thread loaders ask item by item): `lazy[fqn]()` returns the tensor."""
+
+    def __init__(self, lazy: dict):
+        super().__init__()
+        self.lazy = lazy
+
+    def lookup_object(self, index):
+        make = self.lazy.get(index.fqn)
+        return super().lookup_object(index) if make is None else make()
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):

@@ -46,10 +46,10 @@ def _any(comm, flag: bool) -> bool:
 
 
 def disk_states_fit(state: StepState, doing: str) -> None:
-    """Before a save (either format): it reads every disk-tier chunk's optimizer states into host memory at once
-    (a save does not stream them yet; a load does, a chunk at a time). Where the host has less to spare than that
-    (MemAvailable less a margin, runtime/host_memory.spare_host_bytes), CheckpointError says so on every rank, before
-    anything is read or written, instead of the process running out of memory."""
+    """Before a save in the plain format, or by several ranks: it reads every disk-tier chunk's optimizer states
+    into host memory at once (one rank's sharded save and every load stream them, a chunk at a time). Where the host
+    has less to spare than that (MemAvailable less a margin, runtime/host_memory.spare_host_bytes), CheckpointError
+    says so on every rank, before anything is read or written, instead of the process running out of memory."""
     st = state.store
     short = None
     if st is not None and st.disk is not None:
@@ -63,7 +63,8 @@ def disk_states_fit(state: StepState, doing: str) -> None:
                 f"the optimizer states of the {short[0]} chunks in the disk tier ({format_bytes(short[1])}), and this "
                 f"host has {format_bytes(short[2])} to spare")
         raise CheckpointError(f"{doing} reads every disk-tier chunk's optimizer states into host memory at once: "
-                              f"{what}; saves do not stream the disk tier's states yet. Nothing was read or "
+                              f"{what}; this save does not stream the disk tier's states (one rank's sharded save "
+                              "does). Nothing was read or "
                               "written. Free host memory (or give this model more host memory) to checkpoint it.")
 
 
@@ -120,18 +121,20 @@ def _described(fn, file: str, doing: str):
 
 def save(state: StepState, path, *, sharded: bool | None = None) -> None:
     """Write model values, optimizer state, loss scaler and RNG states to the directory `path` (see the module
-    docstring). sharded: None picks the sharded format with several ranks and plain files with one. Reads values
-    only; the step's state is not changed (a model built under px.init_empty() is first taken into the chunks, as
-    step.state_dict() does). With several ranks, every rank calls it with the same path."""
+    docstring). sharded: None picks the sharded format with several ranks or a disk tier, plain files otherwise. Reads
+    values only; the step's state is not changed (a model built under px.init_empty() is first taken into the chunks,
+    as step.state_dict() does). With several ranks, every rank calls it with the same path."""
     path = _norm(path)
     state.fill_if_empty()        # a model built under px.init_empty() gets its values in the chunks, if they exist
     if state.model_is_empty():
         raise ValueError("step.save: the model was built under px.init_empty() and has no values until the step's "
                          "chunks exist: call step.lower(*batch) (or run a step) first")
     comm = state.comm
-    as_sharded = comm is not None if sharded is None else bool(sharded)
+    on_disk = state.store is not None and state.store.disk is not None
+    as_sharded = (comm is not None or on_disk) if sharded is None else bool(sharded)
     rank = state.rank
-    disk_states_fit(state, f"step.save({path!r})")
+    if not as_sharded or comm is not None:     # (one rank's sharded save streams its disk chunks)
+        disk_states_fit(state, f"step.save({path!r})")
     contents = None
     if not as_sharded:
         # read everything before writing anything (collectives with several ranks: every rank gathers it)

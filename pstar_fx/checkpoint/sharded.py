@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import io
 import math
 import warnings
@@ -179,19 +180,88 @@ def _adam_only(state: StepState) -> None:
                          "torch's optimizer state dict, for any optimizer)")
 
 
-def save_entries(state: StepState, model_values) -> dict:
+class Entries(dict):
+    """The state dict DCP writes for this rank, and `lazy`: the entries that are placeholders (meta tensors), each
+    with the function that makes its value when DCP's writer asks for it (dcp_storage.LazySavePlanner)."""
+    lazy: dict
+
+
+class _DiskPieces:
+    """A save's view of one rank's disk-homed chunks (one rank only): each chunk's entries are placeholders whose
+    values are read from its file when the writer asks for them, one chunk in host memory at a time (a chunk read in
+    is let go, unchanged, when the writer asks for another's; its tensors already handed out keep their memory until
+    written)."""
+
+    def __init__(self, st):
+        self.st = st
+        self.chunks = sorted(c for c, home in enumerate(st.state_home) if home is StateHome.DISK and not st.is_open(c))
+        self.cid: int | None = None
+        self.parts: dict | None = None
+
+    def _use(self, cid: int) -> dict:
+        if self.cid != cid:
+            self.let_go()
+            self.cid, self.parts = cid, self.st.values.moments(cid)      # (read in from its file)
+        return self.parts
+
+    def let_go(self) -> None:
+        if self.cid is not None and self.st.is_open(self.cid):
+            self.st.close_state(self.cid)
+        self.cid = self.parts = None
+
+    def master(self, name: str) -> torch.Tensor:
+        p = self.st.params[name]
+        self._use(p.chunk)
+        start, stop, at = self.st.values.piece(name)
+        return self.st.values.value_source(name)[at:at + stop - start].view(_shape(p.shape))
+
+    def moment(self, name: str, key: str) -> torch.Tensor:
+        p = self.st.params[name]
+        start, stop, at = self.st.values.piece(name)
+        return self._use(p.chunk)[key][at:at + stop - start].view(_shape(p.shape))
+
+    def add(self, out: Entries, params: list[str], trainable: list[str]) -> None:
+        """Each disk chunk's entries, grouped by chunk (the writer then reads each file once more): placeholders
+        for its parameters' masters and moments, its step count read now."""
+        for cid in self.chunks:
+            names = set(self.st.chunks[cid].params)
+            count = float(self._use(cid)["step"])
+            for name in (n for n in params if n in names):
+                out[f"model.{name}"] = _placeholder(self.st.params[name].shape)
+                out.lazy[f"model.{name}"] = functools.partial(self.master, name)
+            if count == 0:
+                continue
+            for name in (n for n in trainable if n in names):
+                out[f"optim.{name}.step"] = torch.tensor(count, dtype=torch.float32)
+                for key in ("exp_avg", "exp_avg_sq"):
+                    out[f"optim.{name}.{key}"] = _placeholder(self.st.params[name].shape)
+                    out.lazy[f"optim.{name}.{key}"] = functools.partial(self.moment, name, key)
+        self.let_go()
+
+
+def _placeholder(shape) -> torch.Tensor:
+    return torch.empty(_shape(shape), dtype=torch.float32, device="meta")
+
+
+def save_entries(state: StepState, model_values) -> Entries:
     """The state dict DCP writes for this rank. `model_values()`: the model's full values (state_dict keys), read
-    only when this step does not hold the model (its values are then whole on every rank anyway)."""
+    only when this step does not hold the model (its values are then whole on every rank anyway). With one rank, a
+    disk-homed chunk's entries are placeholders read from its file as they are written (Entries.lazy)."""
     comm, st = state.comm, state.store
     _adam_only(state)
     params, buffers = _canonical(state)
-    out: dict = {META: _pack(_meta(state)),
-                 f"rng.{0 if comm is None else comm.rank}": _pack(rng_state(state.settings.device))}
+    out = Entries({META: _pack(_meta(state)),
+                   f"rng.{0 if comm is None else comm.rank}": _pack(rng_state(state.settings.device))})
+    out.lazy = {}
     if st is not None:
         st.flush()           # host homes current, pending host-side updates done
+    disk = _DiskPieces(st) if comm is None and st is not None and st.disk is not None else None
+    streamed = set() if disk is None else set(disk.chunks)
     if state.holds_model():
         for name in params:
             p = st.params[name]
+            if p.chunk in streamed:
+                continue
             src = st.values.value_source(name)
             if src is None:
                 out[f"model.{name}"] = st.values.frozen_full[name].detach().reshape(_shape(p.shape))
@@ -208,6 +278,8 @@ def save_entries(state: StepState, model_values) -> dict:
         moments: dict[int, dict] = {}      # chunk -> its fp32 states (compressed moments dequantised, once)
         for name in _trainable(st):
             p = st.params[name]
+            if p.chunk in streamed:
+                continue
             if p.chunk not in moments:
                 moments[p.chunk] = st.values.moments(p.chunk)
             parts = moments[p.chunk]
@@ -218,6 +290,8 @@ def save_entries(state: StepState, model_values) -> dict:
             out[f"optim.{name}.step"] = step_count
             for key in ("exp_avg", "exp_avg_sq"):
                 out[f"optim.{name}.{key}"] = _entry(comm, parts[key][at:at + stop - start], start, stop, p.shape)
+        if disk is not None:
+            disk.add(out, params if state.holds_model() else [], _trainable(st))
     else:
         sd = state.optimizer.state_dict()         # no store yet: the states loaded before it, whole
         names = [n for _, n, _ in state.optimizer.entries()]
@@ -235,7 +309,8 @@ def save(state: StepState, directory: str, model_values) -> Metadata | None:
     entries = save_entries(state, model_values)
     writer = storage.Writer(directory, sync_files=True)
     with _one_process(state):
-        dcp.save(entries, storage_writer=writer, process_group=None if state.comm is None else state.comm.group)
+        dcp.save(entries, storage_writer=writer, planner=storage.LazySavePlanner(getattr(entries, "lazy", {})),
+                 process_group=None if state.comm is None else state.comm.group)
     return writer.metadata
 
 

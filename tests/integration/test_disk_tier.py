@@ -111,32 +111,40 @@ def test_checkpoints_save_load_resume_with_disk_states(tmp_path):
     assert not any(p.suffix == ".bin" for p in (tmp_path / "ckpt").iterdir())
 
 
-def test_a_save_the_host_cannot_hold_is_refused_before_anything_is_written(tmp_path, monkeypatch):
-    """A save reads every disk chunk's states into host memory at once: where the host has less to spare,
-    CheckpointError says so before anything is read or written (the process does not run out of memory), and the
-    step trains on as before. A load streams them a chunk at a time and goes ahead."""
+def test_saves_stream_disk_chunks_or_refuse_what_the_host_cannot_hold(tmp_path, monkeypatch):
+    """One rank's save in the sharded format (the default with a disk tier) reads each disk chunk's states from its
+    file as DCP's writer reaches them, one chunk in host memory at a time; the plain format reads them all, and where
+    the host has less to spare, CheckpointError says so before anything is read or written (the process does not run
+    out of memory). Loads stream too. Resumed, the step trains as the one that saved."""
     import pstar_fx.checkpoint.save_load as save_load
     kw = dict(host_memory=_host_memory_for("fp32", 3), offload_dir=tmp_path / "scratch")
     (tmp_path / "scratch").mkdir()
     ref, step = _step("fp32"), _step("fp32", **kw)
     assert _train(step, _batches(2)) == _train(ref, _batches(2))
+    store = step._compiler.store
     monkeypatch.setattr(save_load, "spare_host_bytes", lambda ranks=1: 1000)
     with pytest.raises(px.CheckpointError, match=r"step.save\(.*reads every disk-tier chunk's optimizer states .* "
-                                                 r"chunks in the disk tier .* to spare; saves do not stream"):
-        checkpoint.save(step._step_state(), tmp_path / "ckpt", sharded=True)
-    with pytest.raises(px.CheckpointError, match="disk-tier chunk"):
-        step.save(tmp_path / "ckpt")
-    assert not (tmp_path / "ckpt").exists()
-    assert _train(step, _batches(1, start=2)) == _train(ref, _batches(1, start=2))
-    monkeypatch.undo()
-    checkpoint.save(step._step_state(), tmp_path / "ckpt", sharded=True)
+                                                 r"chunks in the disk tier .* to spare; this save does not stream"):
+        checkpoint.save(step._step_state(), tmp_path / "plain", sharded=False)
+    assert not (tmp_path / "plain").exists()
+    opened, most = store.open_states, []
+
+    def counting(cid):
+        opened(cid)
+        most.append(sum(store.is_open(c) for c in range(len(store.state_home))))
+    store.open_states = counting        # (an attribute of this store only)
+    step.save(tmp_path / "ckpt")        # sharded: the default with a disk tier
+    assert most and max(most) == 1, most
+    assert sum(h is StateHome.DISK for h in store.state_home) >= 2 and len(most) >= 4   # (read twice each)
+    del store.open_states
     ref.save(tmp_path / "ref")
-    want = _train(ref, _batches(1, start=3))
-    assert _train(step, _batches(1, start=3)) == want   # (the states back on disk)
-    monkeypatch.setattr(save_load, "spare_host_bytes", lambda ranks=1: 1000)
-    step.load(tmp_path / "ckpt")                        # the state after 3 steps, a disk chunk at a time
+    want = _train(ref, _batches(1, start=2))
+    assert _train(step, _batches(1, start=2)) == want
+    step.load(tmp_path / "ckpt")        # back to the state after 2 steps, a disk chunk at a time
     ref.load(tmp_path / "ref")
-    assert _train(step, _batches(1, start=3)) == _train(ref, _batches(1, start=3)) == want
+    assert _train(step, _batches(2, start=2)) == _train(ref, _batches(2, start=2))
+    _assert_equal(_optimizer_tensors(step), _optimizer_tensors(ref))
+    _assert_equal(step.state_dict(), ref.state_dict())
 
 
 def test_a_sharded_checkpoint_loads_into_disk_states(tmp_path):
