@@ -205,7 +205,7 @@ class _DiskPieces:
         return self.parts
 
     def let_go(self) -> None:
-        if self.cid is not None and self.st.is_open(self.cid):
+        if self.cid is not None:
             self.st.close_state(self.cid)
         self.cid = self.parts = None
 
@@ -222,10 +222,12 @@ class _DiskPieces:
 
     def add(self, out: Entries, params: list[str], trainable: list[str]) -> None:
         """Each disk chunk's entries, grouped by chunk (the writer then reads each file once more): placeholders
-        for its parameters' masters and moments, its step count read now."""
+        for its parameters' masters and moments, its step count read now (the file read in and let go, its
+        compressed moments not dequantised)."""
         for cid in self.chunks:
             names = set(self.st.chunks[cid].params)
-            count = float(self._use(cid)["step"])
+            count = float(self.st.parts(cid)["step"])
+            self.st.close_state(cid)
             for name in (n for n in params if n in names):
                 out[f"model.{name}"] = _placeholder(self.st.params[name].shape)
                 out.lazy[f"model.{name}"] = functools.partial(self.master, name)
@@ -236,7 +238,6 @@ class _DiskPieces:
                 for key in ("exp_avg", "exp_avg_sq"):
                     out[f"optim.{name}.{key}"] = _placeholder(self.st.params[name].shape)
                     out.lazy[f"optim.{name}.{key}"] = functools.partial(self.moment, name, key)
-        self.let_go()
 
 
 def _placeholder(shape) -> torch.Tensor:
@@ -544,8 +545,7 @@ def _read_pieces(state: StepState, path, params, buffers, stepped, small, meta, 
         for cid, parts in moments.items():
             st.values.set_moments(cid, parts)
         for cid in group:
-            if st.state_home[cid] is StateHome.DISK and st.is_open(cid):
-                st.close_state(cid)
+            st.close_state(cid)
     # mixed precision: the half-precision parameters are the masters rounded; frozen ones come from their whole value
     st.values.restore_params_from_masters()
     for name, v in whole.items():

@@ -187,7 +187,7 @@ class ChunkStore:
         host memory, where readers and writers use them as host states; `close_states` writes back those marked
         written (`states_written`) and lets go of them, before the next step."""
         assert self.state_home[cid] is StateHome.DISK and self.states[cid] is None, cid
-        if self._transient is not None and self._transient != cid and self._transient in self._opened:
+        if self._transient is not None and self._transient != cid:
             self.close_state(self._transient)
         self._transient = None
         self.disk.settle()          # writes still in flight land first (one that failed raised in its step)
@@ -213,7 +213,10 @@ class ChunkStore:
         return cid in self._opened
 
     def close_state(self, cid: int) -> None:
-        """Write an opened disk chunk's states back to its file if they were changed, and drop them."""
+        """Write an opened disk chunk's states back to its file if they were changed, and drop them (nothing for a
+        chunk that is not an opened disk chunk)."""
+        if cid not in self._opened:
+            return
         if self._opened.pop(cid):
             self.disk.write_from(cid, self.states[cid])
         self.states[cid] = None

@@ -180,8 +180,7 @@ class StoreValues:
                     own[k].copy_(v if v.dim() == 0 else shard(v))
         if packed:
             self.set_moments(cid, {k: shard(parts[k]) for k in MOMENTS})
-        if self.store.state_home[cid] is StateHome.DISK and self.store.is_open(cid):
-            self.store.close_state(cid)
+        self.store.close_state(cid)
 
     def restore_params_from_masters(self) -> None:
         """After a step failed before its commit point: in mixed precision a chunk's gradients may have overwritten
@@ -196,8 +195,8 @@ class StoreValues:
             if c.group is ChunkGroup.TRAINABLE and st.host_param[c.id] is not None:
                 was_open = st.is_open(c.id)
                 st.host_param[c.id].copy_(st.master(c.id))
-                if st.state_home[c.id] is StateHome.DISK and not was_open:
-                    st.close_state(c.id)        # read, not changed: one disk chunk in memory at a time
+                if not was_open:
+                    st.close_state(c.id)        # a disk chunk read, not changed: one in memory at a time
 
     def value_source(self, name: str) -> torch.Tensor | None:
         """The flat buffer of this rank's shard holding the parameter's full-precision value; None where it is kept
