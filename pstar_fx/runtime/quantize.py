@@ -13,9 +13,10 @@ Rounding is stochastic and unbiased, and deterministic: the random bits of eleme
 a counter-based hash of (c, t, i) computed here (never torch's global generator, which stays untouched), so a rerun,
 or a run resumed from a checkpoint, writes the same codes bit for bit, and the host and the device draw the same
 bits. The quantisers divide by multiplying with a correctly rounded fp32 reciprocal (1/127, 1/255, 1/scale), which
-every device computes alike and the CPU does faster than a division. On the CPU, a chunk's update is the same bit for
-bit wherever the plan runs it; on a GPU, its Adam kernel rounds differently from the CPU's, so a chunk updated on
-the host or on the device can differ in the last bits, as exact states do.
+every device computes alike and the CPU does faster than a division. A chunk's update is the same bit for bit
+wherever the plan runs it, on the CPU and, through the Triton kernel, on the GPU; on the torch route a GPU's Adam
+kernel rounds differently from the CPU's, so there a host and a device update can differ in the last bits, as exact
+states do.
 
 - bf16: m and v rounded to bfloat16 by adding 16 random bits below bf16's last bit and truncating (a NaN takes none).
 - int8, per block of INT8_BLOCK elements with one fp32 scale s (the block's largest magnitude): m as signed codes
