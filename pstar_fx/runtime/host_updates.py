@@ -56,36 +56,63 @@ def _work(q: "queue.SimpleQueue", shared: _Shared, threads: int | None) -> None:
         task = q.get()
         if task is None:
             return
-        chunk, fn, after, fut = task
-        try:
-            t0 = time.perf_counter()
-            for event in after:
-                event.synchronize()
-            t1 = time.perf_counter()
-            with torch.profiler.record_function(f"pstar-fx host update of chunk {chunk}"):   # for a profiler's trace
-                fn()
-            shared.time.waiting += t1 - t0
-            shared.time.updating += time.perf_counter() - t1
-            shared.time.updates += 1
-            fut.set_result(None)
-        except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the chunk
-            fut.set_exception(e)
+        chunk, fut = task[0], task[3]
+        error = _update(task, shared.time)
+        # the update's closure (and whatever it made) may reference the store, which must be collectable (its
+        # finalizer ends this thread and removes a disk tier's files) as soon as the user drops the step: nothing of
+        # it stays in this frame once anyone learns the update is done
+        del task
+        _publish(fut, None, error)
         with shared.lock:
             if shared.pending.get(chunk) is fut:
                 del shared.pending[chunk]
             conts = shared.after.pop(chunk, [])
-        for cont, cfut in conts:
-            if fut.exception() is not None:
-                cfut.set_exception(fut.exception())
-                continue
-            try:
-                cfut.set_result(cont())
-            except BaseException as e:  # noqa: BLE001
-                cfut.set_exception(e)
-        # drop this task's references before waiting for the next: a continuation's closure may reference the
-        # store, which must be collectable (its finalizer ends this thread) once the user drops the step
-        del task, fn, after, fut, conts
-        cont = cfut = None
+        del fut
+        _continue(conts, error)
+        del conts, error
+
+
+def _update(task: tuple, spent: WorkerTime) -> BaseException | None:
+    """Run one queued update after its events; its failure, or None."""
+    chunk, fn, after, _ = task
+    try:
+        t0 = time.perf_counter()
+        for event in after:
+            event.synchronize()
+        t1 = time.perf_counter()
+        with torch.profiler.record_function(f"pstar-fx host update of chunk {chunk}"):   # for a profiler's trace
+            fn()
+        spent.waiting += t1 - t0
+        spent.updating += time.perf_counter() - t1
+        spent.updates += 1
+        return None
+    except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the chunk
+        return e
+
+
+def _continue(conts: list, error: BaseException | None) -> None:
+    """The continuations of a finished update, in order: each fails with the update's failure, or runs."""
+    while conts:
+        cont, cfut = conts.pop(0)
+        result, failure = _call(cont, error)
+        del cont
+        _publish(cfut, result, failure)
+
+
+def _call(fn: Callable, error: BaseException | None):
+    if error is not None:
+        return None, error
+    try:
+        return fn(), None
+    except BaseException as e:  # noqa: BLE001
+        return None, e
+
+
+def _publish(fut: Future, result, error: BaseException | None) -> None:
+    if error is not None:
+        fut.set_exception(error)
+    else:
+        fut.set_result(result)
 
 
 def _stop(q: "queue.SimpleQueue", thread: threading.Thread) -> None:
@@ -104,7 +131,6 @@ class HostUpdates:
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._shared = _Shared()
         self._thread: threading.Thread | None = None
-        self._failed: list[Future] = []
 
     def _start(self) -> None:
         if self._thread is None:
