@@ -21,13 +21,14 @@ from ..ir.graph import Role, TrainGraph
 from ..ir.needs import BufKey, constants
 from ..units import format_bytes, parse_bytes
 from .chunk_store import ChunkStore
+from .codegen import compile_step
 from .compiled_regions import RegionCompiler
 from .step_runtime import Runtime
 
 _RUNTIME_OPS = frozenset(ops.RUNTIME_OPS)
 
 # what the executor does at a node, decided once per graph (the loop compares small ints, not strings and ops)
-_GET_ATTR, _BUFFER, _SCALE, _INPUT, _OUTPUT, _REGION, _RUNTIME, _ATEN = range(8)
+_GET_ATTR, _BUFFER, _SCALE, _INPUT, _OUTPUT, _REGION, _RUNTIME, _ATEN = _KINDS = tuple(range(8))
 
 
 def _kind(n: fx.Node, role: Role) -> int:
@@ -170,6 +171,11 @@ class Executor:
         # waits for the step's end
         self.holds_from = next((i for i, r in enumerate(self.roles) if r is Role.COMMIT or r is Role.OPTIMIZER_STEP),
                                len(self.nodes))
+        # the generated loop (runtime/codegen.py), once a measured run has matched the plan: the nodes whose value
+        # that run copied into a storage of the planned size, and the peak it measured
+        self.compact_at: set[int] = set()
+        self.verified_peak: int | None = None
+        self._generated = None          # the function; False where the graph cannot be generated
 
     def run(self, inputs: list[torch.Tensor], scale: torch.Tensor | None, rt: Runtime, interrupts: DeferredInterrupt,
             trace_peaks: list[int] | None = None, before_node=None) -> tuple[list[torch.Tensor], int]:
@@ -189,7 +195,11 @@ class Executor:
             h2d, d2h = self.store.enter(self.g.plan.carried)   # the prologue: nothing moves in the steady state
             rt.h2d += h2d
             rt.d2h += d2h
-            outputs, peak = self._run(inputs, scale, rt, trace_peaks, before_node, interrupts)
+            generated = bool(self._generated) and trace_peaks is None
+            if generated:
+                outputs, peak = self._run_generated(inputs, scale, rt, interrupts, before_node)
+            else:
+                outputs, peak = self._run(inputs, scale, rt, trace_peaks, before_node, interrupts)
             self.store.finish_disk()    # the disk tier's writes of this step (after its commit)
         except BaseException as e:
             self.store.abandon_disk()   # reads in flight finish (into staging buffers only) before anything else
@@ -213,6 +223,15 @@ class Executor:
             if oom is not None:
                 raise device_memory_error(self.nodes[self._at], oom, self.store) from e
             raise
+        if not generated:
+            # the plan held: later steps take the generated loop, made now (in the call that measured, not the
+            # first that uses it); not with debug=True (trace_peaks), whose steps all measure
+            self.verified_peak = peak
+            if self._generated is None and trace_peaks is None:
+                try:
+                    self._generated = compile_step(self, _KINDS, self.store, self.store.pool)
+                except NotImplementedError:
+                    self._generated = False      # an argument codegen cannot write: this graph is interpreted
         return outputs, peak
 
     def _run(self, inputs, scale, rt: Runtime, trace_peaks, before_node, interrupts) -> tuple[list, int]:
@@ -256,15 +275,9 @@ class Executor:
         def load(a):
             return env[self.pos[a]]
 
-        # tensor constants: on the device, in the pool, for the length of the step
         consts, slots = {}, []
         try:
-            for name, t in self.constants.items():
-                if t.numel() == 0:
-                    consts[name] = t.to(self.store.device)
-                    continue
-                slots.append(pool.take(t.numel(), t.dtype, what=f"constant {name}"))
-                consts[name] = slots[-1].view(t.shape).copy_(t)
+            self._take_constants(consts, slots)
             result = None
             store = self.store
             nodes, kinds, recipes, const_kwargs = self.nodes, self.kinds, self.arg_recipes, self.const_kwargs
@@ -302,15 +315,15 @@ class Executor:
                         try:
                             val = n.target(*args, **kwargs)
                         except Exception as e:
-                            raise RuntimeError(f"pstar-fx: {n.target} failed at node {n.name}{_source(n)}: {e}") from e
-                        val = self._compact(val, self.planned[i], pool)
+                            raise self._node_error(i, e) from e
+                        val = self._compacted(i, val, pool)
                 elif kind == _REGION:
                     args = [env[self.pos[a]] for a in n.args]
                     try:
                         val = tuple(self.compiled[i](args))
                     except Exception as e:
-                        raise RuntimeError(f"pstar-fx: {n.kwargs['spec']!r} failed at node {n.name}: {e}") from e
-                    val = self._compact(val, self.planned[i], pool)
+                        raise self._node_error(i, e) from e
+                    val = self._compacted(i, val, pool)
                 elif kind == _GET_ATTR:
                     val = consts[n.target]
                 elif kind == _BUFFER:
@@ -343,6 +356,68 @@ class Executor:
             for slot in slots:
                 pool.give(slot)
         return result, peak
+
+    def _take_constants(self, consts: dict, slots: list) -> None:
+        """The graph's tensor constants on the device, in the pool for the length of the step (`slots`: the pool's
+        buffers to give back after it)."""
+        for name, t in self.constants.items():
+            if t.numel() == 0:
+                consts[name] = t.to(self.store.device)
+                continue
+            slots.append(self.store.pool.take(t.numel(), t.dtype, what=f"constant {name}"))
+            consts[name] = slots[-1].view(t.shape).copy_(t)
+
+    def _node_error(self, i: int, e: Exception) -> RuntimeError:
+        """An aten op's or a fused region's failure at node i, naming the node (and the op's source line)."""
+        n = self.nodes[i]
+        if self.kinds[i] == _REGION:
+            return RuntimeError(f"pstar-fx: {n.kwargs['spec']!r} failed at node {n.name}: {e}")
+        return RuntimeError(f"pstar-fx: {n.target} failed at node {n.name}{_source(n)}: {e}")
+
+    def _compacted(self, i: int, val, pool):
+        """_compact at node i, remembering the nodes where it copied (the generated loop compacts only those)."""
+        out = self._compact(val, self.planned[i], pool)
+        if out is not val and i not in self.compact_at:
+            self.compact_at.add(i)
+            self._generated = None
+        return out
+
+    # -- the generated loop -----------------------------------------------------------------------------------
+    def _run_generated(self, inputs, scale, rt: Runtime, interrupts, before_node) -> tuple[list, int]:
+        """One step through the generated function (runtime/codegen.py): what `_run` does, without measuring."""
+        pool = self.store.pool
+        consts, slots = {}, []
+        try:
+            self._take_constants(consts, slots)
+            result = self._generated(iter(inputs), scale, rt, consts, interrupts, before_node, self._between,
+                                     self._failed, lambda i, v: self._compact(v, self.planned[i], pool))
+        finally:
+            for slot in slots:
+                pool.give(slot)
+        return result, self.verified_peak
+
+    def _between(self, i: int) -> None:
+        """Before node i, while slots are being written back or the pool holds free ones: `_run`'s housekeeping."""
+        store, pool = self.store, self.store.pool
+        draining = 0
+        if store.draining:
+            store.reclaim(0 if self.kinds[i] == _OUTPUT else self.room[i])
+            draining = store.draining_bytes
+        if pool.cached:
+            spec = self.takes[i]
+            taken = spec[0] * spec[1].itemsize if spec is not None and spec in pool.free else 0
+            pool.trim(self.room[i] + taken - draining, spare=spec)
+
+    def _failed(self, i: int, e: BaseException) -> BaseException:
+        """The error to raise for a failure at node i of the generated loop: an aten op's or a region's wrapped as
+        `_run` wraps it (the rest as it is); `run` names node i where the device ran out of memory."""
+        if i >= 0:
+            self._at = i
+            if isinstance(e, Exception) and self.kinds[i] in (_ATEN, _REGION):
+                err = self._node_error(i, e)
+                err.__cause__ = e
+                return err
+        return e
 
     @staticmethod
     def _compact(val, planned: list[int], pool):

@@ -53,11 +53,13 @@ class _CtrlCAt:
     the event of that call). Waits on the host-update worker (threading, concurrent.futures) take as many lines as
     the worker takes time, so they are neither traced nor counted: the count of a call is the same from run to run."""
 
-    def __init__(self, at: int | None, opcodes: bool, after=None, nth: int = 1):
+    def __init__(self, at: int | None, opcodes: bool, after=None, nth: int = 1, watch=None):
         self.at = at
         self.opcodes = opcodes
         self.after = after
         self.nth = nth
+        self.watch = watch        # a code object: `watched` is the event of its first call
+        self.watched = None
         self.events = 0
         self.mark = 0 if after is None else None
         self.fired = False
@@ -66,6 +68,8 @@ class _CtrlCAt:
         if event == "call" and frame.f_code.co_filename in _UNCOUNTED:
             return None
         self.events += 1
+        if event == "call" and self.watched is None and frame.f_code is self.watch:
+            self.watched = self.events
         if self.mark is None:
             if event == "call" and frame.f_code is self.after:
                 self.nth -= 1
@@ -125,16 +129,14 @@ def _first_value_written(step) -> int | None:
 
 
 def _counted(step, batch, opcodes: bool, after=None) -> tuple[int, int | None, int | None]:
-    """Run a call under a tracer that never fires: (its events, the event of `after`'s first call, the event before
-    its first value written (None on a first call))."""
-    tracer = _CtrlCAt(None, opcodes, after)
-    mark = []
+    """Run a call under a tracer that never fires: (its events, the event of `after`'s first call, the event of the
+    call of the first value written's operation (None on a first call, or where nothing is written))."""
     at = _first_value_written(step) if step._compiler.latest is not None else None
-    step._before_node = lambda i, n: mark.append(tracer.events) if i == at else None
+    watch = None if at is None else step.final_graph.nodes[at].target.__code__
+    tracer = _CtrlCAt(None, opcodes, after, watch=watch)
     _, err = _traced_call(step, batch, tracer)
-    step._before_node = None
     assert err is None, err
-    return tracer.events, tracer.mark, mark[0] if mark else None
+    return tracer.events, tracer.mark, tracer.watched
 
 
 @pytest.mark.slow
