@@ -6,8 +6,9 @@ fuse=True, and the ratios to eager.
     python benchmarks/fuse_cpu.py                    # the example's default preset ("small"), 30 timed steps
     python benchmarks/fuse_cpu.py --model tiny --steps 10 --budget none
 
-Each system runs --warmup steps (the compile and the first steps) and then --steps timed steps, on the same batches;
-the median step time is printed, and the ratio of each to eager's (below 1: faster than eager). Eager is nanoGPT's
+The systems run in turn, step by step, on the same batches (so that the machine's drift touches each alike): --warmup
+steps (the compile and the first steps), then --steps timed ones. Each system's median step time is printed, and its
+ratio to eager's (below 1: faster than eager), as the ratio of the medians and as the median of the per-step ratios. Eager is nanoGPT's
 loop: backward per micro-batch (the loss divided by their number), clip_grad_norm_, torch.optim.AdamW (its CPU
 default, foreach) with set_to_none zeroing. pstar-fx's step does the same in one compiled call. fuse=True also
 prints its compile line (regions, nodes fused, seconds, cache hits).
@@ -58,32 +59,25 @@ def build(cfg):
                          hidden=cfg["n_embd"], init=Init.MODULES))
 
 
-def eager_steps(cfg, data, accumulate):
+def eager_system(cfg, accumulate):
+    """eager PyTorch: (a function running one step on a batch, a line to print after the run or None)."""
     model = build(cfg)
     opt = groups(model, torch.optim.AdamW)
-    times = []
-    for x, y in data:
-        t0 = time.perf_counter()
+
+    def one(x, y):
         for xs, ys in zip(x.chunk(accumulate), y.chunk(accumulate)):
             (gpt_loss(model, xs, ys) / accumulate).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - t0)
-    return times, None
+    return one, lambda: None
 
 
-def pstar_steps(cfg, data, accumulate, budget, fuse):
+def pstar_system(cfg, accumulate, budget, fuse):
     model = build(cfg)
     step = px.compile(model, optimizer=groups(model, px.AdamW), device_memory=budget, device="cpu",
                       max_grad_norm=1.0, accumulate=accumulate, fuse=fuse)(gpt_loss)
-    times = []
-    for x, y in data:
-        t0 = time.perf_counter()
-        step(x, y)
-        times.append(time.perf_counter() - t0)
-    fused = step.summary().fused
-    return times, fused
+    return step, lambda: step.summary().fused
 
 
 def main():
@@ -103,21 +97,31 @@ def main():
     print(f"model '{args.model}': {n_params:,} parameters, batch {cfg['batch_size'] * args.accumulate}x"
           f"{cfg['block_size']} in {args.accumulate} micro-batches, budget {budget}, {torch.get_num_threads()} "
           f"threads, torch {torch.__version__}")
-    runs = {"eager": lambda: eager_steps(cfg, data, args.accumulate),
-            "pstar": lambda: pstar_steps(cfg, data, args.accumulate, budget, False),
-            "pstar-fused": lambda: pstar_steps(cfg, data, args.accumulate, budget, True)}
+    makers = {"eager": lambda: eager_system(cfg, args.accumulate),
+              "pstar": lambda: pstar_system(cfg, args.accumulate, budget, False),
+              "pstar-fused": lambda: pstar_system(cfg, args.accumulate, budget, True)}
+    names = args.systems.split(",")
+    systems = {name: makers[name]() for name in names}
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for k, (x, y) in enumerate(data):          # the systems in turn, step by step: drift hits each alike
+        for name in names:
+            t0 = time.perf_counter()
+            systems[name][0](x, y)
+            times[name].append(time.perf_counter() - t0)
     medians = {}
-    for name in args.systems.split(","):
-        times, fused = runs[name]()
-        timed = times[args.warmup:]
+    for name in names:
+        timed = times[name][args.warmup:]
         medians[name] = statistics.median(timed)
+        fused = systems[name][1]()
         extra = f"  compile: {fused}" if fused else ""
         print(f"{name:>12s}: median {medians[name] * 1e3:8.2f} ms  (min {min(timed) * 1e3:.2f}, max "
-              f"{max(timed) * 1e3:.2f}; first step {times[0]:.2f} s){extra}")
+              f"{max(timed) * 1e3:.2f}; first step {times[name][0]:.2f} s){extra}")
     if "eager" in medians:
-        for name, m in medians.items():
+        for name in names:
             if name != "eager":
-                print(f"{name:>12s} / eager: {m / medians['eager']:.3f}")
+                pairs = [a / b for a, b in zip(times[name][args.warmup:], times["eager"][args.warmup:])]
+                print(f"{name:>12s} / eager: {medians[name] / medians['eager']:.3f} (ratio of medians); "
+                      f"{statistics.median(pairs):.3f} (median of the {len(pairs)} steps' ratios)")
 
 
 if __name__ == "__main__":

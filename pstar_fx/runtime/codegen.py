@@ -79,71 +79,85 @@ def _call(n: fx.Node, i: int, src: _Source, pos: dict, first: str | None) -> str
     return f"{fn}({', '.join(args)})"
 
 
-def generate(ex, kinds: tuple[int, ...]) -> tuple[str, dict]:
-    """The source of the graph's step function and the names it refers to. `ex` is the Executor (its nodes,
-    per-node recipes and frees); `kinds` its node-kind constants in the order (get_attr, buffer, scale, input,
-    output, region, runtime, aten).
+HEADER = ("def step(inputs, scale, rt, consts, interrupts, before_node, before, failed, compact):\n"
+          "    hooked = before_node is not None\n"
+          "    try:\n")
+FIRST_LINE = HEADER.count("\n") + 1       # the line of the first node's code
 
-    The function, `step(inputs, scale, rt, consts, interrupts, before_node, between, failed, compact)`, returns the
-    output node's value. `before_node(i, node)`, where not None, is called before every node (fault injection in
-    tests), as by the interpreter; `between(i)` does the housekeeping before node i (called only while slots are
-    being written back or the pool holds free ones); `failed(i, e)` turns a failure at node i into the error to
-    raise; `compact(i, v)` is Executor._compact at a node whose value the measured run had to copy into a storage of
-    the planned size."""
+
+def generate(ex, kinds: tuple[int, ...]) -> tuple[str, dict, list[int]]:
+    """The source of the graph's step function, the names it refers to, and the node of each of its lines from
+    FIRST_LINE on. `ex` is the Executor (its nodes, per-node recipes, rooms and frees); `kinds` its node-kind
+    constants in the order (get_attr, buffer, scale, input, output, region, runtime, aten).
+
+    The function, `step(inputs, scale, rt, consts, interrupts, before_node, before, failed, compact)`, returns the
+    output node's value. `before(i)` does what the interpreter does before node i: the pool's housekeeping, the
+    delivery of a pending Ctrl-C (up to the first value written) and the call of `before_node(i, node)` (fault
+    injection in tests); it is called only where one of them has something to do: while slots are being written
+    back, the pool's free list holds more than the node's room, Ctrl-C is pending or before_node is not None.
+    `failed(e)` turns a failure into the error to raise (the node it failed at found from the traceback's line);
+    `compact(i, v)` is Executor._compact at a node whose value the measured run had to copy into a storage of the
+    planned size."""
     GET_ATTR, BUFFER, SCALE, INPUT, OUTPUT, REGION, RUNTIME, ATEN = kinds
     src = _Source()
     pos = ex.pos
     body = src.lines
+    node_of_line: list[int] = []
     for i, n in enumerate(ex.nodes):
         kind = ex.kinds[i]
-        body.append(f"at = {i}")
-        body.append("if store.draining or pool.cached: between(at)")
-        if i <= ex.holds_from:
-            body.append("if interrupts.pending: interrupts.deliver()")
-        body.append("if before_node is not None: before_node(at, nodes[at])")
+        lines = [f"if store.draining or pool.cached > {ex.room[i]} or hooked"
+                 f"{' or interrupts.pending' if i <= ex.holds_from else ''}: before({i})"]
         if kind == ATEN:
-            line = f"v{i} = {_call(n, i, src, pos, None)}"
+            lines.append(f"v{i} = {_call(n, i, src, pos, None)}")
         elif kind == RUNTIME:
-            line = f"v{i} = {_call(n, i, src, pos, 'rt')}"
+            lines.append(f"v{i} = {_call(n, i, src, pos, 'rt')}")
         elif kind == REGION:
             fn = src.bind(f"f{i}", ex.compiled[i])
-            line = f"v{i} = tuple({fn}([{', '.join(f'v{pos[a]}' for a in n.args)}]))"
+            lines.append(f"v{i} = tuple({fn}([{', '.join(f'v{pos[a]}' for a in n.args)}]))")
         elif kind == GET_ATTR:
-            line = f"v{i} = consts[{src.bind(f'c_{i}', n.target)}]"
+            lines.append(f"v{i} = consts[{src.bind(f'c_{i}', n.target)}]")
         elif kind == BUFFER:
-            line = f"v{i} = store.buffers[{src.bind(f'c_{i}', n.meta['buffer'])}]"
+            lines.append(f"v{i} = store.buffers[{src.bind(f'c_{i}', n.meta['buffer'])}]")
         elif kind == SCALE:
-            line = f"v{i} = scale"
+            lines.append(f"v{i} = scale")
         elif kind == INPUT:
-            line = f"v{i} = next(inputs)"
+            lines.append(f"v{i} = next(inputs)")
         else:
             assert kind == OUTPUT and i == len(ex.nodes) - 1, "the output node is the graph's last"
-            body.append(f"return {_expr(n.args[0], src, pos, str(i))}")
-            break
-        body.append(line)
+            lines.append(f"return {_expr(n.args[0], src, pos, str(i))}")
         if i in ex.compact_at:
-            body.append(f"v{i} = compact({i}, v{i})")
-        if ex.free_after[i]:
-            body.append("del " + ", ".join(f"v{j}" for j in ex.free_after[i]))
-    text = ("def step(inputs, scale, rt, consts, interrupts, before_node, between, failed, compact):\n"
-            "    at = -1\n"
-            "    try:\n" + "".join(f"        {line}\n" for line in body) +
+            lines.append(f"v{i} = compact({i}, v{i})")
+        if ex.free_after[i] and kind != OUTPUT:
+            lines.append("del " + ", ".join(f"v{j}" for j in ex.free_after[i]))
+        body.extend(lines)
+        node_of_line.extend([i] * len(lines))
+    text = (HEADER + "".join(f"        {line}\n" for line in body) +
             "    except BaseException as e:\n"
-            "        raise failed(at, e)\n")
-    return text, src.names
+            "        raise failed(e)\n")
+    return text, src.names, node_of_line
 
 
 _serial = itertools.count()
 
 
 def compile_step(ex, kinds: tuple[int, ...], store, pool):
-    """The generated step function of executor `ex` (see generate), bound to its store and pool. Its source is
+    """The generated step function of executor `ex` (see generate), bound to its store and pool, and a function from
+    a failure's traceback to the node it failed at (None where it did not fail inside the function). The source is
     registered with linecache, so a traceback through it shows the node's line; its file name lies in this package's
     directory (as pstar-fx's own code does)."""
-    text, names = generate(ex, kinds)
-    scope = dict(names, store=store, pool=pool, nodes=ex.nodes)
+    text, names, node_of_line = generate(ex, kinds)
+    scope = dict(names, store=store, pool=pool)
     filename = os.path.join(os.path.dirname(__file__), f"<generated step {next(_serial)}: {len(ex.nodes)} nodes>")
     code = compile(text, filename, "exec")
     linecache.cache[filename] = (len(text), None, text.splitlines(keepends=True), filename)
     exec(code, scope)   # noqa: S102 - the text is generated above from the graph, not read from anywhere
-    return scope["step"]
+    fn = scope["step"]
+
+    def node_at(tb) -> int | None:
+        while tb is not None:
+            if tb.tb_frame.f_code is fn.__code__:
+                k = tb.tb_lineno - FIRST_LINE
+                return node_of_line[k] if 0 <= k < len(node_of_line) else None
+            tb = tb.tb_next
+        return None
+    return fn, node_at

@@ -229,7 +229,7 @@ class Executor:
             self.verified_peak = peak
             if self._generated is None and trace_peaks is None:
                 try:
-                    self._generated = compile_step(self, _KINDS, self.store, self.store.pool)
+                    self._generated, self._node_at = compile_step(self, _KINDS, self.store, self.store.pool)
                 except NotImplementedError:
                     self._generated = False      # an argument codegen cannot write: this graph is interpreted
         return outputs, peak
@@ -389,15 +389,17 @@ class Executor:
         consts, slots = {}, []
         try:
             self._take_constants(consts, slots)
-            result = self._generated(iter(inputs), scale, rt, consts, interrupts, before_node, self._between,
-                                     self._failed, lambda i, v: self._compact(v, self.planned[i], pool))
+            result = self._generated(iter(inputs), scale, rt, consts, interrupts, before_node,
+                                     lambda i: self._before(i, interrupts, before_node), self._failed,
+                                     lambda i, v: self._compact(v, self.planned[i], pool))
         finally:
             for slot in slots:
                 pool.give(slot)
         return result, self.verified_peak
 
-    def _between(self, i: int) -> None:
-        """Before node i, while slots are being written back or the pool holds free ones: `_run`'s housekeeping."""
+    def _before(self, i: int, interrupts: DeferredInterrupt, before_node) -> None:
+        """What `_run` does before node i but measuring: give back slots written back and trim the pool's free list
+        to the node's room, deliver a pending Ctrl-C before the first value written, call before_node."""
         store, pool = self.store, self.store.pool
         draining = 0
         if store.draining:
@@ -407,11 +409,16 @@ class Executor:
             spec = self.takes[i]
             taken = spec[0] * spec[1].itemsize if spec is not None and spec in pool.free else 0
             pool.trim(self.room[i] + taken - draining, spare=spec)
+        if interrupts.pending and i <= self.holds_from:
+            interrupts.deliver()      # a KeyboardInterrupt rolls back
+        if before_node is not None:
+            before_node(i, self.nodes[i])
 
-    def _failed(self, i: int, e: BaseException) -> BaseException:
-        """The error to raise for a failure at node i of the generated loop: an aten op's or a region's wrapped as
-        `_run` wraps it (the rest as it is); `run` names node i where the device ran out of memory."""
-        if i >= 0:
+    def _failed(self, e: BaseException) -> BaseException:
+        """The error to raise for a failure in the generated function: at an aten op or a fused region wrapped as
+        `_run` wraps it (the rest as it is); `run` names the node where the device ran out of memory."""
+        i = self._node_at(e.__traceback__)
+        if i is not None:
             self._at = i
             if isinstance(e, Exception) and self.kinds[i] in (_ATEN, _REGION):
                 err = self._node_error(i, e)

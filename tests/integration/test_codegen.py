@@ -93,6 +93,8 @@ def test_values_are_freed_after_the_same_nodes_as_the_interpreters():
 
     def held(i, node):
         frame = sys._getframe(1)
+        while "env" not in frame.f_locals and "<generated step" not in frame.f_code.co_filename:
+            frame = frame.f_back
         if "env" in frame.f_locals:        # the interpreter: a list of values by node position
             live["interpreted"].append(frozenset(j for j, v in enumerate(frame.f_locals["env"]) if v is not None))
         else:                              # the generated function: a local v<position> per value
