@@ -1,7 +1,8 @@
 """canonicalize: drop dead nodes and split forward from backward by data flow from the loss seed.
 
-Invariant after: every call_function node either has a user, writes to one of its arguments, is a guard, or is the
-loss; each
+Invariant after: no `aten.detach` is left (each one's users use its input: no autograd runs in the step, so it is the
+identity on values, and an alias of the same storage either way); every call_function node either has a user, writes
+to one of its arguments, is a guard, or is the loss; each
 node's phase is BACKWARD iff it depends on the loss seed (`ones_like(loss)`, the start of backward), FORWARD otherwise;
 the outputs are `[loss, aux..., grads...]` (ir/outputs.py: the micro-batch losses are dropped), `grad_outputs[i]` names
 the parameter of gradient output i, and every named gradient depends on the seed.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
 import torch.fx as fx
 
 from ..ir import ops
@@ -24,6 +26,7 @@ from ..ir.outputs import split_outputs
 
 def canonicalize(g: TrainGraph) -> TrainGraph:
     graph, _ = copy_graph(g)
+    _drop_detaches(graph)
     out_node = output_node(graph)
     outputs = list(out_node.args[0])
     if g.settings.optimizer is None:          # forward only: every output is the function's, all forward
@@ -72,6 +75,14 @@ def canonicalize(g: TrainGraph) -> TrainGraph:
     params = tuple(dataclasses.replace(p, trainable=False) if p.name in no_grad else p for p in g.params)
     return g.evolve(gm=to_module(graph, g.gm), stage="canonical", made_by="canonicalize", ann=ann, params=params,
                     grad_outputs=tuple(grad_names))
+
+
+def _drop_detaches(graph: fx.Graph) -> None:
+    """Each aten.detach's users use its input, and the detach goes (autograd's saved tensors, traced)."""
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target is torch.ops.aten.detach.default:
+            node.replace_all_uses_with(node.args[0])
+            graph.erase_node(node)
 
 
 def _eliminate_dead_code(graph: fx.Graph) -> None:

@@ -36,7 +36,9 @@ class LossScaler:
 @dataclass(frozen=True)
 class StepStats:
     """What one step measured. Tensor-valued figures stay on the device until read (no sync in the step)."""
-    measured_peak: int               # device bytes: pool (chunks, states, buffers, workspace) + activations
+    measured_peak: int               # device bytes: pool (chunks, states, buffers, workspace) + activations, as
+                                     # the graph's measured step found them (its first; every one with debug=True):
+                                     # the later steps run the generated function, which does not measure
     h2d_bytes: int
     d2h_bytes: int
     skipped: bool                    # fp16: the step was skipped on overflow
