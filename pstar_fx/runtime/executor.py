@@ -281,27 +281,17 @@ class Executor:
             result = None
             store = self.store
             nodes, kinds, recipes, const_kwargs = self.nodes, self.kinds, self.arg_recipes, self.const_kwargs
-            workspace, free_after, room, takes = self.workspace, self.free_after, self.room, self.takes
-            budget, plan_peak, holds_from = pool.budget, self.g.plan.predicted_peak, self.holds_from
+            workspace, free_after = self.workspace, self.free_after
+            budget, plan_peak = pool.budget, self.g.plan.predicted_peak
             for i, n in enumerate(nodes):
                 self._at = i
                 kind = kinds[i]
-                draining = 0              # released slots still being written back: device bytes the plan freed
-                if store.draining:
-                    # give back as many as this node's room needs (all of them at the end of the step)
-                    store.reclaim(0 if kind == _OUTPUT else room[i])
-                    draining = store.draining_bytes
-                    pool.sample()         # this node's window starts after the slots given back
-                if pool.cached:
-                    # free-listed slots fit in the node's room beside the draining ones; a slot the node takes from
-                    # the list is counted by the plan already
-                    spec = takes[i]
-                    taken = spec[0] * spec[1].itemsize if spec is not None and spec in pool.free else 0
-                    pool.trim(room[i] + taken - draining, spare=spec)
-                if interrupts.pending and i <= holds_from:
-                    interrupts.deliver()      # before the first value written: a KeyboardInterrupt rolls back
-                if before_node is not None:
-                    before_node(i, n)
+                # released slots still being written back (device bytes the plan freed), after giving back as many
+                # as this node's room needs; this node's window of the pool's use starts after those given back
+                had_draining = bool(store.draining)
+                draining = self._before(i, interrupts, before_node)
+                if had_draining:
+                    pool.sample()
                 if kind == _ATEN or kind == _RUNTIME:
                     recipe = recipes[i]
                     args = (fx.node.map_arg(n.args, load) if recipe is None else
@@ -397,9 +387,11 @@ class Executor:
                 pool.give(slot)
         return result, self.verified_peak
 
-    def _before(self, i: int, interrupts: DeferredInterrupt, before_node) -> None:
-        """What `_run` does before node i but measuring: give back slots written back and trim the pool's free list
-        to the node's room, deliver a pending Ctrl-C before the first value written, call before_node."""
+    def _before(self, i: int, interrupts: DeferredInterrupt, before_node) -> int:
+        """Before node i (both loops): give back slots written back as far as the node's room needs (all of them at
+        the end), trim the pool's free list to the room beside those still draining (a slot the node takes from the
+        list is counted by the plan already), deliver a pending Ctrl-C before the first value written (a
+        KeyboardInterrupt rolls back), call before_node. Returns the bytes still being written back."""
         store, pool = self.store, self.store.pool
         draining = 0
         if store.draining:
@@ -410,9 +402,10 @@ class Executor:
             taken = spec[0] * spec[1].itemsize if spec is not None and spec in pool.free else 0
             pool.trim(self.room[i] + taken - draining, spare=spec)
         if interrupts.pending and i <= self.holds_from:
-            interrupts.deliver()      # a KeyboardInterrupt rolls back
+            interrupts.deliver()
         if before_node is not None:
             before_node(i, self.nodes[i])
+        return draining
 
     def _failed(self, e: BaseException) -> BaseException:
         """The error to raise for a failure in the generated function: at an aten op or a fused region wrapped as
