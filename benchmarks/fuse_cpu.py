@@ -8,10 +8,10 @@ fuse=True, and the ratios to eager.
 
 The systems run in turn, step by step, on the same batches (so that the machine's drift touches each alike): --warmup
 steps (the compile and the first steps), then --steps timed ones. Each system's median step time is printed, and its
-ratio to eager's (below 1: faster than eager), as the ratio of the medians and as the median of the per-step ratios. Eager is nanoGPT's
-loop: backward per micro-batch (the loss divided by their number), clip_grad_norm_, torch.optim.AdamW (its CPU
-default, foreach) with set_to_none zeroing. pstar-fx's step does the same in one compiled call. fuse=True also
-prints its compile line (regions, nodes fused, seconds, cache hits).
+ratio to eager's (below 1: faster than eager), as the ratio of the medians and as the median of the per-step ratios.
+Eager is nanoGPT's loop: backward per micro-batch (the loss divided by their number), clip_grad_norm_,
+torch.optim.AdamW (its CPU default, foreach) with set_to_none zeroing. pstar-fx's step does the same in one compiled
+call. fuse=True also prints its compile line (regions, nodes fused, seconds, cache hits).
 """
 import argparse
 import os
@@ -103,7 +103,7 @@ def main():
     names = args.systems.split(",")
     systems = {name: makers[name]() for name in names}
     times: dict[str, list[float]] = {name: [] for name in names}
-    for k, (x, y) in enumerate(data):          # the systems in turn, step by step: drift hits each alike
+    for x, y in data:          # the systems in turn, step by step: drift hits each alike
         for name in names:
             t0 = time.perf_counter()
             systems[name][0](x, y)

@@ -29,6 +29,13 @@ _FILE = re.compile(r'File "([^"]+)"')
 
 
 @functools.lru_cache(maxsize=4096)
+
+def has_node(a) -> bool:
+    """Whether an argument (a node, or a list, tuple or dict nesting them) refers to a node."""
+    found = []
+    fx.node.map_arg(a, found.append)
+    return bool(found)
+
 def is_user_file(filename: str) -> bool:
     """Whether a source file is the user's: outside torch, pstar-fx's own files (errors.is_own_file), contextlib and
     functools (a pure function of the name, memoised: tracing asks it at every torch-level call)."""

@@ -7,12 +7,12 @@ each node is one line (`v12 = mm(v10, v11)`), its inputs are local variables, an
 node are deleted there (`del v10`), so the memory each value holds is released at the same node as in the
 interpreter. What the interpreter does between nodes that changes memory stays: slots being written back are given
 back as each node's room needs (`ChunkStore.reclaim`) and the pool's free list is trimmed to it (`DevicePool.trim`);
-before the first value written a pending Ctrl-C is delivered. It measures nothing: the step reports the peak the
-measured run found, and `debug=True` (or a test's fault injection) keeps every step on the interpreter.
+before the first value written a pending Ctrl-C is delivered, and a test's before_node hook is called. It measures
+nothing: the step reports the peak the measured run found, and `debug=True` keeps every step on the interpreter.
 
 Invariant: for the same graph, inputs and store, the function calls the same callables on the same arguments in the
 same order as the interpreter, frees each value after the same node, and fails with the same errors (an aten op's or
-a fused region's failure wrapped with the node's name and source line; `Executor.failed_at` names the node).
+a fused region's failure wrapped with the node's name and source line; the node is found from the traceback's line).
 """
 from __future__ import annotations
 
@@ -22,6 +22,8 @@ import os
 
 import torch
 import torch.fx as fx
+
+from ..ir.fx_utils import has_node
 
 _BUILTIN_LITERALS = (bool, int, str, type(None))
 
@@ -49,7 +51,7 @@ def _expr(a, src: _Source, pos: dict, tag: str) -> str:
     """Python source for an argument: a node's variable, a container of them, or a bound constant."""
     if isinstance(a, fx.Node):
         return f"v{pos[a]}"
-    if not _has_node(a):
+    if not has_node(a):
         if type(a) in _BUILTIN_LITERALS and (type(a) is not str or a.isidentifier()):
             return repr(a)
         return src.bind(f"c_{tag}", a)
@@ -62,12 +64,6 @@ def _expr(a, src: _Source, pos: dict, tag: str) -> str:
                                for k, (key, x) in enumerate(a.items())) + "}"
     raise NotImplementedError(f"pstar-fx: cannot generate code for an argument of type {type(a).__name__} that "
                               "holds nodes")
-
-
-def _has_node(a) -> bool:
-    found = []
-    fx.node.map_arg(a, found.append)
-    return bool(found)
 
 
 def _call(n: fx.Node, i: int, src: _Source, pos: dict, first: str | None) -> str:

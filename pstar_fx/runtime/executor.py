@@ -16,7 +16,7 @@ from torch.utils._pytree import tree_map
 from ..errors import CommitError, DeviceMemoryError
 from ..interrupts import DeferredInterrupt
 from ..ir import ops
-from ..ir.fx_utils import last_uses, mutated_args, storage_bytes, tensors_in, tensors_of, user_frame
+from ..ir.fx_utils import has_node, last_uses, mutated_args, storage_bytes, tensors_in, tensors_of, user_frame
 from ..ir.graph import Role, TrainGraph
 from ..ir.needs import BufKey, constants
 from ..units import format_bytes, parse_bytes
@@ -50,17 +50,11 @@ def _template(args, pos: dict) -> list | None:
     for a in args:
         if isinstance(a, fx.Node):
             out.append((pos[a], None))
-        elif _has_node(a):
+        elif has_node(a):
             return None
         else:
             out.append((-1, a))
     return out
-
-
-def _has_node(a) -> bool:
-    found = []
-    fx.node.map_arg(a, lambda x: found.append(x))
-    return bool(found)
 
 
 def _flat_tensors(val) -> list[torch.Tensor]:
@@ -166,7 +160,7 @@ class Executor:
         self.kinds = [_kind(n, r) for n, r in zip(self.nodes, self.roles)]
         self.arg_recipes = [_template(n.args, pos) if k in (_RUNTIME, _ATEN) else None
                             for n, k in zip(self.nodes, self.kinds)]
-        self.const_kwargs = [None if _has_node(n.kwargs) else n.kwargs for n in self.nodes]
+        self.const_kwargs = [None if has_node(n.kwargs) else n.kwargs for n in self.nodes]
         # the first value written (the commit, or an earlier host-side step): from after its delivery check on, Ctrl-C
         # waits for the step's end
         self.holds_from = next((i for i, r in enumerate(self.roles) if r is Role.COMMIT or r is Role.OPTIMIZER_STEP),
