@@ -543,10 +543,21 @@ class ChunkStore:
             return
         self.pool.give(slot)
 
-    def reclaim(self, keep: int = 0) -> None:
+    def reclaim(self, keep: int = 0, want: tuple[int, torch.dtype] | None = None) -> None:
         """Give draining slots (see release) back to the pool, oldest first, until at most `keep` bytes of them are
         left. The compute stream waits for the write-back of each one not yet done, so nothing after this point
-        reuses its block before the copy has read it; a finished copy costs no wait."""
+        reuses its block before the copy has read it; a finished copy costs no wait.
+
+        `want`: the (numel, dtype) of the slot the next node takes. Where the pool's free list has none of that size,
+        the oldest draining slot of that size whose write-back has finished is given back first, so the take reuses
+        it instead of allocating a new block from torch (no wait: an unfinished one is left draining)."""
+        if want is not None and not self.pool.free.get(want):
+            for j, (event, slot) in enumerate(self.draining):
+                if slot.numel() == want[0] and slot.dtype == want[1] and event.query():
+                    del self.draining[j]
+                    self.draining_bytes -= slot.numel() * slot.element_size()
+                    self.pool.give(slot)
+                    break
         compute = None
         while self.draining and self.draining_bytes > keep:
             event, slot = self.draining.popleft()

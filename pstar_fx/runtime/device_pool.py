@@ -42,6 +42,8 @@ class DevicePool:
         free = self.free.get((numel, dtype))
         if free:
             t = free.pop()
+            if not free:
+                del self.free[(numel, dtype)]
             self.cached -= nbytes
         else:
             if self.budget is not None and self.in_use + self.cached + nbytes > self.budget:

@@ -383,17 +383,18 @@ class Executor:
 
     def _before(self, i: int, interrupts: DeferredInterrupt, before_node) -> int:
         """Before node i (both loops): give back slots written back as far as the node's room needs (all of them at
-        the end), trim the pool's free list to the room beside those still draining (a slot the node takes from the
+        the end; first, one whose write-back is done, of the size the node takes, where the free list has none),
+        trim the pool's free list to the room beside those still draining (a slot the node takes from the
         list is counted by the plan already), deliver a pending Ctrl-C before the first value written (a
         KeyboardInterrupt rolls back), call before_node. Returns the bytes still being written back."""
         store, pool = self.store, self.store.pool
         draining = 0
+        spec = self.takes[i]
         if store.draining:
-            store.reclaim(0 if self.kinds[i] == _OUTPUT else self.room[i])
+            store.reclaim(0 if self.kinds[i] == _OUTPUT else self.room[i], want=spec)
             draining = store.draining_bytes
         if pool.cached:
-            spec = self.takes[i]
-            taken = spec[0] * spec[1].itemsize if spec is not None and spec in pool.free else 0
+            taken = spec[0] * spec[1].itemsize if spec is not None and pool.free.get(spec) else 0
             pool.trim(self.room[i] + taken - draining, spare=spec)
         if interrupts.pending and i <= self.holds_from:
             interrupts.deliver()

@@ -49,6 +49,38 @@ def test_reclaim_gives_back_oldest_first_until_the_room_is_left():
     assert not store.draining and store.draining_bytes == 0 and pool.in_use == base
 
 
+class _InFlight:
+    """An event whose copy has not finished."""
+
+    def query(self):
+        return False
+
+
+def test_a_finished_draining_slot_of_the_size_taken_next_is_reused_without_waiting():
+    """Where the free list has no slot of the size the next node takes, reclaim first gives back a draining slot of
+    that size whose write-back is done (the take then reuses it rather than allocating from torch); one whose copy
+    is in flight stays draining (nothing waits for it), and so does every slot the room lets stay."""
+    store = _store()
+    pool = store.pool
+    size = (3000, torch.float32)
+    old, busy, done = pool.take(1000, torch.float32), pool.take(*size), pool.take(*size)
+    for event, s in ((_Done(), old), (_InFlight(), busy), (_Done(), done)):
+        store.draining.append((event, s))
+        store.draining_bytes += s.numel() * 4
+    before = pool.in_use
+    store.reclaim(keep=store.draining_bytes, want=size)     # the room lets every slot stay
+    assert [s for _, s in store.draining] == [old, busy] and store.draining_bytes == 16_000
+    assert pool.in_use == before - 12_000
+    taken = pool.take(*size)
+    assert taken.data_ptr() == done.data_ptr(), "the take should reuse the finished slot"
+    assert not pool.free.get(size)
+    store.reclaim(keep=store.draining_bytes, want=size)     # only the in-flight one is of that size: it stays
+    assert [s for _, s in store.draining] == [old, busy]
+    store.draining[1] = (_Done(), busy)                     # its copy finishes: the end of the step takes all
+    store.reclaim()
+    assert not store.draining and store.draining_bytes == 0
+
+
 def test_without_pinned_memory_a_write_back_is_done_at_its_release():
     """On the CPU the copy is synchronous: nothing drains, the slot goes back at once."""
     store = _store()
