@@ -127,6 +127,9 @@ class ChunkStore:
         self.host_grad_full: list[torch.Tensor | None] = [None] * len(chunks)   # sharded: before its reduction
         self.reduced: set[int] = set()     # sharded: chunks whose gradient is reduce-scattered in this step
         self.slots: dict[BufKey, torch.Tensor] = {}
+        # gradient slots allocated and not zeroed yet: each maps the ranges (start: elements) that gradient writes
+        # have covered so far; the rest is zeroed at the slot's first other use (see alloc)
+        self._unzeroed: dict[BufKey, dict[int, int]] = {}
         self.state_home: list[StateHome | None] = [None] * len(chunks)
         self.states: list[torch.Tensor | None] = [None] * len(chunks)
         for c in chunks:
@@ -365,7 +368,12 @@ class ChunkStore:
 
     def slot(self, key: BufKey) -> torch.Tensor:
         """A resident chunk buffer, for use on the current (compute) stream. The first use after a fetch makes the
-        compute stream wait for that fetch's copy (on the device; the CPU does not wait)."""
+        compute stream wait for that fetch's copy (on the device; the CPU does not wait); the first use of an
+        allocated gradient slot other than a gradient write zeroes what no write covered (see alloc)."""
+        if self._unzeroed:
+            written = self._unzeroed.pop(key, None)
+            if written is not None:
+                _zero_except(self.slots[key], written)
         event = self._arriving.pop(key, None)
         if isinstance(event, Future):
             event = event.result()   # the fetch hangs on a host-side update: wait for exactly that one
@@ -483,6 +491,7 @@ class ChunkStore:
 
     def drop_slots(self) -> None:
         """Give every slot back without writing anything to the host (what a stale slot held is lost)."""
+        self._unzeroed.clear()
         for key in list(self.slots):
             self.slot(key)   # a copy still arriving into the slot must finish before its memory is reused
             self.pool.give(self.slots.pop(key))
@@ -516,10 +525,31 @@ class ChunkStore:
         return h2d, d2h
 
     def alloc(self, key: BufKey) -> None:
+        """A zeroed slot for a buffer whose host copy holds nothing (a gradient before its first write). A gradient
+        slot is zeroed lazily: the ranges its gradient writes copy into (see grad_part) are never zeroed, the rest
+        (padding, and parameters no write reached) at the slot's first other use (slot), before anything reads it."""
         assert key not in self.slots, key
         slot = self._take_slot(key)
-        slot.zero_()
+        if key.buf is BufKind.GRAD:
+            self._unzeroed[key] = {}
+        else:
+            slot.zero_()
         self.slots[key] = slot
+
+    def grad_part(self, key: BufKey, start: int, numel: int, accumulate: bool) -> torch.Tensor:
+        """The elements [start, start + numel) of a resident gradient slot, for a gradient write: copied into
+        (accumulate False) or added to. In a slot not zeroed yet (alloc) a copy's range needs no zeroing, and a
+        range added to before any copy is zeroed first."""
+        written = self._unzeroed.get(key)
+        if written is None:
+            return self.slot(key)[start:start + numel]
+        part = self.slots[key][start:start + numel]
+        if written.get(start) != numel:
+            assert not any(s < start + numel and start < s + n for s, n in written.items()), (key, start, numel)
+            if accumulate:
+                part.zero_()
+            written[start] = numel
+        return part
 
     def release(self, key: BufKey, writeback: bool, defer: bool = False) -> None:
         """The buffer leaves the device. Without a write-back its memory is reusable, in the compute stream's order,
@@ -605,3 +635,14 @@ class ChunkStore:
             compute.wait_event(event)
         self._writing[key] = event
         return event
+
+
+def _zero_except(slot: torch.Tensor, written: dict[int, int]) -> None:
+    """Zero the elements of a 1-d slot outside the ranges (start: elements) in `written`."""
+    at = 0
+    for start in sorted(written):
+        if start > at:
+            slot[at:start].zero_()
+        at = max(at, start + written[start])
+    if at < slot.numel():
+        slot[at:].zero_()

@@ -93,7 +93,7 @@ class Runtime:
         p = self.params[name]
         c = self.g.chunks[p.chunk]
         key = BufKey(c.id, c.grad_buf())
-        dst = self.store.slot(key)[p.offset:p.offset + p.numel].view(p.shape)
+        dst = self.store.grad_part(key, p.offset, p.numel, accumulate).view(p.shape)
         self.store.mark_written(key)
         if accumulate:
             dst.add_(grad)
