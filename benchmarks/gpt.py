@@ -250,7 +250,7 @@ def run_pstar(cfg, args, device, batch, budget: str) -> dict:
     step = px.compile(model, optimizer=opt, device_memory=dm, precision=args.precision, device=device,
                       chunk_size=args.chunk_size, accumulate=args.accumulate, atomic=not args.no_atomic,
                       host_memory=args.host_memory, offload_dir=args.offload_dir, disk_memory=args.disk_memory,
-                      **prefetch_kw(args))(models.loss)
+                      **prefetch_kw(args), **device_updates_kw(args))(models.loss)
     if args.plan_only:       # px.plan of this very step (model, optimizer, budget, ranks), without a store
         report = px.plan(model, models.loss, *batch, world_size=world(), device_memory=dm, precision=args.precision,
                          chunk_size=args.chunk_size, accumulate=args.accumulate, atomic=not args.no_atomic,
@@ -302,7 +302,7 @@ def run_pstar(cfg, args, device, batch, budget: str) -> dict:
     out = dict(n=n, warm=warm, times=times, h2d=st.h2d_bytes, d2h=st.d2h_bytes, compile_s=compile_s,
                cpu_worker_per_step=worker, per_step=steps_log, compile_parts=compile_parts,
                init_empty=args.init_empty, atomic=not args.no_atomic, host_threads=args.host_threads,
-               prefetch=args.prefetch,
+               prefetch=args.prefetch, device_updates=args.device_updates,
                predicted_peak=s.predicted_peak, measured_peak=st.measured_peak, chunks=s.chunks,
                states_on_device=f"{s.states_on_device}/{s.trainable_chunks}", states_on_disk=s.states_on_disk,
                nodes=s.nodes,
@@ -319,6 +319,11 @@ def prefetch_kw(args) -> dict:
     if args.prefetch is None:
         return {}
     return dict(prefetch=None if args.prefetch == "none" else int(args.prefetch))
+
+
+def device_updates_kw(args) -> dict:
+    """px.compile's private _device_updates from --device-updates K (the cost model chooses without it)."""
+    return {} if args.device_updates is None else dict(_device_updates=args.device_updates)
 
 
 def watch(every: float) -> None:
@@ -532,6 +537,9 @@ def main():
     ap.add_argument("--prefetch", default=None, metavar="N|none",
                     help="pstar: px.compile(prefetch=N) (nodes a fetch may move earlier; 'none': no limit); default: "
                          "px.compile's")
+    ap.add_argument("--device-updates", type=int, default=None, metavar="K",
+                    help="pstar, atomic: stream the updates of K host-placed chunks to the device (px.compile's "
+                         "private _device_updates, for measuring the cost model's choice); default: the model's")
     ap.add_argument("--host-threads", type=int, default=0,
                     help="pstar: intra-op threads of the CPU worker that runs host-side updates (default: pstar-fx's)")
     ap.add_argument("--seq", type=int, default=2048)
@@ -605,6 +613,8 @@ def main():
         passthrough += ["--host-threads", str(args.host_threads)]
     if args.prefetch:
         passthrough += ["--prefetch", args.prefetch]
+    if args.device_updates is not None:
+        passthrough += ["--device-updates", str(args.device_updates)]
     print(f"{cfg}, batch {args.batch} x {args.seq} tokens"
           f"{f' in {args.accumulate} micro-batches' if args.accumulate > 1 else ''}"
           f"{f', pstar-fx moments {args.state_dtype}' if args.state_dtype != 'fp32' else ''}, device {args.device}"
