@@ -2,21 +2,15 @@
 zeroed at the slot's first other use, and a range added to before any copy is zeroed first. Whatever the slot held
 before (a reused block) never reaches a gradient."""
 import torch
-import torch.nn as nn
 
-import pstar_fx as px
 from pstar_fx.ir import BufKind
 from pstar_fx.ir.needs import BufKey
 
+from harness import two_layer_store
 
 
 def _store():
-    d = 16
-    torch.manual_seed(0)
-    step = px.compile(nn.Sequential(nn.Linear(d, d), nn.Linear(d, d)), optimizer=px.AdamW(lr=1e-3), device="cpu",
-                      precision="fp32", chunk_size=4 * d * d)(lambda m, x: m(x).sum())
-    step(torch.randn(4, d))
-    store = step._compiler.store
+    store = two_layer_store()
     store.evict_all()
     return store
 

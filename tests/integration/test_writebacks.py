@@ -10,7 +10,7 @@ import pstar_fx as px
 from pstar_fx.ir import BufKind
 from pstar_fx.ir.needs import BufKey
 
-from harness import eager_run, host_params, rel_err
+from harness import eager_run, host_params, rel_err, two_layer_store
 from models import Case, Stack, assert_state_close
 
 pytestmark = pytest.mark.cuda
@@ -23,16 +23,8 @@ class _Done:
         return True
 
 
-def _store():
-    d = 64
-    step = px.compile(nn.Sequential(nn.Linear(d, d), nn.Linear(d, d)), optimizer=px.AdamW(lr=1e-3), device="cpu",
-                      precision="fp32", chunk_size=d * d)(lambda m, x: m(x).sum())
-    step(torch.randn(4, d))
-    return step._compiler.store
-
-
 def test_reclaim_gives_back_oldest_first_until_the_room_is_left():
-    store = _store()
+    store = two_layer_store()
     pool = store.pool
     base = pool.in_use
     slots = [pool.take(1000 * (i + 1), torch.float32) for i in range(3)]     # 4, 8 and 12 kB
@@ -60,7 +52,7 @@ def test_a_finished_draining_slot_of_the_size_taken_next_is_reused_without_waiti
     """Where the free list has no slot of the size the next node takes, reclaim first gives back a draining slot of
     that size whose write-back is done (the take then reuses it rather than allocating from torch); one whose copy
     is in flight stays draining (nothing waits for it), and so does every slot the room lets stay."""
-    store = _store()
+    store = two_layer_store()
     pool = store.pool
     size = (3000, torch.float32)
     old, busy, done = pool.take(1000, torch.float32), pool.take(*size), pool.take(*size)
@@ -83,7 +75,7 @@ def test_a_finished_draining_slot_of_the_size_taken_next_is_reused_without_waiti
 
 def test_without_pinned_memory_a_write_back_is_done_at_its_release():
     """On the CPU the copy is synchronous: nothing drains, the slot goes back at once."""
-    store = _store()
+    store = two_layer_store()
     store.evict_all()                      # the step left its chunks resident (carried)
     key = BufKey(0, BufKind.PARAM)
     store.fetch(key)

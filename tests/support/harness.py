@@ -158,3 +158,14 @@ def fetch_counts(g) -> dict[int, int]:
 
 def rel_err(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
+
+
+def two_layer_store(d: int = 64):
+    """The chunk store of a 2-layer MLP (d x d) compiled on the CPU in fp32, one weight per chunk, after one step
+    (its chunks left resident): for tests that drive the store's slots by hand."""
+    import torch.nn as nn
+    step = px.compile(nn.Sequential(nn.Linear(d, d), nn.Linear(d, d)), optimizer=px.AdamW(lr=1e-3), device="cpu",
+                      precision="fp32", chunk_size=d * d)(lambda m, x: m(x).sum())
+    step(torch.randn(4, d))
+    return step._compiler.store
+
