@@ -6,7 +6,8 @@ import torch
 from pstar_fx.ir import BufKind
 from pstar_fx.ir.needs import BufKey
 
-from harness import two_layer_store
+from harness import compiled_step, small_batches, tight_budget, two_layer_store
+from models import CASES_BY_NAME
 
 
 def _store():
@@ -47,8 +48,6 @@ def test_a_gradient_slot_dropped_before_any_use_leaves_nothing_pending():
 def test_training_on_slots_full_of_nans_equals_training_on_clean_ones():
     """Under a budget that allocates gradient slots every micro-batch, with every slot the pool hands out filled
     with NaN first (what a reused block may hold), training equals the same training on clean slots, bit for bit."""
-    from models import CASES_BY_NAME
-    from harness import compiled_step, small_batches, tight_budget
     case = small_batches(CASES_BY_NAME["gpt_tied"])
     budget = tight_budget(case, 1024, 1.3)
     clean, dirty = (compiled_step(case, budget=budget, chunk_size=1024) for _ in range(2))
