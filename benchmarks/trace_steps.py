@@ -11,6 +11,16 @@ the end of the trace), in milliseconds from the step's start:
             fused Adam CPU kernels on the thread that runs most of them), its first start and last end
   gaps      the longest stretches with the compute stream idle, each with what the executor's thread did meanwhile
             (the runtime calls and operators that covered most of the gap) and whether the worker was updating
+With --updates, per step, the chain of host-side updates the step queued (its markers 'pstar-fx commit', 'pstar-fx
+queue the host update of chunk c', 'pstar-fx wait for the copies of chunk c'), in ms from the step's start:
+  commit_host / commit_gpu   the executor's thread at the commit, and the GPU reaching it (its first kernel)
+  queued                     the first and last update queued
+  first_update / last_end    the chain's first update's start and its last one's end (past the step's wall: the
+                             next step's forward ran beside it)
+  updating / waiting / idle  the worker's time in the chain: updating, waiting for gradient copies, and neither
+                             (the next update not queued yet)
+  held_after_commit          the executor thread's longest CUDA calls of 5 ms or more after the commit (at, call,
+                             ms), and their sum
 """
 from __future__ import annotations
 
@@ -132,12 +142,86 @@ def read(events: list[dict], gaps: int = 8) -> list[dict]:
     return out
 
 
+def _kernel_starts(xs: list[dict]) -> dict:
+    """Each launch's correlation id -> the GPU start of the kernel (or copy) it launched."""
+    return {e["args"]["correlation"]: e["ts"] for e in xs
+            if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "correlation" in e.get("args", {})}
+
+
+def _chunk_of(name: str) -> int:
+    return int(name.rsplit(" ", 1)[1])
+
+
+def updates(events: list[dict], blocked: int = 12) -> list[dict]:
+    """Per step, the chain of host-side updates it queued (the figures the module docstring lists for --updates)."""
+    xs = [e for e in events if e.get("ph") == "X" and "dur" in e]
+    # the markers on the host's threads (a marker around kernels has a twin on the GPU's lane: not those)
+    named = lambda prefix: sorted((e for e in xs if str(e.get("name", "")).startswith(prefix)  # noqa: E731
+                                   and e.get("cat") == "user_annotation"), key=lambda e: e["ts"])
+    marks = named("pstar-fx step ")
+    commits, queued = named("pstar-fx commit"), named("pstar-fx queue the host update of chunk ")
+    waits, runs = named("pstar-fx wait for the copies of chunk "), named("pstar-fx host update of chunk ")
+    if not queued:
+        raise SystemExit("no 'pstar-fx queue the host update' markers: no host-side updates, or an older pstar-fx")
+    main = (marks[0]["pid"], marks[0]["tid"])
+    launches = [e for e in xs if (e["pid"], e["tid"]) == main and e.get("cat") == "cuda_runtime"
+                and "correlation" in e.get("args", {})]
+    gpu = _kernel_starts(xs)
+    end = max(e["ts"] + e["dur"] for e in xs)
+    out = []
+    for i, m in enumerate(marks):
+        lo, hi = m["ts"], marks[i + 1]["ts"] if i + 1 < len(marks) else end
+        ms = lambda t: None if t is None else round((t - lo) / 1e3, 1)  # noqa: E731
+        commit = next((e for e in commits if lo <= e["ts"] < hi), None)
+        commit_gpu = None
+        if commit is not None:
+            inside = [gpu[e["args"]["correlation"]] for e in launches
+                      if commit["ts"] <= e["ts"] <= commit["ts"] + commit["dur"] and e["args"]["correlation"] in gpu]
+            commit_gpu = min(inside, default=None)
+        mine = [q for q in queued if lo <= q["ts"] < hi]
+        chain = []
+        for q in mine:
+            c = _chunk_of(q["name"])
+            run = next((r for r in runs if r["ts"] >= q["ts"] and _chunk_of(r["name"]) == c), None)
+            wait = next((w for w in waits if w["ts"] >= q["ts"] and _chunk_of(w["name"]) == c
+                         and (run is None or w["ts"] <= run["ts"])), None)
+            if run is not None:
+                chain.append((q, wait, run))
+        row = dict(step=i, commit_host_ms=ms(commit["ts"]) if commit else None, commit_gpu_ms=ms(commit_gpu),
+                   queued=len(mine), queued_ms=[ms(mine[0]["ts"]), ms(mine[-1]["ts"])] if mine else None,
+                   ran=len(chain))
+        if commit is not None:     # where the executor's thread was held after the commit (5 ms or more)
+            held = [e for e in xs if (e["pid"], e["tid"]) == main and commit["ts"] <= e["ts"] < hi
+                    and (e.get("cat") in ("cuda_runtime", "cuda_driver") or e["name"] == "Command Buffer Full")
+                    and e["dur"] >= 5e3]
+            held = sorted(sorted(held, key=lambda e: -e["dur"])[:blocked], key=lambda e: e["ts"])
+            row["held_after_commit"] = [(ms(e["ts"]), e["name"][:40], round(e["dur"] / 1e3, 1)) for e in held]
+            row["held_after_commit_ms"] = round(sum(e["dur"] for e in held) / 1e3, 1)
+        if chain:
+            chain.sort(key=lambda t: t[2]["ts"])
+            updating = sum(r["dur"] for _, _, r in chain)
+            waiting = sum(w["dur"] for _, w, _ in chain if w is not None)
+            span = chain[-1][2]["ts"] + chain[-1][2]["dur"] - chain[0][2]["ts"]
+            row.update(first_update_ms=ms(chain[0][2]["ts"]), last_end_ms=ms(chain[-1][2]["ts"] + chain[-1][2]["dur"]),
+                       updating_ms=round(updating / 1e3, 1), waiting_ms=round(waiting / 1e3, 1),
+                       idle_ms=round((span - updating - waiting + (chain[0][1]["dur"] if chain[0][1] else 0)) / 1e3, 1),
+                       first_wait_ms=round(chain[0][1]["dur"] / 1e3, 1) if chain[0][1] else 0.0)
+        out.append(row)
+    return out
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("trace")
     ap.add_argument("--gaps", type=int, default=8, help="the longest compute-idle stretches to show per step")
+    ap.add_argument("--updates", action="store_true", help="the chain of host-side updates each step queued")
     args = ap.parse_args(argv)
-    for s in read(load(args.trace), args.gaps):
+    events = load(args.trace)
+    if args.updates:
+        for s in updates(events):
+            print(json.dumps(s))
+        return
+    for s in read(events, args.gaps):
         gaps = s.pop("gaps")
         print(json.dumps(s))
         for g in gaps:

@@ -77,8 +77,10 @@ def _update(task: tuple, spent: WorkerTime) -> BaseException | None:
     chunk, fn, after, _ = task
     try:
         t0 = time.perf_counter()
-        for event in after:
-            event.synchronize()
+        if after:
+            with torch.profiler.record_function(f"pstar-fx wait for the copies of chunk {chunk}"):
+                for event in after:
+                    event.synchronize()
         t1 = time.perf_counter()
         with torch.profiler.record_function(f"pstar-fx host update of chunk {chunk}"):   # for a profiler's trace
             fn()

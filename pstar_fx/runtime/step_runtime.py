@@ -147,6 +147,10 @@ class Runtime:
         self.store.release(BufKey(chunk, buf), writeback, defer=True)
 
     def commit(self) -> None:
+        with torch.profiler.record_function("pstar-fx commit"):    # for a profiler's trace (benchmarks/trace_steps.py)
+            self._commit()
+
+    def _commit(self) -> None:
         if self.comm is not None:
             self._commit_sharded()
             return
@@ -253,7 +257,8 @@ class Runtime:
                 e.synchronize()
             update()
         else:
-            done = st.updates.submit(chunk, update, after=waits)
+            with torch.profiler.record_function(f"pstar-fx queue the host update of chunk {chunk}"):
+                done = st.updates.submit(chunk, update, after=waits)
             if c.state_home is StateHome.DISK:
                 st.gate_disk_write(chunk, done)       # its disk write waits for it
 
