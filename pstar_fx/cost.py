@@ -25,9 +25,14 @@ The model, in three parts.
    - a disk read waits for the previous write out of its staging buffer, a disk-homed chunk's update for its read,
      its write for its update, and the step's end for every write (the disk lane: one drive, reads and writes in
      turn);
-   - a host-side update waits for its gradient's write-back and for the copies reading its host buffers, and with
-     clipping or fp16 for the commit (the clip coefficient, the overflow flag); the fetch that needs its result waits
-     for it (sharded: the executor's thread waits, since collectives are issued in graph order by that thread).
+   - a host-side update waits for its gradient's write-back and for the copies reading its host buffers, and, unless
+     it comes before the commit (atomic=False), for the compute stream to reach the commit: with clipping or fp16
+     the commit decides something it needs (the clip coefficient, the overflow flag); in an atomic step the executor
+     issues it only after the commit, and the executor's thread, which in principle runs up to `launch_queue` kernels
+     ahead, reaches the commit about when the device does (on the H200 the caching allocator's synchronisations in
+     the last layers of backward hold it back: a profiled 17.26B step had 2-3 ms between them). The fetch that needs
+     its result waits for it (sharded: the executor's thread waits, since collectives are issued in graph order by
+     that thread).
    Steps repeat: what one step leaves pending (host-side updates, the fetches that follow them) delays the next, so
    three steps are simulated and the step time is the last one's (the steady state; `first_seconds` is the first).
 
@@ -487,6 +492,7 @@ def _simulate(g: TrainGraph, m: Machine, node_s: list[float], background, steps:
     needs = all_needs(g)
     world = g.settings.world
     waits_commit = g.settings.commit_decides
+    early = g.settings.early_updates
     ready: dict[BufKey, float] = {k: 0.0 for k, _ in (g.plan.carried if g.plan else ())}   # device contents
     home: dict[BufKey, float] = {}       # host home written (a write-back done)
     reading: dict[int, float] = {}       # the last copy that reads a chunk's host buffers done
@@ -580,7 +586,7 @@ def _simulate(g: TrainGraph, m: Machine, node_s: list[float], background, steps:
             elif a.role is Role.OPTIMIZER_STEP:
                 t = max(issue, reading.get(c.id, 0.0), states_read.get(c.id, 0.0),
                         *(home.get(BufKey(c.id, b), 0.0) for b in BufKind))
-                if waits_commit:
+                if waits_commit or not early:      # (atomic: from the device's commit on, see the docstring)
                     t = max(t, commit_at)
                 updated[c.id] = sim.cpu_update(t, shard_numel(c, world))
             elif a.role is Role.DISK_READ:

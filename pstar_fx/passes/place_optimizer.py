@@ -19,9 +19,10 @@ placements with fewer are scheduled (with the schedule pass's default prefetch, 
 and the fastest is kept. Device steps come first, in chunk order (the order the next forward needs
 them). Host steps, which the store's CPU worker runs one after another in graph order while the device goes on, come
 in the order `update_order` chooses from the cost model: each chunk's update can start once its gradient is final
-and written home and the executor has issued its step (after the commit unless atomic=False; at the commit anyway
-when clipping or an fp16 overflow check must see every gradient) and should end before the next forward reads the
-chunk; the order is the earliest-deadline-first list schedule of those windows.
+and written home and the executor has issued its step (with atomic=False right after the chunk's last use; otherwise
+after the commit, which the cost model has it issue when the device reaches the commit: every update released at
+once, so the order is the next forward's) and should end before the next forward reads the chunk; the order is the
+earliest-deadline-first list schedule of those windows.
 Where the updates wait for the commit (one rank), the first chunks of that order may instead update on the device,
 their states streamed over and back (`ChunkInfo.streamed`, chosen with the cost model by update_sites.py): their
 steps come last, after the commit, in that order.
@@ -296,38 +297,29 @@ def _last_use(nd) -> dict[int, int]:
 def _windows(g: TrainGraph, host: list[int], machine: Machine, node_s: list[float] | None = None
              ) -> dict[int, tuple[float, float, float]]:
     """Each host-stepped chunk's update window on the CPU, from the cost model's node times: (release, deadline,
-    duration). Released when its gradient is final and the executor has issued its step: with atomic steps at the
-    commit, which the executor reaches once the device is within `machine.launch_queue` kernels of the end of
-    backward (or at the end, when the commit decides something every update needs: a clip coefficient, an fp16
-    overflow); with early updates after the chunk's last use. Due at the next step's first read of the chunk.
-    Taking its elements at the CPU Adam rate. node_s: compute_seconds(g, machine), if already known."""
+    duration). Released when its gradient is final and the executor has issued its step: with early updates after
+    the chunk's last use; otherwise at the commit, when the device reaches it (the cost model's rule: see cost.py).
+    Due at the next step's first read of the chunk. Taking its elements at the CPU Adam rate. node_s:
+    compute_seconds(g, machine), if already known."""
     nodes = g.nodes
     nd = all_needs(g)
-    at, kernels, t = [], [], 0.0
+    at, t = [], 0.0
     for s in compute_seconds(g, machine) if node_s is None else node_s:
         t += s
-        if s > 0:
-            kernels.append(t)
         at.append(t)
     step_s = t
-    last_grad: dict[int, float] = {}
     first_read: dict[int, float] = {}
     for i, n in enumerate(nodes):
         a = g.ann[n.name]
-        if a.role is Role.WRITE_GRAD:
-            last_grad[g.chunk_of(a.param).id] = at[i]
         if a.role in (Role.COMPUTE, Role.PARAM_VIEW):
             for k in nd[i].reads:
                 if k.buf is BufKind.PARAM:
                     first_read.setdefault(k.chunk, at[i])
-    if g.settings.commit_decides:
-        release = dict.fromkeys(host, step_s)
-    elif g.settings.early_updates:
+    if g.settings.early_updates:
         last_use = _last_use(nd)
         release = {cid: at[last_use[cid]] if cid in last_use else step_s for cid in host}
     else:
-        commit = kernels[-machine.launch_queue - 1] if len(kernels) > machine.launch_queue else 0.0
-        release = {cid: max(last_grad.get(cid, step_s), commit) for cid in host}
+        release = dict.fromkeys(host, step_s)
     rate = _cpu_rate(g, machine)
     world = g.settings.world
     return {cid: (release[cid], step_s + first_read.get(cid, step_s), shard_numel(g.chunks[cid], world) / rate)

@@ -321,12 +321,13 @@ def test_fewer_bytes_moved_take_less_time():
 # -- the order of host-side updates ------------------------------------------------------------------------------------
 
 @functools.lru_cache(maxsize=None)
-def _placed_and_before(clip):
+def _placed_and_before(clip, atomic=True):
     """The optimizer-placed graph of the tied GPT in bf16 at a tight budget (host and device states), and the graph
     the pass placed them into."""
     case = _case("gpt_tied", 4)
     step = px.compile(case.build_model(), optimizer=px.AdamW(**HYPER), device_memory=tight_budget(case, CHUNK, 1.3),
-                      chunk_size=CHUNK, precision="bf16", device="cpu", max_grad_norm=clip)(case.loss_fn)
+                      chunk_size=CHUNK, precision="bf16", device="cpu", max_grad_norm=clip,
+                      atomic=atomic)(case.loss_fn)
     step.lower(*case.batch(0))
     return step.graphs["optimizer_placed"], step.graphs["remat"]
 
@@ -336,10 +337,11 @@ def _host_steps(g):
             and g.chunks[g.ann[n.name].chunk].state_home is StateHome.HOST]
 
 
-def test_host_updates_start_with_the_first_final_gradients_unless_the_commit_decides():
-    """Without clipping the CPU takes chunks as their gradients become final (the last layers first); with clipping
-    every update waits for the commit's norm, and the order is the next forward's (chunk order)."""
-    placed, _ = _placed_and_before(None)
+def test_host_updates_start_with_the_first_final_gradients_only_before_the_commit():
+    """With atomic=False (updates during backward) the CPU takes chunks as their gradients become final (the last
+    layers first); in an atomic step every update is issued at the commit, and with clipping waits for its norm:
+    then the order is the next forward's (chunk order)."""
+    placed, _ = _placed_and_before(None, atomic=False)
     order = _host_steps(placed)
     assert len(order) > 2
     last_grad = {}
@@ -348,17 +350,20 @@ def test_host_updates_start_with_the_first_final_gradients_unless_the_commit_dec
             last_grad[placed.chunk_of(placed.ann[n.name].param).id] = i
     assert last_grad[order[0]] == min(last_grad[c] for c in order)
     assert order != sorted(order)
-    clipped, _ = _placed_and_before(1.0)
-    assert _host_steps(clipped) == sorted(_host_steps(clipped))
+    for clip in (None, 1.0):
+        after_commit, _ = _placed_and_before(clip)
+        assert len(_host_steps(after_commit)) > 2
+        assert _host_steps(after_commit) == sorted(_host_steps(after_commit))
 
 
 @pytest.mark.parametrize("cpu_slower", [100, 300, 1000])
 def test_update_order_is_not_slower_than_chunk_order(cpu_slower):
-    """On a machine whose CPU updates take from a seventh to more than the device's compute (the regime that decides
-    the step time of the largest models), the cost model's order gives an estimated step no longer than updating in
-    chunk order (to 0.1%: a list schedule is not optimal to the last bit), and clearly shorter when the CPU's work
-    is about the compute's (chunk order waits for the first layers' gradients, the last to become final)."""
-    placed, before = _placed_and_before(None)
+    """With updates during backward (atomic=False), on a machine whose CPU updates take from a seventh to more than
+    the device's compute (the regime that decides the step time of the largest models), the cost model's order gives
+    an estimated step no longer than updating in chunk order (to 0.1%: a list schedule is not optimal to the last
+    bit), and clearly shorter when the CPU's work is about the compute's (chunk order waits for the first layers'
+    gradients, the last to become final)."""
+    placed, before = _placed_and_before(None, atomic=False)
     m = dataclasses.replace(H200, matmul_flops=H200.matmul_flops / 1e4, fp32_matmul_flops=H200.fp32_matmul_flops / 1e4,
                             hbm_bytes=H200.hbm_bytes / 1e4, cpu_adam_mixed=H200.cpu_adam_mixed / cpu_slower,
                             host_node_s=1e-8)
@@ -367,7 +372,7 @@ def test_update_order_is_not_slower_than_chunk_order(cpu_slower):
     assert sorted(host) == sorted(_host_steps(placed))
 
     def estimate(order):
-        g = schedule(with_steps(before, device + order).evolve(chunks=placed.chunks))
+        g = schedule(with_steps(before, device, order, early=True).evolve(chunks=placed.chunks))
         verify(g)
         return cost.estimate(g, m)
     chosen, chunk_order = estimate(host), estimate(sorted(host))
@@ -385,14 +390,18 @@ def _all_host(before):
 
 
 def test_the_embedding_ranks_first_for_the_device():
-    """The tied embedding is read first in the forward and its gradient is final last in the backward: its update
-    window on the CPU is the tightest, so its states are the first the device holds."""
-    _, before = _placed_and_before(None)
-    all_host, trainable = _all_host(before)
-    ranked = device_priority(all_host)
-    assert sorted(ranked) == trainable
-    assert ranked[0] == before.param("wte.weight").chunk
-    assert ranked != trainable           # not chunk order
+    """The tied embedding is read first in the forward (and its gradient is final last in the backward): its update
+    window on the CPU is the tightest, so its states are the first the device holds. In an atomic step every update
+    is released at the commit and the rank is the next forward's order; with atomic=False, where the last layers'
+    updates start during backward, it is not chunk order."""
+    for atomic in (True, False):
+        _, before = _placed_and_before(None, atomic=atomic)
+        all_host, trainable = _all_host(before)
+        ranked = device_priority(all_host)
+        assert sorted(ranked) == trainable
+        assert ranked[0] == before.param("wte.weight").chunk
+        if not atomic:
+            assert ranked != trainable           # not chunk order
 
 
 @pytest.mark.parametrize("cpu_slower, copies_slower", [(1, 1), (100, 1), (1000, 1), (1, 1e4)])
