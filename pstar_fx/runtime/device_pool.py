@@ -48,7 +48,8 @@ class DevicePool:
         else:
             if self.budget is not None and self.in_use + self.cached + nbytes > self.budget:
                 self.trim(self.budget - self.in_use - nbytes)   # what the pool holds stays within the budget
-            t = torch.empty(numel, dtype=dtype, device=self.device)
+            with torch.profiler.record_function(f"pstar-fx pool allocates {what}"):   # for a profiler's trace
+                t = torch.empty(numel, dtype=dtype, device=self.device)
         self.in_use += nbytes
         self.window_peak = max(self.window_peak, self.in_use)
         self.storages.add(t.untyped_storage().data_ptr())
