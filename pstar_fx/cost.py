@@ -553,8 +553,10 @@ def _simulate(g: TrainGraph, m: Machine, node_s: list[float], background, steps:
                     home[key] = done
                     # the compute stream waits for it: the runtime waits only where the slot's room is needed
                     # before the copy is done (ChunkStore.reclaim), which this model, keeping no device bytes,
-                    # cannot tell, so it takes the longest wait
-                    free[Lane.COMPUTE] = max(free[Lane.COMPUTE], done)
+                    # cannot tell, so it takes the longest wait; except for a streamed update's states, whose
+                    # write-backs the next chunk's copy and update overlap
+                    if a.buf is not BufKind.STATES:
+                        free[Lane.COMPUTE] = max(free[Lane.COMPUTE], done)
                 else:
                     free[Lane.COMPUTE] = max(free[Lane.COMPUTE], t)
                 ready.pop(key, None)
