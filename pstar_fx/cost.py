@@ -28,12 +28,13 @@ The model, in three parts.
    - a host-side update waits for its gradient's write-back and for the copies reading its host buffers, and, unless
      it comes before the commit (atomic=False), for the compute stream to reach the commit: with clipping or fp16
      the commit decides something it needs (the clip coefficient, the overflow flag); in an atomic step the executor
-     issues it only after the commit, and the executor's thread, which in principle runs up to `launch_queue` kernels
-     ahead, reaches the commit about when the device does (measured on the H200: a profiled 17.26B step had 2-3 ms
-     between them, the caching allocator's synchronisation in the last layers of backward holding the executor back;
-     a 4.24B plan at 40 GiB, without such retries, ran 0.99 s where the launch-queue rule estimated 0.71). The fetch
-     that needs its result waits for it (sharded: the executor's thread waits, since collectives are issued in graph
-     order by that thread).
+     issues it only after the commit, and the model has the executor's thread, which in principle runs up to
+     `launch_queue` kernels ahead, reach the commit when the device does. Measured on the H200: a profiled 17.26B
+     step at the default budget had 2-3 ms between them (the caching allocator's synchronisation in the last layers
+     of backward holds the executor back); the 4.24B GPT at 40 GiB, without such retries, 148 ms (its CPU starting
+     82 ms before the device's commit), and the plan the launch-queue rule chose for it ran 0.99 s against an
+     estimate of 0.71 s. The fetch that needs its result waits for it (sharded: the executor's thread waits, since
+     collectives are issued in graph order by that thread).
    Steps repeat: what one step leaves pending (host-side updates, the fetches that follow them) delays the next, so
    three steps are simulated and the step time is the last one's (the steady state; `first_seconds` is the first).
 
