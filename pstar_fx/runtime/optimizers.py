@@ -44,12 +44,26 @@ def device_step(cfg, param: torch.Tensor, grad: torch.Tensor, parts: dict[str, t
 def host_update(cfg, param: torch.Tensor, grad: torch.Tensor, parts: dict[str, torch.Tensor], *,
                 master: torch.Tensor | None, inv_scale: float | None, coef: torch.Tensor | None, skip: bool,
                 block: int = HOST_BLOCK, chunk: int = 0, first: int = 0,
-                packed_block: int = HOST_PACKED_BLOCK) -> None:
+                packed_block: int = HOST_PACKED_BLOCK, live: int | None = None) -> None:
     """One host-side update of a flat chunk, block by block (see adam.host_step, which Adam / AdamW run): in mixed
     precision the gradient block is converted to fp32, unscaled and clipped, the master stepped and the parameters
     written from it while the block is in cache. `skip` (fp16 overflow): no update. chunk, first: the chunk's id
     and the chunk element its shard starts at (compressed moments' random bits); packed_block: the elements of a
-    compressed update's blocks."""
+    compressed update's blocks.
+
+    `live` (None: every element): the elements of the shard that can hold parameters lie in [0, live); past it is
+    the chunk's padding, zero in the parameters, the gradient, the master and the moments. Adam / AdamW with exact
+    moments then update only the prefix (live_prefix: live rounded up to LIVE_ALIGN, within the shard): Adam keeps a
+    zero element with a zero gradient and zero moments at zero (+0.0), so the padding ends as it would have, and
+    torch's fused CPU kernel computes every element of an aligned prefix exactly as in the call over the whole
+    shard. Compressed moments (their scales span blocks) and the other optimizers (whose states need not stay zero)
+    update every element."""
+    if isinstance(cfg, AdamConfig) and live is not None and not is_packed(parts):
+        n = live_prefix(live, param.numel())
+        if n < param.numel():
+            param, grad = param[:n], grad[:n]
+            parts = {k: v[:n] if v.dim() == 1 else v for k, v in parts.items()}
+            master = None if master is None else master[:n]
     if isinstance(cfg, AdamConfig):
         if is_packed(parts):
             adam_host_step(cfg, param, grad, None, None, parts["step"], master=master, inv_scale=inv_scale,
@@ -73,6 +87,17 @@ def host_update(cfg, param: torch.Tensor, grad: torch.Tensor, parts: dict[str, t
         if master is not None:
             param[lo:hi].copy_(master[lo:hi])
     run.finish()
+
+
+# live_prefix's rounding: a multiple of every CPU vector width and of the fused CPU kernel's work unit (a cache
+# line), so each element of the prefix takes the same vector path as in a call over the whole shard
+LIVE_ALIGN = 4096
+
+
+def live_prefix(live: int, numel: int) -> int:
+    """The elements of a flat shard of `numel` whose first `live` can hold parameters that an update must cover:
+    `live` rounded up to LIVE_ALIGN, at most numel."""
+    return min(numel, max(0, -(-live // LIVE_ALIGN) * LIVE_ALIGN))
 
 
 class _TorchRun:

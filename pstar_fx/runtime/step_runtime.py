@@ -74,6 +74,10 @@ class Runtime:
         # norm and the clipped update are eager's bit for bit); sharded, per chunk, its reduced shard's squared norm
         self.norms: dict[int, torch.Tensor] | None = {} if opt is not None else None
         self.param_index = {p.name: i for i, p in enumerate(g.params)}
+        # per chunk: the end of its last parameter (past it the chunk is padding, which host updates skip)
+        self.live_end: dict[int, int] = {}
+        for p in g.params:
+            self.live_end[p.chunk] = max(self.live_end.get(p.chunk, 0), p.offset + p.numel)
         self._clip = g.settings.max_grad_norm is not None
         self._norm_pending: set[int] = set()    # sharded, no clipping: reduced chunks whose norm is still to take
         self.grad_norm: torch.Tensor | None = None
@@ -244,12 +248,13 @@ class Runtime:
         master = parts["master"] if self.precision.mixed else None
         skip = self.skip
         first = self._first(chunk)
+        live = self.live_end.get(chunk, 0) - first      # this shard's elements that can hold parameters
 
         waits = events + ([coef_ready] if coef_ready is not None else [])
 
         def update() -> None:
             host_update(cfg, param, grad, parts, master=master, inv_scale=inv_scale, coef=coef, skip=skip,
-                        chunk=chunk, first=first)
+                        chunk=chunk, first=first, live=live)
 
         self.stepped.append(chunk)
         if st.updates is None:

@@ -33,3 +33,29 @@ def test_blocks_round_as_one_pass(mixed, block):
     for k in ("param", "m", "v", "step") + (("master",) if mixed else ()):
         assert torch.equal(whole[k], blocked[k]), k
     assert not torch.equal(whole["m"], _state(n, mixed, 0)["m"])      # it did update
+
+
+@pytest.mark.parametrize("mixed", [True, False])
+@pytest.mark.parametrize("live", [0, 1, 4096, 7168, 3 * 4096 + 5])
+def test_padding_skipped_rounds_as_the_whole_chunk(mixed, live):
+    """host_update(live=...) updates only the prefix that can hold parameters (runtime.optimizers.live_prefix): a
+    chunk whose padding is zero everywhere ends bit for bit as after the update of every element, padding included
+    (still +0.0)."""
+    from pstar_fx.runtime.optimizers import host_update
+    n = 5 * 4096
+    whole, prefix = _state(n, mixed, 1), _state(n, mixed, 1)
+    for s in (whole, prefix):
+        for k in ("param", "grad", "m", "v", "master"):
+            if s[k] is not None:
+                s[k][live:] = 0
+    coef = torch.tensor(0.37)
+    for s, arg in ((whole, None), (prefix, live)):
+        parts = {"exp_avg": s["m"], "exp_avg_sq": s["v"], "step": s["step"],
+                 **({"master": s["master"]} if mixed else {})}
+        host_update(CFG, s["param"], s["grad"], parts, master=s["master"], inv_scale=0.5 if mixed else None,
+                    coef=coef, skip=False, live=arg)
+    for k in ("param", "m", "v", "step") + (("master",) if mixed else ()):
+        assert torch.equal(whole[k], prefix[k]), k
+        if k != "step":
+            assert not torch.signbit(prefix[k][live:]).any() and not prefix[k][live:].any(), k
+    assert not torch.equal(whole["m"][:live], _state(n, mixed, 1)["m"][:live]) or live == 0    # it did update
