@@ -9,6 +9,10 @@ fuse=True, and the ratios to eager.
 The systems run in turn, step by step, on the same batches (so that the machine's drift touches each alike): --warmup
 steps (the compile and the first steps), then --steps timed ones. Each system's median step time is printed, and its
 ratio to eager's (below 1: faster than eager), as the ratio of the medians and as the median of the per-step ratios.
+Step by step, pstar-fx's host-side updates, which the step leaves running, overlap eager's next step and slow it: with
+--run N each system instead runs N + 1 steps back to back per turn, as a training loop does (the first, which the
+other system's leftover work may slow, not counted), the order rotating each round; the ratio is then each round's
+ratio of medians, its median and quartiles over the --steps / N rounds.
 Eager is nanoGPT's loop: backward per micro-batch (the loss divided by their number), clip_grad_norm_,
 torch.optim.AdamW (its CPU default, foreach) with set_to_none zeroing. pstar-fx's step does the same in one compiled
 call. fuse=True also prints its compile line (regions, nodes fused, seconds, cache hits).
@@ -89,6 +93,8 @@ def main():
     ap.add_argument("--budget", default="auto", help="'auto' (half the model data, as the example), 'none', or a "
                                                      "size such as 8MiB")
     ap.add_argument("--systems", default="eager,pstar,pstar-fused")
+    ap.add_argument("--run", type=int, default=1, metavar="N",
+                    help="steps each system runs back to back per turn (1: the systems alternate step by step)")
     args = ap.parse_args()
     cfg = PRESETS[args.model]
     n_params = sum(p.numel() for p in build(cfg).parameters())
@@ -102,6 +108,9 @@ def main():
               "pstar-fused": lambda: pstar_system(cfg, args.accumulate, budget, True)}
     names = args.systems.split(",")
     systems = {name: makers[name]() for name in names}
+    if args.run > 1:
+        by_runs(systems, names, data, args)
+        return
     times: dict[str, list[float]] = {name: [] for name in names}
     for x, y in data:          # the systems in turn, step by step: drift hits each alike
         for name in names:
@@ -122,6 +131,36 @@ def main():
                 pairs = [a / b for a, b in zip(times[name][args.warmup:], times["eager"][args.warmup:])]
                 print(f"{name:>12s} / eager: {medians[name] / medians['eager']:.3f} (ratio of medians); "
                       f"{statistics.median(pairs):.3f} (median of the {len(pairs)} steps' ratios)")
+
+
+def by_runs(systems, names, data, args) -> None:
+    """--run N: after --warmup steps of each, rounds of N + 1 back-to-back steps per system (the order rotating), the
+    first of each not counted; per round each system's median, and the ratio to eager's."""
+    for name in names:
+        for x, y in data[:args.warmup]:
+            systems[name][0](x, y)
+    timed = data[args.warmup:]
+    rounds = max(1, len(timed) // args.run)
+    medians: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            t = []
+            for k in range(args.run + 1):
+                x, y = timed[(r * args.run + k) % len(timed)]
+                t0 = time.perf_counter()
+                systems[name][0](x, y)
+                t.append(time.perf_counter() - t0)
+            medians[name].append(statistics.median(t[1:]))
+    for name in names:
+        print(f"{name:>12s}: median {statistics.median(medians[name]) * 1e3:8.2f} ms over {rounds} rounds of "
+              f"{args.run} steps")
+    if "eager" in medians:
+        for name in names:
+            if name != "eager":
+                ratios = sorted(a / b for a, b in zip(medians[name], medians["eager"]))
+                q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0], ratios[0], ratios[0])
+                print(f"{name:>12s} / eager: {statistics.median(ratios):.3f} (median of the {len(ratios)} rounds' "
+                      f"ratios; quartiles {q[0]:.3f}, {q[2]:.3f})")
 
 
 if __name__ == "__main__":
