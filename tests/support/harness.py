@@ -136,12 +136,13 @@ def tight_budget(case: Case, chunk_size: int, slack: float = 1.05) -> int:
 
 
 def host_params(step) -> set[str]:
-    """Parameters (all their state_dict names) whose chunk's optimizer states the plan put on the host."""
+    """Parameters (all their state_dict names) whose chunk's update runs on the CPU: optimizer states the plan put on
+    the host and did not stream to the device for their update (a streamed chunk takes the device's kernel)."""
     g = step.graphs["scheduled"]
     names = set()
     for p in g.params:
         c = g.chunks[p.chunk]
-        if c.state_home is not None and c.state_home.value == "host":
+        if c.update_site is not None and c.update_site.value == "cpu":
             names |= {p.name, *p.aliases}
     return names if DEVICE != "cpu" else set()
 
