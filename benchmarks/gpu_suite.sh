@@ -79,6 +79,7 @@ prof17() {  # run name, extra flags...: a 17.26B run with a profiler trace of 3 
   local name=$1; shift
   gpt17 "$name" --profile "$out/prof_$name" --profile-steps 3 "$@"
   python3 benchmarks/trace_steps.py "$out/prof_$name/pstar_137GiB.json.gz" 2>&1 | grep -v '^   gap'
+  python3 benchmarks/trace_steps.py "$out/prof_$name/pstar_137GiB.json.gz" --updates 2>&1
 }
 plan() {    # the pstar-fx-plan command (as pyproject.toml declares it, without installing the package)
   timeout 200 python3 -c 'import importlib, sys, tomllib
