@@ -1,10 +1,12 @@
 """A host-side update runs block by block (runtime.adam.host_step); the blocks must round exactly as one pass over
-the whole chunk does, whatever the block size."""
+the whole chunk does, whatever the block size, and an update that skips a chunk's zero padding as one over all of
+it."""
 import pytest
 import torch
 
 from pstar_fx.optim import AdamConfig
 from pstar_fx.runtime.adam import host_step
+from pstar_fx.runtime.optimizers import host_update
 
 CFG = AdamConfig(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, decoupled=True, maximize=False,
                  fused=None)
@@ -41,7 +43,6 @@ def test_padding_skipped_rounds_as_the_whole_chunk(mixed, live):
     """host_update(live=...) updates only the prefix that can hold parameters (runtime.optimizers.live_prefix): a
     chunk whose padding is zero everywhere ends bit for bit as after the update of every element, padding included
     (still +0.0)."""
-    from pstar_fx.runtime.optimizers import host_update
     n = 5 * 4096
     whole, prefix = _state(n, mixed, 1), _state(n, mixed, 1)
     for s in (whole, prefix):
