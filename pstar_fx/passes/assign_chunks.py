@@ -158,7 +158,9 @@ def assign_chunks(g: TrainGraph, *, chunk_size: int | None = None,
                     "requires_grad before the first step; to change it later, call step.sync_model(), change it, "
                     "and compile a new step (carry the optimizer over with step.optimizer.state_dict()).")
         param_table = tuple(old[p.name] for p in all_params)
-        chunks = [dataclasses.replace(c, grad_inplace=False) for c in chunk_table]
+        # where each chunk updates is the placement's to decide for this graph (an evaluation graph updates none):
+        # a chunk the first step streamed is not streamed here until place_optimizer says so
+        chunks = [dataclasses.replace(c, grad_inplace=False, streamed=False) for c in chunk_table]
 
     # 2. Gradients: write_grad right after the node that makes each one; the graph returns the loss and the aux.
     out = output_node(graph)

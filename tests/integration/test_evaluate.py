@@ -51,6 +51,33 @@ def test_evaluation_reads_the_training_steps_chunks(tight):
     train(*CASE.batch(3))                            # training goes on, undisturbed
 
 
+def test_evaluation_after_a_step_that_streams_its_updates():
+    """A training step whose plan updates host-state chunks on the device (states streamed): an evaluation over its
+    chunks updates none, so none streams there; it runs, matches eager, and training goes on streaming."""
+    budget = tight_budget(CASE, chunk_size=512)
+    model = CASE.build_model()
+    train = px.compile(model, optimizer=px.AdamW(**HYPER), device="cpu", chunk_size=512, device_memory=budget,
+                       debug=True, _device_updates=1000)(CASE.loss_fn)
+    evaluate = px.compile(model, optimizer=None, device="cpu", chunk_size=512, debug=True)(_eval_loss)
+    for i in range(3):
+        train(*CASE.batch(i))
+    assert any(c.streamed for c in train.graphs["scheduled"].chunks)
+    x, y = CASE.batch(10)
+    model.eval()
+    loss, _ = evaluate(x, y)
+    model.train()
+    assert not any(c.streamed for c in evaluate.graphs["scheduled"].chunks)
+    _, want_sd = eager_run(CASE, 3)
+    ref = CASE.build_model()
+    ref.load_state_dict(want_sd)
+    ref.eval()
+    with torch.no_grad():
+        want_loss, _ = _eval_loss(ref, x, y)
+    assert abs(loss.item() - want_loss.item()) <= 1e-5 * abs(want_loss.item())
+    train(*CASE.batch(3))
+    assert any(c.streamed for c in train.graphs["scheduled"].chunks)
+
+
 def test_evaluation_streams_a_model_larger_than_its_budget():
     """No training step: the function copies the model into chunks of its own and streams them under a budget
     below the model's parameter bytes."""

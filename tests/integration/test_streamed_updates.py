@@ -20,7 +20,7 @@ from pstar_fx.ir.graph import BufKind
 from pstar_fx.passes import VerificationError, place_optimizer, schedule, verify
 from pstar_fx.passes.update_sites import no_stream_reason
 
-from harness import HYPER, eager_run, fetch_counts, rel_err, small_batches
+from harness import HYPER, eager_run, fetch_counts, rel_err, small_batches, tight_budget
 from models import CASES_BY_NAME, assert_state_close
 
 CNN = small_batches(CASES_BY_NAME["cnn_bn"])       # BatchNorm buffers, fp32
@@ -163,6 +163,22 @@ def test_checkpoints_do_not_see_where_updates_ran(tmp_path):
         sd, want = b.state_dict(), whole.state_dict()
         assert all(torch.equal(sd[k], want[k]) for k in want)
         assert all(torch.equal(x, y) for x, y in zip(_states(b), _states(whole)))
+
+
+def test_a_retrace_places_its_own_streamed_updates():
+    """A retrace (another batch shape) inherits the first plan's chunks, not which of them stream: its placement
+    decides again, and the step runs and verifies."""
+    case = CASES_BY_NAME["gpt_tied"]
+    step = px.compile(case.build_model(), optimizer=px.AdamW(**HYPER), device="cpu", chunk_size=512,
+                      device_memory=tight_budget(case, chunk_size=512), debug=True, _device_updates=ALL)(case.loss_fn)
+    x, y = case.batch(0)
+    step(x, y)
+    assert any(c.streamed for c in step.graphs["scheduled"].chunks)
+    loss = step(x[:1], y[:1])
+    assert torch.isfinite(loss)
+    g = step.graphs["scheduled"]
+    verify(g)
+    assert all(c.state_home is not None and c.state_home.value == "host" for c in g.chunks if c.streamed)
 
 
 def test_verifier_checks_the_streamed_states_moves():
