@@ -250,7 +250,7 @@ def run_pstar(cfg, args, device, batch, budget: str) -> dict:
     step = px.compile(model, optimizer=opt, device_memory=dm, precision=args.precision, device=device,
                       chunk_size=args.chunk_size, accumulate=args.accumulate, atomic=not args.no_atomic,
                       host_memory=args.host_memory, offload_dir=args.offload_dir, disk_memory=args.disk_memory,
-                      **prefetch_kw(args), **device_updates_kw(args))(models.loss)
+                      fuse=args.fuse or None, **prefetch_kw(args), **device_updates_kw(args))(models.loss)
     if args.plan_only:       # px.plan of this very step (model, optimizer, budget, ranks), without a store
         report = px.plan(model, models.loss, *batch, world_size=world(), device_memory=dm, precision=args.precision,
                          chunk_size=args.chunk_size, accumulate=args.accumulate, atomic=not args.no_atomic,
@@ -305,7 +305,7 @@ def run_pstar(cfg, args, device, batch, budget: str) -> dict:
                prefetch=args.prefetch, device_updates=args.device_updates,
                predicted_peak=s.predicted_peak, measured_peak=st.measured_peak, chunks=s.chunks,
                states_on_device=f"{s.states_on_device}/{s.trainable_chunks}", states_on_disk=s.states_on_disk,
-               nodes=s.nodes,
+               nodes=s.nodes, fused=s.fused or None,
                budget=s.default_budget or fmt_bytes(s.budget), alloc_retries=st.alloc_retries,
                estimated_s=None if s.estimated_seconds is None else round(s.estimated_seconds, 3))
     if args.profile:
@@ -508,6 +508,8 @@ def row(label, cfg, args, r) -> dict:
             out["system"] += f"+{r['host_threads']}threads"
         if r.get("prefetch"):
             out["system"] += f"+prefetch={r['prefetch']}"
+        if r.get("fused"):
+            out["system"] += "+fuse"
         out.update(compile_s=round(r["compile_s"], 2), first_step_s=round(r["warm"][0], 2),
                    first_minus_steady_s=round(r["warm"][0] - med, 2),
                    predicted_peak=fmt_bytes(r["predicted_peak"]), measured_peak=fmt_bytes(r["measured_peak"]),
@@ -515,7 +517,7 @@ def row(label, cfg, args, r) -> dict:
                    cpu_worker_per_step=r.get("cpu_worker_per_step"), budget=r.get("budget"),
                    estimated_s=r.get("estimated_s"), alloc_retries=r.get("alloc_retries"),
                    peak_reserved=fmt_bytes(r.get("peak_reserved")), outside_torch=fmt_bytes(r.get("outside_torch")))
-    for k in ("compile_parts", "per_step"):
+    for k in ("compile_parts", "per_step", "fused"):
         if r.get(k):
             out[k] = r[k]
     if "profile" in r:
@@ -542,6 +544,8 @@ def main():
                          "private _device_updates, for measuring the cost model's choice); default: the model's")
     ap.add_argument("--host-threads", type=int, default=0,
                     help="pstar: intra-op threads of the CPU worker that runs host-side updates (default: pstar-fx's)")
+    ap.add_argument("--fuse", action="store_true", help="pstar-fx fuse=True: the compute between chunk operations "
+                                                        "runs as compiled regions (default: the device's default)")
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--vocab", type=int, default=50304)
     ap.add_argument("--systems", default="eager,fsdp2,pstar", help="comma-separated: eager, fsdp2, pstar")
@@ -605,6 +609,8 @@ def main():
         passthrough += ["--plan-only"]
     if args.no_atomic:
         passthrough += ["--no-atomic"]
+    if args.fuse:
+        passthrough += ["--fuse"]
     for flag, value in (("--host-memory", args.host_memory), ("--offload-dir", args.offload_dir),
                         ("--disk-memory", args.disk_memory)):
         if value:

@@ -14,6 +14,14 @@ Across processes Inductor's FX graph cache (on by default, under torch's cache d
 holds the compiled code: it keys on the graph and its inputs, and needs the fake inputs to carry a ShapeEnv, which
 they do here. A second process compiling the same model finds every region there (`RegionStats.cache_hits`).
 
+Layouts: a region is compiled for its inputs' traced shapes, strides and offsets, and Inductor's code checks the
+shapes and strides at every call. Its outputs keep their traced strides (Inductor is told every output is visible, as torch.compile
+tells it of a graph's user outputs; left free, it may hand back an output as a view into a buffer it shares with
+another, the halves of a rotary embedding's `cat` on the GPU, and a later region compiled for the traced layout then
+refuses it). Where an input still arrives with other strides (an eager kernel whose real strides differ from its
+traced ones), the region is compiled again for them at its first such call and both are kept
+(`RegionStats.relaid`): the values are the same whatever the layout.
+
 A region Inductor fails to compile runs eagerly (ops.region, the nodes as traced) and is counted: the plan holds
 either way, since a region's inputs and outputs are the same values.
 """
@@ -38,10 +46,12 @@ class RegionStats:
     cache_hits: int = 0              # of those, found in Inductor's FX graph cache (compiled by an earlier process)
     eager: int = 0                   # regions that could not be compiled and run eagerly
     seconds: float = 0.0
+    relaid: int = 0                  # compiled again at a call whose inputs came in another layout than traced
 
     def __str__(self) -> str:
         return (f"{self.regions} regions of {self.nodes} nodes, {self.compiled} compiled "
-                f"({self.cache_hits} from the cache{f', {self.eager} eager' if self.eager else ''}) "
+                f"({self.cache_hits} from the cache{f', {self.eager} eager' if self.eager else ''}"
+                f"{f', {self.relaid} again for another input layout at run time' if self.relaid else ''}) "
                 f"in {self.seconds:.1f} s")
 
 
@@ -65,7 +75,19 @@ class RegionCompiler:
 
     def _one(self, spec: RegionSpec, stats: RegionStats) -> Callable[[list], list]:
         vals = [n.meta["val"] for n in spec.gm.graph.nodes if n.op == "placeholder"]
-        key = (spec.gm.code, tuple(_input_key(v) for v in vals))
+        layout = tuple(_input_key(v) for v in vals)
+        fn = self._variant(spec, vals, layout, stats)
+
+        def relaid(args: list) -> list:
+            """A call whose inputs' layout differs from the traced one: the variant compiled for it."""
+            stats.relaid += (spec.gm.code, tuple(_input_key(a) for a in args)) not in self._cache
+            return self._variant(spec, args, tuple(_input_key(a) for a in args), stats)(args)
+
+        return _Guarded(fn, [k[:2] for k in layout], relaid)
+
+    def _variant(self, spec: RegionSpec, vals: list, layout: tuple, stats: RegionStats) -> Callable[[list], list]:
+        """The region compiled for inputs of this layout (vals: tensors, real or fake, of it)."""
+        key = (spec.gm.code, layout)
         fn = self._cache.get(key)
         if fn is not None:
             return fn
@@ -83,6 +105,22 @@ class RegionCompiler:
             stats.cache_hits += _cache_hits() - hits
         self._cache[key] = fn
         return fn
+
+
+class _Guarded:
+    """A compiled region that checks its inputs' shapes and strides (what Inductor's code asserts; an offset into
+    the storage it takes as it comes) against those it was compiled for, and hands a call with others to `other`
+    (which compiles for them)."""
+    __slots__ = ("fn", "layout", "other")
+
+    def __init__(self, fn: Callable[[list], list], layout: list[tuple], other: Callable[[list], list]):
+        self.fn, self.layout, self.other = fn, layout, other
+
+    def __call__(self, args: list) -> list:
+        for a, (shape, stride) in zip(args, self.layout):
+            if a.stride() != stride or a.shape != shape:
+                return self.other(args)
+        return self.fn(args)
 
 
 def _cache_hits() -> int:
@@ -103,8 +141,28 @@ def _compile(gm: torch.fx.GraphModule, vals: list[torch.Tensor]) -> Callable[[li
         fakes = [torch.empty(v.untyped_storage().nbytes() // v.element_size(), dtype=v.dtype, device=v.device)
                  .as_strided(v.shape, v.stride(), v.storage_offset()) for v in vals]
         decomposed = make_fx(gm, decomposition_table=select_decomp_table())(*fakes)
+    _keep_output_strides(decomposed, gm)
     with tracing(TracingContext(mode)):
         compiled = compile_fx_inner(decomposed, fakes)
     if getattr(compiled, "_boxed_call", False):
         return compiled
     return lambda args: compiled(*args)
+
+
+def _keep_output_strides(compiled: torch.fx.GraphModule, traced: torch.fx.GraphModule) -> None:
+    """Tell Inductor that every output of `compiled` (the decomposed region) is visible, with the strides the region
+    had as traced (`traced`'s output values): the meta Inductor's own compile_fx sets for a graph's user outputs
+    (torch >= 2.11 reads it in compile_fx_inner)."""
+    out = compiled.graph.find_nodes(op="output")[0]
+    args = out.args[0] if not isinstance(out.args[0], torch.fx.Node) else out.args
+    want = traced.graph.find_nodes(op="output")[0]
+    want_args = want.args[0] if not isinstance(want.args[0], torch.fx.Node) else want.args
+    strides = []
+    for n in want_args:
+        val = n.meta.get("val") if isinstance(n, torch.fx.Node) else None
+        strides.append(tuple(val.stride()) if isinstance(val, torch.Tensor) else None)
+    if len(strides) != len(args):
+        return
+    out.meta["original_output_strides"] = strides
+    out.meta["user_visible_output_idxs"] = [i for i, (n, st) in enumerate(zip(args, strides))
+                                            if isinstance(n, torch.fx.Node) and st is not None]

@@ -185,3 +185,52 @@ def test_second_process_finds_regions_in_cache(tmp_path):
     (compiled0, hits0), (compiled1, hits1) = counts
     assert compiled0 >= 1 and hits0 == 0
     assert hits1 == compiled1 == compiled0
+
+
+def _rotary_region():
+    """A region like a rotary embedding's: the two halves of x's last dimension, one negated, put back together."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def f(x, y):
+        a = torch.ops.aten.neg.default(torch.ops.aten.slice.Tensor(x, -1, 16, 32))
+        b = torch.ops.aten.mul.Tensor(torch.ops.aten.slice.Tensor(x, -1, 0, 16), y)
+        return (a, torch.ops.aten.cat.default([a, b], -1))
+
+    x, y = torch.randn(3, 5, 32), torch.randn(3, 5, 16)
+    gm = make_fx(f)(x, y)
+    FakeTensorProp(gm, FakeTensorMode()).propagate(x, y)
+    return ops.RegionSpec(index=0, gm=gm, nodes=5, workspace=0), f
+
+
+def test_a_region_called_with_inputs_in_another_layout_is_compiled_for_it():
+    """The compiled code checks its inputs' strides; an input in another layout than traced (a view into a wider
+    buffer, here) gets a variant compiled for it, once, and the same values."""
+    from pstar_fx.runtime.compiled_regions import RegionCompiler
+
+    spec, f = _rotary_region()
+    (fn,), stats = RegionCompiler().compile_all([spec])
+    assert stats.compiled == 1 and stats.relaid == 0
+    x, y = torch.randn(3, 5, 32), torch.randn(3, 5, 16)
+    for got, want in zip(fn([x, y]), f(x, y)):
+        assert torch.equal(got, want) and got.stride() == want.stride()
+    wide = torch.randn(3, 5, 2, 16)
+    y2 = wide[:, :, 1]                       # strides (160, 32, 1), not the traced (80, 16, 1)
+    for _ in range(2):
+        for got, want in zip(fn([x, y2]), f(x, y2)):
+            assert torch.equal(got, want)
+    assert stats.compiled == 2 and stats.relaid == 1
+    assert "1 again for another input layout at run time" in str(stats)
+
+
+def test_a_compiled_region_keeps_its_outputs_traced_strides():
+    from pstar_fx.runtime.compiled_regions import _keep_output_strides
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    spec, _ = _rotary_region()
+    copy = make_fx(spec.gm)(torch.randn(3, 5, 32), torch.randn(3, 5, 16))
+    _keep_output_strides(copy, spec.gm)
+    out = copy.graph.find_nodes(op="output")[0]
+    assert out.meta["user_visible_output_idxs"] == [0, 1]
+    assert out.meta["original_output_strides"] == [(80, 16, 1), (160, 32, 1)]
