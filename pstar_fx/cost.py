@@ -72,6 +72,9 @@ INF = float("inf")
 GiB = 1 << 30
 
 
+_FRACTIONS = ("cpu_adam_under_copies", "fused_fraction")    # Machine fields that are fractions of 1
+
+
 @dataclass(frozen=True)
 class Machine:
     """Rates of one GPU, its share of the host, and the network between GPUs. Bytes and FLOPs per second."""
@@ -90,6 +93,11 @@ class Machine:
     # GPT 1.3B at 8 x 2048 tokens (pstar-fx unlimited 0.2997 s; model 0.290 s), 1.3B at 4 x 2048 (eager
     # 0.149-0.154 s; model 0.169 s), 4.24B at 4 x 2048 (eager 0.417-0.426 s; model 0.412 s)
     kernel_s: float = 20e-6              # per kernel, beyond its FLOPs or bytes (launch gaps, small-kernel tails)
+    # fitted to two fused steps against their unfused runs (BENCHMARKS.md: the Llama-2-13B shape at 8 x 2048 tokens,
+    # 3.941 s fused against 4.034 s, a ratio of 0.977; the GPT 6.66B, 0.652 against 0.674-0.676 s, 0.965-0.967;
+    # modelled 0.968 and 0.968): a fused region's non-matmul work moves this fraction of the bytes its unfused
+    # kernels move (their launches become one)
+    fused_fraction: float = 0.9
     # ASSUMED, not measured here
     fp32_matmul_flops: float = 60e12     # fp32 without TF32 (torch's default): the H200 data sheet's 67, rounded down
     attention_efficiency: float = 0.6    # flash attention's FLOP rate as a fraction of matmul_flops
@@ -126,9 +134,9 @@ class Machine:
                 if not isinstance(v, str):
                     raise ValueError(f"Machine.name must be a string, got {v!r}")
             elif (not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v < INF
-                  or (f.name == "cpu_adam_under_copies" and v > 1)):
+                  or (f.name in _FRACTIONS and v > 1)):
                 raise ValueError(f"Machine.{f.name} must be a positive finite number"
-                                 f"{' at most 1' if f.name == 'cpu_adam_under_copies' else ''}, got {v!r}")
+                                 f"{' at most 1' if f.name in _FRACTIONS else ''}, got {v!r}")
 
     def bus_bytes(self, world: int) -> float:
         """NCCL bus bandwidth of a collective over `world` ranks (a ring: each rank sends (w-1)/w of the buffer)."""
@@ -379,14 +387,19 @@ def node_seconds(n: fx.Node, m: Machine = H200) -> float:
 
 def region_seconds(n: fx.Node, m: Machine = H200) -> float:
     """Compute-stream time of a fused region (passes/regions.py, fuse=True): its matmul and attention nodes as
-    node_seconds has them (Inductor calls the same library kernels), and everything else in it as one pass over the
-    region's inputs and outputs at the memory rate (fused, its intermediates stay on chip), plus one kernel's
-    overhead. A bound from above on what fusion saves: Inductor may split a region into several kernels."""
+    node_seconds has them (Inductor calls the same library kernels), everything else in it at `m.fused_fraction` of
+    the memory time node_seconds gives its nodes unfused (their launches left out), no less than one pass over the
+    region's inputs and outputs at the memory rate (the bound if every intermediate stayed on chip) and no more than
+    unfused, and one kernel's overhead. Measured on the H200, fusion saved the launches and about a tenth of the
+    elementwise bytes, not all but the one pass: Inductor splits a region into several kernels."""
     inner = [x for x in n.kwargs["spec"].gm.graph.nodes if x.op == "call_function"]
     heavy = sum(node_seconds(x, m) for x in inner if x.target in MATMUL_FLOPS or x.target in ATTENTION_FLOPS)
+    # the other nodes' memory time unfused, without their launches (the region is one launch)
+    light = sum(max(0.0, node_seconds(x, m) - m.kernel_s) for x in inner
+                if x.target not in MATMUL_FLOPS and x.target not in ATTENTION_FLOPS)
     io = (sum(_tensor_bytes(t) for a in n.all_input_nodes for t in tensors_of(a))
           + sum(_tensor_bytes(t) for t in tensors_of(n)))
-    return heavy + io / m.hbm_bytes + m.kernel_s
+    return heavy + min(light, max(io / m.hbm_bytes, m.fused_fraction * light)) + m.kernel_s
 
 
 def region_flops(n: fx.Node) -> float:

@@ -234,3 +234,31 @@ def test_a_compiled_region_keeps_its_outputs_traced_strides():
     out = copy.graph.find_nodes(op="output")[0]
     assert out.meta["user_visible_output_idxs"] == [0, 1]
     assert out.meta["original_output_strides"] == [(80, 16, 1), (160, 32, 1)]
+
+
+def test_the_cost_model_charges_a_region_part_of_its_elementwise_time():
+    """region_seconds: a region's matmuls as unfused, its other work in one launch, at Machine.fused_fraction of its
+    unfused memory time but never below one pass over its inputs and outputs nor above its unfused time: at 1 fusion
+    is modelled to save the launches only, near 0 everything but that pass."""
+    from pstar_fx.passes import fuse_regions
+
+    step = _step(CASES_BY_NAME["mlp_mse"], fuse=False)
+    step(*CASES_BY_NAME["mlp_mse"].batch(0))
+    g = fuse_regions(step.graphs["scheduled"])
+    regions = _regions(g)
+    assert regions
+    for r in regions:
+        inner = [x for x in r.kwargs["spec"].gm.graph.nodes if x.op == "call_function"]
+        heavy = sum(cost.node_seconds(x) for x in inner if x.target in cost.MATMUL_FLOPS)
+        launches = sum(cost.node_seconds(x) > 0 for x in inner if x.target not in cost.MATMUL_FLOPS)
+        light = sum(cost.node_seconds(x) for x in inner) - heavy - launches * cost.H200.kernel_s   # memory time
+        whole = cost.region_seconds(r, cost.Machine(fused_fraction=1.0))
+        assert whole == pytest.approx(heavy + light + cost.H200.kernel_s)     # every launch but one saved
+        io_only = cost.region_seconds(r, cost.Machine(fused_fraction=1e-9))
+        assert heavy < io_only <= whole
+        default = cost.region_seconds(r)
+        assert io_only <= default <= whole
+        io = io_only - heavy - cost.H200.kernel_s
+        assert default == pytest.approx(heavy + min(light, max(io, 0.9 * light)) + cost.H200.kernel_s)
+    with pytest.raises(ValueError, match="Machine.fused_fraction must be a positive finite number at most 1"):
+        cost.Machine(fused_fraction=1.5)
