@@ -15,12 +15,13 @@ holds the compiled code: it keys on the graph and its inputs, and needs the fake
 they do here. A second process compiling the same model finds every region there (`RegionStats.cache_hits`).
 
 Layouts: a region is compiled for its inputs' traced shapes, strides and offsets, and Inductor's code checks the
-shapes and strides at every call. Its outputs keep their traced strides (Inductor is told every output is visible, as torch.compile
-tells it of a graph's user outputs; left free, it may hand back an output as a view into a buffer it shares with
-another, the halves of a rotary embedding's `cat` on the GPU, and a later region compiled for the traced layout then
-refuses it). Where an input still arrives with other strides (an eager kernel whose real strides differ from its
-traced ones), the region is compiled again for them at its first such call and both are kept
-(`RegionStats.relaid`): the values are the same whatever the layout.
+shapes and strides at every call. Its outputs keep their traced strides: Inductor is told every output is visible,
+as torch.compile tells it of a graph's user outputs (left free, it may hand back an output as a view into a buffer
+it shares with another, as it can a `cat`'s inputs, and a later region compiled for the traced layout refuses it: on
+the H200 a fused Llama step failed so, half a rotary embedding's head dimension arriving as a view into the whole).
+Where an input still arrives with other strides (an eager kernel whose real strides differ from its traced ones),
+the region is compiled again for them at its first such call and both are kept (`RegionStats.relaid`): the values
+are the same whatever the layout.
 
 A region Inductor fails to compile runs eagerly (ops.region, the nodes as traced) and is counted: the plan holds
 either way, since a region's inputs and outputs are the same values.
@@ -151,8 +152,9 @@ def _compile(gm: torch.fx.GraphModule, vals: list[torch.Tensor]) -> Callable[[li
 
 def _keep_output_strides(compiled: torch.fx.GraphModule, traced: torch.fx.GraphModule) -> None:
     """Tell Inductor that every output of `compiled` (the decomposed region) is visible, with the strides the region
-    had as traced (`traced`'s output values): the meta Inductor's own compile_fx sets for a graph's user outputs
-    (torch >= 2.11 reads it in compile_fx_inner)."""
+    had as traced (`traced`'s output values): the meta Inductor's own compile_fx sets for a graph's user outputs,
+    which its GraphLowering reads under compile_fx_inner (torch 2.13's source; torch 2.11 on the H200 ran the fused
+    Llama-2-13B step with it)."""
     out = compiled.graph.find_nodes(op="output")[0]
     args = out.args[0] if not isinstance(out.args[0], torch.fx.Node) else out.args
     want = traced.graph.find_nodes(op="output")[0]
