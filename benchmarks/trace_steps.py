@@ -9,6 +9,10 @@ the end of the trace), in milliseconds from the step's start:
   copies    H2D and D2H busy time (streams whose time is mostly those copies)
   worker    the CPU worker's updating time (its 'pstar-fx host update of chunk c' markers; in traces without them,
             fused Adam CPU kernels on the thread that runs most of them), its first start and last end
+  allocator the compute stream's idle time while the executor's thread was inside an operator that synchronised
+            the device (a cudaStreamSynchronize / cudaDeviceSynchronize / cudaEventSynchronize within an aten
+            operator other than item / nonzero / local_scalar_dense: the caching allocator's retry, which frees its
+            cache and maps memory again while the launch queue stays empty), and how many such operators
   gaps      the longest stretches with the compute stream idle, each with what the executor's thread did meanwhile
             (the runtime calls and operators that covered most of the gap) and whether the worker was updating
 With --updates, per step, the chain of host-side updates the step queued (its markers 'pstar-fx commit', 'pstar-fx
@@ -25,6 +29,7 @@ queue the host update of chunk c', 'pstar-fx wait for the copies of chunk c'), i
 from __future__ import annotations
 
 import argparse
+import bisect
 import gzip
 import json
 from collections import defaultdict
@@ -96,6 +101,25 @@ def load(path: str) -> list[dict]:
         return json.load(f)["traceEvents"]
 
 
+SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+READS = ("aten::item", "aten::_local_scalar_dense", "aten::nonzero", "aten::is_nonzero")   # synchronise by design
+
+
+def synchronising_ops(on_main: list[dict]) -> list[tuple[float, float]]:
+    """The (start, end) of the executor thread's aten operators that called a device synchronisation inside (its
+    own reads of a value excepted): the caching allocator's retries."""
+    syncs = sorted(e["ts"] for e in on_main if e.get("cat") == "cuda_runtime" and e["name"] in SYNCS)
+    ops = [e for e in on_main if e.get("cat") == "cpu_op" and str(e["name"]).startswith("aten::")
+           and e["name"] not in READS]
+    out = []
+    for e in ops:
+        lo, hi = e["ts"], e["ts"] + e["dur"]
+        k = bisect.bisect_left(syncs, lo)
+        if k < len(syncs) and syncs[k] <= hi:
+            out.append((lo, hi))
+    return out
+
+
 def read(events: list[dict], gaps: int = 8) -> list[dict]:
     """Per step, the figures the module docstring lists (times in ms from the step's start)."""
     xs = [e for e in events if e.get("ph") == "X" and "dur" in e]
@@ -113,6 +137,7 @@ def read(events: list[dict], gaps: int = 8) -> list[dict]:
     on_main = [e for e in xs if (e["pid"], e["tid"]) == main and e.get("cat") in ("cuda_runtime", "cpu_op")
                and not str(e["name"]).startswith("pstar-fx step ")]
     end = max(e["ts"] + e["dur"] for e in xs)
+    retries = synchronising_ops(on_main)
     out = []
     for i, m in enumerate(marks):
         lo = m["ts"]
@@ -120,6 +145,7 @@ def read(events: list[dict], gaps: int = 8) -> list[dict]:
         compute = _clip(lanes.get("compute", []), lo, hi)
         idle = _gaps(lanes.get("compute", []), lo, hi)
         w = _clip(worker, lo, hi)
+        held = [iv for iv in retries if lo <= iv[0] < hi]
         rows = []
         for a, b in sorted(idle, key=lambda ab: ab[0] - ab[1])[:gaps]:
             cover: dict[str, float] = defaultdict(float)
@@ -138,6 +164,8 @@ def read(events: list[dict], gaps: int = 8) -> list[dict]:
                         worker_ms=round(length(w) / 1e3, 1),
                         worker_first_ms=round((w[0][0] - lo) / 1e3, 1) if w else None,
                         worker_last_ms=round((w[-1][1] - lo) / 1e3, 1) if w else None,
+                        allocator_idle_ms=round(length(intersect(idle, union(held))) / 1e3, 1),
+                        allocator_ops=len(union(held)),
                         gaps=rows))
     return out
 
@@ -168,6 +196,7 @@ def updates(events: list[dict], blocked: int = 12) -> list[dict]:
                 and "correlation" in e.get("args", {})]
     gpu = _kernel_starts(xs)
     end = max(e["ts"] + e["dur"] for e in xs)
+    retries = synchronising_ops(on_main)
     out = []
     for i, m in enumerate(marks):
         lo, hi = m["ts"], marks[i + 1]["ts"] if i + 1 < len(marks) else end

@@ -1,0 +1,38 @@
+"""benchmarks/trace_steps.py reads a profiler trace step by step: here a synthetic one, to check what it attributes to
+the caching allocator's retries (an operator that synchronised the device) and what it does not."""
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _trace_steps():
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import trace_steps
+    return trace_steps
+
+
+def _x(name, cat, ts, dur, tid=1, **args):
+    return dict(ph="X", name=name, cat=cat, ts=ts, dur=dur, pid=1, tid=tid, args=args)
+
+
+def test_idle_compute_inside_a_synchronising_operator_is_the_allocators():
+    ts = _trace_steps()
+    ms = 1000.0                                   # trace times are microseconds
+    events = [
+        _x("pstar-fx step 0", "user_annotation", 0, 1000 * ms),
+        _x("ampere_gemm", "kernel", 0, 100 * ms, tid=7, stream=7),
+        _x("ampere_gemm", "kernel", 300 * ms, 700 * ms, tid=7, stream=7),        # idle 100-300 ms
+        _x("aten::mul", "cpu_op", 90 * ms, 200 * ms),                            # a retry: 100-290 ms idle
+        _x("aten::empty_strided", "cpu_op", 92 * ms, 190 * ms),                  # nested in it
+        _x("cudaStreamSynchronize", "cuda_runtime", 95 * ms, 5 * ms),
+        _x("aten::item", "cpu_op", 500 * ms, 10 * ms),                          # a read: not the allocator
+        _x("cudaStreamSynchronize", "cuda_runtime", 501 * ms, 8 * ms),
+        _x("cudaDeviceSynchronize", "cuda_runtime", 990 * ms, 10 * ms),          # the step's own, in no operator
+        _x("aten::add", "cpu_op", 295 * ms, 1 * ms),                              # no synchronisation inside
+    ]
+    (step,) = ts.read(events, gaps=2)
+    assert step["compute_idle_ms"] == 200.0
+    assert step["allocator_idle_ms"] == 190.0
+    assert step["allocator_ops"] == 1
+    assert step["gaps"][0]["ms"] == 200.0 and step["gaps"][0]["main"][0][0] == "aten::mul"
