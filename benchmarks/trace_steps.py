@@ -196,7 +196,6 @@ def updates(events: list[dict], blocked: int = 12) -> list[dict]:
                 and "correlation" in e.get("args", {})]
     gpu = _kernel_starts(xs)
     end = max(e["ts"] + e["dur"] for e in xs)
-    retries = synchronising_ops(on_main)
     out = []
     for i, m in enumerate(marks):
         lo, hi = m["ts"], marks[i + 1]["ts"] if i + 1 < len(marks) else end
