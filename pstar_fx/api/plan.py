@@ -112,6 +112,7 @@ class PlanReport:
     disk_per_node: int = 0           # bytes a node keeps on disk: disk_bytes times the ranks of a node
     states_on_disk: int = 0          # trainable chunks whose optimizer states live on disk
     device_headroom: int = 0         # device memory left beside the plan when the budget is the machine's
+    fused: tuple[int, int] | None = None   # fuse=True: (regions, the compute nodes they replace)
 
     @property
     def device_per_gpu(self) -> int:
@@ -218,6 +219,9 @@ class PlanReport:
                           f"{self.model_flops / 1e12:.4g} TFLOP per GPU per step), "
                           f"{self.tokens * w / self.cost.seconds:,.0f} tokens/s in all"),
             ]
+        if self.fused is not None:
+            rows.append(("fused", f"{self.fused[0]} regions of {self.fused[1]} nodes, timed as compiled "
+                                  "(cost.region_seconds; a plan compiles nothing)"))
         rows.append(("planned in", f"{self.trace_seconds:.1f} s trace + {self.passes_seconds:.1f} s passes "
                                    f"(traced for {self.traced_on})"))
         choices = () if self.graph is None else self.graph.choices
@@ -330,7 +334,8 @@ def plan(model: nn.Module, loss_fn, *batch, world_size: int = 1, device_memory=N
          precision: str = "bf16", chunk_size: int | None = None, accumulate: int = 1,
          max_grad_norm: float | None = None, optimizer: OptimizerSpec | None = None,
          gpus_per_node: int | None = None, machine: Machine | str | None = None, tokens: int | None = None,
-         device=None, prefetch: int | None = None, atomic: bool = True, disk_memory=None) -> PlanReport:
+         device=None, prefetch: int | None = None, atomic: bool = True, disk_memory=None,
+         fuse: bool = False) -> PlanReport:
     """Plan `loss_fn(model, *batch)` for `world_size` GPUs without running it (see the module docstring).
 
     batch: what ONE rank passes to the step (tensors, meta tensors, or (shape, dtype) pairs). machine: a
@@ -346,9 +351,12 @@ def plan(model: nn.Module, loss_fn, *batch, world_size: int = 1, device_memory=N
     same memory for transformers). atomic: as px.compile's. disk_memory: bytes of a disk tier per GPU (px.compile's
     offload_dir): with host_memory, the optimizer states that do not fit a GPU's share of it (host_memory over the
     GPUs of a node) are planned on disk, each GPU's shard of them in its own files; the report gives the disk bytes
-    per GPU and per node."""
+    per GPU and per node. fuse: as px.compile's fuse=True, the compute between chunk operations grouped into
+    regions (the fuse pass; nothing is compiled) and the step estimated with them (cost.region_seconds)."""
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size must be a number of GPUs >= 1, got {world_size!r}")
+    if not isinstance(fuse, bool):
+        raise ValueError(f"fuse must be True or False, got {fuse!r}")
     if not isinstance(atomic, bool) or (not atomic and world_size > 1):
         raise ValueError(f"atomic must be True or False (False on one GPU only), got {atomic!r} with world_size "
                          f"{world_size}")
@@ -395,7 +403,7 @@ def plan(model: nn.Module, loss_fn, *batch, world_size: int = 1, device_memory=N
         needed = None
         try:
             final = run_passes(traced, pipeline(chunk_size=chunk_size, prefetch=prefetch, world=world_size,
-                                                machine=machine))[-1]
+                                                machine=machine, fuse=fuse))[-1]
         except BudgetError as e:
             if e.tier is not None:      # host_memory or the disk tier, not the device, is too small
                 raise
@@ -430,4 +438,10 @@ def plan(model: nn.Module, loss_fn, *batch, world_size: int = 1, device_memory=N
                       cost=estimate(final, machine), graph=final, disk_bytes=disk_bytes(final),
                       disk_per_node=disk_bytes(final) * per_node,
                       states_on_disk=sum(c.state_home is StateHome.DISK for c in trainable),
-                      **common)
+                      fused=_fused(final) if fuse else None, **common)
+
+
+def _fused(g: TrainGraph) -> tuple[int, int]:
+    """A fused plan's regions and the compute nodes they replace."""
+    specs = [n.kwargs["spec"] for n in g.nodes if g.ann[n.name].role is Role.REGION]
+    return len(specs), sum(s.nodes for s in specs)

@@ -57,6 +57,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--disk-memory", default=None,
                     help="a disk tier per GPU, e.g. 500GB: the optimizer states that do not fit --host-memory go "
                          "to disk (px.compile's offload_dir); needs --host-memory")
+    ap.add_argument("--fuse", action="store_true",
+                    help="px.compile's fuse=True: the step estimated with its compute between chunk operations "
+                         "fused into regions")
     ap.add_argument("--no-atomic", action="store_true",
                     help="px.compile(atomic=False): host-side updates may start during backward (one GPU)")
     ap.add_argument("--network-gbps", type=float, default=None,
@@ -96,7 +99,7 @@ def main(argv=None) -> PlanReport:
     report = plan(model, gpt_loss, tokens, tokens, world_size=args.world_size, device_memory=args.device_memory,
                   precision=args.precision, chunk_size=args.chunk_size, accumulate=args.accumulate,
                   max_grad_norm=args.max_grad_norm, machine=machine, atomic=not args.no_atomic,
-                  optimizer=optimizer, disk_memory=args.disk_memory)
+                  optimizer=optimizer, disk_memory=args.disk_memory, fuse=args.fuse)
     print(f"GPT {args.layers} layers x d={args.d_model}, {args.heads} heads, seq {args.seq}, vocab {args.vocab}"
           f"{', activation checkpointing' if args.checkpoint else ''}; batch {args.batch} per GPU")
     print(report)

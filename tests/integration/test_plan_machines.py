@@ -201,3 +201,24 @@ def test_a_large_meta_gpt_plans_on_the_preset_h200_with_a_large_host():
     assert 16 * rep.params * 0.3 < rep.host_per_node < 16 * rep.params      # most of the 16 bytes per parameter
     assert rep.step_seconds > 0 and rep.bounded_by is not None
     assert all(p.is_meta for p in model.parameters())
+
+
+def test_a_fused_plan_times_its_regions():
+    """px.plan(fuse=True) runs the fuse pass (nothing compiled): the same chunk traffic, regions in the graph (their
+    internal storages counted as workspace, within the budget), the report says how many, and the estimate charges
+    them as regions; pstar-fx-plan --fuse passes it on."""
+    plain, fused = _plan(device_memory="1GB"), _plan(device_memory="1GB", fuse=True)
+    assert fused.fused is not None and plain.fused is None
+    regions, nodes = fused.fused
+    assert regions == sum(1 for n in fused.graph.nodes if fused.graph.ann[n.name].role.value == "region") > 0
+    assert nodes >= 2 * regions
+    assert fused.peak_device <= 1e9
+    assert (fused.h2d_bytes, fused.d2h_bytes) == (plain.h2d_bytes, plain.d2h_bytes)
+    assert fused.cost.flops == plain.cost.flops
+    assert fused.cost.busy[Lane.COMPUTE] < plain.cost.busy[Lane.COMPUTE]   # launches saved, at least
+    assert f"{regions} regions of {nodes} nodes, timed as compiled" in str(fused)
+    assert "fused" not in str(plain).split("planned in")[0].split("speed")[-1]
+    rep = main([*GPT_ARGS, "--device-memory", "1GB", "--fuse"])
+    assert rep.fused is not None and rep.fused[0] > 0
+    with pytest.raises(ValueError, match="fuse must be True or False"):
+        _plan(fuse="yes")
