@@ -135,6 +135,9 @@ stage() {
     llama13b)     # the Llama-2-13B shape at the default budget, atomic and atomic=False
       gpt llama13b_default 330 "${llama13[@]}" --budgets none
       gpt llama13b_free 330 "${llama13[@]}" --budgets none --no-atomic ;;
+    llama13b_b8)  # the Llama-2-13B shape at 8 x 2048 tokens, the default settings, unfused and fuse=True
+      gpt llama13b_b8 330 "${llama13[@]}" --budgets none --batch 8
+      gpt llama13b_b8_fuse 330 "${llama13[@]}" --budgets none --batch 8 --fuse ;;
     state_rates)  # compressed moments' update rates: the host's native kernel, the GPU's Triton kernel, and the GPU's
       # kernel against the native one bit for bit
       (cd tests/support && timeout 120 python3 device_adam_check.py cuda | tail -3)
