@@ -77,14 +77,14 @@ class RegionCompiler:
     def _one(self, spec: RegionSpec, stats: RegionStats) -> Callable[[list], list]:
         vals = [n.meta["val"] for n in spec.gm.graph.nodes if n.op == "placeholder"]
         layout = tuple(_input_key(v) for v in vals)
-        fn = self._variant(spec, vals, layout, stats)
 
-        def relaid(args: list) -> list:
-            """A call whose inputs' layout differs from the traced one: the variant compiled for it."""
-            stats.relaid += (spec.gm.code, tuple(_input_key(a) for a in args)) not in self._cache
-            return self._variant(spec, args, tuple(_input_key(a) for a in args), stats)(args)
+        def compile_for(args: list) -> Callable[[list], list]:
+            """The region compiled for the layout of these inputs (a call's that the traced layout did not fit)."""
+            key = tuple(_input_key(a) for a in args)
+            stats.relaid += (spec.gm.code, key) not in self._cache
+            return self._variant(spec, args, key, stats)
 
-        return _Guarded(fn, [k[:2] for k in layout], relaid)
+        return _Guarded(self._variant(spec, vals, layout, stats), layout, compile_for)
 
     def _variant(self, spec: RegionSpec, vals: list, layout: tuple, stats: RegionStats) -> Callable[[list], list]:
         """The region compiled for inputs of this layout (vals: tensors, real or fake, of it)."""
@@ -110,18 +110,25 @@ class RegionCompiler:
 
 class _Guarded:
     """A compiled region that checks its inputs' shapes and strides (what Inductor's code asserts; an offset into
-    the storage it takes as it comes) against those it was compiled for, and hands a call with others to `other`
-    (which compiles for them)."""
-    __slots__ = ("fn", "layout", "other")
+    the storage it takes as it comes) against those of each variant compiled so far, the traced layout's first, and
+    calls the first that fits; a call that none fits gets a variant of its own from `compile_for`, kept."""
+    __slots__ = ("variants", "compile_for")
 
-    def __init__(self, fn: Callable[[list], list], layout: list[tuple], other: Callable[[list], list]):
-        self.fn, self.layout, self.other = fn, layout, other
+    def __init__(self, fn: Callable[[list], list], layout: tuple, compile_for: Callable[[list], Callable]):
+        self.variants = [(_shapes_strides(layout), fn)]
+        self.compile_for = compile_for
 
     def __call__(self, args: list) -> list:
-        for a, (shape, stride) in zip(args, self.layout):
-            if a.stride() != stride or a.shape != shape:
-                return self.other(args)
-        return self.fn(args)
+        for want, fn in self.variants:
+            if all(a.stride() == stride and a.shape == shape for a, (shape, stride) in zip(args, want)):
+                return fn(args)
+        fn = self.compile_for(args)
+        self.variants.append((_shapes_strides(tuple(_input_key(a) for a in args)), fn))
+        return fn(args)
+
+
+def _shapes_strides(layout: tuple) -> tuple:
+    return tuple(k[:2] for k in layout)
 
 
 def _cache_hits() -> int:
