@@ -100,7 +100,8 @@ def verify(g: TrainGraph) -> TrainGraph:
 
 def _check_collectives(g: TrainGraph, roles: list[Role]) -> None:
     nodes = g.nodes
-    sharded = g.stage == "sharded"
+    # the shard pass makes them; the fuse pass, after it, keeps them (regions end at every chunk operation)
+    sharded = g.stage == "sharded" or (g.stage == "fused" and g.settings.world > 1)
     if not sharded:
         for i, n in enumerate(nodes):
             if n.target in (ops.all_gather, ops.reduce_scatter):

@@ -223,3 +223,24 @@ def test_a_failing_rank_makes_the_others_exit_with_a_clear_error(tmp_path):
     assert "another rank probably failed" in msg
     assert len(results[0]["losses"]) == 1
     assert wall < 100
+
+
+def test_fused_regions_across_ranks(tmp_path):
+    """fuse=True on 2 ranks under a budget that evicts: the fuse pass runs after the shard pass (its regions end at
+    the collectives), every rank's plan holds exactly, and the step trains what the unfused one does (fp32: within
+    the last bits Inductor's sums reorder, as tests/integration/test_fuse.py holds one process to)."""
+    world, batch, steps = 2, 4, 3
+    args = ("--case", "mlp_ce", "--batch", batch, "--steps", steps, "--budget", "tight", "--chunk-size", 512)
+    (tmp_path / "fused").mkdir()
+    (tmp_path / "plain").mkdir()
+    fused, codes, _ = launch(tmp_path / "fused", world, *args, "--fuse")
+    assert codes == [0] * world
+    plain, codes, _ = launch(tmp_path / "plain", world, *args)
+    assert codes == [0] * world
+    for f, p in zip(fused, plain):
+        assert "error" not in f, f["error"][2]
+        assert f["stage"] == "fused" and p["stage"] == "sharded"
+        assert f["measured_peak"] == f["predicted_peak"] <= f["budget"]
+        assert rel_err(f["losses"], p["losses"]) <= 1e-5
+        assert_state_close(f["state_dict"], p["state_dict"], rtol=1e-5)
+        assert f["reduced"] > 0 and (f["h2d"], f["d2h"]) == (p["h2d"], p["d2h"])

@@ -218,6 +218,8 @@ def test_a_fused_plan_times_its_regions():
     assert fused.cost.busy[Lane.COMPUTE] < plain.cost.busy[Lane.COMPUTE]   # launches saved, at least
     assert f"{regions} regions of {nodes} nodes, timed as compiled" in str(fused)
     assert "fused" not in str(plain).split("planned in")[0].split("speed")[-1]
+    two = _plan(device_memory="1GB", fuse=True, world_size=2)      # after the shard pass, its collectives kept
+    assert two.fused is not None and two.fused[0] > 0 and two.gathered_bytes > 0
     rep = main([*GPT_ARGS, "--device-memory", "1GB", "--fuse"])
     assert rep.fused is not None and rep.fused[0] > 0
     with pytest.raises(ValueError, match="fuse must be True or False"):

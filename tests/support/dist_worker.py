@@ -49,6 +49,7 @@ def main() -> None:
     ap.add_argument("--init-empty", action="store_true", help="build the model under px.init_empty()")
     ap.add_argument("--device", default="cpu", help="cpu (gloo) or cuda (NCCL, one GPU per rank)")
     ap.add_argument("--state-dtype", default="fp32", help="px.AdamW's state_dtype: fp32, bf16 or int8")
+    ap.add_argument("--fuse", action="store_true", help="px.compile(fuse=True)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
@@ -87,7 +88,7 @@ def main() -> None:
     def compile_step(budget):
         return px.compile(model, optimizer=px.AdamW(**HYPER, state_dtype=args.state_dtype), device_memory=budget,
                           chunk_size=args.chunk_size, precision=args.precision, device=device, debug=True,
-                          max_grad_norm=args.clip, accumulate=args.accumulate)(loss_fn)
+                          max_grad_norm=args.clip, accumulate=args.accumulate, fuse=args.fuse)(loss_fn)
 
     if args.host_param_homes:
         schedule_mod = importlib.import_module("pstar_fx.passes.schedule")
