@@ -78,9 +78,8 @@ class RegionCompiler:
         vals = [n.meta["val"] for n in spec.gm.graph.nodes if n.op == "placeholder"]
         layout = tuple(_input_key(v) for v in vals)
 
-        def compile_for(args: list) -> Callable[[list], list]:
-            """The region compiled for the layout of these inputs (a call's that the traced layout did not fit)."""
-            key = tuple(_input_key(a) for a in args)
+        def compile_for(args: list, key: tuple) -> Callable[[list], list]:
+            """The region compiled for these inputs of layout `key` (a call's that the traced layout did not fit)."""
             stats.relaid += (spec.gm.code, key) not in self._cache
             return self._variant(spec, args, key, stats)
 
@@ -114,7 +113,7 @@ class _Guarded:
     calls the first that fits; a call that none fits gets a variant of its own from `compile_for`, kept."""
     __slots__ = ("variants", "compile_for")
 
-    def __init__(self, fn: Callable[[list], list], layout: tuple, compile_for: Callable[[list], Callable]):
+    def __init__(self, fn: Callable[[list], list], layout: tuple, compile_for: Callable[[list, tuple], Callable]):
         self.variants = [(_shapes_strides(layout), fn)]
         self.compile_for = compile_for
 
@@ -122,8 +121,9 @@ class _Guarded:
         for want, fn in self.variants:
             if all(a.stride() == stride and a.shape == shape for a, (shape, stride) in zip(args, want)):
                 return fn(args)
-        fn = self.compile_for(args)
-        self.variants.append((_shapes_strides(tuple(_input_key(a) for a in args)), fn))
+        layout = tuple(_input_key(a) for a in args)
+        fn = self.compile_for(args, layout)
+        self.variants.append((_shapes_strides(layout), fn))
         return fn(args)
 
 
