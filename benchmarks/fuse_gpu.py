@@ -10,12 +10,15 @@ fuse=True; the same model, batch and optimizer settings; median step times, rati
 
 Each system runs in this process one after the other, the model rebuilt from the same seed for each; memory is
 freed between them. Eager: the model on the device in fp32, torch.autocast(bf16), torch.optim.AdamW(fused=True).
-torch.compile: the same with the model's forward compiled (default mode). pstar-fx: px.compile(precision=bf16,
+torch.compile: the same with the model's forward compiled (default mode). eager-cudnn and torch.compile-cudnn (not run
+unless named in --systems): the same with cuDNN's attention kernel first (torch 2.11 with CUDA 13 already puts it
+first on Hopper GPUs; older builds put flash attention first). pstar-fx: px.compile(precision=bf16,
 device_memory=--budget), px.AdamW(fused=None), fuse=False and fuse=True; its compile time is the first step's, and
 for fuse=True the summary's line (regions, nodes fused, seconds compiling, cache hits) is printed; each pstar-fx
 system's step.summary() is printed after its steps.
 """
 import argparse
+import contextlib
 import gc
 import os
 import statistics
@@ -24,6 +27,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import pstar_fx as px  # noqa: E402
@@ -47,16 +51,21 @@ def build(args):
     return GPT(GPTConfig(vocab=args.vocab, seq=args.seq, layers=args.layers, hidden=args.hidden, heads=args.heads))
 
 
-def eager(args, device, data, compiled: bool):
+def eager(args, device, data, compiled: bool, cudnn: bool = False):
+    """cudnn: torch's SDPA with cuDNN's attention kernel first (benchmarks/attention_kernels.py times the kernels)."""
     model = build(args).to(device)
     opt = torch.optim.AdamW(model.parameters(), **HYPER, fused=device.type == "cuda")
     fwd = torch.compile(model) if compiled else model
     half = args.precision != "fp32"
 
     def step(x, y):
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=half):
-            loss = loss_fn(fwd, x, y)
-        loss.backward()
+        kernels = (sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
+                                SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH], set_priority=True)
+                   if cudnn else contextlib.nullcontext())
+        with kernels:
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=half):
+                loss = loss_fn(fwd, x, y)
+            loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss
@@ -116,6 +125,8 @@ def main():
           f"{args.seq}, {args.precision}, budget {args.budget or 'unlimited'}, on {device}, torch {torch.__version__}")
     makers = {"eager": lambda: eager(args, device, data, False),
               "torch.compile": lambda: eager(args, device, data, True),
+              "eager-cudnn": lambda: eager(args, device, data, False, cudnn=True),
+              "torch.compile-cudnn": lambda: eager(args, device, data, True, cudnn=True),
               "pstar": lambda: pstar(args, device, data, False),
               "pstar-fused": lambda: pstar(args, device, data, True)}
     medians = {}

@@ -72,7 +72,8 @@ INF = float("inf")
 GiB = 1 << 30
 
 
-_FRACTIONS = ("cpu_adam_under_copies", "fused_fraction")    # Machine fields that are fractions of 1
+_FRACTIONS = ("cpu_adam_under_copies", "fused_fraction", "attention_efficiency", "flash_attention_efficiency",
+              "efficient_attention_efficiency")    # Machine fields that are fractions of 1
 
 
 @dataclass(frozen=True)
@@ -98,9 +99,16 @@ class Machine:
     # modelled 0.968 and 0.968): a fused region's non-matmul work moves this fraction of the bytes its unfused
     # kernels move (their launches become one)
     fused_fraction: float = 0.9
+    # attention kernels' FLOP rates (forward and backward together, causal, bf16) as fractions of matmul_flops,
+    # measured at the benchmarks' shapes (8 x 16 and 8 x 40 heads of 128, 2048 tokens; benchmarks/attention_kernels.py):
+    # cuDNN's 443-466 TFLOP/s, flash 234-246, memory-efficient 114-118. attention_efficiency is the kernel torch
+    # picks on the machine by default (cuDNN's on the H200 with torch 2.11 and CUDA 13), and the rate of attention
+    # traced on the CPU (px.plan's default device)
+    attention_efficiency: float = 0.6
+    flash_attention_efficiency: float = 0.32
+    efficient_attention_efficiency: float = 0.15
     # ASSUMED, not measured here
     fp32_matmul_flops: float = 60e12     # fp32 without TF32 (torch's default): the H200 data sheet's 67, rounded down
-    attention_efficiency: float = 0.6    # flash attention's FLOP rate as a fraction of matmul_flops
     host_node_s: float = 10e-6           # the executor's Python per node
     launch_queue: int = 1024             # kernels the host may launch ahead of the compute stream before a launch
     #                                      blocks (CUDA's queue of pending work; "Command Buffer Full" in a profile)
@@ -339,6 +347,16 @@ ATTENTION_FLOPS: dict[object, Callable[[fx.Node], float]] = {
         "_flash_attention_backward", "_efficient_attention_backward")},
 }
 FORWARD_ATTENTION = frozenset(op for op, rule in ATTENTION_FLOPS.items() if rule is _attention)
+# attention kernels timed at a rate of their own (cost.Machine); the rest at attention_efficiency
+_ATTENTION_RATE = {**{op: "flash_attention_efficiency" for op in _ops(
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
+    "_flash_attention_forward", "_flash_attention_backward")}, **{op: "efficient_attention_efficiency" for op in _ops(
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward",
+    "_efficient_attention_forward", "_efficient_attention_backward")}}
+
+
+def _attention_efficiency(n: fx.Node, m: "Machine") -> float:
+    return getattr(m, _ATTENTION_RATE.get(n.target, "attention_efficiency"))
 
 
 def _bounded(x) -> float:
@@ -381,7 +399,7 @@ def node_seconds(n: fx.Node, m: Machine = H200) -> float:
         rate = m.matmul_flops if half else m.fp32_matmul_flops
         return max(flops(n) / rate, memory) + m.kernel_s
     if n.target in ATTENTION_FLOPS:
-        return max(flops(n) / (m.matmul_flops * m.attention_efficiency), memory) + m.kernel_s
+        return max(flops(n) / (m.matmul_flops * _attention_efficiency(n, m)), memory) + m.kernel_s
     return memory + m.kernel_s if moved else 0.0
 
 

@@ -8,6 +8,7 @@ Markers (pyproject.toml): `cuda` marks the tests worth running on a GPU (`PSTAR_
 import os
 import sys
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "support"))
@@ -16,3 +17,17 @@ settings.register_profile("ci", max_examples=12, deadline=None, derandomize=True
                           suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("dev", max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+DEVICE_TYPE = os.environ.get("PSTAR_TEST_DEVICE", "cpu")
+
+
+@pytest.fixture(autouse=True)
+def _fuse_default(monkeypatch):
+    """PSTAR_TEST_FUSE=1 / 0 compiles every step that leaves fuse=None fused / unfused on the test device, in every
+    precision (the GPU subset runs its mixed-precision tests both ways); unset, the defaults of api/options.py."""
+    value = os.environ.get("PSTAR_TEST_FUSE")
+    if value is not None:
+        from pstar_fx.api import options
+        from pstar_fx.ir.graph import Precision
+        for precision in Precision:
+            monkeypatch.setitem(options.DEFAULT_FUSE, (DEVICE_TYPE, precision), value == "1")

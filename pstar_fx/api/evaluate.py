@@ -101,7 +101,7 @@ class CompiledEval(CompiledStep):
     _compiler_class = EvalCompiler
 
     def __init__(self, fn: Callable, model: nn.Module, **kw):
-        super().__init__(fn, model, None, **kw)
+        super().__init__(fn, model, None, fuse=False, **kw)   # fused regions are for training steps
 
     def __call__(self, *batch):
         """Run the function on this batch; returns what it returns, detached. Ctrl-C is held over the call and

@@ -85,6 +85,7 @@ class CompiledStep:
         world = 1 if self._comm is None else self._comm.world
         budget, self._default_budget = resolve_budget(device_memory, dev, world)
         host_budget, offload, disk_budget = resolve_tiers(host_memory, offload_dir, disk_memory, self._comm)
+        fuse = resolve_fuse(fuse, dev, prec)
         self.settings = Settings(precision=prec, device=dev, budget=budget,
                                  chunk_size=chunk_size,
                                  optimizer=self._optimizer.layout if self._optimizer is not None else None,
@@ -98,7 +99,7 @@ class CompiledStep:
         self._lock = threading.RLock()       # held by a step, save and load: another thread never sees half a step
         self._compiler = self._compiler_class(traced_fn, model, self.settings, self._comm, self._optimizer,
                                               remat=remat is not False, prefetch=prefetch, cache_size=cache_size,
-                                              fuse=resolve_fuse(fuse, dev), offload_dir=offload)
+                                              fuse=fuse, offload_dir=offload)
         self._model_state = ModelState(self, model, self._compiler, self._comm, self._lock)
         self._scaler = LossScaler() if prec is Precision.FP16 else None
         self._last_stats: StepStats | None = None

@@ -15,7 +15,8 @@ run: within a run no chunk moves, so a run's parameter views are taken before it
 made after them (the order the schedule checked is kept otherwise).
 
 What stays out of a region, run eagerly as traced: random ops (dropout: Inductor draws different numbers from
-eager, so results would differ), ops that write in place (module buffers, chunk views), ops whose output size depends
+eager, so results would differ), ops that add into positions the data chooses (an embedding's gradient: Inductor adds
+with atomics, so runs would differ from one another), ops that write in place (module buffers, chunk views), ops whose output size depends
 on data, ops with non-tensor inputs or outputs read outside the region, views of a region's inputs read outside it,
 and anything not a compute node.
 """
@@ -59,7 +60,7 @@ def _fusible(g: TrainGraph, n: fx.Node) -> bool:
         return False
     if not (isinstance(n.target, torch._ops.OpOverload) or n.target is operator.getitem):
         return False
-    if draws_random(n) or mutated_args(n):
+    if draws_random(n) or mutated_args(n) or _sums_at_data_positions(n):
         return False
     v = n.meta.get("val")
     leaves = tensors_in(v)
@@ -69,6 +70,24 @@ def _fusible(g: TrainGraph, n: fx.Node) -> bool:
         return False
     return all(_static_tensor(a.meta.get("val")) or a.meta.get("val") is not None and
                isinstance(a.meta.get("val"), (tuple, list)) for a in n.all_input_nodes)
+
+
+# Ops that add into positions the data chooses (an embedding's gradient, scatter and index adds): Inductor's kernels
+# for them add with atomics, in whatever order the threads arrive, so two runs of one step would differ in the last
+# bits; eager's kernels are deterministic (sorted segments), so they stay eager.
+_DATA_POSITION_SUMS = {torch.ops.aten.embedding_dense_backward, torch.ops.aten.embedding_backward,
+                       torch.ops.aten._embedding_bag_backward, torch.ops.aten.index_add, torch.ops.aten.scatter_add,
+                       torch.ops.aten.scatter_reduce, torch.ops.aten.index_reduce}
+_INDEX_PUTS = {torch.ops.aten.index_put, torch.ops.aten._unsafe_index_put}
+
+
+def _sums_at_data_positions(n: fx.Node) -> bool:
+    packet = getattr(n.target, "overloadpacket", None)
+    if packet in _DATA_POSITION_SUMS:
+        return True
+    if packet in _INDEX_PUTS:
+        return bool(n.kwargs.get("accumulate", n.args[3] if len(n.args) > 3 else False))
+    return False
 
 
 def _runs(g: TrainGraph, nodes: list[fx.Node]) -> list[tuple[int, int]]:

@@ -1,6 +1,6 @@
 """A step is atomic: a failure or interruption at any node leaves every value as it was, or completes the step.
 
-The fault-injection fixture raises at every node position of a small model's scheduled graph in turn (fp32, bf16,
+The fault-injection fixture raises at every node position of a small model's executed graph in turn (fp32, bf16,
 fp16; unlimited and tight budgets). Before the commit point an exception propagates and every value (parameters,
 optimizer states and step counts, module buffers, the loss scale, the half-precision chunk homes) is exactly as
 before the step, and the next step equals a run that never saw the failed one. From the commit point on, Ctrl-C is
@@ -75,8 +75,8 @@ def test_failure_at_every_node_before_the_commit_changes_nothing(precision, tigh
     step = _make(precision, tight)
     step(*CASE.batch(0))
     step(*CASE.batch(1))
-    nodes = step.graphs["scheduled"].nodes
-    roles = [step.graphs["scheduled"].ann[n.name].role for n in nodes]
+    nodes = step.final_graph.nodes          # the graph the step runs (fused regions where fuse=True)
+    roles = [step.final_graph.ann[n.name].role for n in nodes]
     commit = roles.index(Role.COMMIT)
     before = _snapshot(step)
     errors = [RuntimeError("injected"), KeyboardInterrupt(), torch.OutOfMemoryError("injected out of memory")]
@@ -106,8 +106,8 @@ def test_ctrl_c_after_the_commit_is_held_until_the_step_is_complete(precision, t
     trial = _make(precision, tight)
     trial(*CASE.batch(0))
     trial.save(tmp_path / "after_batch_0")
-    nodes = trial.graphs["scheduled"].nodes
-    roles = [trial.graphs["scheduled"].ann[n.name].role for n in nodes]
+    nodes = trial.final_graph.nodes
+    roles = [trial.final_graph.ann[n.name].role for n in nodes]
     commit = roles.index(Role.COMMIT)
     positions = list(range(commit + 1, len(nodes)))
     assert any(roles[i] is Role.OPTIMIZER_STEP for i in positions)
@@ -128,7 +128,7 @@ def test_ctrl_c_after_the_commit_is_held_until_the_step_is_complete(precision, t
 def test_failure_after_the_commit_is_a_clear_error_and_the_step_refuses_further_use():
     step = _make("fp32", False)
     step(*CASE.batch(0))
-    g = step.graphs["scheduled"]
+    g = step.final_graph
     roles = [g.ann[n.name].role for n in g.nodes]
     second_update = [i for i, r in enumerate(roles) if r is Role.OPTIMIZER_STEP][1]
     step._before_node = _raiser(second_update, RuntimeError("device fault"))
@@ -145,7 +145,7 @@ def test_failed_step_then_training_matches_eager_that_never_saw_it():
     budget = tight_budget(CASE, chunk_size=256)
     step = compiled_step(CASE, budget=budget, chunk_size=256)
     losses = [step(*CASE.batch(0)).item()]
-    g = step.graphs["scheduled"]
+    g = step.final_graph
     last_write = max(i for i, n in enumerate(g.nodes) if g.ann[n.name].role is Role.WRITE_GRAD)
     step._before_node = _raiser(last_write, RuntimeError("injected in backward"))
     with pytest.raises(RuntimeError, match="injected in backward"):

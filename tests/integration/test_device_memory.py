@@ -71,9 +71,9 @@ def test_device_out_of_memory_is_a_budget_error_naming_the_node_and_changes_noth
     step(*CASE.batch(0))
     step(*CASE.batch(1))
     before = _snapshot(step)
-    g = step.graphs["scheduled"]
+    g = step.final_graph                      # the graph the step runs (fused regions where fuse=True)
     roles = [g.ann[n.name].role for n in g.nodes]
-    at = max(i for i, r in enumerate(roles) if r is Role.COMPUTE and i < roles.index(Role.COMMIT))
+    at = max(i for i, r in enumerate(roles) if r in (Role.COMPUTE, Role.REGION) and i < roles.index(Role.COMMIT))
     message = ("CUDA out of memory. Tried to allocate 2.50 GiB. GPU 0 has a total capacity of 139.80 GiB of which "
                "1.25 GiB is free.")
 

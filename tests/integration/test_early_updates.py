@@ -25,11 +25,11 @@ pytestmark = pytest.mark.cuda
 CASE = small_batches(CASES_BY_NAME["gpt_tied"])
 
 
-def _make(atomic, precision="bf16", clip=None):
+def _make(atomic, precision="bf16", clip=None, fuse=None):
     budget = tight_budget(CASE, 1024, 1.3)
     return px.compile(CASE.build_model(), optimizer=px.AdamW(**HYPER), device_memory=budget, chunk_size=1024,
                       precision=precision, device=DEVICE, atomic=atomic, max_grad_norm=clip,
-                      debug=True)(CASE.loss_fn)
+                      debug=True, fuse=fuse)(CASE.loss_fn)
 
 
 def _everything(step) -> dict:
@@ -48,7 +48,9 @@ def _steps(g):
 def test_early_updates_train_bit_for_bit_as_the_atomic_step(precision):
     runs = {}
     for atomic in (True, False):
-        step = _make(atomic, precision)
+        # unfused: the two plans place the host-side steps apart, and fused regions end at them, rounding bf16
+        # intermediates in different places
+        step = _make(atomic, precision, fuse=False)
         losses = [step(*CASE.batch(i)) for i in range(3)]
         runs[atomic] = (torch.stack(losses), _everything(step), step.final_graph)
     assert torch.equal(runs[True][0], runs[False][0])
@@ -97,7 +99,7 @@ def test_when_the_commit_decides_every_step_waits_for_it(precision, clip):
 def test_a_failure_before_the_first_update_changes_nothing_and_after_it_is_a_commit_error():
     step = _make(False)
     step(*CASE.batch(0))
-    g = step.graphs["scheduled"]
+    g = step.final_graph                    # the graph the step runs: node positions are its
     first = _steps(g)[0][0]
     before = _everything(step)
     step._before_node = lambda i, n: (_ for _ in ()).throw(RuntimeError("injected")) if i == first else None

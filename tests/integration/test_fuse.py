@@ -147,12 +147,62 @@ def test_bf16_fused_tracks_unfused_bf16_under_a_budget_that_evicts():
     assert max(abs(a - b) / b for a, b in zip(losses[True], losses[False])) < 2e-3, losses
 
 
+def test_an_embeddings_gradient_stays_eager():
+    """Inductor adds an embedding's gradient with atomics (runs would differ in the last bits): the fused graph keeps
+    embedding_dense_backward out of its regions, as eager traced it."""
+    case = CASES_BY_NAME["gpt_tied"]
+    g = _step(case).lower(*case.batch(0))["fused"]
+    _check_regions(g)
+    eager = [n for n in g.nodes if n.target is torch.ops.aten.embedding_dense_backward.default]
+    assert eager and all(g.ann[n.name].role is Role.COMPUTE for n in eager)
+    for r in _regions(g):
+        assert all(n.target is not torch.ops.aten.embedding_dense_backward.default
+                   for n in r.kwargs["spec"].gm.graph.nodes)
+
+
 def test_fuse_option_checked():
     case = CASES_BY_NAME["mlp_mse"]
     with pytest.raises(ValueError, match="fuse must be True, False or None"):
         _step(case, fuse="yes")
     with pytest.raises(ValueError, match="fuse belong to training steps"):
         px.compile(case.build_model(), optimizer=None, fuse=True)(case.loss_fn)
+
+
+def test_the_default_is_per_device_and_precision(monkeypatch):
+    """fuse=None: DEFAULT_FUSE's entry for the device type and precision (none yet: unfused everywhere); a CUDA
+    entry holds only where Triton is installed; an explicit True or False is kept."""
+    from pstar_fx.api import options
+    from pstar_fx.ir.graph import Precision
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.setattr(options, "_has_triton", lambda: True)
+    for precision in Precision:
+        for device in (cpu, cuda):
+            assert options.resolve_fuse(None, device, precision) is False
+            assert options.resolve_fuse(True, device, precision) is True
+            assert options.resolve_fuse(False, device, precision) is False
+    monkeypatch.setitem(options.DEFAULT_FUSE, ("cuda", Precision.BF16), True)
+    assert options.resolve_fuse(None, cuda, Precision.BF16) is True
+    assert options.resolve_fuse(None, cuda, Precision.FP16) is False
+    assert options.resolve_fuse(None, cpu, Precision.BF16) is False
+    monkeypatch.setattr(options, "_has_triton", lambda: False)
+    assert options.resolve_fuse(None, cuda, Precision.BF16) is False
+
+
+def test_attention_kernels_timed_at_their_measured_rates():
+    """Each attention kernel at its measured rate (cost.Machine): cuDNN's, torch's default on the H200, and attention
+    traced on the CPU at attention_efficiency; flash and memory-efficient attention at theirs."""
+    from types import SimpleNamespace
+    m = cost.H200
+    rates = {name: cost._attention_efficiency(SimpleNamespace(target=getattr(torch.ops.aten, name).default), m)
+             for name in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_cudnn_attention",
+                          "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention_for_cpu")}
+    assert rates == {"_scaled_dot_product_flash_attention": m.flash_attention_efficiency,
+                     "_scaled_dot_product_cudnn_attention": m.attention_efficiency,
+                     "_scaled_dot_product_efficient_attention": m.efficient_attention_efficiency,
+                     "_scaled_dot_product_flash_attention_for_cpu": m.attention_efficiency}
+    assert m.efficient_attention_efficiency < m.flash_attention_efficiency < m.attention_efficiency <= 1
+    with pytest.raises(ValueError, match="at most 1"):
+        cost.Machine(flash_attention_efficiency=1.5)
 
 
 _CACHE_RUN = textwrap.dedent("""

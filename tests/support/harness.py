@@ -106,7 +106,7 @@ def check_tight_budget_matches_eager(case: Case, steps: int, chunk_size: int = 1
     budget = tight_budget(case, chunk_size)
     losses, sd, step = compiled_run(case, steps, budget=budget, chunk_size=chunk_size)
     ref_losses, ref_sd = eager_run(case, steps, host_params=host_params(step))
-    g = step.graphs["scheduled"]
+    g = step.final_graph
     assert budget < step.summary().model_data_bytes / 2
     assert max(fetch_counts(g).values()) >= 2, "no chunk was evicted and fetched again"
     assert rel_err(losses, ref_losses) <= 1e-6, (losses, ref_losses)
@@ -138,7 +138,7 @@ def tight_budget(case: Case, chunk_size: int, slack: float = 1.05) -> int:
 def host_params(step) -> set[str]:
     """Parameters (all their state_dict names) whose chunk's update runs on the CPU: optimizer states the plan put on
     the host and did not stream to the device for their update (a streamed chunk takes the device's kernel)."""
-    g = step.graphs["scheduled"]
+    g = step.final_graph
     names = set()
     for p in g.params:
         c = g.chunks[p.chunk]
