@@ -16,9 +16,9 @@ made after them (the order the schedule checked is kept otherwise).
 
 What stays out of a region, run eagerly as traced: random ops (dropout: Inductor draws different numbers from
 eager, so results would differ), ops that add into positions the data chooses (an embedding's gradient: Inductor adds
-with atomics, so runs would differ from one another), ops that write in place (module buffers, chunk views), ops whose output size depends
-on data, ops with non-tensor inputs or outputs read outside the region, views of a region's inputs read outside it,
-and anything not a compute node.
+with atomics, so runs would differ from one another), ops that write in place (module buffers, chunk views), ops
+whose output size depends on data, ops with non-tensor inputs or outputs read outside the region, views of a region's
+inputs read outside it, and anything not a compute node.
 """
 from __future__ import annotations
 
@@ -74,7 +74,8 @@ def _fusible(g: TrainGraph, n: fx.Node) -> bool:
 
 # Ops that add into positions the data chooses (an embedding's gradient, scatter and index adds): Inductor's kernels
 # for them add with atomics, in whatever order the threads arrive, so two runs of one step would differ in the last
-# bits; eager's kernels are deterministic (sorted segments), so they stay eager.
+# bits. They stay eager: torch's embedding gradient sorts its indices (repeatable), and its scatter and index adds
+# are as repeatable as torch.use_deterministic_algorithms makes them.
 _DATA_POSITION_SUMS = {torch.ops.aten.embedding_dense_backward, torch.ops.aten.embedding_backward,
                        torch.ops.aten._embedding_bag_backward, torch.ops.aten.index_add, torch.ops.aten.scatter_add,
                        torch.ops.aten.scatter_reduce, torch.ops.aten.index_reduce}

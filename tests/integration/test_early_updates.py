@@ -99,7 +99,7 @@ def test_when_the_commit_decides_every_step_waits_for_it(precision, clip):
 def test_a_failure_before_the_first_update_changes_nothing_and_after_it_is_a_commit_error():
     step = _make(False)
     step(*CASE.batch(0))
-    g = step.final_graph                    # the graph the step runs: node positions are its
+    g = step.final_graph                    # node positions index the graph the step runs
     first = _steps(g)[0][0]
     before = _everything(step)
     step._before_node = lambda i, n: (_ for _ in ()).throw(RuntimeError("injected")) if i == first else None
