@@ -35,6 +35,7 @@ from typing import Callable
 import torch
 
 from ..errors import warn
+from ..ir.fx_utils import output_node
 from ..ir.ops import RegionSpec
 
 
@@ -162,12 +163,10 @@ def _keep_output_strides(compiled: torch.fx.GraphModule, traced: torch.fx.GraphM
     had as traced (`traced`'s output values): the meta Inductor's own compile_fx sets for a graph's user outputs,
     which its GraphLowering reads under compile_fx_inner (torch 2.13's source; torch 2.11 on the H200 ran the fused
     Llama-2-13B step with it)."""
-    out = compiled.graph.find_nodes(op="output")[0]
-    args = out.args[0] if not isinstance(out.args[0], torch.fx.Node) else out.args
-    want = traced.graph.find_nodes(op="output")[0]
-    want_args = want.args[0] if not isinstance(want.args[0], torch.fx.Node) else want.args
+    out = output_node(compiled.graph)
+    args = _returned(out)
     strides = []
-    for n in want_args:
+    for n in _returned(output_node(traced.graph)):
         val = n.meta.get("val") if isinstance(n, torch.fx.Node) else None
         strides.append(tuple(val.stride()) if isinstance(val, torch.Tensor) else None)
     if len(strides) != len(args):
@@ -175,3 +174,8 @@ def _keep_output_strides(compiled: torch.fx.GraphModule, traced: torch.fx.GraphM
     out.meta["original_output_strides"] = strides
     out.meta["user_visible_output_idxs"] = [i for i, (n, st) in enumerate(zip(args, strides))
                                             if isinstance(n, torch.fx.Node) and st is not None]
+
+
+def _returned(out: torch.fx.Node) -> tuple:
+    """What an output node returns, as a sequence (a single value made a tuple of one)."""
+    return out.args[0] if not isinstance(out.args[0], torch.fx.Node) else out.args
