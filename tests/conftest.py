@@ -22,6 +22,19 @@ DEVICE_TYPE = os.environ.get("PSTAR_TEST_DEVICE", "cpu")
 
 
 @pytest.fixture(autouse=True)
+def _gpu_paths_on_the_cpu(request, monkeypatch):
+    """On a CPU device pstar-fx takes the host for the device (api/options.py CPU_DEVICE_IS_HOST): a chunk's slot is
+    its host home, so nothing is copied, host-side updates run inline and none is streamed. The tests take a GPU's
+    paths instead (copies, the worker thread, streamed updates where the cost model picks them), so that a schedule
+    that forgets a fetch or a write-back fails on the CPU too; a test marked `host_is_device` (every test, with
+    PSTAR_TEST_HOST_IS_DEVICE=1) runs the CPU's own path."""
+    if (os.environ.get("PSTAR_TEST_HOST_IS_DEVICE") != "1"
+            and request.node.get_closest_marker("host_is_device") is None):
+        from pstar_fx.api import options
+        monkeypatch.setattr(options, "CPU_DEVICE_IS_HOST", False)
+
+
+@pytest.fixture(autouse=True)
 def _fuse_default(monkeypatch):
     """PSTAR_TEST_FUSE=1 / 0 compiles every step that leaves fuse=None fused / unfused on the test device, in every
     precision (the GPU subset runs its mixed-precision tests both ways); unset, the defaults of api/options.py."""

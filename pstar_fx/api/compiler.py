@@ -202,7 +202,8 @@ class Compiler:
             # faulted in, and the collection (0.36 s at 17B) runs beside that instead of after it
             collect_now()
             self.store = ChunkStore(final.chunks, final.params, st.precision, st.device, st.budget, comm=self.comm,
-                                    hostmem=hostmem, state=state_layout(st), offload_dir=self.offload_dir)
+                                    hostmem=hostmem, state=state_layout(st), offload_dir=self.offload_dir,
+                                    host_is_device=st.host_is_device)
             if self.optimizer is not None:
                 self.optimizer.attach(self.store)
         executor = Executor(final, self.store, self.regions)

@@ -90,7 +90,7 @@ class EvalCompiler(Compiler):
         if store is None:
             warn_chunk_padding(final)
             store = ChunkStore(final.chunks, final.params, settings.precision, settings.device, settings.budget,
-                               comm=self.comm)
+                               comm=self.comm, host_is_device=settings.host_is_device)
             self.own = (store, (final.params, final.chunks, final.chunk_size))
         return Compiled(stages={s.stage: s for s in stages}, executor=Executor(final, store), outcomes=outcomes)
 

@@ -32,6 +32,16 @@ from .device_budget import (
 DEFAULT_FUSE: dict[tuple[str, Precision], bool] = {}
 
 
+# A CPU device of one rank is the host itself: its chunk slots are their host homes (nothing is copied), host-side
+# updates run on the step's thread, and the planner streams no update to it (Settings.host_is_device). The tests set
+# it False to take a GPU's paths on the CPU (tests/conftest.py).
+CPU_DEVICE_IS_HOST = True
+
+
+def host_is_device(device: torch.device, world: int) -> bool:
+    return CPU_DEVICE_IS_HOST and device.type == "cpu" and world == 1
+
+
 def resolve_fuse(fuse, device: torch.device, precision: Precision) -> bool:
     """None: DEFAULT_FUSE for the device's type and the precision (False where it names none; on CUDA only where
     Triton, which Inductor needs there, is installed)."""

@@ -40,6 +40,7 @@ from ..passes import pipeline, run_passes
 from ..units import format_bytes, parse_bytes
 from .compiler import cycle_collection_paused, one_intra_op_thread
 from .device_budget import ALLOCATOR_EXPANDABLE, KERNELS, NCCL
+from .options import host_is_device
 from .live_optimizer import build
 
 # What the process holds on the device outside torch's allocator (the CUDA context, cuBLAS workspaces): 0.70 GiB on
@@ -396,7 +397,8 @@ def plan(model: nn.Module, loss_fn, *batch, world_size: int = 1, device_memory=N
                         optimizer=_layout(model, optimizer),
                         max_grad_norm=None if max_grad_norm is None else float(max_grad_norm),
                         accumulate=accumulate, world=world_size, atomic=atomic,
-                        host_budget=None if disk is None else host // per_node, disk_budget=disk)
+                        host_budget=None if disk is None else host // per_node, disk_budget=disk,
+                        host_is_device=host_is_device(dev, world_size))
     with cycle_collection_paused(), one_intra_op_thread():
         traced = trace_step(loss_fn, model, meta_batch, settings)
         t0 = time.perf_counter()

@@ -30,7 +30,7 @@ from .compiler import Compiler
 from .guarded import run_guarded
 from .live_optimizer import build as build_optimizer
 from .model_state import ModelState, holds_own_values
-from .options import (check_options, check_world, resolve_budget, resolve_device, resolve_fuse, resolve_precision,
+from .options import (check_options, check_world, host_is_device, resolve_budget, resolve_device, resolve_fuse, resolve_precision,
                       resolve_tiers)
 from .summary import Summary, summarize
 from .trace_cache import DEFAULT_MAX_SIZE
@@ -92,7 +92,7 @@ class CompiledStep:
                                  max_grad_norm=None if max_grad_norm is None else float(max_grad_norm),
                                  accumulate=accumulate, world=world,
                                  atomic=atomic, device_updates=device_updates, host_budget=host_budget,
-                                 disk_budget=disk_budget)
+                                 disk_budget=disk_budget, host_is_device=host_is_device(dev, world))
         check_world(atomic, self.settings.world)
         self.debug = debug
         self.prefetch = prefetch

@@ -43,6 +43,7 @@ class Summary:
     disk_moved: tuple[int, int] = (0, 0)    # bytes read from and written to disk per step (the plan's)
     disk_io: str | None = None              # "direct (O_DIRECT)" or "buffered": how the disk tier's I/O ran
     choices: tuple[str, ...] = ()           # why the passes planned what they did ("pass: why"), in pass order
+    host_is_device: bool = False            # a CPU device of one rank: slots are host homes, nothing is copied
 
     def __str__(self) -> str:
         rows = [
@@ -60,7 +61,9 @@ class Summary:
                       + ("" if self.disk_budget is None else f" of {format_bytes(self.disk_budget)}")),
             ("predicted peak", format_bytes(self.predicted_peak)),
             ("measured peak", "-" if self.measured_peak is None else format_bytes(self.measured_peak)),
-            ("moved per step", f"{format_bytes(self.h2d_bytes)} host->device, "
+            ("moved per step", ("nothing copied (the CPU device is the host: a slot is its host home); planned "
+                                if self.host_is_device else "")
+                               + f"{format_bytes(self.h2d_bytes)} host->device, "
                                f"{format_bytes(self.d2h_bytes)} device->host"
                                + (f", {format_bytes(self.disk_moved[0])} read from disk, "
                                   f"{format_bytes(self.disk_moved[1])} written ({self.disk_io} I/O)"
@@ -106,7 +109,7 @@ def summarize(g: TrainGraph, compiled: Compiled, last: StepStats | None, prec: P
         states_on_disk=len(disk), host_bytes=host_bytes(g), host_budget=g.settings.host_budget,
         disk_bytes=disk_bytes(g), disk_budget=g.settings.disk_budget, disk_moved=(moved, moved),
         disk_io=None if store.disk is None else store.disk.mode,
-        choices=tuple(map(str, g.choices)))
+        choices=tuple(map(str, g.choices)), host_is_device=g.settings.host_is_device)
 
 
 def _estimated(g: TrainGraph, compiled: Compiled) -> float | None:

@@ -60,6 +60,9 @@ def choose_streamed(g: TrainGraph, order: list[int], build: Callable[[int], Trai
         return (*base, "no host-placed chunk updated on the device: none has room for its states beside its step")
     if g.settings.budget is None:
         return (*base, "no host-placed chunk updated on the device: no budget")
+    if g.settings.host_is_device:
+        return (*base, "no host-placed chunk updated on the device: a CPU device is the host, so a streamed update "
+                       "would run on the same cores after two copies")
     world, prec = g.settings.world, g.settings.precision
     elems = sum(shard_numel(g.chunks[c], world) for c in order) / len(order)
     cpu_s = elems / (machine.cpu_adam_mixed if prec.mixed else machine.cpu_adam)

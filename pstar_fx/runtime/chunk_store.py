@@ -33,6 +33,13 @@ shard home. A gradient is written home whole before its reduce-scatter (accumula
 shard after it (`reduced`). Collectives are issued in graph order by the executor's thread only, never by the host
 worker, so every rank issues them in the same order: a fetch that hangs on a pending host-side update waits for it.
 
+On a CPU device of one rank (`host_is_device`, Settings.host_is_device) device memory is host memory: a parameter or gradient slot is its
+host home itself, lent to the pool (`DevicePool.lend`: counted as the plan counts it), so fetches and write-backs copy
+nothing. That is safe by the plan's invariants: before the commit no parameter slot is written but by in-place
+gradients (rebuilt from the masters on a rollback), and only a chunk's host-side update touches its host buffers.
+Streamed states and parameters rounded from a master are copied. Host-side updates run inline there: a worker thread
+would only take the step's own cores.
+
 Host-side optimizer updates run on a worker thread (`updates`, see host_updates.py) while the executor goes on. A
 fetch of a chunk whose update is pending is issued by the worker right after that update (`then`), and the slot's
 first use waits for exactly it; a CPU access to host buffers (`before_host_write`, hence flush) first waits for the
@@ -96,11 +103,12 @@ class ChunkStore:
 
     def __init__(self, chunks: tuple[ChunkInfo, ...], params: tuple[ParamInfo, ...], precision: Precision,
                  device: torch.device, budget: int | None, comm: Comm | None = None,
-                 hostmem: HostMemory | None = None, state: StateLayout = NO_STATE, offload_dir: str | None = None):
+                 hostmem: HostMemory | None = None, state: StateLayout = NO_STATE, offload_dir: str | None = None,
+                 host_is_device: bool = False):
         """hostmem: host memory with buffers already reserved (host_buffer_specs), or None to make them here.
         state: the optimizer's chunk state layout (NO_STATE without an optimizer: no trainable chunk).
         offload_dir: where the disk tier's files go (a directory of the store's own is made there when a plan
-        first puts states on disk)."""
+        first puts states on disk). host_is_device: a CPU device of one rank, whose slots are host homes."""
         self.comm = comm
         self.offload_dir = offload_dir
         self.disk: DiskStates | None = None
@@ -118,6 +126,9 @@ class ChunkStore:
         self.device = device
         self.pool = DevicePool(device, budget)
         self.pin = device.type == "cuda"
+        self.host_is_device = host_is_device
+        assert not host_is_device or (device.type == "cpu" and self.world == 1), (device, self.world)
+        self.lent: set[BufKey] = set()    # resident slots that are their host homes (alias)
         self.hostmem = hostmem if hostmem is not None else HostMemory(self.pin)
         # a chunk whose parameters are cast from its device master (ParamHome.MASTER) has no host home
         self.host_param: list[torch.Tensor | None] = [
@@ -162,7 +173,7 @@ class ChunkStore:
         self.draining: deque[tuple["torch.cuda.Event", torch.Tensor]] = deque()
         self.draining_bytes = 0
         # None: host-side updates run inline (tests compare)
-        self.updates: HostUpdates | None = HostUpdates(threads=worker_threads(device))
+        self.updates: HostUpdates | None = None if self.host_is_device else HostUpdates(threads=worker_threads(device))
         self.hostmem.release_unclaimed()
         self.h2d_stream = torch.cuda.Stream(device) if self.pin else None
         self.d2h_stream = torch.cuda.Stream(device) if self.pin else None
@@ -401,8 +412,29 @@ class ChunkStore:
         what = "optimizer states (streamed)" if key.buf is BufKind.STATES else f"{key.buf.value} buffer"
         return self.pool.take(numel, dtype, what=f"chunk {key.chunk} {what}")
 
+    def _lends(self, key: BufKey) -> bool:
+        """The slot is the host home (alias): a parameter buffer not rounded from its master, a gradient whose
+        home exists (made at set-up or at its first write-back: a gradient that never goes home keeps a slot)."""
+        if not self.host_is_device or key.buf is BufKind.STATES:
+            return False
+        return not self.from_master(key) if key.buf is BufKind.PARAM else self.host_grad[key.chunk] is not None
+
+    def _lend(self, key: BufKey) -> torch.Tensor:
+        home = self.host(key)
+        self.pool.lend(home, what=f"chunk {key.chunk} {key.buf.value} buffer (its host home)")
+        self.slots[key] = home
+        self.lent.add(key)
+        return home
+
     def fetch(self, key: BufKey) -> None:
         assert key not in self.slots, key
+        if self._lends(key):
+            self._lend(key)
+            if self.updates is not None:   # the slot's first use waits for the chunk's pending host-side update
+                arriving = self.updates.then(key.chunk, lambda: None)
+                if arriving is not None:
+                    self._arriving[key] = arriving
+            return
         slot = self._take_slot(key)
         self.slots[key] = slot
         part = self._home_part(key, slot)
@@ -494,7 +526,7 @@ class ChunkStore:
         self._unzeroed.clear()
         for key in list(self.slots):
             self.slot(key)   # a copy still arriving into the slot must finish before its memory is reused
-            self.pool.give(self.slots.pop(key))
+            self._give(key, self.slots.pop(key))
         self.stale.clear()
         self.pool.trim(0)    # nothing of the chunks stays on the device, cached slots included
 
@@ -529,7 +561,12 @@ class ChunkStore:
         slot is zeroed lazily: the ranges its gradient writes copy into (see grad_part) are never zeroed, the rest
         (padding, and parameters no write reached) at the slot's first other use (slot), before anything reads it."""
         assert key not in self.slots, key
-        slot = self._take_slot(key)
+        if key.buf is BufKind.GRAD and self._lends(key):
+            if self.updates is not None:
+                self.updates.wait(key.chunk)    # its pending host-side update reads this host buffer
+            slot = self._lend(key)
+        else:
+            slot = self._take_slot(key)
         if key.buf is BufKind.GRAD:
             self._unzeroed[key] = {}
         else:
@@ -570,7 +607,15 @@ class ChunkStore:
             self.draining.append((event, slot))
             self.draining_bytes += slot.numel() * slot.element_size()
             return
-        self.pool.give(slot)
+        self._give(key, slot)
+
+    def _give(self, key: BufKey, slot: torch.Tensor) -> None:
+        """A slot that left `slots` back to the pool: a lent host home is only uncounted."""
+        if key in self.lent:
+            self.lent.discard(key)
+            self.pool.unlend(slot)
+        else:
+            self.pool.give(slot)
 
     def reclaim(self, keep: int = 0, want: tuple[int, torch.dtype] | None = None) -> None:
         """Give draining slots (see release) back to the pool, oldest first, until at most `keep` bytes of them are
@@ -603,8 +648,10 @@ class ChunkStore:
         owns. Between steps (the executor's constants and workspaces are given back by then)."""
         self.draining_bytes = sum(slot.numel() * slot.element_size() for _, slot in self.draining)
         device_states = [s for s, home in zip(self.states, self.state_home) if home is StateHome.DEVICE]
-        self.pool.recount([*self.slots.values(), *(slot for _, slot in self.draining), *device_states,
-                           *self.buffers.values()])
+        self.lent &= self.slots.keys()
+        self.pool.recount([*(s for k, s in self.slots.items() if k not in self.lent),
+                           *(slot for _, slot in self.draining), *device_states, *self.buffers.values()],
+                          lent=[self.slots[k] for k in self.lent])
 
     def take_host_events(self, chunk: int) -> list:
         """The events a host-side update of chunk must wait for before it touches the chunk's host buffers (copies
@@ -618,6 +665,8 @@ class ChunkStore:
         copied (a slot that holds the master rounded)."""
         if self.from_master(key):
             return None   # the slot holds the master rounded (the schedule never evicts gradients held in it)
+        if key in self.lent:
+            return None   # the slot is the host home
         if self.updates is not None:
             self.updates.wait(key.chunk)   # the chunk's host buffers are the pending update's until it is done
         part = self._home_part(key, slot)

@@ -10,6 +10,10 @@ torch cannot find makes it free its whole cache and retry (a device synchronisat
 The free list holds memory the plan does not count, so its holder bounds it: the executor trims it before every node
 to that node's room under the plan's peak (`trim`), and it is emptied whenever the chunks leave the device. `in_use`
 is what the plan counts: the buffers handed out and not given back.
+
+On a CPU device with one rank the device's memory is the host's, and a chunk's slot can be its host home itself
+(ChunkStore): such a buffer is lent to the pool (`lend`, `unlend`): counted like a slot, never allocated, freed or
+free-listed.
 """
 from __future__ import annotations
 
@@ -31,6 +35,7 @@ class DevicePool:
         self.storages: set[int] = set()   # data_ptrs of the buffers the pool has handed out and not taken back
         self.free: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}   # given back, by (numel, dtype)
         self.cached = 0                # bytes in `free`
+        self.lent: dict[int, int] = {}   # storage data_ptr -> buffers lent on it (host homes share a storage)
 
     def take(self, numel: int, dtype: torch.dtype, what: str = "slot") -> torch.Tensor:
         """A new buffer, counted. It is allocated before it is counted: an allocation that fails (out of memory)
@@ -54,6 +59,28 @@ class DevicePool:
         self.window_peak = max(self.window_peak, self.in_use)
         self.storages.add(t.untyped_storage().data_ptr())
         return t
+
+    def lend(self, t: torch.Tensor, what: str = "slot") -> None:
+        """Count a buffer the pool did not allocate (a chunk's host home standing in for its slot) as a slot taken:
+        against the budget, and as the pool's storage (so the executor does not count views of it as activations)."""
+        nbytes = t.numel() * t.element_size()
+        if self.budget is not None and self.in_use + nbytes > self.budget:
+            raise PoolExhausted(f"device pool: {what} of {format_bytes(nbytes)} would bring chunk memory to "
+                                f"{format_bytes(self.in_use + nbytes)}, past the budget {format_bytes(self.budget)}")
+        self.in_use += nbytes
+        self.window_peak = max(self.window_peak, self.in_use)
+        ptr = t.untyped_storage().data_ptr()
+        self.lent[ptr] = self.lent.get(ptr, 0) + 1
+        self.storages.add(ptr)
+
+    def unlend(self, t: torch.Tensor) -> None:
+        """Stop counting a buffer `lend` counted (nothing is freed)."""
+        self.in_use -= t.numel() * t.element_size()
+        ptr = t.untyped_storage().data_ptr()
+        self.lent[ptr] -= 1
+        if not self.lent[ptr]:
+            del self.lent[ptr]
+            self.storages.discard(ptr)
 
     def give(self, t: torch.Tensor) -> None:
         """Take a buffer back (a whole buffer `take` returned) into the free list. On CUDA it is reused in the
@@ -87,11 +114,16 @@ class DevicePool:
     def owns(self, t: torch.Tensor) -> bool:
         return t.untyped_storage().data_ptr() in self.storages
 
-    def recount(self, held) -> None:
-        """Make the count exactly the buffers `held` (every buffer taken and not given back), in place (the
-        executor keeps a reference to `storages` during a step)."""
-        held = list(held)
-        self.in_use = sum(t.numel() * t.element_size() for t in held)
+    def recount(self, held, lent=()) -> None:
+        """Make the count exactly the buffers `held` (every buffer taken and not given back) and `lent` (every one
+        lent and not taken back), in place (the executor keeps a reference to `storages` during a step)."""
+        held, lent = list(held), list(lent)
+        self.in_use = sum(t.numel() * t.element_size() for t in held + lent)
         self.window_peak = self.in_use
         self.storages.clear()
         self.storages.update(t.untyped_storage().data_ptr() for t in held)
+        self.lent.clear()
+        for t in lent:
+            ptr = t.untyped_storage().data_ptr()
+            self.lent[ptr] = self.lent.get(ptr, 0) + 1
+            self.storages.add(ptr)
