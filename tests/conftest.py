@@ -3,13 +3,16 @@ uninterrupted run), distributed/ (several processes over gloo). Shared helpers a
 subprocesses live in support/, which this puts on sys.path (`from harness import ...`, `from models import ...`).
 
 Markers (pyproject.toml): `cuda` marks the tests worth running on a GPU (`PSTAR_TEST_DEVICE=cuda pytest -m cuda`),
-`multi_gpu` those that need two GPUs of one host, `slow` the ones that take tens of seconds on the CI machine.
+`multi_gpu` those that need two GPUs of one host, `slow` the ones that take tens of seconds on the CI machine,
+`host_is_device` those that run pstar-fx's own CPU path (below).
 """
 import os
 import sys
 
 import pytest
 from hypothesis import HealthCheck, settings
+
+from pstar_fx.api import options
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "support"))
 
@@ -21,17 +24,20 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 DEVICE_TYPE = os.environ.get("PSTAR_TEST_DEVICE", "cpu")
 
 
+# On a CPU device pstar-fx takes the host for the device (api/options.py CPU_DEVICE_IS_HOST): a chunk's slot is its
+# host home, so nothing is copied, host-side updates run inline and none is streamed. The tests take a GPU's paths
+# instead (copies, the worker thread, streamed updates where the cost model picks them), so that a schedule that
+# forgets a fetch or a write-back fails on the CPU too: set here, before any fixture of any scope builds a step. A test
+# marked `host_is_device` (every test, with PSTAR_TEST_HOST_IS_DEVICE=1) runs the CPU's own path, as do the tests
+# that run an example or a worker in a process of its own (as a user runs it).
+HOST_IS_DEVICE = os.environ.get("PSTAR_TEST_HOST_IS_DEVICE") == "1"
+options.CPU_DEVICE_IS_HOST = HOST_IS_DEVICE
+
+
 @pytest.fixture(autouse=True)
-def _gpu_paths_on_the_cpu(request, monkeypatch):
-    """On a CPU device pstar-fx takes the host for the device (api/options.py CPU_DEVICE_IS_HOST): a chunk's slot is
-    its host home, so nothing is copied, host-side updates run inline and none is streamed. The tests take a GPU's
-    paths instead (copies, the worker thread, streamed updates where the cost model picks them), so that a schedule
-    that forgets a fetch or a write-back fails on the CPU too; a test marked `host_is_device` (every test, with
-    PSTAR_TEST_HOST_IS_DEVICE=1) runs the CPU's own path."""
-    if (os.environ.get("PSTAR_TEST_HOST_IS_DEVICE") != "1"
-            and request.node.get_closest_marker("host_is_device") is None):
-        from pstar_fx.api import options
-        monkeypatch.setattr(options, "CPU_DEVICE_IS_HOST", False)
+def _host_is_device_where_marked(request, monkeypatch):
+    if request.node.get_closest_marker("host_is_device") is not None:
+        monkeypatch.setattr(options, "CPU_DEVICE_IS_HOST", True)
 
 
 @pytest.fixture(autouse=True)

@@ -61,7 +61,8 @@ class Summary:
                       + ("" if self.disk_budget is None else f" of {format_bytes(self.disk_budget)}")),
             ("predicted peak", format_bytes(self.predicted_peak)),
             ("measured peak", "-" if self.measured_peak is None else format_bytes(self.measured_peak)),
-            ("moved per step", ("nothing copied (the CPU device is the host: a slot is its host home); planned "
+            ("moved per step", (("nothing copied" if not self.states_streamed else "only streamed states copied")
+                                + " (the CPU device is the host: a slot is its host home); planned "
                                 if self.host_is_device else "")
                                + f"{format_bytes(self.h2d_bytes)} host->device, "
                                f"{format_bytes(self.d2h_bytes)} device->host"

@@ -33,12 +33,12 @@ shard home. A gradient is written home whole before its reduce-scatter (accumula
 shard after it (`reduced`). Collectives are issued in graph order by the executor's thread only, never by the host
 worker, so every rank issues them in the same order: a fetch that hangs on a pending host-side update waits for it.
 
-On a CPU device of one rank (`host_is_device`, Settings.host_is_device) device memory is host memory: a parameter or gradient slot is its
-host home itself, lent to the pool (`DevicePool.lend`: counted as the plan counts it), so fetches and write-backs copy
-nothing. That is safe by the plan's invariants: before the commit no parameter slot is written but by in-place
-gradients (rebuilt from the masters on a rollback), and only a chunk's host-side update touches its host buffers.
-Streamed states and parameters rounded from a master are copied. Host-side updates run inline there: a worker thread
-would only take the step's own cores.
+On a CPU device of one rank (`host_is_device`, Settings.host_is_device) device memory is host memory: a parameter or
+gradient slot is its host home itself, lent to the pool (`DevicePool.lend`: counted as the plan counts it), so
+fetches and write-backs copy nothing. That is safe by the plan's invariants: before the commit no parameter slot is
+written but by in-place gradients (rebuilt from the masters on a rollback), and only a chunk's host-side update
+touches its host buffers, which runs inline there (a worker thread would only take the step's own cores), so none is
+pending at a fetch. Streamed states and parameters rounded from a master are copied.
 
 Host-side optimizer updates run on a worker thread (`updates`, see host_updates.py) while the executor goes on. A
 fetch of a chunk whose update is pending is issued by the worker right after that update (`then`), and the slot's
@@ -173,7 +173,7 @@ class ChunkStore:
         self.draining: deque[tuple["torch.cuda.Event", torch.Tensor]] = deque()
         self.draining_bytes = 0
         # None: host-side updates run inline (tests compare)
-        self.updates: HostUpdates | None = None if self.host_is_device else HostUpdates(threads=worker_threads(device))
+        self.updates: HostUpdates | None = None if host_is_device else HostUpdates(threads=worker_threads(device))
         self.hostmem.release_unclaimed()
         self.h2d_stream = torch.cuda.Stream(device) if self.pin else None
         self.d2h_stream = torch.cuda.Stream(device) if self.pin else None
@@ -428,12 +428,8 @@ class ChunkStore:
 
     def fetch(self, key: BufKey) -> None:
         assert key not in self.slots, key
-        if self._lends(key):
+        if self._lends(key):      # (host-side updates run inline there: none is pending)
             self._lend(key)
-            if self.updates is not None:   # the slot's first use waits for the chunk's pending host-side update
-                arriving = self.updates.then(key.chunk, lambda: None)
-                if arriving is not None:
-                    self._arriving[key] = arriving
             return
         slot = self._take_slot(key)
         self.slots[key] = slot
@@ -561,12 +557,7 @@ class ChunkStore:
         slot is zeroed lazily: the ranges its gradient writes copy into (see grad_part) are never zeroed, the rest
         (padding, and parameters no write reached) at the slot's first other use (slot), before anything reads it."""
         assert key not in self.slots, key
-        if key.buf is BufKind.GRAD and self._lends(key):
-            if self.updates is not None:
-                self.updates.wait(key.chunk)    # its pending host-side update reads this host buffer
-            slot = self._lend(key)
-        else:
-            slot = self._take_slot(key)
+        slot = self._lend(key) if key.buf is BufKind.GRAD and self._lends(key) else self._take_slot(key)
         if key.buf is BufKind.GRAD:
             self._unzeroed[key] = {}
         else:

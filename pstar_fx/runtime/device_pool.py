@@ -32,7 +32,9 @@ class DevicePool:
         self.budget = budget
         self.in_use = 0
         self.window_peak = 0           # highest in_use since the executor last sampled it
-        self.storages: set[int] = set()   # data_ptrs of the buffers the pool has handed out and not taken back
+        # data_ptrs of the storages of the buffers handed out or lent and not taken back (a lent host home's storage
+        # may be an arena that holds other host buffers too: `owns` is then true of all of them)
+        self.storages: set[int] = set()
         self.free: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}   # given back, by (numel, dtype)
         self.cached = 0                # bytes in `free`
         self.lent: dict[int, int] = {}   # storage data_ptr -> buffers lent on it (host homes share a storage)

@@ -39,8 +39,8 @@ class StepStats:
     measured_peak: int               # device bytes: pool (chunks, states, buffers, workspace) + activations, as
                                      # the graph's measured step found them (its first; every one with debug=True):
                                      # the later steps run the generated function, which does not measure
-    h2d_bytes: int
-    d2h_bytes: int
+    h2d_bytes: int                   # the plan's bytes moved (on a CPU device of one rank parameters and gradients
+    d2h_bytes: int                   # are not copied: their slots are their host homes)
     skipped: bool                    # fp16: the step was skipped on overflow
     seconds: float = 0.0             # wall time of the step, from call to return
     lr: tuple[float, ...] = ()       # the learning rate of each optimizer group during the step
