@@ -23,6 +23,12 @@ Where an input still arrives with other strides (an eager kernel whose real stri
 the region is compiled again for them at its first such call and both are kept (`RegionStats.relaid`): the values
 are the same whatever the layout.
 
+Repeatable: by default Inductor picks among a reduction kernel's configurations (its block sizes, hence the order of
+its sums) by timing them at the first call, so two compiles of one region (a run and its resumption from a
+checkpoint, a test's two steps) could differ in the last bits. Regions compile in Inductor's deterministic mode
+(`torch._inductor.config.deterministic`, which keeps one configuration per reduction, chosen without timing it), where
+the torch in use has it.
+
 A region Inductor fails to compile runs eagerly (ops.region, the nodes as traced) and is counted: the plan holds
 either way, since a region's inputs and outputs are the same values.
 """
@@ -151,11 +157,21 @@ def _compile(gm: torch.fx.GraphModule, vals: list[torch.Tensor]) -> Callable[[li
                  .as_strided(v.shape, v.stride(), v.storage_offset()) for v in vals]
         decomposed = make_fx(gm, decomposition_table=select_decomp_table())(*fakes)
     _keep_output_strides(decomposed, gm)
-    with tracing(TracingContext(mode)):
+    with tracing(TracingContext(mode)), _repeatable():
         compiled = compile_fx_inner(decomposed, fakes)
     if getattr(compiled, "_boxed_call", False):
         return compiled
     return lambda args: compiled(*args)
+
+
+def _repeatable():
+    """Inductor's deterministic mode over a compile (the kernels carry it: their reductions keep one configuration)."""
+    import contextlib
+
+    import torch._inductor.config as inductor_config
+    if not hasattr(inductor_config, "deterministic"):
+        return contextlib.nullcontext()
+    return inductor_config.patch(deterministic=True)
 
 
 def _keep_output_strides(compiled: torch.fx.GraphModule, traced: torch.fx.GraphModule) -> None:

@@ -274,6 +274,32 @@ def test_a_region_called_with_inputs_in_another_layout_is_compiled_for_it():
     assert "1 again for another input layout at run time" in str(stats)
 
 
+def test_regions_compile_in_inductors_deterministic_mode(monkeypatch):
+    """Inductor would pick a reduction's configuration by timing it at the first call (on a GPU: two compiles of one
+    region could sum in different orders); regions compile with torch._inductor.config.deterministic set, which the
+    generated kernels carry, and leave it as it was."""
+    import torch._inductor.compile_fx as compile_fx
+    import torch._inductor.config as inductor_config
+    from pstar_fx.runtime.compiled_regions import RegionCompiler
+
+    if not hasattr(inductor_config, "deterministic"):
+        pytest.skip("this torch's Inductor has no deterministic mode")
+    seen = []
+    inner = compile_fx.compile_fx_inner
+
+    def spy(*args, **kwargs):
+        seen.append(inductor_config.deterministic)
+        return inner(*args, **kwargs)
+    monkeypatch.setattr(compile_fx, "compile_fx_inner", spy)
+    before = inductor_config.deterministic
+    spec, f = _rotary_region()
+    (fn,), stats = RegionCompiler().compile_all([spec])
+    x, y = torch.randn(3, 5, 32), torch.randn(3, 5, 16)
+    for got, want in zip(fn([x, y]), f(x, y)):
+        assert torch.equal(got, want)
+    assert seen == [True] and inductor_config.deterministic == before
+
+
 def test_a_compiled_region_keeps_its_outputs_traced_strides():
     from pstar_fx.runtime.compiled_regions import _keep_output_strides
     from torch.fx.experimental.proxy_tensor import make_fx
