@@ -29,7 +29,9 @@ DEVICE_TYPE = os.environ.get("PSTAR_TEST_DEVICE", "cpu")
 # instead (copies, the worker thread, streamed updates where the cost model picks them), so that a schedule that
 # forgets a fetch or a write-back fails on the CPU too: set here, before any fixture of any scope builds a step. A test
 # marked `host_is_device` (every test, with PSTAR_TEST_HOST_IS_DEVICE=1) runs the CPU's own path, as do the tests
-# that run an example or a worker in a process of its own (as a user runs it).
+# that run an example or a worker in a process of its own (as a user runs it). With PSTAR_TEST_HOST_IS_DEVICE=1 the
+# tests of the GPU paths' own mechanics (slot allocations, the worker thread, the cost model choosing streamed
+# updates) fail by design; the rest pass.
 HOST_IS_DEVICE = os.environ.get("PSTAR_TEST_HOST_IS_DEVICE") == "1"
 options.CPU_DEVICE_IS_HOST = HOST_IS_DEVICE
 
