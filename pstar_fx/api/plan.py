@@ -40,8 +40,8 @@ from ..passes import pipeline, run_passes
 from ..units import format_bytes, parse_bytes
 from .compiler import cycle_collection_paused, one_intra_op_thread
 from .device_budget import ALLOCATOR_EXPANDABLE, KERNELS, NCCL
-from .options import host_is_device
 from .live_optimizer import build
+from .options import host_is_device
 
 # What the process holds on the device outside torch's allocator (the CUDA context, cuBLAS workspaces): 0.70 GiB on
 # the H200 (docs/memory.md). With the allowances of px.compile's default budget (device_budget.py) it is what a

@@ -30,8 +30,8 @@ from .compiler import Compiler
 from .guarded import run_guarded
 from .live_optimizer import build as build_optimizer
 from .model_state import ModelState, holds_own_values
-from .options import (check_options, check_world, host_is_device, resolve_budget, resolve_device, resolve_fuse, resolve_precision,
-                      resolve_tiers)
+from .options import (check_options, check_world, host_is_device, resolve_budget, resolve_device, resolve_fuse,
+                      resolve_precision, resolve_tiers)
 from .summary import Summary, summarize
 from .trace_cache import DEFAULT_MAX_SIZE
 from .warnings import warn_torch_compiled

@@ -43,9 +43,7 @@ class DevicePool:
         """A new buffer, counted. It is allocated before it is counted: an allocation that fails (out of memory)
         leaves the count as it was."""
         nbytes = numel * dtype.itemsize
-        if self.budget is not None and self.in_use + nbytes > self.budget:
-            raise PoolExhausted(f"device pool: {what} of {format_bytes(nbytes)} would bring chunk memory to "
-                                f"{format_bytes(self.in_use + nbytes)}, past the budget {format_bytes(self.budget)}")
+        self._check(nbytes, what)
         free = self.free.get((numel, dtype))
         if free:
             t = free.pop()
@@ -57,20 +55,25 @@ class DevicePool:
                 self.trim(self.budget - self.in_use - nbytes)   # what the pool holds stays within the budget
             with torch.profiler.record_function(f"pstar-fx pool allocates {what}"):   # for a profiler's trace
                 t = torch.empty(numel, dtype=dtype, device=self.device)
-        self.in_use += nbytes
-        self.window_peak = max(self.window_peak, self.in_use)
+        self._count(nbytes)
         self.storages.add(t.untyped_storage().data_ptr())
         return t
+
+    def _check(self, nbytes: int, what: str) -> None:
+        if self.budget is not None and self.in_use + nbytes > self.budget:
+            raise PoolExhausted(f"device pool: {what} of {format_bytes(nbytes)} would bring chunk memory to "
+                                f"{format_bytes(self.in_use + nbytes)}, past the budget {format_bytes(self.budget)}")
+
+    def _count(self, nbytes: int) -> None:
+        self.in_use += nbytes
+        self.window_peak = max(self.window_peak, self.in_use)
 
     def lend(self, t: torch.Tensor, what: str = "slot") -> None:
         """Count a buffer the pool did not allocate (a chunk's host home standing in for its slot) as a slot taken:
         against the budget, and as the pool's storage (so the executor does not count views of it as activations)."""
         nbytes = t.numel() * t.element_size()
-        if self.budget is not None and self.in_use + nbytes > self.budget:
-            raise PoolExhausted(f"device pool: {what} of {format_bytes(nbytes)} would bring chunk memory to "
-                                f"{format_bytes(self.in_use + nbytes)}, past the budget {format_bytes(self.budget)}")
-        self.in_use += nbytes
-        self.window_peak = max(self.window_peak, self.in_use)
+        self._check(nbytes, what)
+        self._count(nbytes)
         ptr = t.untyped_storage().data_ptr()
         self.lent[ptr] = self.lent.get(ptr, 0) + 1
         self.storages.add(ptr)
