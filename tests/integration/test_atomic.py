@@ -15,7 +15,7 @@ import torch
 import pstar_fx as px
 from pstar_fx.ir import Role
 
-from harness import compiled_step, tight_budget
+from harness import assert_values_equal, compiled_step, step_values, tight_budget
 from models import CASES_BY_NAME, assert_state_close
 
 pytestmark = pytest.mark.cuda
@@ -26,25 +26,6 @@ HALF_CASE = CASES_BY_NAME["gpt_tied"]  # tied weights; gradients overwrite half-
 
 def _case(precision):
     return CASE if precision == "fp32" else HALF_CASE
-
-
-def _snapshot(step) -> dict:
-    """Everything a step may change, cloned (names made unique by prefixes)."""
-    store = step._compiler.store
-    store.flush()                        # resident slots written on the device: host homes made current first
-    snap = {f"sd.{k}": v.clone() for k, v in step.state_dict().items()}
-    snap.update({f"states.{i}": s.detach().cpu().clone() for i, s in enumerate(store.states) if s is not None})
-    # (a chunk whose parameters are cast from its device master has no host home: its states hold them)
-    snap.update({f"host_param.{i}": h.clone() for i, h in enumerate(store.host_param) if h is not None})
-    snap["loss_scale"] = torch.tensor(step.loss_scale if step.loss_scale is not None else 0.0)
-    snap["good_steps"] = torch.tensor(step._scaler.good_steps if step._scaler is not None else 0)
-    return snap
-
-
-def _assert_same(a: dict, b: dict, where: str) -> None:
-    assert a.keys() == b.keys(), where
-    for k in a:
-        assert torch.equal(a[k], b[k]), f"{where}: {k} differs"
 
 
 def _make(precision, tight):
@@ -70,7 +51,7 @@ def test_failure_at_every_node_before_the_commit_changes_nothing(precision, tigh
     ref = _make(precision, tight)
     for i in range(3):
         ref(*CASE.batch(i))
-    want = _snapshot(ref)
+    want = step_values(ref)
 
     step = _make(precision, tight)
     step(*CASE.batch(0))
@@ -78,7 +59,7 @@ def test_failure_at_every_node_before_the_commit_changes_nothing(precision, tigh
     nodes = step.final_graph.nodes          # the graph the step runs (fused regions where fuse=True)
     roles = [step.final_graph.ann[n.name].role for n in nodes]
     commit = roles.index(Role.COMMIT)
-    before = _snapshot(step)
+    before = step_values(step)
     errors = [RuntimeError("injected"), KeyboardInterrupt(), torch.OutOfMemoryError("injected out of memory")]
     for at in range(commit + 1):         # the commit node itself may fail (fp16: reading the overflow flag)
         exc = errors[at % len(errors)]
@@ -86,9 +67,9 @@ def test_failure_at_every_node_before_the_commit_changes_nothing(precision, tigh
         with pytest.raises(type(exc)):
             step(*CASE.batch(99))        # a batch the reference never sees
         step._before_node = None
-        _assert_same(_snapshot(step), before, f"{precision}, failure before node {at} ({nodes[at].name})")
+        assert_values_equal(step_values(step), before, f"{precision}, failure before node {at} ({nodes[at].name})")
     step(*CASE.batch(2))
-    _assert_same(_snapshot(step), want, f"{precision}: the step after {commit + 1} failed ones")
+    assert_values_equal(step_values(step), want, f"{precision}: the step after {commit + 1} failed ones")
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
@@ -101,7 +82,7 @@ def test_ctrl_c_after_the_commit_is_held_until_the_step_is_complete(precision, t
     ref = _make(precision, tight)
     ref(*CASE.batch(0))
     ref(*CASE.batch(1))
-    want = _snapshot(ref)
+    want = step_values(ref)
 
     trial = _make(precision, tight)
     trial(*CASE.batch(0))
@@ -119,9 +100,9 @@ def test_ctrl_c_after_the_commit_is_held_until_the_step_is_complete(precision, t
         with pytest.raises(KeyboardInterrupt):
             trial(*CASE.batch(1))
         trial._before_node = None
-        snaps.append((at, _snapshot(trial)))
+        snaps.append((at, step_values(trial)))
     for at, snap in snaps:
-        _assert_same(snap, want, f"{precision}: Ctrl-C before node {at} ({nodes[at].name})")
+        assert_values_equal(snap, want, f"{precision}: Ctrl-C before node {at} ({nodes[at].name})")
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 

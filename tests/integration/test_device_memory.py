@@ -14,7 +14,7 @@ import pstar_fx as px
 from pstar_fx.api import device_budget
 from pstar_fx.ir import Role
 
-from harness import compiled_step, tight_budget
+from harness import assert_values_equal, compiled_step, step_values, tight_budget
 from models import CASES_BY_NAME, assert_state_close
 
 pytestmark = pytest.mark.cuda
@@ -52,14 +52,6 @@ def test_cpu_default_budget_is_the_available_memory():
     assert "free -" not in str(step.summary())          # the default's breakdown is a GPU's
 
 
-def _snapshot(step) -> dict:
-    store = step._compiler.store
-    store.flush()
-    snap = {f"sd.{k}": v.clone() for k, v in step.state_dict().items()}
-    snap.update({f"states.{i}": s.detach().cpu().clone() for i, s in enumerate(store.states) if s is not None})
-    return snap
-
-
 @pytest.mark.parametrize("tight", [False, True], ids=["unlimited", "tight"])
 def test_device_out_of_memory_is_a_budget_error_naming_the_node_and_changes_nothing(tight):
     budget = tight_budget(CASE, chunk_size=256) if tight else None
@@ -70,7 +62,7 @@ def test_device_out_of_memory_is_a_budget_error_naming_the_node_and_changes_noth
     step = compiled_step(CASE, budget=budget, chunk_size=256)
     step(*CASE.batch(0))
     step(*CASE.batch(1))
-    before = _snapshot(step)
+    before = step_values(step)
     g = step.final_graph                      # the graph the step runs (fused regions where fuse=True)
     roles = [g.ann[n.name].role for n in g.nodes]
     at = max(i for i, r in enumerate(roles) if r in (Role.COMPUTE, Role.REGION) and i < roles.index(Role.COMMIT))
@@ -89,10 +81,7 @@ def test_device_out_of_memory_is_a_budget_error_naming_the_node_and_changes_noth
     assert err.node == g.nodes[at].name and err.node in str(err)
     assert err.needed == int(2.5 * GiB)
     assert "2.50 GiB asked" in str(err) and "changed nothing" in str(err) and "device_memory" in str(err)
-    after = _snapshot(step)
-    assert before.keys() == after.keys()
-    for k in before:
-        assert torch.equal(before[k], after[k]), k
+    assert_values_equal(step_values(step), before, "after the out-of-memory error")
     step(*CASE.batch(2))
     assert_state_close(step.state_dict(), ref.state_dict(), rtol=0)
 

@@ -15,7 +15,8 @@ from pstar_fx.ir import Role
 from pstar_fx.ir.graph import BufKind, StateHome, UpdateSite
 from pstar_fx.api import options
 
-from harness import HYPER, check_tight_budget_matches_eager, fetch_counts, small_batches
+from harness import (HYPER, assert_values_equal, check_tight_budget_matches_eager, fetch_counts, small_batches,
+                     step_values)
 from models import CASES_BY_NAME
 
 pytestmark = pytest.mark.host_is_device
@@ -32,23 +33,6 @@ def _step(case, precision="fp32", budget=None, debug=True, **kw):
 def _budget(case, precision, **kw):
     """Just above the least budget of this step: chunks are evicted and fetched again."""
     return int(_step(case, precision, **kw).min_device_memory(*case.batch(0)) * 1.05)
-
-
-def _values(step) -> dict[str, torch.Tensor]:
-    """Everything a step may change: the state dict, the optimizer states and the host homes of the (half-precision)
-    parameters."""
-    store = step._compiler.store
-    store.flush()
-    out = {f"sd.{k}": v.clone() for k, v in step.state_dict().items()}
-    out.update({f"states.{i}": s.clone() for i, s in enumerate(store.states) if s is not None})
-    out.update({f"host_param.{i}": h.clone() for i, h in enumerate(store.host_param) if h is not None})
-    return out
-
-
-def _assert_equal(a: dict, b: dict, where: str) -> None:
-    assert a.keys() == b.keys(), where
-    for k in a:
-        assert torch.equal(a[k], b[k]), f"{where}: {k} differs"
 
 
 def _slots_are_homes(step) -> dict[BufKind, int]:
@@ -104,12 +88,12 @@ def test_equals_the_copying_step_bit_for_bit(precision, monkeypatch):
     copying = _step(case, precision, budget, accumulate=2, max_grad_norm=0.5)
     copying(x, y)
     assert not copying._compiler.store.host_is_device and copying._compiler.store.updates is not None
-    _assert_equal(_values(lent), _values(copying), f"{precision}, after the first step")
+    assert_values_equal(step_values(lent), step_values(copying), f"{precision}, after the first step")
     seen = _slots_are_homes(lent)
     for i in range(1, 5):
         x, y = case.batch(i)
         assert torch.equal(lent(x, y), copying(x, y)), f"step {i}"
-        _assert_equal(_values(lent), _values(copying), f"{precision}, after step {i}")
+        assert_values_equal(step_values(lent), step_values(copying), f"{precision}, after step {i}")
     assert seen[BufKind.PARAM] > 0 and (seen[BufKind.GRAD] > 0 or precision != "fp32"), seen
     assert max(fetch_counts(lent.final_graph).values()) >= 2, "no chunk was evicted and fetched again"
     assert lent.last_step.measured_peak == lent.final_graph.plan.predicted_peak
@@ -128,7 +112,7 @@ def test_failure_at_every_node_before_the_commit_changes_nothing(precision):
     step = _step(case, precision, budget, debug=False)
     step(*case.batch(0))
     step(*case.batch(1))
-    before = _values(step)
+    before = step_values(step)
     roles = [step.final_graph.ann[n.name].role for n in step.final_graph.nodes]
     errors = [RuntimeError("injected"), KeyboardInterrupt(), torch.OutOfMemoryError("injected out of memory")]
     for at in range(roles.index(Role.COMMIT) + 1):
@@ -138,9 +122,9 @@ def test_failure_at_every_node_before_the_commit_changes_nothing(precision):
             step(*case.batch(99))
         step._before_node = None
         _nothing_lent_or_held(step)
-        _assert_equal(_values(step), before, f"{precision}: failure before node {at}")
+        assert_values_equal(step_values(step), before, f"{precision}: failure before node {at}")
     step(*case.batch(2))
-    _assert_equal(_values(step), _values(ref), f"{precision}: the step after the failed ones")
+    assert_values_equal(step_values(step), step_values(ref), f"{precision}: the step after the failed ones")
 
 
 def test_a_checkpoint_resumes_exactly(tmp_path):
@@ -154,7 +138,7 @@ def test_a_checkpoint_resumes_exactly(tmp_path):
     resumed = _step(case, "bf16", budget, debug=False)
     resumed.load(tmp_path / "ckpt")
     assert [resumed(*case.batch(i)).item() for i in range(2, 4)] == want
-    _assert_equal(_values(resumed), _values(step), "resumed")
+    assert_values_equal(step_values(resumed), step_values(step), "resumed")
 
 
 def test_streamed_states_mix_with_host_homes_as_slots():
@@ -173,6 +157,6 @@ def test_streamed_states_mix_with_host_homes_as_slots():
     seen = _slots_are_homes(forced)
     for i in range(1, 4):
         assert torch.equal(forced(*case.batch(i)), chosen(*case.batch(i)))
-    _assert_equal(_values(forced), _values(chosen), "streamed")
+    assert_values_equal(step_values(forced), step_values(chosen), "streamed")
     assert seen[BufKind.PARAM] > 0, seen
     assert "only streamed states copied" in str(forced.summary()) and "nothing copied" in str(chosen.summary())

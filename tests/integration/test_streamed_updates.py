@@ -20,7 +20,8 @@ from pstar_fx.ir.graph import BufKind
 from pstar_fx.passes import VerificationError, place_optimizer, schedule, verify
 from pstar_fx.passes.update_sites import no_stream_reason
 
-from harness import HYPER, eager_run, fetch_counts, rel_err, small_batches, tight_budget
+from harness import (HYPER, assert_values_equal, eager_run, fetch_counts, rel_err, small_batches, step_values,
+                     tight_budget)
 from models import CASES_BY_NAME, assert_state_close
 
 CNN = small_batches(CASES_BY_NAME["cnn_bn"])       # BatchNorm buffers, fp32
@@ -85,16 +86,6 @@ def test_streamed_training_under_eviction_equals_eager():
     assert_state_close(step.state_dict(), want_sd, rtol=1e-6)
 
 
-def _snapshot(step) -> dict:
-    store = step._compiler.store
-    store.flush()
-    snap = {f"sd.{k}": v.clone() for k, v in step.state_dict().items()}
-    snap.update({f"states.{i}": s.clone() for i, s in enumerate(store.states) if s is not None})
-    snap.update({f"home.{i}": h.clone() for i, h in enumerate(store.host_param) if h is not None})
-    snap["scale"] = torch.tensor(step.loss_scale or 0.0)
-    return snap
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_failure_at_every_node_before_the_commit_changes_nothing_after_it_is_a_commit_error(precision, tmp_path):
@@ -103,7 +94,7 @@ def test_failure_at_every_node_before_the_commit_changes_nothing_after_it_is_a_c
     ref = _step(case, precision, budget, ALL, debug=False)
     for i in range(3):
         ref(*case.batch(i))
-    want = _snapshot(ref)
+    want = step_values(ref)
 
     step = _step(case, precision, budget, ALL, debug=False)
     step(*case.batch(0))
@@ -111,7 +102,7 @@ def test_failure_at_every_node_before_the_commit_changes_nothing_after_it_is_a_c
     g = step.graphs["scheduled"]
     roles = [g.ann[n.name].role for n in g.nodes]
     commit = roles.index(Role.COMMIT)
-    before = _snapshot(step)
+    before = step_values(step)
     for at in range(commit + 1):
         def fail(i, node, at=at):
             if i == at:
@@ -120,11 +111,9 @@ def test_failure_at_every_node_before_the_commit_changes_nothing_after_it_is_a_c
         with pytest.raises(RuntimeError, match="injected"):
             step(*case.batch(99))
         step._before_node = None
-        snap = _snapshot(step)
-        assert all(torch.equal(snap[k], before[k]) for k in before), f"failure before node {at}"
+        assert_values_equal(step_values(step), before, f"failure before node {at}")
     step(*case.batch(2))
-    snap = _snapshot(step)
-    assert all(torch.equal(snap[k], want[k]) for k in want)
+    assert_values_equal(step_values(step), want, "the step after the failed ones")
 
     # after the commit: between a streamed chunk's states fetch and their write-back, and at its step
     step.save(tmp_path / "ckpt")

@@ -170,3 +170,24 @@ def two_layer_store(d: int = 64):
     step(torch.randn(4, d))
     return step._compiler.store
 
+
+def step_values(step) -> dict:
+    """Everything a training step may change, cloned to the CPU: its state dict, the optimizer states, the
+    half-precision parameters' host homes (a chunk cast from its device master has none: its states hold them) and
+    the fp16 loss scaler. Resident slots written on the device are made current on the host first."""
+    store = step._compiler.store
+    store.flush()
+    snap = {f"sd.{k}": v.clone() for k, v in step.state_dict().items()}
+    snap.update({f"states.{i}": s.detach().cpu().clone() for i, s in enumerate(store.states) if s is not None})
+    snap.update({f"host_param.{i}": h.clone() for i, h in enumerate(store.host_param) if h is not None})
+    snap["loss_scale"] = torch.tensor(step.loss_scale if step.loss_scale is not None else 0.0)
+    snap["good_steps"] = torch.tensor(step._scaler.good_steps if step._scaler is not None else 0)
+    return snap
+
+
+def assert_values_equal(a: dict, b: dict, where: str) -> None:
+    """Two step_values snapshots equal bit for bit."""
+    assert a.keys() == b.keys(), where
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{where}: {k} differs"
+
