@@ -409,8 +409,8 @@ class ChunkStore:
 
     def _take_slot(self, key: BufKey) -> torch.Tensor:
         numel, dtype = self.slot_spec(key)
-        what = "optimizer states (streamed)" if key.buf is BufKind.STATES else f"{key.buf.value} buffer"
-        return self.pool.take(numel, dtype, what=f"chunk {key.chunk} {what}")
+        return self.pool.take(numel, dtype, what=lambda: f"chunk {key.chunk} " + (
+            "optimizer states (streamed)" if key.buf is BufKind.STATES else f"{key.buf.value} buffer"))
 
     def _lends(self, key: BufKey) -> bool:
         """The slot is the host home (alias): a parameter buffer not rounded from its master, a gradient whose
@@ -421,7 +421,7 @@ class ChunkStore:
 
     def _lend(self, key: BufKey) -> torch.Tensor:
         home = self.host(key)
-        self.pool.lend(home, what=f"chunk {key.chunk} {key.buf.value} buffer (its host home)")
+        self.pool.lend(home, what=lambda: f"chunk {key.chunk} {key.buf.value} buffer (its host home)")
         self.slots[key] = home
         self.lent.add(key)
         return home

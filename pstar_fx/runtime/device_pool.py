@@ -17,9 +17,17 @@ free-listed.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from ..units import format_bytes
+
+What = str | Callable[[], str]   # what a buffer is for, in an error's text (a callable: formatted only then)
+
+
+def _text(what: What) -> str:
+    return what if isinstance(what, str) else what()
 
 
 class PoolExhausted(RuntimeError):
@@ -39,7 +47,7 @@ class DevicePool:
         self.cached = 0                # bytes in `free`
         self.lent: dict[int, int] = {}   # storage data_ptr -> buffers lent on it (host homes share a storage)
 
-    def take(self, numel: int, dtype: torch.dtype, what: str = "slot") -> torch.Tensor:
+    def take(self, numel: int, dtype: torch.dtype, what: What = "slot") -> torch.Tensor:
         """A new buffer, counted. It is allocated before it is counted: an allocation that fails (out of memory)
         leaves the count as it was."""
         nbytes = numel * dtype.itemsize
@@ -53,22 +61,22 @@ class DevicePool:
         else:
             if self.budget is not None and self.in_use + self.cached + nbytes > self.budget:
                 self.trim(self.budget - self.in_use - nbytes)   # what the pool holds stays within the budget
-            with torch.profiler.record_function(f"pstar-fx pool allocates {what}"):   # for a profiler's trace
+            with torch.profiler.record_function(f"pstar-fx pool allocates {_text(what)}"):   # for a profiler's trace
                 t = torch.empty(numel, dtype=dtype, device=self.device)
         self._count(nbytes)
         self.storages.add(t.untyped_storage().data_ptr())
         return t
 
-    def _check(self, nbytes: int, what: str) -> None:
+    def _check(self, nbytes: int, what: What) -> None:
         if self.budget is not None and self.in_use + nbytes > self.budget:
-            raise PoolExhausted(f"device pool: {what} of {format_bytes(nbytes)} would bring chunk memory to "
+            raise PoolExhausted(f"device pool: {_text(what)} of {format_bytes(nbytes)} would bring chunk memory to "
                                 f"{format_bytes(self.in_use + nbytes)}, past the budget {format_bytes(self.budget)}")
 
     def _count(self, nbytes: int) -> None:
         self.in_use += nbytes
         self.window_peak = max(self.window_peak, self.in_use)
 
-    def lend(self, t: torch.Tensor, what: str = "slot") -> None:
+    def lend(self, t: torch.Tensor, what: What = "slot") -> None:
         """Count a buffer the pool did not allocate (a chunk's host home standing in for its slot) as a slot taken:
         against the budget, and as the pool's storage (so the executor does not count views of it as activations)."""
         nbytes = t.numel() * t.element_size()

@@ -10,12 +10,12 @@ further use.
 import signal
 
 import pytest
-import torch
 
 import pstar_fx as px
 from pstar_fx.ir import Role
 
-from harness import assert_values_equal, compiled_step, step_values, tight_budget
+from harness import (assert_values_equal, check_failures_before_the_commit, compiled_step, raiser, step_values,
+                     tight_budget)
 from models import CASES_BY_NAME, assert_state_close
 
 pytestmark = pytest.mark.cuda
@@ -36,40 +36,11 @@ def _make(precision, tight):
     return compiled_step(case, budget=budget, chunk_size=256, precision=precision, debug=False)
 
 
-def _raiser(at: int, exc: BaseException):
-    def hook(i, node):
-        if i == at:
-            raise exc
-    return hook
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("tight", [False, True, "roomy"], ids=["unlimited", "tight", "roomy"])
 def test_failure_at_every_node_before_the_commit_changes_nothing(precision, tight):
-    CASE = _case(precision)
-    ref = _make(precision, tight)
-    for i in range(3):
-        ref(*CASE.batch(i))
-    want = step_values(ref)
-
-    step = _make(precision, tight)
-    step(*CASE.batch(0))
-    step(*CASE.batch(1))
-    nodes = step.final_graph.nodes          # the graph the step runs (fused regions where fuse=True)
-    roles = [step.final_graph.ann[n.name].role for n in nodes]
-    commit = roles.index(Role.COMMIT)
-    before = step_values(step)
-    errors = [RuntimeError("injected"), KeyboardInterrupt(), torch.OutOfMemoryError("injected out of memory")]
-    for at in range(commit + 1):         # the commit node itself may fail (fp16: reading the overflow flag)
-        exc = errors[at % len(errors)]
-        step._before_node = _raiser(at, exc)
-        with pytest.raises(type(exc)):
-            step(*CASE.batch(99))        # a batch the reference never sees
-        step._before_node = None
-        assert_values_equal(step_values(step), before, f"{precision}, failure before node {at} ({nodes[at].name})")
-    step(*CASE.batch(2))
-    assert_values_equal(step_values(step), want, f"{precision}: the step after {commit + 1} failed ones")
+    check_failures_before_the_commit(lambda: _make(precision, tight), _case(precision), f"{precision}, {tight}")
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
@@ -112,7 +83,7 @@ def test_failure_after_the_commit_is_a_clear_error_and_the_step_refuses_further_
     g = step.final_graph
     roles = [g.ann[n.name].role for n in g.nodes]
     second_update = [i for i, r in enumerate(roles) if r is Role.OPTIMIZER_STEP][1]
-    step._before_node = _raiser(second_update, RuntimeError("device fault"))
+    step._before_node = raiser(second_update, RuntimeError("device fault"))
     with pytest.raises(px.CommitError, match="1 of .* chunks updated"):
         step(*CASE.batch(1))
     step._before_node = None
@@ -128,7 +99,7 @@ def test_failed_step_then_training_matches_eager_that_never_saw_it():
     losses = [step(*CASE.batch(0)).item()]
     g = step.final_graph
     last_write = max(i for i, n in enumerate(g.nodes) if g.ann[n.name].role is Role.WRITE_GRAD)
-    step._before_node = _raiser(last_write, RuntimeError("injected in backward"))
+    step._before_node = raiser(last_write, RuntimeError("injected in backward"))
     with pytest.raises(RuntimeError, match="injected in backward"):
         step(*CASE.batch(1))
     step._before_node = None

@@ -11,12 +11,11 @@ import pytest
 import torch
 
 import pstar_fx as px
-from pstar_fx.ir import Role
 from pstar_fx.ir.graph import BufKind, StateHome, UpdateSite
 from pstar_fx.api import options
 
-from harness import (HYPER, assert_values_equal, check_tight_budget_matches_eager, fetch_counts, small_batches,
-                     step_values)
+from harness import (HYPER, assert_values_equal, check_failures_before_the_commit, check_tight_budget_matches_eager,
+                     fetch_counts, small_batches, step_values)
 from models import CASES_BY_NAME
 
 pytestmark = pytest.mark.host_is_device
@@ -106,25 +105,8 @@ def test_failure_at_every_node_before_the_commit_changes_nothing(precision):
     them from the masters."""
     case = CNN if precision == "fp32" else GPT
     budget = _budget(case, precision)
-    ref = _step(case, precision, budget, debug=False)
-    for i in range(3):
-        ref(*case.batch(i))
-    step = _step(case, precision, budget, debug=False)
-    step(*case.batch(0))
-    step(*case.batch(1))
-    before = step_values(step)
-    roles = [step.final_graph.ann[n.name].role for n in step.final_graph.nodes]
-    errors = [RuntimeError("injected"), KeyboardInterrupt(), torch.OutOfMemoryError("injected out of memory")]
-    for at in range(roles.index(Role.COMMIT) + 1):
-        exc = errors[at % len(errors)]
-        step._before_node = lambda i, n, at=at, exc=exc: (_ for _ in ()).throw(exc) if i == at else None
-        with pytest.raises(type(exc)):
-            step(*case.batch(99))
-        step._before_node = None
-        _nothing_lent_or_held(step)
-        assert_values_equal(step_values(step), before, f"{precision}: failure before node {at}")
-    step(*case.batch(2))
-    assert_values_equal(step_values(step), step_values(ref), f"{precision}: the step after the failed ones")
+    check_failures_before_the_commit(lambda: _step(case, precision, budget, debug=False), case, precision,
+                                     after_each=_nothing_lent_or_held)
 
 
 def test_a_checkpoint_resumes_exactly(tmp_path):

@@ -191,3 +191,47 @@ def assert_values_equal(a: dict, b: dict, where: str) -> None:
     for k in a:
         assert torch.equal(a[k], b[k]), f"{where}: {k} differs"
 
+
+
+def check_failures_before_the_commit(make, case: Case, where: str, after_each=None) -> None:
+    """Fault injection up to the commit point. `make()` compiles a step of `case`; a reference runs batches 0, 1, 2.
+    A second step runs 0 and 1, then fails at every node up to the commit in turn (the commit itself may fail: fp16
+    reads the overflow flag there), on a batch the reference never sees, with a RuntimeError, a KeyboardInterrupt and
+    an out-of-memory error in rotation: each failure propagates and leaves every value exactly as it was
+    (`after_each(step)` checks more), and batch 2 then gives the reference's values."""
+    ref = make()
+    for i in range(3):
+        ref(*case.batch(i))
+    want = step_values(ref)
+    step = make()
+    step(*case.batch(0))
+    step(*case.batch(1))
+    nodes = step.final_graph.nodes          # the graph the step runs (fused regions where fuse=True)
+    roles = [step.final_graph.ann[n.name].role for n in nodes]
+    before = step_values(step)
+    errors = [RuntimeError("injected"), KeyboardInterrupt(), torch.OutOfMemoryError("injected out of memory")]
+    failing = range(roles.index(Role.COMMIT) + 1)
+    for at in failing:
+        exc = errors[at % len(errors)]
+        step._before_node = raiser(at, exc)
+        try:
+            step(*case.batch(99))
+        except type(exc):
+            pass
+        else:
+            raise AssertionError(f"{where}: the failure injected before node {at} did not propagate")
+        finally:
+            step._before_node = None
+        if after_each is not None:
+            after_each(step)
+        assert_values_equal(step_values(step), before, f"{where}, failure before node {at} ({nodes[at].name})")
+    step(*case.batch(2))
+    assert_values_equal(step_values(step), want, f"{where}: the step after {len(failing)} failed ones")
+
+
+def raiser(at: int, exc: BaseException):
+    """A before-node hook (`step._before_node`) raising exc before node `at`."""
+    def hook(i, node):
+        if i == at:
+            raise exc
+    return hook

@@ -96,6 +96,11 @@ def test_device_pool_refuses_past_its_budget():
     a = pool.take(200, torch.float32)            # 800 bytes
     with pytest.raises(PoolExhausted, match="past the budget"):
         pool.take(100, torch.float32)
+    with pytest.raises(PoolExhausted, match="chunk 7 param buffer of 400 B"):   # a callable is formatted only here
+        pool.take(100, torch.float32, what=lambda: "chunk 7 param buffer")
+    with pytest.raises(PoolExhausted, match="chunk 3 grad buffer"):
+        pool.lend(torch.ones(100), what=lambda: "chunk 3 grad buffer")
+    assert pool.in_use == 800, "a refused take or lend counts nothing"
     import weakref
     ref = weakref.ref(a)
     pool.give(a)
