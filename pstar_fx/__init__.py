@@ -1,8 +1,9 @@
 """pstar-fx: train models larger than the GPU by compiling the training step and planning every chunk move.
 
 The package follows the pipeline, each folder importing only those before it: ir (the graph every stage shares),
-frontend (tracing), passes (planning), runtime (running), checkpoint (files), api (what users call), models (the
-reference GPT). The public names are these.
+cost (the cost model), frontend (tracing), passes (planning), runtime (running: no planner), checkpoint (files), api
+(what users call), integrations (Hugging Face); below them all units, errors, interrupts, optim (optimizer
+descriptions) and models (the reference GPT). The public names are these.
 """
 from .api.compile import compile
 from .api.model_state import sync_model

@@ -38,12 +38,12 @@ The model, in three parts.
    Steps repeat: what one step leaves pending (host-side updates, the fetches that follow them) delays the next, so
    three steps are simulated and the step time is the last one's (the steady state; `first_seconds` is the first).
 
-3. Contention: copies and the CPU update share host memory (FACTS.md). A copy runs at its rate alone, at half the
+3. Contention: copies and the CPU update share host memory (docs/measurements.md). A copy runs at its rate alone, at half the
    both-ways rate while the other direction copies, and slower again while the CPU updates; a CPU update runs slower
    while any copy runs. A rate depends on what the other lanes do at that moment, so the simulation runs twice: the
    first pass charges overlap with what is already placed, the second with the whole first pass.
 
-Constants (`Machine`; `H200` is the default): measured on one H200 machine (FACTS.md, 2026-11-30) except those marked
+Constants (`Machine`; `H200` is the default): measured on one H200 machine (docs/measurements.md, 2026-11-30) except those marked
 ASSUMED below, which wait for a measurement. One constant, the per-kernel overhead, was fitted to measured steps
 (see `Machine.kernel_s`); nothing else was fitted. A Machine also holds the sizes `px.plan` checks a plan against
 (device memory per GPU, host memory per node, GPUs per node); `preset("h200", ...)` and `preset("h100", ...)` are
@@ -79,7 +79,7 @@ _FRACTIONS = ("cpu_adam_under_copies", "fused_fraction", "attention_efficiency",
 @dataclass(frozen=True)
 class Machine:
     """Rates of one GPU, its share of the host, and the network between GPUs. Bytes and FLOPs per second."""
-    # measured on one H200 (FACTS.md)
+    # measured on one H200 (docs/measurements.md)
     matmul_flops: float = 752e12         # bf16 matmul 8192^3
     hbm_bytes: float = 4.2e12            # device-to-device copy, bytes read + written per second
     h2d_bytes: float = 55e9              # pinned host->device, alone
@@ -185,7 +185,7 @@ class GPU(enum.Enum):
     H100 = "h100"
 
 
-# One GPU of each kind and its share of the host. The H200's rates and memory were measured (FACTS.md); the H100's
+# One GPU of each kind and its share of the host. The H200's rates and memory were measured (docs/measurements.md); the H100's
 # are ASSUMED: the same GH100 die and clocks as the H200 (so its matmul rate), 3.35 of the H200's 4.8 TB/s HBM (its
 # memory-bound rates scaled by 3.35 / 4.8), the same PCIe 5 x16 link, NVLink 4 and host share (copy and CPU rates).
 _GPUS: Mapping[GPU, Machine] = MappingProxyType({

@@ -22,7 +22,8 @@ def compile(model: nn.Module, *, optimizer: OptimizerSpec | None, device_memory:
     Use as a decorator: `@px.compile(model, optimizer=px.AdamW(lr=3e-4))` over `def step(model, x, y): ...`;
     then `loss = step(x, y)` runs forward, backward and the optimizer update. With `optimizer=None` the function
     is compiled forward only (evaluation: no backward, no update) and returns what it returns; it reads the chunks
-    of a training step compiled on the same model. See DESIGN.md for the contract.
+    of a training step compiled on the same model. See docs/api.md for every argument and docs/design.md for the
+    contract.
     `remat="auto"` recomputes forward activations in backward where the budget needs it (see passes/remat);
     `remat=False` never does.
     `prefetch=None` issues each fetch as early as the budget allows (N: at most N nodes before its use; 0: at it).

@@ -124,5 +124,15 @@ class CompiledEval(CompiledStep):
             self._last_stats = run.stats
             return compiled.executor.g.output_spec.rebuild([o.detach() for o in run.outputs])
 
+    def save(self, path, *, sharded: bool | None = None) -> None:
+        raise TypeError("an evaluation function (px.compile(model, optimizer=None)) has no training state to "
+                        "checkpoint: save the training step (step.save(path)), or the model's values "
+                        "(torch.save(evaluate.state_dict(), path))")
+
+    def load(self, path) -> None:
+        raise TypeError("an evaluation function (px.compile(model, optimizer=None)) loads no checkpoint: load it "
+                        "into the training step (step.load(path)), or the model's values with "
+                        "evaluate.load_state_dict(...)")
+
 
 __all__ = ["CompiledEval"]

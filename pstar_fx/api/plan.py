@@ -134,8 +134,8 @@ class PlanReport:
 
     @property
     def bounded_by(self) -> Bound | None:
-        """What bounds the estimated step: compute, PCIe copies, CPU updates, the network or issuing (None: no
-        plan, so no estimate)."""
+        """What bounds the estimated step: compute, PCIe copies, CPU updates, the network, disk I/O or issuing (None:
+        no plan, so no estimate)."""
         return None if self.cost is None else self.cost.bounded_by
 
     @property

@@ -95,7 +95,6 @@ class CompiledStep:
                                  disk_budget=disk_budget, host_is_device=host_is_device(dev, world))
         check_world(atomic, self.settings.world)
         self.debug = debug
-        self.prefetch = prefetch
         self._lock = threading.RLock()       # held by a step, save and load: another thread never sees half a step
         self._compiler = self._compiler_class(traced_fn, model, self.settings, self._comm, self._optimizer,
                                               remat=remat is not False, prefetch=prefetch, cache_size=cache_size,
@@ -201,7 +200,7 @@ class CompiledStep:
 
     @property
     def final_graph(self) -> TrainGraph:
-        """The graph the step runs: the last stage ("scheduled"; "sharded" with more than one rank)."""
+        """The graph the step runs: the last stage ("scheduled"; "sharded" with more than one rank; "fused" with fuse)."""
         return list(self.graphs.values())[-1]
 
     def summary(self) -> Summary:
@@ -246,9 +245,10 @@ class CompiledStep:
 
     # -- checkpoints ------------------------------------------------------------------------------------------
     @_locked
-    def save(self, path) -> None:
-        """Write a checkpoint directory that resumes exactly (see pstar_fx.checkpoint)."""
-        checkpoint.save(self._step_state(), path)
+    def save(self, path, *, sharded: bool | None = None) -> None:
+        """Write a checkpoint directory that resumes exactly (see pstar_fx.checkpoint). sharded: None writes the
+        sharded format with several ranks or a disk tier, plain files otherwise; True or False chooses."""
+        checkpoint.save(self._step_state(), path, sharded=sharded)
 
     @_locked
     def load(self, path) -> None:

@@ -271,7 +271,7 @@ def test_one_process_writes_either_format_and_reads_both(tmp_path, precision):
     if precision == "fp16":
         step._scaler.scale, step._scaler.good_steps = 2.0 ** 9, 7
     torch.manual_seed(123)
-    ckpt.save(step._step_state(), tmp_path / "sharded", sharded=True)
+    step.save(tmp_path / "sharded", sharded=True)
     step.save(tmp_path / "plain")
     assert sorted(os.listdir(tmp_path / "plain")) == sorted(ckpt.FILES)
     assert pdcp.MARKER in os.listdir(tmp_path / "sharded")
@@ -285,14 +285,14 @@ def test_one_process_writes_either_format_and_reads_both(tmp_path, precision):
         assert [again(*case.batch(i)).item() for i in (2, 3)] + [torch.rand(()).item()] == want, name
         _equal_state(again.state_dict(), step.state_dict(), name)
     # a sharded checkpoint is replaced by the next save under its name, atomically
-    ckpt.save(step._step_state(), tmp_path / "sharded", sharded=True)
+    step.save(tmp_path / "sharded", sharded=True)
     assert sorted(os.listdir(tmp_path)) == ["plain", "sharded"]
 
 
 def test_a_failed_sharded_save_keeps_the_old_checkpoint(tmp_path, monkeypatch):
     step, case = _step()
     step(*case.batch(0))
-    ckpt.save(step._step_state(), tmp_path / "c", sharded=True)
+    step.save(tmp_path / "c", sharded=True)
     before = step.state_dict()
     step(*case.batch(1))
 
@@ -300,7 +300,7 @@ def test_a_failed_sharded_save_keeps_the_old_checkpoint(tmp_path, monkeypatch):
         raise OSError("disk full")
     monkeypatch.setattr(pdcp.dcp, "save", broken)
     with pytest.raises(OSError, match="disk full"):
-        ckpt.save(step._step_state(), tmp_path / "c", sharded=True)
+        step.save(tmp_path / "c", sharded=True)
     monkeypatch.undo()
     assert sorted(os.listdir(tmp_path)) == ["c"]
     fresh, _ = _step()
@@ -311,7 +311,7 @@ def test_a_failed_sharded_save_keeps_the_old_checkpoint(tmp_path, monkeypatch):
 def test_a_sharded_checkpoint_of_another_model_is_refused_and_changes_nothing(tmp_path):
     step, case = _step()
     step(*case.batch(0))
-    ckpt.save(step._step_state(), tmp_path / "c", sharded=True)
+    step.save(tmp_path / "c", sharded=True)
     from models import GPT
     other = px.compile(GPT(vocab=64, block_size=16, n_layer=1, n_head=2, n_embd=32),
                        optimizer=px.AdamW(**HYPER), device="cpu")(case.loss_fn)
@@ -335,10 +335,10 @@ def test_a_model_built_under_init_empty_saves_and_loads_once_its_chunks_exist(tm
 
     a = empty_step()
     with pytest.raises(ValueError, match="init_empty"):
-        ckpt.save(a._step_state(), tmp_path / "early", sharded=True)
+        a.save(tmp_path / "early", sharded=True)
     a.lower(*case.batch(0))
     a(*case.batch(0))                                    # trained: the values differ from a fresh replay's
-    ckpt.save(a._step_state(), tmp_path / "sharded", sharded=True)
+    a.save(tmp_path / "sharded", sharded=True)
     a.save(tmp_path / "plain")
     want = a.state_dict()
     want_loss = a(*case.batch(1)).item()

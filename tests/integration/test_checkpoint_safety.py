@@ -97,7 +97,7 @@ def saved(tmp_path_factory):
     step(*rs.batch(run, 1))
     step._scaler.scale, step._scaler.good_steps = 2.0 ** 11, 5
     step.save(tmp / "plain")
-    ckpt.save(step._step_state(), tmp / "sharded", sharded=True)
+    step.save(tmp / "sharded", sharded=True)
     return step, {n: str(tmp / n) for n in ("one", "plain", "sharded")}, step.state_dict()
 
 
@@ -150,7 +150,7 @@ def test_dcp_byte_entries_are_unpickled_weights_only(tmp_path, monkeypatch, targ
         return MakesMarker(str(marker)) if mine else real(obj)
     step = target
     monkeypatch.setattr(pdcp, "_pack", crafted)
-    ckpt.save(step._step_state(), tmp_path / "c", sharded=True)
+    step.save(tmp_path / "c", sharded=True)
     monkeypatch.undo()
     assert not marker.exists()
     before = _snapshot(step)
@@ -269,7 +269,7 @@ def test_a_refused_sharded_checkpoint_changes_nothing(tmp_path, monkeypatch, tar
         real = pdcp.save_entries
         monkeypatch.setattr(pdcp, "save_entries", lambda step, values: {
             k: v.double() if k == "model.wte.weight" else v for k, v in real(step, values).items()})
-    ckpt.save(source._step_state(), tmp_path / "c", sharded=True)
+    source.save(tmp_path / "c", sharded=True)
     monkeypatch.undo()
     step = target if lowered else rs.build(dict(RUN))[0]
     before = _snapshot(step)
@@ -406,14 +406,14 @@ def test_a_file_system_error_names_the_file_and_the_cause(tmp_path, monkeypatch,
     errno and names the file and the cause; the previous checkpoint stays, whole, and nothing is left beside it."""
     step = target
     path = tmp_path / "c"
-    ckpt.save(step._step_state(), path, sharded=fmt == "sharded")
+    step.save(path, sharded=fmt == "sharded")
     before = sorted(os.listdir(path))
 
     def refuse(*args, **kwargs):
         raise OSError(code, os.strerror(code))
     monkeypatch.setattr(os, call, refuse)
     with pytest.raises(OSError) as info:
-        ckpt.save(step._step_state(), path, sharded=fmt == "sharded")
+        step.save(path, sharded=fmt == "sharded")
     monkeypatch.undo()
     assert info.value.errno == code, info.value
     assert cause in str(info.value) and file in str(info.value), str(info.value)

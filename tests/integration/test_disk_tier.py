@@ -14,7 +14,6 @@ import pytest
 import torch
 
 import pstar_fx as px
-from pstar_fx import checkpoint
 from pstar_fx.ir import Role, ops
 from pstar_fx.ir.graph import StateHome
 from pstar_fx.ir.needs import aligned, host_bytes, state_bytes, state_layout
@@ -126,7 +125,7 @@ def test_saves_stream_disk_chunks_or_refuse_what_the_host_cannot_hold(tmp_path, 
     monkeypatch.setattr(save_load, "spare_host_bytes", lambda ranks=1: 1000)
     with pytest.raises(px.CheckpointError, match=r"step.save\(.*reads every disk-tier chunk's optimizer states .* "
                                                  r"chunks in the disk tier .* to spare; this save does not stream"):
-        checkpoint.save(step._step_state(), tmp_path / "plain", sharded=False)
+        step.save(tmp_path / "plain", sharded=False)
     assert not (tmp_path / "plain").exists()
     opened, most = store.open_states, []
 
@@ -151,11 +150,10 @@ def test_saves_stream_disk_chunks_or_refuse_what_the_host_cannot_hold(tmp_path, 
 def test_a_sharded_checkpoint_loads_into_disk_states(tmp_path):
     """The sharded format (several ranks' default; one process loads it too) writes the loaded states and masters in
     place, one disk chunk at a time: each is read in, loaded into and written back to its file before the next."""
-    import pstar_fx.checkpoint as ckpt
     kw = dict(host_memory=_host_memory_for("fp32", 3), offload_dir=tmp_path)
     first = _step("fp32", **kw)
     _train(first, _batches(2))
-    ckpt.save(first._step_state(), tmp_path / "ckpt", sharded=True)
+    first.save(tmp_path / "ckpt", sharded=True)
     want = _train(first, _batches(2, start=2))
     resumed = _step("fp32", **kw)
     resumed.lower(*_batches(1, start=2)[0])         # the store exists: the load writes into the disk chunks' files

@@ -113,3 +113,16 @@ def test_forward_only_rejects_training_options():
     model = torch.nn.Linear(2, 2)
     with pytest.raises(ValueError, match="forward-only"):
         px.compile(model, optimizer=None, accumulate=2)(lambda m, x: m(x))
+
+
+def test_an_evaluation_refuses_checkpoints_and_names_what_to_save_instead(tmp_path):
+    model = torch.nn.Linear(4, 2)
+    weight = model.weight.detach().clone()
+    evaluate = px.compile(model, optimizer=None, device="cpu")(lambda m, x: m(x))
+    evaluate(torch.randn(3, 4))
+    with pytest.raises(TypeError, match=r"save the training step \(step.save\(path\)\)"):
+        evaluate.save(tmp_path / "c")
+    with pytest.raises(TypeError, match=r"step.load\(path\)"):
+        evaluate.load(tmp_path / "c")
+    assert not (tmp_path / "c").exists()
+    assert torch.equal(evaluate.state_dict()["weight"], weight)

@@ -186,7 +186,10 @@ def test_checkpoint_round_trip_continues_bit_for_bit(name, tmp_path, tight):
     for i in range(2):
         step(*CASE.batch(i))
     path = os.path.join(tmp_path, "ckpt")
-    step.save(path)
+    with pytest.raises(ValueError, match=r"Adam / AdamW states only.*step.save\(path, sharded=False\)"):
+        step.save(path, sharded=True)              # the sharded format holds Adam's states only, so far
+    assert not os.path.exists(path)
+    step.save(path, sharded=False)                 # (one process: the default too)
     after = [step(*CASE.batch(i)).item() for i in range(2, 4)]
     resumed = compiled(name, tight)
     resumed.load(path)

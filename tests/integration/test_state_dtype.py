@@ -12,7 +12,6 @@ import pytest
 import torch
 
 import pstar_fx as px
-from pstar_fx import checkpoint
 from pstar_fx.ir.graph import StateHome
 from pstar_fx.ir.needs import state_bytes, state_layout
 from pstar_fx.runtime import device_adam, native
@@ -139,8 +138,8 @@ def test_checkpoints_and_state_dicts_resume_bit_for_bit(state_dtype, tmp_path):
     a = _step(state_dtype, budget=budget, debug=False)
     for i in range(2):
         a(*CASE.batch(i))
-    checkpoint.save(a._step_state(), tmp_path / "plain")
-    checkpoint.save(a._step_state(), tmp_path / "sharded", sharded=True)
+    a.save(tmp_path / "plain")
+    a.save(tmp_path / "sharded", sharded=True)
     opt_sd = a.optimizer.state_dict()
     saved = _raw_states(a)
     want = [a(*CASE.batch(i)).item() for i in range(2, 4)]

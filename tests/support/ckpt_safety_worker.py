@@ -21,7 +21,6 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(__file__))
 
 import pstar_fx as px  # noqa: E402
-import pstar_fx.checkpoint as ckpt  # noqa: E402
 import pstar_fx.checkpoint.files as files  # noqa: E402
 from harness import HYPER  # noqa: E402
 from models import CASES_BY_NAME  # noqa: E402
@@ -45,7 +44,7 @@ def main(directory: str, out: str) -> None:
     rank = dist.get_rank()
     path = os.path.join(directory, "c")
     source = _step(1)
-    ckpt.save(source._step_state(), path, sharded=True)
+    source.save(path, sharded=True)
     result: dict = {"files": sorted(os.listdir(path)),
                     "manifest": sorted(files.read_manifest(path, files.SHARDED_MANIFEST).files)}
     target = _step(2)

@@ -37,7 +37,6 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(__file__))
 
 import pstar_fx as px  # noqa: E402
-import pstar_fx.checkpoint as ckpt  # noqa: E402
 from pstar_fx.ir import Role  # noqa: E402
 from pstar_fx.ir.needs import aligned, host_bytes, state_bytes, state_layout  # noqa: E402
 from harness import HYPER  # noqa: E402
@@ -112,7 +111,7 @@ def resumed(tmp: str, kw: dict, rank: int, world: int) -> dict:
     first = compile_step(**kw)
     train(first, 0, SAVE_AT, rank, world)
     first.save(sharded)
-    ckpt.save(first._step_state(), plain, sharded=False)      # (rank 0 writes the gathered values)
+    first.save(plain, sharded=False)      # (rank 0 writes the gathered values)
     saved_state, saved_optimizer = first.state_dict(), first.optimizer.state_dict()
     out = {"uninterrupted": records(first, train(first, SAVE_AT, STEPS, rank, world))}
     for name, options, path in (("disk", kw, sharded), ("memory", {}, sharded), ("plain", kw, plain)):

@@ -16,7 +16,7 @@ SPEC.json is a list of runs, done in order in this process; each is a dict with
   start, stop train steps [start, stop) (batches are a pure function of the step index)
   load        a checkpoint to step.load before training, or null; load_when: "before" (before anything is
               compiled) or "lowered" (after step.lower: the chunk store exists, the load reads this rank's shards)
-  saves       [[at, path, sharded], ...]: pstar_fx.checkpoint.save(step._step_state(), path, sharded=sharded) before
+  saves       [[at, path, sharded], ...]: pstar_fx.step.save(path, sharded=sharded) before
               step `at` (at == stop: after the last; sharded null: its default); the state dict and optimizer state dict
               right then are recorded under "saved"[path]
   optimizer_round_trip  after training: load step.optimizer.state_dict() back into the step (all ranks) and record
@@ -41,7 +41,6 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(__file__))
 
 import pstar_fx as px  # noqa: E402
-import pstar_fx.checkpoint as ckpt  # noqa: E402
 from harness import HYPER  # noqa: E402
 from models import CASES_BY_NAME  # noqa: E402
 
@@ -70,7 +69,7 @@ def one_run(run: dict, rank: int, world: int) -> dict:
     def save_at(i):
         for at, path, sharded in run.get("saves", ()):
             if at == i:
-                ckpt.save(step._step_state(), path, sharded=sharded)
+                step.save(path, sharded=sharded)
                 out["saved"][path] = {"state": step.state_dict(), "optimizer": step.optimizer.state_dict()}
 
     if run.get("load"):

@@ -69,3 +69,45 @@ def test_the_packaging_finds_every_package_and_the_command():
     assert all(os.path.exists(os.path.join(d, "__init__.py")) for d in folders), "a folder that is no package"
     module, func = re.search(r'^pstar-fx-plan = "([\w.]+):(\w+)"$', text, re.M).groups()
     assert inspect.isfunction(getattr(importlib.import_module(module), func))
+
+
+# the package's layers, lowest first: a module imports only from its own folder and those before it. The first five
+# import nothing of pstar-fx's but each other's (units and errors); models is the reference GPT, torch only.
+LAYERS = ["units", "errors", "interrupts", "optim", "models", "ir", "cost", "frontend", "passes", "runtime",
+          "checkpoint", "api", "integrations"]
+NEVER = {"runtime": {"frontend", "passes", "cost"}}   # the runtime runs a planned graph: it needs no planner
+
+
+def _imported_parts(path: str, package: str) -> set[str]:
+    """The top-level parts of pstar_fx (folders or modules) that the module at `path` imports."""
+    import ast
+    parts = set()
+    for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
+        if isinstance(node, ast.ImportFrom):
+            base = package.split(".")
+            full = ".".join((base[:len(base) - node.level + 1] if node.level else []) +
+                            ([node.module] if node.module else []))
+            names = full.split(".")
+            if names[0] == "pstar_fx":
+                parts.update([names[1]] if len(names) > 1 else [a.name for a in node.names])
+        elif isinstance(node, ast.Import):
+            parts.update(a.name.split(".")[1] for a in node.names if a.name.startswith("pstar_fx."))
+    return parts
+
+
+def test_each_layer_imports_only_the_layers_below_it():
+    """docs/design.md "The package": what both the planner and the runtime use lives below both, and the runtime never
+    imports a pass."""
+    package_dir = os.path.dirname(px.__file__)
+    wrong = []
+    for path in _python_files("pstar_fx"):
+        rel = os.path.relpath(path, package_dir).split(os.sep)
+        if rel == ["__init__.py"]:
+            continue
+        layer = rel[0] if len(rel) > 1 else rel[0][:-3]
+        assert layer in LAYERS, f"{layer} is in no layer of the package: add it to LAYERS (and docs/design.md)"
+        package = ".".join(["pstar_fx", *rel[:-1]])
+        for part in _imported_parts(path, package) - {layer}:
+            if part not in LAYERS or LAYERS.index(part) > LAYERS.index(layer) or part in NEVER.get(layer, ()):
+                wrong.append(f"{os.path.relpath(path, ROOT)} imports {part}")
+    assert not wrong, "imports against the layering:\n" + "\n".join(wrong)
