@@ -17,7 +17,8 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from ..frontend.trace import FlatBatch, flatten_batch, model_tables, trace_step
+from ..frontend.model_tensors import model_tables
+from ..frontend.trace import FlatBatch, flatten_batch, trace_step
 from ..interrupts import DeferredInterrupt
 from ..ir.graph import Settings, TrainGraph
 from ..ir.needs import early_host_bytes, state_layout

@@ -31,7 +31,8 @@ import torch.nn as nn
 
 from ..cost import FORWARD_ATTENTION, GPU, H200, Bound, Machine, StepCost, estimate, preset
 from ..errors import BudgetError
-from ..frontend.trace import model_tables, trace_step
+from ..frontend.model_tensors import model_tables
+from ..frontend.trace import trace_step
 from ..ir.graph import (REMAT, USER_CHECKPOINT, BufKind, ChunkGroup, ParamHome, Precision, Role, Settings, StateHome,
                         TrainGraph)
 from ..ir.needs import disk_bytes, shard_numel, staging, state_bytes, state_layout

@@ -34,7 +34,6 @@ import os
 import sys
 import time
 import traceback
-from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
@@ -50,47 +49,15 @@ from ..errors import UntraceableError
 from ..interrupts import DeferredInterrupt
 from ..ir.fx_utils import (data_dependent_sizes, is_user_file, loss_seed, mutated_args, output_node, storage_key,
                            tensors_of, user_frame)
-from ..ir.graph import (BufferInfo, InputInfo, NodeAnn, ParamInfo, Phase, Role, Settings, TrainGraph, lazy_modules,
+from ..ir.graph import (InputInfo, NodeAnn, Phase, Role, Settings, TrainGraph, lazy_modules,
                         to_module)
 from ..ir.outputs import split_outputs
 from . import backward_calls, fake_fixes, moe_rewrites, torch_compile, torchscript, user_checkpoint
 from .aux_outputs import AuxCollector, describe_aux, own_aux_storage, split_returned
 from .batch import BatchSignature, FlatBatch, flatten_batch, leaf_name  # noqa: F401 (re-exported)
 from .guards import GuardingShapeEnv, insert_guards
+from .model_tensors import ModelTables, model_restored, model_tables, slots, write_rebound
 
-
-
-@dataclass(frozen=True)
-class ModelTables:
-    """The model's parameters and buffers, named as in model.state_dict(), shared (tied) tensors once."""
-    params: tuple[ParamInfo, ...]
-    buffers: tuple[BufferInfo, ...]
-
-
-def model_tables(model: nn.Module) -> ModelTables:
-    def collect(items):
-        seen: dict[int, str] = {}
-        names: dict[str, list[str]] = {}
-        tensors: dict[str, torch.Tensor] = {}
-        for name, t in items:
-            if t is None:
-                continue
-            first = seen.setdefault(id(t), name)
-            if first == name:
-                names[name], tensors[name] = [], t
-            else:
-                names[first].append(name)
-        return names, tensors
-
-    pnames, ptensors = collect(model.named_parameters(remove_duplicate=False))
-    bnames, btensors = collect(model.named_buffers(remove_duplicate=False))
-    persistent = set(model.state_dict(keep_vars=True).keys())   # names only: a held model's values stay put
-    params = tuple(ParamInfo(n, tuple(t.shape), t.dtype, t.requires_grad and t.is_floating_point(),
-                             tuple(pnames[n])) for n, t in ptensors.items())
-    # Non-persistent buffers (e.g. rotary inv_freq) are graph inputs too, but not part of state_dict().
-    buffers = tuple(BufferInfo(n, tuple(t.shape), t.dtype, tuple(bnames[n]), n in persistent)
-                    for n, t in btensors.items())
-    return ModelTables(params, buffers)
 
 
 class _StepModule(nn.Module):
@@ -241,34 +208,6 @@ def _compute_dtype(t_dtype: torch.dtype, settings: Settings) -> torch.dtype:
     return settings.precision.dtype if t_dtype.is_floating_point else t_dtype
 
 
-def _slots(model: nn.Module) -> list[tuple[str, str, nn.Module, str, torch.Tensor]]:
-    """Every distinct parameter / buffer slot (module, attribute) once, with one of its full names. A module reachable
-    under two names (`self.c = nn.Sequential(self.a, ...)`) has its slots once; a tensor tied into two modules
-    (wte / lm_head) has two slots."""
-    seen: set[tuple[int, str]] = set()
-    out = []
-    for prefix, mod in model.named_modules(remove_duplicate=False):
-        for kind in ("_parameters", "_buffers"):
-            for name, t in getattr(mod, kind).items():
-                if t is None or (id(mod), name) in seen:
-                    continue
-                seen.add((id(mod), name))
-                out.append((f"{prefix}.{name}" if prefix else name, kind, mod, name, t))
-    return out
-
-
-@contextlib.contextmanager
-def _model_restored(model: nn.Module):
-    """Whatever happens inside, every parameter and buffer slot of the model holds its original tensor afterwards."""
-    saved = [(kind, mod, name, t) for _, kind, mod, name, t in _slots(model)]
-    try:
-        yield
-    finally:
-        for kind, mod, name, t in saved:
-            if getattr(mod, kind).get(name) is not t:
-                getattr(mod, kind)[name] = t
-
-
 def _check_arity(fn, batch: tuple) -> None:
     """A wrong number of batch arguments is the user's mistake: say so before tracing (not from inside make_fx)."""
     try:
@@ -348,7 +287,8 @@ def _trace_step(fn, model: nn.Module, batch: tuple, settings: Settings, assume: 
     named = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
     for n, t in named:
         table_name.setdefault(id(t), n)
-    slot_names = [(full, table_name[id(t)]) for full, _, _, _, t in _slots(model)]
+    slot_names = [(full, table_name[id(t)]) for full, _, _, _, t in slots(model)]
+    buffer_slots = {"m." + full: table_name[id(t)] for full, kind, _, _, t in slots(model) if kind == "_buffers"}
 
     model_dtype = {p.name: p.dtype for p in tables.params}
 
@@ -365,8 +305,10 @@ def _trace_step(fn, model: nn.Module, batch: tuple, settings: Settings, assume: 
 
     def one_micro_batch(leaves, fp, bufs, scale_args, xs, k=0):
         autocast = (torch.autocast(device.type, dtype=half) if half is not None else contextlib.nullcontext())
+        values = substituted(leaves, fp, bufs)
+        given = dict(values)
         # the model's tensors stay substituted through backward too: a checkpoint's recompute runs there
-        with torch.enable_grad(), user_checkpoint.substituted(wrapper, substituted(leaves, fp, bufs)):
+        with torch.enable_grad(), user_checkpoint.substituted(wrapper, values):
             with autocast, recorder.user_step():
                 out, aux_k, returned = split_returned(wrapper(*flat.rebuild(xs)))
             if out.dim() != 0:
@@ -384,6 +326,7 @@ def _trace_step(fn, model: nn.Module, batch: tuple, settings: Settings, assume: 
             seeded = seeded * scale_args[0] if scale_args else seeded
             recorder.set_source(None)      # the backward's nodes come from the engine, not from a user's line
             grads = user_checkpoint.gradients(seeded, list(leaves.values()))
+        write_rebound(given, values, buffer_slots, bufs)
         return out, list(grads)
 
     output_spec = []                                  # forward only: how to rebuild what fn returns
@@ -391,9 +334,11 @@ def _trace_step(fn, model: nn.Module, batch: tuple, settings: Settings, assume: 
     def forward_only(tp, fp, bufs, scale_args, *xs):
         # evaluation (optimizer=None): the function's outputs, no backward, no update
         autocast = (torch.autocast(device.type, dtype=half) if half is not None else contextlib.nullcontext())
-        with (torch.no_grad(), user_checkpoint.substituted(wrapper, substituted(tp, fp, bufs)), autocast,
-              recorder.user_step()):
+        values = substituted(tp, fp, bufs)
+        given = dict(values)
+        with (torch.no_grad(), user_checkpoint.substituted(wrapper, values), autocast, recorder.user_step()):
             out = wrapper(*flat.rebuild(xs))
+        write_rebound(given, values, buffer_slots, bufs)
         layout, leaves = describe_aux(out, "output")   # constants (ints, None, ...) are returned as they are
         if not leaves:
             raise UntraceableError("a forward-only step (optimizer=None) must return a tensor or a tuple, list or "
@@ -427,7 +372,7 @@ def _trace_step(fn, model: nn.Module, batch: tuple, settings: Settings, assume: 
     recorder = _SourceRecorder()
     sources = fx_traceback.preserve_node_meta() if _CHEAP_SOURCES else contextlib.nullcontext()
     try:
-        with (_model_restored(model), sources, recorder, fake_fixes.FakeKernelFixes(),
+        with (model_restored(model), sources, recorder, fake_fixes.FakeKernelFixes(),
               moe_rewrites.rewritten(model), lazy_modules(), torch_compile.traced_as_original(model),
               torchscript.scripted_as_python(model, fn)):
             gm = make_fx(traced if settings.optimizer is not None else forward_only, tracing_mode="fake",

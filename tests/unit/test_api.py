@@ -206,3 +206,21 @@ def test_the_compile_collects_cycles_when_asked_and_leaves_a_disabled_collector_
     finally:
         gc.enable()
         gc.collect()
+
+
+@pytest.mark.parametrize("dtype, fix", [(torch.float64, r"model.float\(\)"), (torch.int64, "register_buffer"),
+                                        (torch.complex64, "view_as_real")])
+def test_a_parameter_chunks_cannot_hold_exactly_is_refused_by_name(dtype, fix):
+    """A float64, integer or complex parameter would be rounded or converted in fp32 chunks (and in the model after
+    sync_model): refused at compile time, naming it, and the model is untouched."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 2))
+    model.odd = torch.nn.Parameter(torch.tensor([16777217, 3], dtype=dtype), requires_grad=False)
+    before = model.odd.detach().clone()
+    with pytest.raises(TypeError, match=rf"parameter 'odd' is {dtype}: .*{fix}"):
+        px.compile(model, optimizer=px.AdamW(lr=1e-3), device="cpu")(lambda m, x: m(x).sum())
+    with pytest.raises(TypeError, match="parameter 'odd'"):
+        px.compile(model, optimizer=None, device="cpu")(lambda m, x: m(x).sum())
+    assert torch.equal(model.odd, before) and model.odd.dtype == dtype
+    held = (before.real if dtype.is_complex else before).to(torch.bfloat16 if dtype.is_floating_point else torch.float32)
+    model.odd = torch.nn.Parameter(held, requires_grad=False)
+    px.compile(model, optimizer=px.AdamW(lr=1e-3), device="cpu")(lambda m, x: m(x).sum())   # held exactly: taken

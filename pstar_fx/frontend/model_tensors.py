@@ -1,0 +1,119 @@
+"""The model's tensors as a trace sees them: their tables (names as in `model.state_dict()`, tied tensors once, the
+dtypes a chunk can hold), their slots (module, attribute), the guarantee that tracing leaves every slot as it was,
+and what a step that rebinds a buffer means (its new value written into the buffer, as eager code would leave it)."""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from ..errors import UntraceableError
+from ..ir.graph import BufferInfo, ParamInfo
+
+
+@dataclass(frozen=True)
+class ModelTables:
+    """The model's parameters and buffers, named as in model.state_dict(), shared (tied) tensors once."""
+    params: tuple[ParamInfo, ...]
+    buffers: tuple[BufferInfo, ...]
+
+
+def model_tables(model: nn.Module) -> ModelTables:
+    def collect(items):
+        seen: dict[int, str] = {}
+        names: dict[str, list[str]] = {}
+        tensors: dict[str, torch.Tensor] = {}
+        for name, t in items:
+            if t is None:
+                continue
+            first = seen.setdefault(id(t), name)
+            if first == name:
+                names[name], tensors[name] = [], t
+            else:
+                names[first].append(name)
+        return names, tensors
+
+    pnames, ptensors = collect(model.named_parameters(remove_duplicate=False))
+    for name, t in ptensors.items():
+        _check_param_dtype(name, t.dtype)
+    bnames, btensors = collect(model.named_buffers(remove_duplicate=False))
+    persistent = set(model.state_dict(keep_vars=True).keys())   # names only: a held model's values stay put
+    params = tuple(ParamInfo(n, tuple(t.shape), t.dtype, t.requires_grad and t.is_floating_point(),
+                             tuple(pnames[n])) for n, t in ptensors.items())
+    # Non-persistent buffers (e.g. rotary inv_freq) are graph inputs too, but not part of state_dict().
+    buffers = tuple(BufferInfo(n, tuple(t.shape), t.dtype, tuple(bnames[n]), n in persistent)
+                    for n, t in btensors.items())
+    return ModelTables(params, buffers)
+
+
+HELD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)   # what a chunk (or its fp32 master) holds exactly
+
+
+def _check_param_dtype(name: str, dtype: torch.dtype) -> None:
+    """Parameters live in chunks of the precision's dtype, with fp32 masters in mixed precision: a parameter of
+    another dtype would be rounded or converted there, and so in the model after sync_model(). Refused instead."""
+    if dtype in HELD_DTYPES or dtype.is_floating_point and dtype.itemsize < 2:   # (float8: fp32 holds it too)
+        return
+    if dtype.is_floating_point:
+        fix = "convert it to float32 (model.float() converts every parameter)"
+    elif dtype.is_complex:
+        fix = "hold it as two real parameters (torch.view_as_real), or as a buffer if it is not trained"
+    else:
+        fix = "register it as a buffer (module.register_buffer), which keeps its dtype"
+    raise TypeError(f"parameter {name!r} is {dtype}: pstar-fx keeps parameters in fp32 chunks (fp32 masters under "
+                    f"bf16 and fp16), where it would not keep its values; {fix}")
+
+
+def slots(model: nn.Module) -> list[tuple[str, str, nn.Module, str, torch.Tensor]]:
+    """Every distinct parameter / buffer slot (module, attribute) once, with one of its full names. A module reachable
+    under two names (`self.c = nn.Sequential(self.a, ...)`) has its slots once; a tensor tied into two modules
+    (wte / lm_head) has two slots."""
+    seen: set[tuple[int, str]] = set()
+    out = []
+    for prefix, mod in model.named_modules(remove_duplicate=False):
+        for kind in ("_parameters", "_buffers"):
+            for name, t in getattr(mod, kind).items():
+                if t is None or (id(mod), name) in seen:
+                    continue
+                seen.add((id(mod), name))
+                out.append((f"{prefix}.{name}" if prefix else name, kind, mod, name, t))
+    return out
+
+
+@contextlib.contextmanager
+def model_restored(model: nn.Module):
+    """Whatever happens inside, every parameter and buffer slot of the model holds its original tensor afterwards."""
+    saved = [(kind, mod, name, t) for _, kind, mod, name, t in slots(model)]
+    try:
+        yield
+    finally:
+        for kind, mod, name, t in saved:
+            if getattr(mod, kind).get(name) is not t:
+                getattr(mod, kind)[name] = t
+
+
+def write_rebound(given: dict, after: dict, buffer_slots: dict[str, str], bufs: dict) -> None:
+    """Inside a trace, after the step ran with the model's slots substituted (`given`: functional_call key ->
+    tensor; `after`: the same dict once torch's reparametrization has handed back the tensors the step rebound):
+    a buffer the step rebound (`self.count = self.count + 1`, not in place) gets its new value written into its
+    placeholder in `bufs` (by table name; `buffer_slots` maps keys to them), where eager code would read it next; a
+    rebound parameter, or a buffer rebound to another shape or dtype, is refused."""
+    for key, old in given.items():
+        new = after.get(key, old)
+        if new is old:
+            continue
+        name = buffer_slots.get(key)
+        where = key[2:]
+        if name is None:
+            raise UntraceableError(f"the step rebinds parameter {where!r} (assigns it a new tensor): pstar-fx "
+                                   "holds parameters in chunks; update its value in place under torch.no_grad()")
+        if not isinstance(new, torch.Tensor) or new.shape != bufs[name].shape or new.dtype != bufs[name].dtype:
+            got = (f"a tensor of shape {tuple(new.shape)} and dtype {new.dtype}" if isinstance(new, torch.Tensor)
+                   else type(new).__name__)
+            raise UntraceableError(
+                f"the step rebinds buffer {where!r} to {got}; it was {tuple(bufs[name].shape)}, "
+                f"{bufs[name].dtype}: pstar-fx keeps a buffer's shape and dtype (write it in place instead)")
+        with torch.no_grad():
+            bufs[name].copy_(new)
