@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from ..frontend.model_tensors import model_tables
+from ..frontend.model_tensors import hook_key, model_tables
 from ..frontend.trace import FlatBatch, flatten_batch, trace_step
 from ..interrupts import DeferredInterrupt
 from ..ir.graph import Settings, TrainGraph
@@ -125,10 +125,11 @@ class Compiler:
         self.layout: Layout | None = None
 
     def model_key(self) -> tuple:
-        """What of the model a trace depends on besides the batch: each module's train/eval mode and each
-        parameter's requires_grad (a change of either retraces)."""
+        """What of the model a trace depends on besides the batch: each module's train/eval mode, each
+        parameter's requires_grad and gradient hooks (a change of any retraces)."""
         return (tuple(m.training for m in self.model.modules()),
-                tuple(p.requires_grad for p in self.model.parameters()))
+                tuple(p.requires_grad if not p._backward_hooks else (p.requires_grad, hook_key(p))
+                      for p in self.model.parameters()))
 
     def get(self, batch, interrupts: DeferredInterrupt, prefix: tuple = ()) -> tuple[Compiled, FlatBatch]:
         """The compiled step for this batch's signature (compiling it on first sight), and the flattened batch.

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -117,3 +118,27 @@ def write_rebound(given: dict, after: dict, buffer_slots: dict[str, str], bufs: 
                 f"{bufs[name].dtype}: pstar-fx keeps a buffer's shape and dtype (write it in place instead)")
         with torch.no_grad():
             bufs[name].copy_(new)
+
+
+def gradient_hooks(model: nn.Module, trainable: list[str]) -> dict[str, list[Callable]]:
+    """The hooks `Tensor.register_hook` put on each trainable parameter (by table name), in order: the trace puts
+    them on the parameter's leaf, so a gradient is the hooked one, as eager `backward()` leaves it in `.grad`. A
+    post-accumulate-grad hook (an optimizer step in backward, reading `.grad`) has no place in a compiled step: refused
+    by name."""
+    params = dict(model.named_parameters())
+    hooks = {}
+    for name in trainable:
+        p = params[name]
+        if getattr(p, "_post_accumulate_grad_hooks", None):
+            raise UntraceableError(
+                f"parameter {name!r} has a post-accumulate-grad hook (register_post_accumulate_grad_hook): pstar-fx "
+                "updates parameters in its own optimizer step and never fills .grad; remove the hook (a gradient "
+                "hook, register_hook, is applied)")
+        if p._backward_hooks:
+            hooks[name] = list(p._backward_hooks.values())
+    return hooks
+
+
+def hook_key(p: torch.Tensor):
+    """What of a parameter's gradient hooks a trace depends on: which hooks (a change retraces)."""
+    return tuple(map(id, p._backward_hooks.values())) if p._backward_hooks else ()

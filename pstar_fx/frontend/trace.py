@@ -56,7 +56,7 @@ from . import backward_calls, fake_fixes, moe_rewrites, torch_compile, torchscri
 from .aux_outputs import AuxCollector, describe_aux, own_aux_storage, split_returned
 from .batch import BatchSignature, FlatBatch, flatten_batch, leaf_name  # noqa: F401 (re-exported)
 from .guards import GuardingShapeEnv, insert_guards
-from .model_tensors import ModelTables, model_restored, model_tables, slots, write_rebound
+from .model_tensors import ModelTables, gradient_hooks, model_restored, model_tables, slots, write_rebound
 
 
 
@@ -284,6 +284,7 @@ def _trace_step(fn, model: nn.Module, batch: tuple, settings: Settings, assume: 
     scale = [_fake_like(mode, (), torch.float32, device)] if fp16 else []
     # one functional_call key per distinct slot, mapped to its tensor's table name (tied tensors: one placeholder)
     table_name: dict[int, str] = {}       # tensor -> its first name, the one the tables use
+    hooks = gradient_hooks(model, list(trainable))
     named = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
     for n, t in named:
         table_name.setdefault(id(t), n)
@@ -354,6 +355,9 @@ def _trace_step(fn, model: nn.Module, batch: tuple, settings: Settings, assume: 
         # With accumulate=K the graph holds K forward + backward passes, one per micro-batch (a slice of every batch
         # tensor along dim 0), in order; outputs: [mean loss, loss_1..loss_K (K > 1 only), grads_1, ..., grads_K].
         leaves = {k: v.detach().requires_grad_(True) for k, v in tp.items()}
+        for k, fns in hooks.items():          # the user's gradient hooks, applied as eager backward applies them
+            for fn_hook in fns:
+                leaves[k].register_hook(fn_hook)
         # The aux tensors come after the losses (ir/outputs.py).
         if micro == 1:
             out, grads = one_micro_batch(leaves, fp, bufs, scale_args, xs)

@@ -1,7 +1,10 @@
-"""A step that rebinds a buffer (`self.count = self.count + 1`, a new tensor rather than an in-place write) trains
-what eager PyTorch trains: the new value is the buffer's from then on (state_dict, sync_model, the next step), with
+"""What a step does with the model's tensors beyond reading them, as eager PyTorch does.
+
+A step that rebinds a buffer (`self.count = self.count + 1`, a new tensor rather than an in-place write) trains what
+eager PyTorch trains: the new value is the buffer's from then on (state_dict, sync_model, the next step), with
 gradient accumulation and in evaluation too. A rebinding pstar-fx cannot hold (a parameter, or a buffer rebound to
-another shape or dtype) is refused with the name, never dropped."""
+another shape or dtype) is refused with the name, never dropped. Gradient hooks on parameters (`register_hook`)
+shape the gradients as in eager backward; adding or removing one retraces; a post-accumulate-grad hook is refused."""
 import copy
 
 import pytest
@@ -101,3 +104,65 @@ def test_a_rebinding_pstar_fx_cannot_hold_is_refused_by_name(module, match):
         step(x, y)
     after = model.state_dict()
     assert after.keys() == before.keys() and all(torch.equal(after[k], v) for k, v in before.items())
+
+
+class Hooked(nn.Module):
+    """Rows of a weight whose gradient a hook masks (training some rows only), a scaled bias gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(6, 8)
+        self.b = nn.Linear(8, 3)
+        self.register_buffer("mask", torch.zeros(8, 1))   # (a buffer: a real tensor closed over is refused)
+        self.mask[::2] = 1
+        self.a.weight.register_hook(lambda g: g * self.mask)
+        self.a.bias.register_hook(lambda g: g * 0.25)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_gradient_hooks_shape_the_gradients_as_in_eager(accumulate):
+    torch.manual_seed(0)
+    eager = Hooked()
+    torch.manual_seed(0)
+    model = Hooked()          # (copy.deepcopy drops tensor hooks: built the same way instead)
+    opt = torch.optim.AdamW(eager.parameters(), lr=1e-2, weight_decay=0.0)    # (masked rows then stay put)
+    step = px.compile(model, optimizer=px.AdamW(lr=1e-2, weight_decay=0.0), device="cpu", accumulate=accumulate,
+                      max_grad_norm=1.0)(_loss)
+    w0 = model.a.weight.detach().clone()
+    for x, y in _batches(3):
+        for xs, ys in zip(x.chunk(accumulate), y.chunk(accumulate)):
+            (_loss(eager, xs, ys) / accumulate).backward()
+        torch.nn.utils.clip_grad_norm_(eager.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        step(x, y)
+    sd = step.state_dict()
+    for k, v in eager.state_dict().items():
+        torch.testing.assert_close(sd[k], v, rtol=1e-6, atol=1e-7, msg=k)
+    assert torch.equal(sd["a.weight"][1::2], w0[1::2]) and not torch.equal(sd["a.weight"][::2], w0[::2])
+
+
+def test_adding_or_removing_a_gradient_hook_retraces():
+    torch.manual_seed(0)
+    model = Counting()
+    step = px.compile(model, optimizer=px.SGD(lr=0.1), device="cpu")(_loss)
+    x, y = _batches(1)[0]
+    step(x, y)
+    before = step.state_dict()["lin.weight"]
+    handle = model.lin.weight.register_hook(lambda g: g * 0)
+    step(x, y)
+    assert torch.equal(step.state_dict()["lin.weight"], before), "the hook zeroed the weight's gradient"
+    handle.remove()
+    step(x, y)
+    assert not torch.equal(step.state_dict()["lin.weight"], before)
+
+
+def test_a_post_accumulate_grad_hook_is_refused_by_name():
+    model = nn.Linear(6, 3)
+    model.weight.register_post_accumulate_grad_hook(lambda p: p.grad.zero_())
+    step = px.compile(model, optimizer=px.SGD(lr=0.1), device="cpu")(lambda m, x, y: F.mse_loss(m(x), y))
+    with pytest.raises(px.UntraceableError, match="parameter 'weight' has a post-accumulate-grad hook"):
+        step(*_batches(1)[0])
