@@ -244,9 +244,13 @@ def _apply(state: StepState, model_sd: dict, opt_sd: dict, meta: dict, path: str
     ref = state.model.state_dict(keep_vars=True)      # keys and shapes: a held model's values stay in the chunks
     if set(model_sd) != set(ref) or any(tuple(v.shape) != tuple(ref[k].shape) for k, v in model_sd.items()):
         wrong = sorted(set(model_sd) ^ set(ref)) or [k for k, v in model_sd.items() if v.shape != ref[k].shape]
-        raise ValueError(f"step.load: {path!r} was saved from another model: keys or shapes differ ({wrong[:3]})")
+        raise CheckpointError(f"step.load: {path!r} was saved from another model: keys or shapes differ "
+                              f"({wrong[:3]})")
     # optimizer first: it checks everything before it changes anything, so a refused checkpoint changes nothing
-    state.optimizer.load_state_dict(opt_sd)
+    try:
+        state.optimizer.load_state_dict(opt_sd)
+    except (ValueError, KeyError) as e:     # (a CheckpointError is a ValueError too)
+        raise CheckpointError(f"step.load: {path!r}: its optimizer state does not fit this step: {e}") from e
     # model values: into the chunks when this step holds the model, else into the model, which the next step takes
     # (another step holding the model gives it back first); a model built under px.init_empty() has values only in
     # the chunks, so the step takes it first

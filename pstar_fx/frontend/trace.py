@@ -386,6 +386,7 @@ def _trace_step(fn, model: nn.Module, batch: tuple, settings: Settings, assume: 
     except Exception as e:  # an unsupported construct deep inside torch: name it and the user's line
         raise _explain(e, flat, mode.shape_env) from e
     _reject_unbounded(gm, mode.shape_env)
+    _reject_sparse(gm)
     guard_nodes = set(insert_guards(gm, mode.shape_env))
 
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -400,6 +401,9 @@ def _trace_step(fn, model: nn.Module, batch: tuple, settings: Settings, assume: 
                                             if s is not None])
         first_aux = 1 + (micro if micro > 1 else 0)
         own_aux_storage(gm, range(first_aux, first_aux + len(parts.aux)),
+                        {n: role for n, (role, _) in zip(placeholders, roles)})
+    else:    # an evaluation's outputs: a parameter or buffer returned (or a view of one) is returned as a copy
+        own_aux_storage(gm, range(len(output_node(gm.graph).args[0])),
                         {n: role for n, (role, _) in zip(placeholders, roles)})
     ann = {}
     for node, (role, name) in zip(placeholders, roles):
@@ -438,6 +442,22 @@ def _reject_unbounded(gm: fx.GraphModule, shape_env: ShapeEnv) -> None:
                 f"on tensor values and has no known upper bound {_where(_made_by(shape_env, d.symbol)[1])}; pstar-fx "
                 "plans such sizes at their upper bound, so give the op one (for example repeat_interleave's "
                 "output_size)")
+
+
+def _reject_sparse(gm: fx.GraphModule) -> None:
+    """Chunks and the plan hold dense (strided) tensors: a sparse one (nn.Embedding(sparse=True)'s gradient) is
+    refused, naming the op that made it and the line of a sparse embedding where there is one."""
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor) and val.layout != torch.strided:
+            sparse_embedding = next((n for n in gm.graph.nodes if n.target is torch.ops.aten.embedding.default
+                                     and len(n.args) > 4 and n.args[4]), None)
+            where = user_frame(sparse_embedding) if sparse_embedding is not None else None
+            hint = ("" if sparse_embedding is None else
+                    f": a sparse embedding (nn.Embedding(sparse=True), {' '.join(where) if where else 'source unknown'})"
+                    "; use sparse=False, which trains the same values")
+            raise UntraceableError(f"cannot trace the training step: operation {node.target} makes a {val.layout} "
+                                   f"tensor, and pstar-fx holds dense tensors only{hint}")
 
 
 def _reject_param_mutation(gm: fx.GraphModule, ann, recorder: _SourceRecorder) -> None:

@@ -434,3 +434,29 @@ def test_two_ranks_verify_the_files_they_read_and_agree(tmp_path):
         assert res["error"] is not None and res["error"][0] == "CheckpointError", (r, res["error"])
         assert "__1_0.distcp is corrupted" in res["error"][1], (r, res["error"])
         assert res["unchanged"], f"rank {r}: the refused load changed the step"
+
+
+@pytest.mark.parametrize("saved_frozen", [False, True], ids=["into-fewer-trained", "into-more-trained"])
+def test_a_checkpoint_of_other_trained_parameters_is_a_checkpoint_error_and_changes_nothing(tmp_path, saved_frozen):
+    """The same model with another parameter set trained: its optimizer state does not fit; refused as a
+    CheckpointError (not whatever the optimizer raised), before anything is applied."""
+    def build(frozen: bool):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+        model[0].weight.requires_grad_(not frozen)
+        return px.compile(model, optimizer=px.AdamW(lr=1e-2), device="cpu")(
+            lambda m, x, y: torch.nn.functional.mse_loss(m(x), y))
+    batch = (torch.randn(3, 4), torch.randn(3, 2))
+    source = build(saved_frozen)
+    source(*batch)
+    source.save(tmp_path / "c")
+    step = build(not saved_frozen)
+    step(*batch)
+    step(*batch)
+    values, opt = step.state_dict(), step.optimizer.state_dict()
+    with pytest.raises(px.CheckpointError, match="optimizer state does not fit this step"):
+        step.load(tmp_path / "c")
+    assert all(torch.equal(v, step.state_dict()[k]) for k, v in values.items())
+    after = step.optimizer.state_dict()["state"]
+    assert after.keys() == opt["state"].keys() and all(
+        torch.equal(v, after[i][k]) for i, s in opt["state"].items() for k, v in s.items())

@@ -126,3 +126,19 @@ def test_an_evaluation_refuses_checkpoints_and_names_what_to_save_instead(tmp_pa
         evaluate.load(tmp_path / "c")
     assert not (tmp_path / "c").exists()
     assert torch.equal(evaluate.state_dict()["weight"], weight)
+
+
+def test_an_evaluation_returning_a_parameter_or_a_view_of_one_returns_a_copy():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+    want = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    evaluate = px.compile(model, optimizer=None, device="cpu")(
+        lambda m, x: (m(x).sum(), m[0].weight, {"t": m[0].weight.t(), "b": m[2].bias[:1]}))
+    x = torch.randn(5, 4)
+    out, w, d = evaluate(x)
+    assert torch.equal(w, want["0.weight"]) and torch.equal(d["t"], want["0.weight"].t())
+    assert torch.equal(d["b"], want["2.bias"][:1])
+    w.zero_()
+    d["b"].fill_(7.0)      # the copies are the caller's: the held values stay
+    assert torch.equal(evaluate.state_dict()["0.weight"], want["0.weight"])
+    assert torch.equal(evaluate.state_dict()["2.bias"], want["2.bias"])

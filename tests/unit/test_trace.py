@@ -269,3 +269,20 @@ def test_user_frame_is_the_innermost_frame_outside_torch_and_pstar_fx():
     assert user_frame(n) is None
     del n.meta["stack_trace"]
     assert user_frame(n) is None
+
+
+def test_a_sparse_embedding_is_refused_with_its_line():
+    class SparseEmbedding(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.e = nn.Embedding(10, 4, sparse=True)
+            self.o = nn.Linear(4, 10)
+
+        def forward(self, x):
+            return self.o(self.e(x))    # the sparse embedding's line
+
+    step = px.compile(SparseEmbedding(), optimizer=px.SGD(lr=0.1), device="cpu")(
+        lambda m, x, y: F.cross_entropy(m(x), y))
+    with pytest.raises(px.UntraceableError, match=r"sparse_coo tensor.*nn.Embedding\(sparse=True\).*test_trace.py.*"
+                                                  r"the sparse embedding's line.*use sparse=False"):
+        step(torch.randint(10, (6,)), torch.randint(10, (6,)))
