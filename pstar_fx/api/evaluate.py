@@ -19,6 +19,7 @@ import torch.nn as nn
 
 from ..frontend.trace import FlatBatch, flatten_batch, trace_step
 from ..interrupts import DeferredInterrupt
+from ..ir.graph import Precision
 from ..ir.needs import state_layout
 from ..passes import pipeline, run_passes
 from ..runtime.chunk_store import ChunkStore
@@ -38,6 +39,7 @@ class EvalCompiler(Compiler):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.own: tuple | None = None        # (store, layout) of chunks of its own, once made
+        self.asked_precision: Precision | None = None   # px.compile's precision, where the user gave one
 
     def trainer(self) -> CompiledStep | None:
         """The training step holding the model now, whose chunks this function reads; None if none does."""
@@ -67,6 +69,11 @@ class EvalCompiler(Compiler):
     def _compile_for(self, batch, trainer: CompiledStep | None, interrupts: DeferredInterrupt,
                      assume: tuple = ()) -> Compiled:
         if trainer is not None:
+            if self.asked_precision not in (None, trainer.settings.precision):
+                raise ValueError(
+                    f"this evaluation was compiled with precision={self.asked_precision.value!r}, but the training "
+                    f"step holding the model runs in {trainer.settings.precision.value!r}, and an evaluation reads "
+                    "that step's chunks as they are: leave precision=None (or give the training step's)")
             # plan over the trainer's chunks as they are now: its layout, precision, budget and state homes
             params, chunks, size = trainer._compiler.layout
             store = trainer._compiler.store
@@ -102,6 +109,8 @@ class CompiledEval(CompiledStep):
 
     def __init__(self, fn: Callable, model: nn.Module, **kw):
         super().__init__(fn, model, None, fuse=False, **kw)   # fused regions are for training steps
+        if kw.get("precision") is not None:
+            self._compiler.asked_precision = self.settings.precision
 
     def __call__(self, *batch):
         """Run the function on this batch; returns what it returns, detached. Ctrl-C is held over the call and

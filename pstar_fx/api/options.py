@@ -63,7 +63,7 @@ def _has_triton() -> bool:
 
 
 def check_options(model, optimizer, *, chunk_size, prefetch, max_grad_norm, accumulate, remat, atomic,
-                  cache_size=8) -> None:
+                  cache_size=8, debug=False) -> None:
     """Raise on a model that is not a module, an optimizer that is not a px optimizer description (or None), or an
     option out of its range."""
     if not isinstance(model, nn.Module):
@@ -89,6 +89,8 @@ def check_options(model, optimizer, *, chunk_size, prefetch, max_grad_norm, accu
                          f"got {remat!r}")
     if not isinstance(atomic, bool):
         raise ValueError(f"atomic must be True or False, got {atomic!r}")
+    if not isinstance(debug, bool):
+        raise ValueError(f"debug must be True or False, got {debug!r}")
     if not isinstance(cache_size, int) or isinstance(cache_size, bool) or cache_size < 1:
         raise ValueError(f"cache_size must be a number of compiled batch signatures to keep, an int >= 1, got "
                          f"{cache_size!r}")
@@ -121,7 +123,11 @@ def resolve_device(device) -> torch.device:
     """None: CUDA when torch sees it, else the CPU; "cuda" without an index: the current CUDA device."""
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    d = torch.device(device)
+    try:
+        d = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be 'cuda', 'cuda:N', 'cpu' or a torch.device (or None), got {device!r}") \
+            from None
     if d.type not in ("cuda", "cpu"):
         raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
     if d.type == "cuda" and not torch.cuda.is_available():

@@ -6,6 +6,7 @@ It ties the jobs together, each done elsewhere: its options (options.py), compil
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import time
@@ -72,7 +73,10 @@ class CompiledStep:
                  atomic: bool = True, device_updates: int | None = None, cache_size: int = DEFAULT_MAX_SIZE,
                  fuse: bool | None = None, host_memory=None, offload_dir=None, disk_memory=None):
         check_options(model, optimizer, chunk_size=chunk_size, prefetch=prefetch, max_grad_norm=max_grad_norm,
-                      accumulate=accumulate, remat=remat, atomic=atomic, cache_size=cache_size)
+                      accumulate=accumulate, remat=remat, atomic=atomic, cache_size=cache_size, debug=debug)
+        if not callable(fn):
+            raise TypeError(f"px.compile(...) decorates the step function, fn(model, *batch); got "
+                            f"{type(fn).__name__} {fn!r}")
         # torch.compile wrappers are traced through (pstar_fx.frontend.torch_compile)
         traced_fn = torch_compile.original_function(fn)
         warn_torch_compiled([n for n, _ in torch_compile.compiled_modules(model)], traced_fn is not fn)
@@ -105,6 +109,7 @@ class CompiledStep:
         self._measured: tuple[TrainGraph, list[int]] | None = None   # debug: device bytes after every node
         self._broken: str | None = None      # set when a step failed after its commit point
         self._before_node = None             # tests: called before every node (fault injection)
+        self._inside = False                 # a call is running (the lock is reentrant: the same thread may enter)
         self.__wrapped__ = fn
 
     # -- running ----------------------------------------------------------------------------------------------
@@ -119,7 +124,7 @@ class CompiledStep:
         coming out otherwise than traced fails before the commit point: the step, rolled back, runs again on the
         graph traced for that outcome (pstar_fx/api/guarded.py)."""
         refuse_torch_compile()
-        with self._lock, DeferredInterrupt() as interrupts:
+        with self._lock, DeferredInterrupt() as interrupts, self._one_call():
             started = time.perf_counter()
             self._check_callable(batch)
 
@@ -137,6 +142,18 @@ class CompiledStep:
             if run.per_node is not None:
                 self._measured = (compiled.executor.g, run.per_node)
             return returned(compiled.executor.g, run.outputs)
+
+    @contextlib.contextmanager
+    def _one_call(self):
+        """Marks a call as running; a call from inside it (the step function calling its own step) is refused."""
+        if self._inside:
+            raise PstarError("the step was called from inside a call of itself (its step function, or code it "
+                             "runs, calls the compiled step): call the step from the training loop only")
+        self._inside = True
+        try:
+            yield
+        finally:
+            self._inside = False
 
     def _check_callable(self, batch) -> None:
         """The step may run: not broken by a failed update, in grad mode, and (several ranks) called alike on every

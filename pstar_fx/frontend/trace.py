@@ -173,7 +173,14 @@ def _explain(exc: BaseException, flat: "FlatBatch | None" = None, shape_env: Sha
         if doubles and "double" in str(exc).lower():
             what += (f" (batch tensor {doubles[0]} is float64: pstar-fx, like eager PyTorch, passes batch tensors in "
                      "their own dtype, so convert it to the model's dtype, e.g. x.float(), in or before the step)")
-    return UntraceableError(f"cannot trace the training step: {what}; {_where(frame)}")
+        empty = [(i, tuple(t.shape)) for i, t in enumerate(flat.tensors) if t.numel() == 0] if flat else []
+        if empty:
+            what += (f" (batch tensor {empty[0][0]} is empty, of shape {empty[0][1]}: a batch of no rows has nothing "
+                     "to train on, and a mean over it divides by zero; leave empty batches out)")
+    where = _where(frame)
+    if frame is None and any(f"autograd{os.sep}" in f.filename for f in traceback.extract_tb(exc.__traceback__)):
+        where = "in the backward pass (differentiating an op of the step's forward)"
+    return UntraceableError(f"cannot trace the training step: {what}; {where}")
 
 
 def _made_by(shape_env: ShapeEnv | None, sym) -> tuple[str, traceback.FrameSummary | None]:

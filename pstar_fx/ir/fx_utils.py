@@ -28,17 +28,23 @@ _TORCH_DIR = os.path.dirname(torch.__file__)
 _FILE = re.compile(r'File "([^"]+)"')
 
 
-@functools.lru_cache(maxsize=4096)
-
 def has_node(a) -> bool:
     """Whether an argument (a node, or a list, tuple or dict nesting them) refers to a node."""
     found = []
     fx.node.map_arg(a, found.append)
     return bool(found)
 
+
+_GENERATED = ("<string>", "<eval_with_key")    # code torch generates (decompositions, fx modules): not the user's
+
+
+@functools.lru_cache(maxsize=4096)
 def is_user_file(filename: str) -> bool:
-    """Whether a source file is the user's: outside torch, pstar-fx's own files (errors.is_own_file), contextlib and
-    functools (a pure function of the name, memoised: tracing asks it at every torch-level call)."""
+    """Whether a source file is the user's: outside torch, pstar-fx's own files (errors.is_own_file), contextlib,
+    functools and code torch generates (a pure function of the name, memoised: tracing asks it at every torch-level
+    call)."""
+    if filename.startswith(_GENERATED):
+        return False
     f = os.path.abspath(filename)
     return not (f.startswith(_TORCH_DIR) or is_own_file(f) or "/contextlib.py" in f or "/functools.py" in f)
 

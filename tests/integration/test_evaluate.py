@@ -142,3 +142,14 @@ def test_an_evaluation_returning_a_parameter_or_a_view_of_one_returns_a_copy():
     d["b"].fill_(7.0)      # the copies are the caller's: the held values stay
     assert torch.equal(evaluate.state_dict()["0.weight"], want["0.weight"])
     assert torch.equal(evaluate.state_dict()["2.bias"], want["2.bias"])
+
+
+def test_an_evaluation_asked_for_another_precision_than_the_holding_step_is_refused():
+    model = torch.nn.Linear(4, 2)
+    step = px.compile(model, optimizer=px.AdamW(lr=1e-3), device="cpu")(lambda m, x: m(x).sum())
+    step(torch.randn(3, 4))
+    evaluate = px.compile(model, optimizer=None, device="cpu", precision="bf16")(lambda m, x: m(x))
+    with pytest.raises(ValueError, match=r"precision='bf16'.*holding the model runs in 'fp32'"):
+        evaluate(torch.randn(3, 4))
+    same = px.compile(model, optimizer=None, device="cpu", precision="fp32")(lambda m, x: m(x))
+    assert same(torch.randn(3, 4)).shape == (3, 2)

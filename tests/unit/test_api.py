@@ -224,3 +224,41 @@ def test_a_parameter_chunks_cannot_hold_exactly_is_refused_by_name(dtype, fix):
     held = (before.real if dtype.is_complex else before).to(torch.bfloat16 if dtype.is_floating_point else torch.float32)
     model.odd = torch.nn.Parameter(held, requires_grad=False)
     px.compile(model, optimizer=px.AdamW(lr=1e-3), device="cpu")(lambda m, x: m(x).sum())   # held exactly: taken
+
+
+def test_options_and_the_decorated_function_are_checked_by_name():
+    model = torch.nn.Linear(4, 2)
+    with pytest.raises(ValueError, match=r"device must be 'cuda', 'cuda:N', 'cpu' .* got 'gpu'"):
+        px.compile(model, optimizer=px.AdamW(lr=1e-3), device="gpu")(lambda m, x: m(x).sum())
+    with pytest.raises(ValueError, match="debug must be True or False, got 'yes'"):
+        px.compile(model, optimizer=px.AdamW(lr=1e-3), device="cpu", debug="yes")(lambda m, x: m(x).sum())
+    with pytest.raises(TypeError, match=r"decorates the step function, fn\(model, \*batch\); got int 5"):
+        px.compile(model, optimizer=px.AdamW(lr=1e-3), device="cpu")(5)
+
+
+def test_a_step_called_from_inside_its_own_function_is_refused_at_that_line():
+    model = torch.nn.Linear(4, 2)
+    step = None
+
+    def fn(m, x):
+        step(x)                  # the step calling itself
+        return m(x).sum()
+    step = px.compile(model, optimizer=px.AdamW(lr=1e-3), device="cpu")(fn)
+    with pytest.raises(px.UntraceableError, match=r"called from inside a call of itself.*test_api.py.*step\(x\)"):
+        step(torch.randn(3, 4))
+    step._fn = step._compiler.fn = lambda m, x: m(x).sum()     # (the step works again once fn stops calling it)
+    assert torch.isfinite(step(torch.randn(3, 4)))
+
+
+def test_an_empty_batch_names_the_empty_tensor_and_the_backward():
+    step = px.compile(torch.nn.Linear(4, 2), optimizer=px.AdamW(lr=1e-3), device="cpu")(
+        lambda m, x, y: torch.nn.functional.mse_loss(m(x), y))
+    with pytest.raises(px.UntraceableError, match=r"batch tensor 0 is empty, of shape \(0, 4\).*in the backward"):
+        step(torch.randn(0, 4), torch.randn(0, 2))
+
+
+def test_whose_source_a_frame_is_is_memoised_and_generated_code_is_not_the_users():
+    from pstar_fx.ir import fx_utils
+    assert hasattr(fx_utils.is_user_file, "cache_info") and not hasattr(fx_utils.has_node, "cache_info")
+    assert not fx_utils.is_user_file("<string>") and not fx_utils.is_user_file("<eval_with_key>.3")
+    assert fx_utils.is_user_file(__file__) and not fx_utils.is_user_file(fx_utils.__file__)
