@@ -156,9 +156,10 @@ class PstarTrainer(Trainer):
         return None if stats is None else getattr(stats, "grad_norm", None)
 
     def train(self, *args, **kwargs):
-        out = super().train(*args, **kwargs)
-        self._give_back()
-        return out
+        try:
+            return super().train(*args, **kwargs)
+        finally:            # (an exception or Ctrl-C too: the model is the user's again, with the trained values)
+            self._give_back()
 
     # -- evaluation -------------------------------------------------------------------------------------------
     def _eval_outputs(self, model, inputs: dict, num_items, has_loss: bool, loss_only: bool):
@@ -257,9 +258,39 @@ def _is_tensors(v) -> bool:
     return isinstance(v, (tuple, list)) and len(v) > 0 and all(isinstance(x, torch.Tensor) for x in v)
 
 
+# what a padded position holds in each token tensor a collator pads (with attention_mask, the padding is masked)
+PADDING = {"input_ids": 0, "attention_mask": 0, "labels": -100, "token_type_ids": 0}
+
+
+def _padded_alike(micro_batches: list[dict]) -> list[dict]:
+    """Micro-batches of one group padded per batch to different lengths (a collator's dynamic padding): their token
+    tensors (PADDING's keys, all 2-d) right-padded to the group's longest, the padding masked (attention_mask 0,
+    labels -100: the loss and its token count are those of the unpadded micro-batch). Only where every micro-batch
+    has an attention_mask; otherwise, and for any other tensor, as given."""
+    def length(mb):
+        return {mb[k].shape[1] for k in PADDING if isinstance(mb.get(k), torch.Tensor) and mb[k].dim() == 2}
+    lengths = [length(mb) for mb in micro_batches]
+    if (not all(isinstance(mb.get("attention_mask"), torch.Tensor) for mb in micro_batches)
+            or any(len(ls) != 1 for ls in lengths) or len(set().union(*lengths)) == 1):
+        return micro_batches
+    longest = max(set().union(*lengths))
+    out = []
+    for mb in micro_batches:
+        mb = dict(mb)
+        for k, fill in PADDING.items():
+            t = mb.get(k)
+            if isinstance(t, torch.Tensor) and t.dim() == 2 and t.shape[1] < longest:
+                pad = t.new_full((t.shape[0], longest - t.shape[1]), fill)
+                mb[k] = torch.cat([t, pad], dim=1)
+        out.append(mb)
+    return out
+
+
 def _stack(micro_batches: list[dict]) -> dict:
     """The group's micro-batches as one batch, each tensor concatenated along dimension 0 (pstar-fx's accumulate
-    splits it back). Other values must be equal in every micro-batch."""
+    splits it back), token tensors padded to one length first (_padded_alike). Other values must be equal in every
+    micro-batch."""
+    micro_batches = _padded_alike(micro_batches)
     first = micro_batches[0]
     out = {}
     for key, value in first.items():
@@ -270,8 +301,9 @@ def _stack(micro_batches: list[dict]) -> dict:
                 raise ValueError(
                     f"PstarTrainer: the micro-batches of one accumulation group have '{key}' of shapes "
                     f"{sorted(shapes)}; a pstar-fx step runs the group as one batch split along dimension 0, so "
-                    "they need equal shapes: pad to a fixed length (e.g. a tokenizer with padding='max_length', or "
-                    "a collator with pad_to_multiple_of) and set dataloader_drop_last=True")
+                    "they need equal shapes (token tensors of different lengths are padded to one where the batch "
+                    "has an attention_mask): pad to a fixed length (a tokenizer with padding='max_length') and "
+                    "set dataloader_drop_last=True (the last group may be short)")
             out[key] = torch.cat(values, dim=0) if len(values) > 1 else value
         else:
             if any(v != value for v in values[1:]):

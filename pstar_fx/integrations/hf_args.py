@@ -16,8 +16,9 @@ from ..optim import AdamW, OptimizerSpec
 
 # TrainingArguments.optim values pstar-fx runs, and the px.AdamW `fused` that matches each: "adamw_torch" is
 # torch.optim.AdamW's single-tensor / foreach formula (pstar-fx's fused=False is bit for bit its single-tensor one),
-# "adamw_torch_fused" its fused kernel (pstar-fx's default).
-_OPTIMS = {"adamw_torch": False, "adamw_torch_fused": None}
+# "adamw_torch_fused" its fused kernel (pstar-fx's default, named fused=True so that the optimizer state a checkpoint
+# saves says so: a plain Trainer resuming from it runs the same kernel).
+_OPTIMS = {"adamw_torch": False, "adamw_torch_fused": True}
 
 
 @dataclass(frozen=True)
