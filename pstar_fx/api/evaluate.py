@@ -133,7 +133,7 @@ class CompiledEval(CompiledStep):
             self._last_stats = run.stats
             return compiled.executor.g.output_spec.rebuild([o.detach() for o in run.outputs])
 
-    def save(self, path, *, sharded: bool | None = None) -> None:
+    def save(self, path, *, sharded: bool | None = None, frozen: bool = True) -> None:
         raise TypeError("an evaluation function (px.compile(model, optimizer=None)) has no training state to "
                         "checkpoint: save the training step (step.save(path)), or the model's values "
                         "(torch.save(evaluate.state_dict(), path))")

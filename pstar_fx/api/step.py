@@ -262,10 +262,12 @@ class CompiledStep:
 
     # -- checkpoints ------------------------------------------------------------------------------------------
     @_locked
-    def save(self, path, *, sharded: bool | None = None) -> None:
+    def save(self, path, *, sharded: bool | None = None, frozen: bool = True) -> None:
         """Write a checkpoint directory that resumes exactly (see pstar_fx.checkpoint). sharded: None writes the
-        sharded format with several ranks or a disk tier, plain files otherwise; True or False chooses."""
-        checkpoint.save(self._step_state(), path, sharded=sharded)
+        sharded format with several ranks or a disk tier, plain files otherwise; True or False chooses. frozen=False
+        leaves out the parameters the step does not train (plain files): a load keeps the model's own values for
+        them, so load it into a model built with the same frozen values (a fine-tune's base weights)."""
+        checkpoint.save(self._step_state(), path, sharded=sharded, frozen=frozen)
 
     @_locked
     def load(self, path) -> None:

@@ -9,10 +9,12 @@ Plain files (one process: the default). A directory of three ordinary files, eac
   PyTorch too;
 - optimizer.pt: `step.optimizer.state_dict()`, torch's format for the optimizer's class, options and states;
 - meta.pt: the format version, the precision, the fp16 loss scaler (scale, good steps, growth settings) and the RNG
-  states the step draws from: torch's CPU generator, and the device's CUDA generator when the step runs on CUDA;
+  states the step draws from: torch's CPU generator, and the device's CUDA generator when the step runs on CUDA, and
+  the names of the frozen parameters model.pt leaves out (`step.save(path, frozen=False)`; a load keeps the model's
+  own values for them);
 - manifest.json: written last; says "plain" and gives each file's size and checksums (files.py).
 
-Sharded (the default with several ranks or a disk tier; `save(step, path, sharded=True)` otherwise): a
+Sharded (the default with several ranks or a disk tier; `step.save(path, sharded=True)` otherwise): a
 torch.distributed.checkpoint directory (one `.distcp` file per rank, and `.metadata`, which here is pstar-fx's JSON
 manifest holding DCP's metadata and the files' checksums, not DCP's pickle) in which each rank wrote only the pieces of
 parameters and optimizer states it owns, with the same contents (see sharded.py). No rank gathers the model. Loading

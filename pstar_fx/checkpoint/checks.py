@@ -28,11 +28,18 @@ def _count(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def model_state(state: StepState, sd, where: str) -> None:
-    """`sd` holds exactly this model's state_dict keys, each a tensor of the model's shape and dtype."""
+def model_state(state: StepState, sd, where: str, left_out=()) -> None:
+    """`sd` holds exactly this model's state_dict keys but those `left_out` (parameters this step does not train:
+    the model keeps its own values for them), each a tensor of the model's shape and dtype."""
     ref = state.model.state_dict(keep_vars=True)
     if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
         raise CheckpointError(f"step.load: {where} is not a state dict of tensors")
+    trained = sorted(set(left_out) - set(state.frozen_names()))
+    if trained:
+        raise CheckpointError(f"step.load: {where} leaves out {trained[:3]}, which this step trains (or this model "
+                              "lacks): a checkpoint saved with frozen=False loads into a step that freezes the same "
+                              "parameters")
+    ref = {k: v for k, v in ref.items() if k not in set(left_out)}
     wrong = sorted(set(sd) ^ set(ref), key=str)
     if wrong:
         raise CheckpointError(f"step.load: {where} was saved from another model: keys differ ({wrong[:3]})")
@@ -170,8 +177,12 @@ def meta(state: StepState, value, where: str, *, fmt: int, keys: set[str]) -> di
     RNG states and optimizer groups when it holds them); returned with the scaler's values typed."""
     if not isinstance(value, dict) or value.get("format") != fmt:
         raise CheckpointError(f"step.load: {where} is not a pstar-fx checkpoint's meta of format {fmt}")
-    if set(value) - {"state_dtype"} != keys - {"state_dtype"}:   # a meta written before state_dtype: fp32
+    later = {"state_dtype", "left_out"}         # entries a meta written before them lacks (fp32; nothing left out)
+    if set(value) - later != keys - later or not set(value) <= keys:
         raise CheckpointError(f"step.load: {where}: the meta has the entries {sorted(value)}, not {sorted(keys)}")
+    left_out = value.get("left_out", [])
+    if not isinstance(left_out, list) or not all(isinstance(n, str) for n in left_out):
+        raise CheckpointError(f"step.load: {where}: left_out is not a list of parameter names")
     if value.get("state_dtype", StateDtype.FP32.value) not in {d.value for d in StateDtype}:
         raise CheckpointError(f"step.load: {where}: unknown state_dtype {value['state_dtype']!r} (one of "
                               f"{[d.value for d in StateDtype]})")

@@ -119,11 +119,13 @@ def _described(fn, file: str, doing: str):
         raise files.described(e, file, doing) from e
 
 
-def save(state: StepState, path, *, sharded: bool | None = None) -> None:
+def save(state: StepState, path, *, sharded: bool | None = None, frozen: bool = True) -> None:
     """Write model values, optimizer state, loss scaler and RNG states to the directory `path` (see the module
-    docstring). sharded: None picks the sharded format with several ranks or a disk tier, plain files otherwise. Reads
-    values only; the step's state is not changed (a model built under px.init_empty() is first taken into the chunks,
-    as step.state_dict() does). With several ranks, every rank calls it with the same path."""
+    docstring). sharded: None picks the sharded format with several ranks or a disk tier, plain files otherwise.
+    frozen=False leaves out the parameters the step does not train (plain files only): a load keeps the model's own
+    values for them (a fine-tune's base weights, which the base checkpoint holds). Reads values only; the step's state
+    is not changed (a model built under px.init_empty() is first taken into the chunks, as step.state_dict() does).
+    With several ranks, every rank calls it with the same path."""
     path = _norm(path)
     state.fill_if_empty()        # a model built under px.init_empty() gets its values in the chunks, if they exist
     if state.model_is_empty():
@@ -132,13 +134,16 @@ def save(state: StepState, path, *, sharded: bool | None = None) -> None:
     comm = state.comm
     on_disk = state.store is not None and state.store.disk is not None
     as_sharded = (comm is not None or on_disk) if sharded is None else bool(sharded)
+    if not frozen and as_sharded:
+        raise ValueError("step.save(frozen=False) leaves frozen parameters out of plain files; the sharded format "
+                         "(several ranks, a disk tier, sharded=True) holds every value: save with sharded=False")
     rank = state.rank
     if not as_sharded or comm is not None:     # (one rank's sharded save streams its disk chunks)
         disk_states_fit(state, f"step.save({path!r})")
     contents = None
     if not as_sharded:
         # read everything before writing anything (collectives with several ranks: every rank gathers it)
-        contents = plain.contents(state)
+        contents = plain.contents(state, () if frozen else state.frozen_names())
     where, refused = None, None
     if rank == 0:
         try:
@@ -241,7 +246,8 @@ def load(state: StepState, path) -> None:
 def _apply(state: StepState, model_sd: dict, opt_sd: dict, meta: dict, path: str) -> None:
     """Whole values into the step: through its chunks when it holds the model, else into the model and the
     optimizer (the next step takes them)."""
-    ref = state.model.state_dict(keep_vars=True)      # keys and shapes: a held model's values stay in the chunks
+    left_out = set(meta.get("left_out", ()))          # frozen parameters the model keeps its own values for
+    ref = {k: v for k, v in state.model.state_dict(keep_vars=True).items() if k not in left_out}   # keys, shapes
     if set(model_sd) != set(ref) or any(tuple(v.shape) != tuple(ref[k].shape) for k, v in model_sd.items()):
         wrong = sorted(set(model_sd) ^ set(ref)) or [k for k, v in model_sd.items() if v.shape != ref[k].shape]
         raise CheckpointError(f"step.load: {path!r} was saved from another model: keys or shapes differ "
@@ -255,6 +261,6 @@ def _apply(state: StepState, model_sd: dict, opt_sd: dict, meta: dict, path: str
     # (another step holding the model gives it back first); a model built under px.init_empty() has values only in
     # the chunks, so the step takes it first
     state.fill_if_empty()
-    state.load_model_values(model_sd)     # into the chunks when this step holds the model, else into the model
+    state.load_model_values(model_sd, not left_out)   # into the chunks when the step holds the model, else the model
     sharded_format.apply_meta(state, meta)
     state.clear_broken()

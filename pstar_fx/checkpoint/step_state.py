@@ -41,13 +41,22 @@ class StepState:
     fill_if_empty: Callable[[], None]        # a model built under px.init_empty() gets its values in the chunks,
     #                                          once they exist
     model_values: Callable[[], dict[str, torch.Tensor]]   # step.state_dict(): what the next step trains on
-    load_model_values: Callable[[dict[str, torch.Tensor]], None]   # step.load_state_dict(values)
+    load_model_values: Callable[[dict[str, torch.Tensor], bool], None]   # step.load_state_dict(values, strict)
     mark_broken: Callable[[str], None]       # the step refuses to run (CommitError with this message) until ...
     clear_broken: Callable[[], None]         # ... a load has written every value
 
     @property
     def rank(self) -> int:
         return 0 if self.comm is None else self.comm.rank
+
+    def frozen_names(self) -> list[str]:
+        """The state_dict names (tied aliases too) of the parameters this step does not train (as compiled; before
+        the first compile, those without requires_grad)."""
+        if self.store is not None:
+            trained = {name for name, p in self.store.params.items() if p.trainable}
+        else:
+            trained = {name for name, p in self.model.named_parameters() if p.requires_grad}
+        return sorted(n for n, (role, kept) in self.names.items() if role is Role.PARAM and kept not in trained)
 
     def model_is_empty(self) -> bool:
         """Some tensor of the model was built under px.init_empty() and has no values yet."""

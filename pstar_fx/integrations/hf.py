@@ -231,7 +231,8 @@ class PstarTrainer(Trainer):
         """The Trainer's optimizer (torch format) and scheduler, and the pstar-fx step's own checkpoint."""
         super()._save_optimizer_and_scheduler(output_dir)
         if self._step is not None and self.args.should_save:
-            self._step.save(os.path.join(output_dir, STEP_STATE_DIR))
+            # frozen parameters (a LoRA fine-tune's base weights) are left out: the resumed model has them
+            self._step.save(os.path.join(output_dir, STEP_STATE_DIR), frozen=False)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
         self._give_back()            # the Trainer loads the weights into the model itself

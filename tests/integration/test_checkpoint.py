@@ -261,3 +261,51 @@ def test_a_checkpoint_of_another_model_is_refused_and_changes_nothing(tmp_path):
     with pytest.raises(ValueError, match="another model"):
         other.load(tmp_path / "c")
     _assert_equal_state(other.state_dict(), before, "refused load")
+
+
+def _frozen_base_step(train_first: bool = False, precision: str = "fp32"):
+    """A small model whose first layer is frozen (a fine-tune's base weights), or trained with train_first."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    model[0].weight.requires_grad_(train_first)
+    model[0].bias.requires_grad_(train_first)
+    return px.compile(model, optimizer=px.AdamW(lr=1e-2), device="cpu", precision=precision)(
+        lambda m, x, y: torch.nn.functional.mse_loss(m(x), y))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("first", ["before-first-step", "after"])
+def test_frozen_parameters_left_out_of_a_checkpoint_resume_exactly_from_the_models_own(tmp_path, precision, first):
+    """step.save(path, frozen=False): model.pt holds the trained parameters only (the frozen ones named in the
+    meta), and a step on a model built with the same frozen values resumes bit for bit, loaded before its first step
+    (into the model) or after (into the chunks)."""
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g)) for _ in range(6)]
+    a = _frozen_base_step(precision=precision)
+    for b in batches[:3]:
+        a(*b)
+    a.save(tmp_path / "c", frozen=False)
+    assert sorted(torch.load(tmp_path / "c" / "model.pt", weights_only=True)) == ["2.bias", "2.weight"]
+    assert torch.load(tmp_path / "c" / "meta.pt", weights_only=True)["left_out"] == ["0.bias", "0.weight"]
+    want = [a(*b).item() for b in batches[3:]]
+    resumed = _frozen_base_step(precision=precision)
+    if first == "after":
+        resumed(*batches[0])
+    resumed.load(tmp_path / "c")
+    assert [resumed(*b).item() for b in batches[3:]] == want
+    assert all(torch.equal(v, resumed.state_dict()[k]) for k, v in a.state_dict().items())
+
+
+def test_a_checkpoint_leaving_out_what_the_step_trains_is_refused(tmp_path):
+    a = _frozen_base_step()
+    a(torch.randn(4, 8), torch.randn(4, 4))
+    a.save(tmp_path / "c", frozen=False)
+    trains_all = _frozen_base_step(train_first=True)
+    trains_all(torch.randn(4, 8), torch.randn(4, 4))
+    before = trains_all.state_dict()
+    with pytest.raises(px.CheckpointError, match=r"leaves out \['0.bias', '0.weight'\], which this step trains"):
+        trains_all.load(tmp_path / "c")
+    assert all(torch.equal(v, trains_all.state_dict()[k]) for k, v in before.items())
+    with pytest.raises(ValueError, match=r"frozen=False\) leaves frozen parameters out of plain files"):
+        a.save(tmp_path / "s", sharded=True, frozen=False)
+    assert not (tmp_path / "s").exists()

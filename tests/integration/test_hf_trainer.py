@@ -278,3 +278,25 @@ def test_train_interrupted_gives_the_model_back_with_the_trained_values(tmp_path
     for k, v in model.state_dict().items():        # the model's own tensors: no step holds it
         assert torch.equal(v, trained[k]), k
     model(Tokens(2, seed=3).ids)                   # usable eagerly (a held model raises ModelHeldError)
+
+
+def test_a_lora_checkpoint_holds_the_adapters_and_resumes_bit_for_bit(tmp_path):
+    """peft LoRA through PstarTrainer: checkpoint-N's pstar_fx/ holds the trained adapters, not the frozen base
+    (which the resumed model brings, as a plain Trainer's LoRA checkpoint assumes), and the run continues exactly."""
+    peft = pytest.importorskip("peft")
+
+    def lora():
+        return peft.get_peft_model(tiny_gpt2(), peft.LoraConfig(r=4, target_modules=["c_attn"], fan_in_fan_out=True,
+                                                                 task_type="CAUSAL_LM"))
+    kw = dict(save_strategy="steps", save_steps=3, eval_strategy="no")
+    whole = PstarTrainer(model=lora(), args=arguments(tmp_path / "run", **kw), train_dataset=Tokens(32, seed=1))
+    whole.train()
+    ckpt = tmp_path / "run" / "checkpoint-3"
+    saved = torch.load(ckpt / "pstar_fx" / "model.pt", weights_only=True)
+    trained = {n for n, p in whole.model.named_parameters() if p.requires_grad}
+    assert trained and set(saved) == trained, "the frozen base is left out"
+    resumed = PstarTrainer(model=lora(), args=arguments(tmp_path / "resumed", **kw), train_dataset=Tokens(32, seed=1))
+    resumed.train(resume_from_checkpoint=str(ckpt))
+    final = whole.model.state_dict()
+    for k, v in resumed.model.state_dict().items():
+        assert torch.equal(v, final[k]), k
