@@ -28,8 +28,8 @@ import torch
 import torch.nn as nn
 
 from ..ir.graph import ChunkGroup
-from ..optim import (ADAM_STATE, OptimizerLayout, OptimizerSpec, StateLayout, TorchConfig, check_group, check_options,
-                     is_adam, probe)
+from ..optim import (ADAM_STATE, OptimizerLayout, OptimizerSpec, StateDtype, StateLayout, TorchConfig, check_group,
+                     check_options, is_adam, probe)
 
 _STEP_EXPLAINED = ("step.optimizer is driven by the compiled step: calling step(*batch) runs forward, backward and "
                    "this optimizer's update. Do not call step.optimizer.step(); change param_groups (or use an "
@@ -247,9 +247,14 @@ class _Live:
             if name in states and t not in self.state:
                 self.state[t] = states[name]
         try:
-            return super().state_dict()
+            out = super().state_dict()
         finally:
             self.state.clear()
+        if self.is_adam and self.layout.state.dtype is StateDtype.FP32:
+            # fused=None runs torch's fused kernel: say so, so that an eager optimizer loading this runs it too
+            out["param_groups"] = [dict(g, fused=True) if g.get("fused", False) is None else g
+                                   for g in out["param_groups"]]
+        return out
 
     def load_state_dict(self, state_dict) -> None:
         """Load torch's format for this class (from eager PyTorch or from pstar-fx). Options replace the groups'
