@@ -65,11 +65,47 @@ def _meta_rejects(args, kwargs) -> bool:
             and a.dtype != torch.bfloat16)
 
 
+_BATCH_NORMS = (torch.nn.functional.batch_norm, torch.batch_norm)
+
+
+def _channels_last(x: torch.Tensor) -> bool:
+    return x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last)
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """The identity, whose backward makes the gradient contiguous: batch norm's backward then gets a contiguous
+    gradient, whose layout its fake and real kernels keep alike (given a transposed one, the fake kernel keeps its
+    strides and the real ones return a contiguous gradient)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
+def _batch_norm(func, args, kwargs):
+    """Batch norm over a contiguous input (a copy of one laid out otherwise, such as a transposed (B, T, C) ->
+    (B, C, T) sequence: the fake kernel keeps such strides, the CPU kernel returns a contiguous output, and code after
+    it decides view or reshape by the strides it sees while tracing), with a contiguous gradient into its backward.
+    The same values; channels-last inputs, whose layout every kernel keeps, as they are."""
+    x = args[0]
+    if not isinstance(x, torch.Tensor) or _channels_last(x):
+        return func(*args, **kwargs)
+    out = func(x.contiguous(), *args[1:], **kwargs)
+    return _ContiguousGrad.apply(out) if out.requires_grad else out
+
+
 class FakeKernelFixes(TorchFunctionMode):
-    """Active while a step is traced: routes the calls described in the module docstring to their opaque ops."""
+    """Active while a step is traced: routes the calls described in the module docstring to their opaque ops, and
+    batch norm through `_batch_norm` (layouts its fake and real kernels agree on)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in _GROUPED_MM and _meta_rejects(args, kwargs):
             return grouped_mm(args[0], args[1], kwargs.get("offs", args[2] if len(args) > 2 else None))
+        if func in _BATCH_NORMS and args:
+            return _batch_norm(func, args, kwargs)
         return func(*args, **kwargs)

@@ -2,9 +2,10 @@
 import dataclasses
 
 import pytest
+import torch
 
 from harness import compiled_run, eager_run, fetch_counts, host_params, rel_err, small_batches, tight_budget
-from models import CASES, CASES_BY_NAME, MLP, assert_state_close, tiny_llama
+from models import CASES, CASES_BY_NAME, MLP, Case, assert_state_close, tiny_llama
 
 pytestmark = pytest.mark.cuda
 
@@ -63,3 +64,31 @@ def test_llama_with_transformers_defaults_traces_and_trains_like_eager():
     losses, sd, _ = compiled_run(case, STEPS)
     assert rel_err(losses, ref_losses) <= 1e-6
     assert_state_close(sd, ref_sd, rtol=1e-4)
+
+
+class _SequenceNorm(torch.nn.Module):
+    """BatchNorm1d over channels of a (B, T, C) sequence, by transposing: the norm's input is neither contiguous
+    nor channels-last, and the Linear after it reads its output through another transpose."""
+
+    def __init__(self):
+        super().__init__()
+        # (no bias before the norm: its gradient is 0 but for rounding, which Adam would magnify)
+        self.inp, self.bn, self.out = torch.nn.Linear(6, 8, bias=False), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.out(self.bn(self.inp(x).transpose(1, 2)).transpose(1, 2))
+
+
+SEQUENCE_NORM = Case("sequence_bn", _SequenceNorm, lambda m, x, y: torch.nn.functional.mse_loss(m(x), y),
+                     lambda step, g: (torch.randn(4, 5, 6, generator=g), torch.randn(4, 5, 3, generator=g)))
+
+
+@pytest.mark.parametrize("tight", [False, True], ids=["unlimited", "tight"])
+def test_batch_norm_over_a_transposed_input_matches_eager(tight):
+    """Its output's layout is the real kernel's while tracing (fake_fixes: batch norm gets a contiguous copy), so
+    what the graph records after it (a view or a reshape) holds at run time."""
+    ref_losses, ref_sd = eager_run(SEQUENCE_NORM, STEPS)
+    budget = tight_budget(SEQUENCE_NORM, chunk_size=64) if tight else None
+    losses, sd, _ = compiled_run(SEQUENCE_NORM, STEPS, budget=budget, chunk_size=64 if tight else None)
+    assert rel_err(losses, ref_losses) <= 1e-6, (losses, ref_losses)
+    assert_state_close(sd, ref_sd, rtol=1e-6)
