@@ -42,7 +42,7 @@ from ..units import format_bytes, parse_bytes
 from .compiler import cycle_collection_paused, one_intra_op_thread
 from .device_budget import ALLOCATOR_EXPANDABLE, KERNELS, NCCL
 from .live_optimizer import build
-from .options import host_is_device
+from .options import check_options, host_is_device
 
 # What the process holds on the device outside torch's allocator (the CUDA context, cuBLAS workspaces): 0.70 GiB on
 # the H200 (docs/memory.md). With the allowances of px.compile's default budget (device_budget.py) it is what a
@@ -328,7 +328,7 @@ def resolve_machine(machine: Machine | str | GPU | None, gpus_per_node: int | No
     if gpus_per_node is not None:
         changes["gpus_per_node"] = gpus_per_node
     if host_memory is not None:
-        changes["host_memory"] = parse_bytes(host_memory)
+        changes["host_memory"] = parse_bytes(host_memory, "host_memory")
     return dataclasses.replace(machine, **changes) if changes else machine
 
 
@@ -342,7 +342,8 @@ def plan(model: nn.Module, loss_fn, *batch, world_size: int = 1, device_memory=N
 
     batch: what ONE rank passes to the step (tensors, meta tensors, or (shape, dtype) pairs). machine: a
     `pstar_fx.cost.Machine` (rates and sizes), a preset's name ("h200", "h100": `pstar_fx.cost.preset`), or None
-    (the H200's rates, no sizes). device_memory: bytes or a string ("80GB") per GPU (default: the machine's GPU less
+    (the H200's rates, no sizes). precision: "bf16" by default, px.compile's default on a GPU (on the CPU px.compile
+    defaults to "fp32": pass it to plan a CPU run). device_memory: bytes or a string ("80GB") per GPU (default: the machine's GPU less
     what px.compile's default budget leaves beside the plan, `device_headroom`; unlimited when the machine gives no
     size); host_memory: per node (default: the machine's; None: not checked); gpus_per_node: ranks sharing a node's
     host memory and NVLink (default: the machine's, at most world_size). optimizer: px.AdamW(...) (or any px
@@ -359,6 +360,8 @@ def plan(model: nn.Module, loss_fn, *batch, world_size: int = 1, device_memory=N
         raise ValueError(f"world_size must be a number of GPUs >= 1, got {world_size!r}")
     if not isinstance(fuse, bool):
         raise ValueError(f"fuse must be True or False, got {fuse!r}")
+    check_options(model, optimizer, chunk_size=chunk_size, prefetch=prefetch, max_grad_norm=max_grad_norm,
+                  accumulate=accumulate, remat="auto", atomic=atomic)      # px.compile's checks of the same
     if not isinstance(atomic, bool) or (not atomic and world_size > 1):
         raise ValueError(f"atomic must be True or False (False on one GPU only), got {atomic!r} with world_size "
                          f"{world_size}")

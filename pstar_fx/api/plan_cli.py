@@ -30,27 +30,38 @@ from ..optim import AdamW
 from .plan import PlanReport, plan, resolve_machine
 
 
+def _count(text: str) -> int:
+    """An int >= 1 (argparse's type: a bad one is a usage error, exit status 2)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="pstar-fx-plan", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=int, required=True)
-    ap.add_argument("--d-model", type=int, required=True)
-    ap.add_argument("--heads", type=int, required=True)
-    ap.add_argument("--seq", type=int, default=2048)
-    ap.add_argument("--vocab", type=int, default=50304)
-    ap.add_argument("--batch", type=int, default=1, help="sequences per GPU per step")
-    ap.add_argument("--accumulate", type=int, default=1, help="micro-batches per step (--batch is split into them)")
+    ap.add_argument("--layers", type=_count, required=True)
+    ap.add_argument("--d-model", type=_count, required=True)
+    ap.add_argument("--heads", type=_count, required=True)
+    ap.add_argument("--seq", type=_count, default=2048)
+    ap.add_argument("--vocab", type=_count, default=50304)
+    ap.add_argument("--batch", type=_count, default=1, help="sequences per GPU per step")
+    ap.add_argument("--accumulate", type=_count, default=1, help="micro-batches per step (--batch is split into them)")
     ap.add_argument("--checkpoint", action="store_true", help="activation checkpointing per block")
-    ap.add_argument("--world-size", type=int, default=1)
+    ap.add_argument("--world-size", type=_count, default=1)
     ap.add_argument("--machine", default=GPU.H200.value, choices=[g.value for g in GPU],
                     help="the GPU preset: its rates and memory (default: h200)")
-    ap.add_argument("--gpus-per-node", type=int, default=8)
+    ap.add_argument("--gpus-per-node", type=_count, default=8)
     ap.add_argument("--device-memory", default=None,
                     help="budget per GPU, e.g. 80GB (default: the machine's GPU memory less what the process needs "
                          "beside the plan)")
     ap.add_argument("--host-memory", default=None, help="per node, e.g. 1.5TB (default: not checked)")
     ap.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32"])
-    ap.add_argument("--chunk-size", type=int, default=None, help="elements per chunk (default: chosen)")
+    ap.add_argument("--chunk-size", type=_count, default=None, help="elements per chunk (default: chosen)")
     ap.add_argument("--max-grad-norm", type=float, default=None)
     ap.add_argument("--state-dtype", default="fp32", choices=["fp32", "bf16", "int8"],
                     help="AdamW's moments (px.AdamW state_dtype): exact fp32, or compressed to bf16 or int8")
@@ -75,9 +86,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> PlanReport:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
     if args.d_model % args.heads:
-        raise SystemExit(f"--d-model {args.d_model} is not divisible by --heads {args.heads}")
+        parser.error(f"--d-model {args.d_model} is not divisible by --heads {args.heads}")
     cfg = GPTConfig(vocab=args.vocab, seq=args.seq, layers=args.layers, hidden=args.d_model, heads=args.heads)
     with torch.device("meta"):
         model = GPT(cfg, checkpoint=args.checkpoint)
@@ -89,17 +101,20 @@ def main(argv=None) -> PlanReport:
             machine = machine.with_pcie(args.pcie_gbps * 1e9)
         if args.cpu_adam_gparams is not None:
             machine = machine.with_cpu_adam(args.cpu_adam_gparams * 1e9)
-    except ValueError as e:
-        raise SystemExit(f"pstar-fx-plan: {e}") from None
+    except (ValueError, TypeError) as e:
+        parser.error(str(e))
     if args.disk_memory is not None and args.host_memory is None:
-        raise SystemExit("pstar-fx-plan: --disk-memory plans a disk tier for the optimizer states that do not fit "
-                         "--host-memory: give --host-memory too")
+        parser.error("--disk-memory plans a disk tier for the optimizer states that do not fit --host-memory: give "
+                     "--host-memory too")
     tokens = ((args.batch, args.seq), torch.long)
     optimizer = None if args.state_dtype == "fp32" else AdamW(state_dtype=args.state_dtype)
-    report = plan(model, gpt_loss, tokens, tokens, world_size=args.world_size, device_memory=args.device_memory,
-                  precision=args.precision, chunk_size=args.chunk_size, accumulate=args.accumulate,
-                  max_grad_norm=args.max_grad_norm, machine=machine, atomic=not args.no_atomic,
-                  optimizer=optimizer, disk_memory=args.disk_memory, fuse=args.fuse)
+    try:
+        report = plan(model, gpt_loss, tokens, tokens, world_size=args.world_size, device_memory=args.device_memory,
+                      precision=args.precision, chunk_size=args.chunk_size, accumulate=args.accumulate,
+                      max_grad_norm=args.max_grad_norm, machine=machine, atomic=not args.no_atomic,
+                      optimizer=optimizer, disk_memory=args.disk_memory, fuse=args.fuse)
+    except (ValueError, TypeError) as e:     # an option out of its range (px.compile's checks): a usage error
+        parser.error(str(e))
     print(f"GPT {args.layers} layers x d={args.d_model}, {args.heads} heads, seq {args.seq}, vocab {args.vocab}"
           f"{', activation checkpointing' if args.checkpoint else ''}; batch {args.batch} per GPU")
     print(report)

@@ -215,8 +215,37 @@ def test_command_line_plans_compressed_states_and_a_disk_tier(tmp_path, capsys):
     assert 0 < int8.host_bytes < exact.host_bytes
     on_disk = main([*tight, "--host-memory", str(exact.host_bytes * 2 // 3), "--disk-memory", "1GB"])
     assert on_disk.states_on_disk > 0 and on_disk.disk_bytes > 0 and on_disk.fits
-    with pytest.raises(SystemExit, match="--disk-memory plans a disk tier"):
+    with pytest.raises(SystemExit) as refused:
         main([*tight, "--disk-memory", "1GB"])
+    assert refused.value.code == 2 and "--disk-memory plans a disk tier" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--layers", "0"], "argument --layers: must be >= 1, got 0"),
+    (["--heads", "0"], "argument --heads: must be >= 1"),
+    (["--batch", "0"], "argument --batch: must be >= 1"),
+    (["--chunk-size", "-5"], "argument --chunk-size: must be >= 1"),
+    (["--heads", "3"], "is not divisible by --heads 3"),
+    (["--max-grad-norm", "-1"], "max_grad_norm must be a positive finite number"),
+    (["--device-memory=-1GB"], "device_memory: cannot read '-1GB'"),
+    (["--host-memory=-5GB"], "host_memory: cannot read '-5GB'"),
+])
+def test_command_line_refuses_impossible_inputs_as_usage_errors(flags, says, capsys):
+    """One line naming the flag and exit status 2 (1 says "does not fit"), never a traceback or a plan."""
+    from pstar_fx.api.plan_cli import main
+    with pytest.raises(SystemExit) as refused:
+        main([*GPT_ARGS, *flags])
+    err = capsys.readouterr().err
+    assert refused.value.code == 2 and says in err and "Traceback" not in err, err
+
+
+def test_px_plan_checks_its_options_as_px_compile_does():
+    case = _case("mlp_ce", 4)
+    for bad in (dict(chunk_size=0), dict(chunk_size=-5), dict(max_grad_norm=-1.0), dict(accumulate=0)):
+        with pytest.raises(ValueError):
+            px.plan(case.build_model(), case.loss_fn, *case.batch(0), device="cpu", **bad)
+    with pytest.raises(ValueError, match="host_memory"):
+        px.plan(case.build_model(), case.loss_fn, *case.batch(0), device="cpu", host_memory=-5)
 
 
 def test_benchmark_flops_are_the_plans_model_flops():
