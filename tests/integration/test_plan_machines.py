@@ -140,7 +140,7 @@ def test_a_model_that_does_not_fit_says_which_tier_and_by_how_much():
     assert both.shortfalls[1].short_by == both.host_per_node - 1000 > 0
 
 
-def test_bad_machine_arguments_say_what_to_change():
+def test_bad_machine_arguments_say_what_to_change(capsys):
     with pytest.raises(ValueError, match="unknown machine 'a100': use one of 'h200', 'h100'"):
         _plan(machine="a100")
     with pytest.raises(ValueError, match="machine must be a pstar_fx.cost.Machine"):
@@ -165,8 +165,9 @@ def test_bad_machine_arguments_say_what_to_change():
         _plan(machine=dataclasses.replace(preset("h200"), device_memory=GiB))
     with pytest.raises(SystemExit):                   # argparse: not one of the presets
         main(["--layers", "1", "--d-model", "8", "--heads", "2", "--machine", "a100"])
-    with pytest.raises(SystemExit, match="pstar-fx-plan: a PCIe rate must be positive"):
+    with pytest.raises(SystemExit) as refused:         # a usage error: exit status 2 and one line saying why
         main(["--layers", "1", "--d-model", "8", "--heads", "2", "--pcie-gbps", "0"])
+    assert refused.value.code == 2 and "pstar-fx-plan: error: a PCIe rate must be positive" in capsys.readouterr().err
 
 
 GPT_ARGS = ["--layers", "2", "--d-model", "64", "--heads", "4", "--seq", "32", "--vocab", "256", "--batch", "2"]
