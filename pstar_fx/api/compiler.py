@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from ..frontend.model_tensors import hook_key, model_tables
+from ..frontend.model_tensors import global_hooks_key, hook_key, model_tables, module_key
 from ..frontend.trace import FlatBatch, flatten_batch, trace_step
 from ..interrupts import DeferredInterrupt
 from ..ir.graph import Settings, TrainGraph
@@ -124,12 +124,13 @@ class Compiler:
         self.store: ChunkStore | None = None
         self.layout: Layout | None = None
 
-    def model_key(self) -> tuple:
-        """What of the model a trace depends on besides the batch: each module's train/eval mode, each
-        parameter's requires_grad and gradient hooks (a change of any retraces)."""
-        return (tuple(m.training for m in self.model.modules()),
-                tuple(p.requires_grad if not p._backward_hooks else (p.requires_grad, hook_key(p))
-                      for p in self.model.parameters()))
+    def model_key(self, portable: bool = False) -> tuple:
+        """What of the model a trace depends on besides the batch: each module's train/eval mode and hooks, each
+        parameter's requires_grad and gradient hooks (a change of any retraces). `portable`: hooks by number, not
+        identity (what the ranks compare: the same on every rank running the same code)."""
+        return (tuple(module_key(m, portable) for m in self.model.modules()),
+                tuple(p.requires_grad if not p._backward_hooks else (p.requires_grad, hook_key(p, portable))
+                      for p in self.model.parameters()), global_hooks_key(portable))
 
     def get(self, batch, interrupts: DeferredInterrupt, prefix: tuple = ()) -> tuple[Compiled, FlatBatch]:
         """The compiled step for this batch's signature (compiling it on first sight), and the flattened batch.

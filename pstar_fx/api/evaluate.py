@@ -119,7 +119,7 @@ class CompiledEval(CompiledStep):
         refuse_torch_compile()
         with DeferredInterrupt() as interrupts:
             if self._comm is not None:     # before its first collective (a compile's own included)
-                check_same_step(self._comm, batch, self._model, self._compiler.model_key(),
+                check_same_step(self._comm, batch, self._model, self._compiler.model_key(portable=True),
                                 holds_own_values(self._model))
 
             def attempt(compiled, flat):

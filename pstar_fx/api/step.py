@@ -165,7 +165,7 @@ class CompiledStep:
             raise PstarError(f"pstar-fx step called under {ctx}; a training step needs grad mode; use "
                              "px.compile(model, optimizer=None) for forward-only evaluation")
         if self._comm is not None:
-            check_same_step(self._comm, batch, self._model, self._compiler.model_key(),
+            check_same_step(self._comm, batch, self._model, self._compiler.model_key(portable=True),
                             holds_own_values(self._model))
 
     def lower(self, *batch) -> dict[str, TrainGraph]:

@@ -139,6 +139,30 @@ def gradient_hooks(model: nn.Module, trainable: list[str]) -> dict[str, list[Cal
     return hooks
 
 
-def hook_key(p: torch.Tensor):
+def _which(hooks: dict, portable: bool):
+    """Which hooks (their identities), or with `portable` how many: the same on every rank running the same code."""
+    return len(hooks) if portable else tuple(map(id, hooks.values()))
+
+
+def hook_key(p: torch.Tensor, portable: bool = False):
     """What of a parameter's gradient hooks a trace depends on: which hooks (a change retraces)."""
-    return tuple(map(id, p._backward_hooks.values())) if p._backward_hooks else ()
+    return _which(p._backward_hooks, portable) if p._backward_hooks else ()
+
+
+_MODULE_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+_GLOBAL_HOOKS = tuple(getattr(torch.nn.modules.module, name) for name in (
+    "_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks", "_global_backward_pre_hooks")
+    if hasattr(torch.nn.modules.module, name))
+
+
+def module_key(m: nn.Module, portable: bool = False):
+    """What of a module a trace depends on besides its tensors: its train/eval mode and which hooks it has (a
+    forward hook registered after a trace changes what the step computes: it retraces)."""
+    if not (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks):
+        return m.training
+    return (m.training, *(_which(getattr(m, name), portable) for name in _MODULE_HOOKS))
+
+
+def global_hooks_key(portable: bool = False) -> tuple:
+    """Which hooks torch.nn.modules.module.register_module_forward_hook (and the like) registered for every module."""
+    return tuple(_which(d, portable) for d in _GLOBAL_HOOKS)

@@ -166,3 +166,40 @@ def test_a_post_accumulate_grad_hook_is_refused_by_name():
     step = px.compile(model, optimizer=px.SGD(lr=0.1), device="cpu")(lambda m, x, y: F.mse_loss(m(x), y))
     with pytest.raises(px.UntraceableError, match="parameter 'weight' has a post-accumulate-grad hook"):
         step(*_batches(1)[0])
+
+
+def test_a_forward_hook_registered_after_a_step_retraces():
+    torch.manual_seed(0)
+    model = Counting()
+    eager = copy.deepcopy(model)
+    step = px.compile(model, optimizer=px.SGD(lr=0.1), device="cpu")(_loss)
+    x, y = _batches(1)[0]
+    step(x, y)
+    _loss(eager, x, y).backward()
+    with torch.no_grad():
+        for p in eager.parameters():
+            p -= 0.1 * p.grad
+    eager.zero_grad()
+
+    def double(module, args, out):
+        return out * 2
+    handle = model.lin.register_forward_hook(double)
+    eager.lin.register_forward_hook(double)
+    assert step(x, y).item() == pytest.approx(_loss(eager, x, y).item(), rel=1e-6), "the hook is in the step"
+    handle.remove()
+    assert step._compiler.compiles == 2      # (traced again for the hook; the hook's removal finds the first trace)
+    step(x, y)
+    assert step._compiler.compiles == 2
+
+
+def test_what_ranks_compare_of_hooks_is_the_same_on_every_rank():
+    """Hooks are part of the trace's key by identity, but the ranks (processes of their own) compare their number."""
+    keys = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        model = Counting()
+        model.lin.register_forward_hook(lambda m, a, out: out * 2)
+        model.lin.weight.register_hook(lambda g: g * 0.5)
+        step = px.compile(model, optimizer=px.SGD(lr=0.1), device="cpu")(_loss)
+        keys.append((step._compiler.model_key(), step._compiler.model_key(portable=True)))
+    assert keys[0][0] != keys[1][0] and keys[0][1] == keys[1][1]
