@@ -489,6 +489,10 @@ class ModelState:
                 raise ValueError(f"load_state_dict: {k} has shape {tuple(v.shape)}, the model has "
                                  f"{tuple(ref[k].shape)}")
         if not self.holds():
+            if any(is_empty(t) for t in model_tensors(self.model).values()):
+                raise ValueError("step.load_state_dict: the model was built under px.init_empty(), so its values "
+                                 "will live in the step's chunks, which do not exist yet: call step.lower(*batch) "
+                                 "(or run a step) first, then step.load_state_dict")
             for h in holders(self.model):
                 h.give_back()               # the model's values must be real before they are overwritten
             self.model.load_state_dict(state_dict, strict=strict)

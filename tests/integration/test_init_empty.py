@@ -595,3 +595,26 @@ def test_cuda_replay_holds_a_few_tensors_on_the_device(precision):
     assert 2 * largest < total / 3
     assert largest <= grew <= 1.5 * largest + 2**20, (grew, largest, total)
     assert_equal_exactly(step.state_dict(), built_on_cuda(build, empty=False).state_dict())
+
+
+def test_values_go_in_once_the_chunks_exist_and_too_early_is_a_clear_error(tmp_path):
+    """An empty model's values live in the chunks: save, load and load_state_dict before they exist raise ValueError
+    saying to call step.lower(*batch) first; after it, load_state_dict puts the given values in and save writes
+    them."""
+    def build():
+        return nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    torch.manual_seed(1)
+    values = {k: v.detach().clone() for k, v in build().state_dict().items()}
+    with px.init_empty():
+        model = build()
+    step = px.compile(model, optimizer=px.AdamW(lr=1e-3), device="cpu")(lambda m, x, y: F.cross_entropy(m(x), y))
+    x, y = torch.randn(4, 8), torch.randint(0, 4, (4,))
+    for call in (lambda: step.load_state_dict(values), lambda: step.save(tmp_path / "c"),
+                 lambda: step.load(tmp_path / "c")):
+        with pytest.raises(ValueError, match=r"px.init_empty\(\).*step.lower\(\*batch\)"):
+            call()
+    step.lower(x, y)
+    step.load_state_dict(values)
+    assert all(torch.equal(v, values[k]) for k, v in step.state_dict().items())
+    step.save(tmp_path / "c")
+    assert all(torch.equal(v, values[k]) for k, v in torch.load(tmp_path / "c" / "model.pt").items())
