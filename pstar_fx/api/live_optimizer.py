@@ -78,6 +78,13 @@ class _Live:
     def step(self, closure=None):
         raise RuntimeError(_STEP_EXPLAINED)
 
+    def add_param_group(self, param_group: dict) -> None:
+        if getattr(self, "_ids", None) is not None:      # (torch's constructor adds the groups it was given)
+            raise ValueError("step.optimizer.add_param_group: pstar-fx lays out its chunks by the parameter groups "
+                             "px.compile was given, so a group cannot be added to a compiled step; compile a new "
+                             "step with the groups you want (step.sync_model() gives the model back first)")
+        super().add_param_group(param_group)
+
     # -- what the runtime reads at every step ---------------------------------------------------------------------
     def configs(self) -> tuple:
         """Each group's options for the step about to run, checked before anything changes."""

@@ -149,6 +149,16 @@ def test_changing_a_groups_parameters_after_compile_is_rejected_at_the_step():
         step(*MLP.batch(1))
 
 
+def test_adding_a_param_group_to_a_compiled_step_is_refused_at_once():
+    model = MLP.build_model()
+    step = px_compile(MLP, model, px.AdamW(list(model.parameters())[1:], lr=1e-3))
+    step(*MLP.batch(0))
+    with pytest.raises(ValueError, match="add_param_group: .*compile a new step"):
+        step.optimizer.add_param_group({"params": [next(model.parameters())], "lr": 0.1})
+    assert len(step.optimizer.param_groups) == 1
+    step(*MLP.batch(1))                  # nothing changed: the step runs on
+
+
 # -- the live optimizer and lr schedulers ----------------------------------------------------------------------------
 
 def test_live_optimizer_is_a_torch_optimizer_whose_step_explains():
