@@ -1,7 +1,8 @@
 """
 Train a small character-level GPT on examples/data/tiny_corpus.txt with pstar-fx, as a real run does it (nanoGPT's
 train.py): warmup + cosine learning-rate schedule, two parameter groups (weight decay on matrices only), gradient
-clipping at 1.0, gradient accumulation, periodic evaluation, a checkpoint to resume from, and sampling at the end.
+clipping at 1.0, gradient accumulation, periodic evaluation, a checkpoint to resume from (written at every evaluation,
+at the end and on Ctrl-C), and sampling at the end.
 The device-memory budget is smaller than the model's own training data (parameters + gradients + Adam states), so
 pstar-fx moves chunks in and out every step; the memory plan is printed, and plotted when matplotlib is there.
 
@@ -193,6 +194,13 @@ def main():
         first = sched.last_epoch
         print(f"resumed from {ckpt} at step {first}")
 
+    def save_checkpoint():
+        """The step's checkpoint (model, optimizer, RNG) and the schedule's position beside it (step.save owns
+        ckpt/): --resume continues from here with the losses of an uninterrupted run."""
+        os.makedirs(args.out, exist_ok=True)
+        step.save(ckpt)
+        torch.save(sched.state_dict(), os.path.join(args.out, "scheduler.pt"))
+
     def val_loss():
         model.eval()
         vgen = torch.Generator().manual_seed(0)
@@ -202,29 +210,42 @@ def main():
 
     t0 = time.time()
     last = min(args.steps, args.stop_after + 1) if args.stop_after is not None else args.steps
+    if first >= last:
+        print(f"the checkpoint is at step {first}: nothing left to train (--steps {args.steps})")
     bar = progress(range(first, last), not args.no_progress)
-    for it in bar:
-        gen = torch.Generator().manual_seed(args.seed * 100_003 + it)   # a step's batch depends on the step only
-        x, y = get_batch(train_data, config.seq, batch_size, gen)
-        loss = step(x, y)
-        sched.step()
-        s = step.last_step
-        tokens_per_s = x.numel() / max(s.seconds, 1e-9)
-        if hasattr(bar, "set_postfix_str"):
-            bar.set_postfix_str(f"loss {loss.item():.4f} lr {s.lr[0]:.2e} norm {s.grad_norm:.2f} "
-                                f"{tokens_per_s:,.0f} tok/s peak {fmt_bytes(s.measured_peak)}")
-        if it % args.log_every == 0 or it == last - 1:
-            line = (f"step {it:4d} | loss {loss.item():.4f} | lr {s.lr[0]:.2e} | grad norm {s.grad_norm:.3f} | "
-                    f"{tokens_per_s:,.0f} tok/s | peak {fmt_bytes(s.measured_peak)} | {time.time() - t0:6.1f}s")
-            (bar.write if hasattr(bar, "write") else print)(line)
-        if (it + 1) % args.eval_every == 0:
-            (bar.write if hasattr(bar, "write") else print)(f"step {it:4d} | val loss {val_loss():.4f}")
-    print(f"trained steps {first}..{last - 1} in {time.time() - t0:.1f}s")
-
-    os.makedirs(args.out, exist_ok=True)
-    step.save(ckpt)
-    torch.save(sched.state_dict(), os.path.join(args.out, "scheduler.pt"))   # beside the checkpoint: step.save owns ckpt/
-    print(f"checkpoint: {ckpt}")
+    try:
+        for it in bar:
+            gen = torch.Generator().manual_seed(args.seed * 100_003 + it)   # a step's batch depends on the step only
+            x, y = get_batch(train_data, config.seq, batch_size, gen)
+            before = step.last_step
+            try:
+                loss = step(x, y)
+            finally:
+                # a completed step has new stats (Ctrl-C after its commit too: pstar-fx completes the step first)
+                if step.last_step is not before:
+                    sched.step()
+            s = step.last_step
+            tokens_per_s = x.numel() / max(s.seconds, 1e-9)
+            if hasattr(bar, "set_postfix_str"):
+                bar.set_postfix_str(f"loss {loss.item():.4f} lr {s.lr[0]:.2e} norm {s.grad_norm:.2f} "
+                                    f"{tokens_per_s:,.0f} tok/s peak {fmt_bytes(s.measured_peak)}")
+            if it % args.log_every == 0 or it == last - 1:
+                line = (f"step {it:4d} | loss {loss.item():.4f} | lr {s.lr[0]:.2e} | grad norm {s.grad_norm:.3f} | "
+                        f"{tokens_per_s:,.0f} tok/s | peak {fmt_bytes(s.measured_peak)} | {time.time() - t0:6.1f}s")
+                (bar.write if hasattr(bar, "write") else print)(line)
+            if (it + 1) % args.eval_every == 0:
+                (bar.write if hasattr(bar, "write") else print)(f"step {it:4d} | val loss {val_loss():.4f}")
+                save_checkpoint()
+    except KeyboardInterrupt:
+        save_checkpoint()       # (a step Ctrl-C interrupted changed nothing, or completed)
+        print(f"\ninterrupted: checkpoint of the {sched.last_epoch} steps done in {ckpt}; --resume continues")
+        raise SystemExit(130) from None
+    if first < last:
+        print(f"trained steps {first}..{last - 1} in {time.time() - t0:.1f}s")
+        save_checkpoint()
+        print(f"checkpoint: {ckpt}")
+    else:
+        step.lower(*get_batch(train_data, config.seq, batch_size, torch.Generator().manual_seed(0)))   # (its plan)
     print(step.summary())
     try:
         px.plot_memory(step, os.path.join(args.out, "memory.png"))

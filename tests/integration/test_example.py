@@ -61,3 +61,43 @@ def test_benchmark_finds_the_largest_gpt_each_system_trains():
                or line.startswith("| pstar:600KiB | none")}
     assert "(2 layers)" in summary["eager:plain"] and "all trained" in summary["eager:plain"], out.stdout
     assert "1 layers: BudgetError" in summary["pstar:600KiB"], out.stdout
+
+
+@pytest.mark.slow
+def test_train_gpt_example_saves_on_ctrl_c_and_resumes_exactly(tmp_path):
+    """Ctrl-C mid-run: the example saves a checkpoint of the steps done (pstar-fx completes or undoes the step it
+    interrupts) and exits with 130; --resume then gives an uninterrupted run's losses; resuming a finished run
+    trains nothing and still prints the plan."""
+    import signal
+    base = [sys.executable, "examples/train_gpt.py", "--model", "tiny", "--steps", "40", "--device", "cpu",
+            "--log-every", "1", "--eval-every", "1000", "--no-progress"]
+
+    def losses(text):
+        return dict(re.findall(r"^step +(\d+) \| loss (\d+\.\d+)", text, re.M))
+    whole = subprocess.run([*base, "--out", str(tmp_path / "a")], cwd=ROOT, capture_output=True, text=True,
+                           timeout=300)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    proc = subprocess.Popen([*base, "--out", str(tmp_path / "b")], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if line.startswith("step   10 "):
+            proc.send_signal(signal.SIGINT)
+            break
+    rest, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, err[-3000:]
+    done = int(re.search(r"checkpoint of the (\d+) steps done", rest).group(1))
+    assert 11 <= done < 40, rest
+    resumed = subprocess.run([*base, "--out", str(tmp_path / "b"), "--resume"], cwd=ROOT, capture_output=True,
+                             text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from {tmp_path / 'b' / 'ckpt'} at step {done}" in resumed.stdout
+    first, second, want = losses("".join(seen) + rest), losses(resumed.stdout), losses(whole.stdout)
+    assert min(int(k) for k in second) == done and len(second) == 40 - done
+    for k, v in {**first, **second}.items():
+        assert v == want[k], (k, v, want[k])
+    again = subprocess.run([*base, "--out", str(tmp_path / "b"), "--resume"], cwd=ROOT, capture_output=True,
+                           text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "nothing left to train" in again.stdout and "predicted peak:" in again.stdout
