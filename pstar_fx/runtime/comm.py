@@ -87,6 +87,13 @@ class Comm:
             return Work(dist.reduce_scatter_tensor(self.shard(slot), slot, op=dist.ReduceOp.SUM, group=self.group,
                                                    async_op=True), self)
 
+    def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """t, in place, becomes rank `src`'s t on every rank."""
+        with self._failing("broadcast"):
+            group = self.group
+            dist.broadcast(t, src=dist.get_global_rank(group, src), group=group)
+        return t
+
     def all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
         with self._failing("all_reduce"):
             dist.all_reduce(t, op=op, group=self.group)

@@ -51,6 +51,10 @@ def run_training_step(executor: Executor, tensors: list[torch.Tensor], interrupt
         retries = alloc_retries(store.device) - retries
     if store.comm is not None:        # the loss reported is the mean over every rank's batch
         outputs = [rt.mean_over_ranks(outputs[0])] + outputs[1:]
+        # buffers the step wrote from each rank's own rows (BatchNorm's running statistics) become rank 0's on
+        # every rank, as DDP's broadcast_buffers makes them: the ranks keep one model
+        for name in executor.mutated_buffers:
+            store.comm.broadcast(store.buffers[name], src=0)
     if scaler is not None:
         scaler.update(rt.skip)
     stats = StepStats(measured_peak=peak, h2d_bytes=rt.h2d, d2h_bytes=rt.d2h, skipped=rt.skip,

@@ -142,3 +142,15 @@ def test_origin_digests_of_an_empty_model_follow_what_its_values_are_made_from()
     assert sorted(n for n in base if base[n] != other_seed[n]) == ["a.bias", "a.weight"]
     other_data = _origins(1, [1.0, 3.0])
     assert sorted(n for n in base if base[n] != other_data[n]) == ["scale"]
+
+
+def test_batch_norm_statistics_are_rank_0s_on_every_rank_and_sync_model_keeps_training(ranks):
+    """Each rank's running statistics come from its own rows; after each step every rank holds rank 0's (DDP's
+    broadcast_buffers), so the ranks keep one model: sync_model() and the next step's agreement check pass."""
+    recs = [res["batch_norm"] for res in ranks]
+    for r, rec in enumerate(recs):
+        assert "error" not in rec, f"rank {r}: {rec['error'][2]}"
+        assert len(rec["losses"]) == 3, (r, rec["losses"])
+    a, b = recs[0]["buffers"], recs[1]["buffers"]
+    assert a.keys() == b.keys() == {"1.running_mean", "1.running_var"}
+    assert all(torch.equal(a[k], b[k]) for k in a) and not torch.equal(a["1.running_mean"], torch.zeros(32))

@@ -115,7 +115,21 @@ def main() -> None:
                 rec["losses"].append(step(*rows(i, rank, 2)).item())
         return run
 
+    def batch_norm(rec):
+        """BatchNorm's running statistics from each rank's own rows: after every step every rank holds rank 0's
+        (as DDP's broadcast_buffers); sync_model() and another step then work (the ranks agree on the model)."""
+        torch.manual_seed(MODEL_SEED)
+        model = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 8))
+        step = compiled(model)
+        alive.append(step)
+        for i in range(2):
+            rec["losses"].append(step(*rows(i, rank, 2)).item())
+        rec["buffers"] = {k: v for k, v in step.state_dict().items() if k.startswith("1.running")}
+        step.sync_model()
+        rec["losses"].append(step(*rows(2, rank, 2)).item())
+
     scenario("batch_sizes", batch_sizes)
+    scenario("batch_norm", batch_norm)
     scenario("shape_change", shape_change)
     scenario("seeds_plain", trains(lambda r: MODEL_SEED + r, empty=False))
     scenario("seeds_empty", trains(lambda r: MODEL_SEED + r, empty=True))
