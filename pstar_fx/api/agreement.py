@@ -49,14 +49,15 @@ def check_same_step(comm: Comm, batch: tuple, model: nn.Module, model_key: tuple
     values into its chunks now (`taking`: the model holds some of its own values, at the first step or after
     sync_model()), when the step checks those values (`check_same_values`, from ModelState.take). `model_key`: what
     of the model the step's plan depends on (Compiler.model_key). A collective: every rank calls it with its step."""
-    if not comm.agree(digest64(flatten_batch(batch).signature, model_key, taking)):
+    shapes = tuple((n, tuple(p.shape)) for n, p in model.named_parameters())
+    if not comm.agree(digest64(flatten_batch(batch).signature, model_key, taking, shapes)):
         every = comm.gather_objects(_describe_step(batch, model, taking))
         raise DistributedError(
             f"pstar-fx: the ranks disagree on this step, so their collectives would not match ({_differences(every)}). "
             "Every rank must call the step with batches of the same structure, shapes and dtypes (split the global "
-            "batch evenly; drop or pad a short last batch on every rank), with the model in the same train/eval "
-            "mode and with the same requires_grad flags, and sync_model() on every rank or none. Nothing ran: the "
-            "step's values are as they were.")
+            "batch evenly; drop or pad a short last batch on every rank), on the same model (the same parameters "
+            "and shapes), in the same train/eval mode, with the same requires_grad flags and hooks, and "
+            "sync_model() on every rank or none. Nothing ran: the step's values are as they were.")
 
 
 def check_same_values(comm: Comm, tensors: dict[str, torch.Tensor]) -> None:
@@ -112,7 +113,15 @@ def _describe_step(batch: tuple, model: nn.Module, taking: bool) -> dict[str, st
     constants = [f"{leaf_name(p)}={x!r}" for p, x in zip(paths, leaves) if not isinstance(x, torch.Tensor)]
     eval_mode = [name or type(model).__name__ for name, m in model.named_modules() if not m.training]
     frozen = [name for name, p in model.named_parameters() if not p.requires_grad]
+    params = list(model.named_parameters())
+    shapes = repr([(n, tuple(p.shape)) for n, p in params])
+    hooks = sum(len(getattr(m, h)) for m in model.modules() for h in ("_forward_hooks", "_forward_pre_hooks",
+                                                                       "_backward_hooks", "_backward_pre_hooks"))
+    hooks += sum(len(p._backward_hooks or ()) for _, p in params)
     return {
+        "the model's parameters": (f"{len(params)} tensors of {sum(p.numel() for _, p in params):,} elements "
+                                   f"(names and shapes {hashlib.sha256(shapes.encode()).hexdigest()[:8]})"),
+        "hooks on the model": str(hooks),
         "batch shapes and dtypes": ", ".join(tensors) or "no tensors",
         "batch constants": ", ".join(constants) or "none",
         "batch structure": repr(spec),

@@ -154,3 +154,13 @@ def test_batch_norm_statistics_are_rank_0s_on_every_rank_and_sync_model_keeps_tr
     a, b = recs[0]["buffers"], recs[1]["buffers"]
     assert a.keys() == b.keys() == {"1.running_mean", "1.running_var"}
     assert all(torch.equal(a[k], b[k]) for k in a) and not torch.equal(a["1.running_mean"], torch.zeros(32))
+
+
+def test_ranks_with_different_architectures_are_told_the_parameters_differ(ranks):
+    for r, res in enumerate(ranks):
+        rec = res["architecture"]
+        assert rec["losses"] == [], f"rank {r} trained"
+        name, msg, _ = rec["error"]
+        assert name == "DistributedError", rec["error"]
+        assert "the model's parameters: rank 0: 4 tensors of 808 elements" in msg, msg
+        assert "rank 1: 4 tensors of 408 elements" in msg and "the same parameters and shapes" in msg, msg

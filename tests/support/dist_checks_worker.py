@@ -128,8 +128,17 @@ def main() -> None:
         step.sync_model()
         rec["losses"].append(step(*rows(2, rank, 2)).item())
 
+    def architecture(rec):
+        """Rank 1's hidden layer is narrower: refused before anything runs, naming the parameters."""
+        torch.manual_seed(MODEL_SEED)
+        width = 32 if rank == 0 else 16
+        step = compiled(nn.Sequential(nn.Linear(16, width), nn.ReLU(), nn.Linear(width, 8)))
+        alive.append(step)
+        rec["losses"].append(step(*rows(0, rank, 2)).item())
+
     scenario("batch_sizes", batch_sizes)
     scenario("batch_norm", batch_norm)
+    scenario("architecture", architecture)
     scenario("shape_change", shape_change)
     scenario("seeds_plain", trains(lambda r: MODEL_SEED + r, empty=False))
     scenario("seeds_empty", trains(lambda r: MODEL_SEED + r, empty=True))
