@@ -38,16 +38,15 @@ The model, in three parts.
    Steps repeat: what one step leaves pending (host-side updates, the fetches that follow them) delays the next, so
    three steps are simulated and the step time is the last one's (the steady state; `first_seconds` is the first).
 
-3. Contention: copies and the CPU update share host memory (docs/measurements.md). A copy runs at its rate alone, at half the
-   both-ways rate while the other direction copies, and slower again while the CPU updates; a CPU update runs slower
-   while any copy runs. A rate depends on what the other lanes do at that moment, so the simulation runs twice: the
-   first pass charges overlap with what is already placed, the second with the whole first pass.
+3. Contention: copies and the CPU update share host memory (docs/measurements.md). A copy runs at its rate alone, at
+   half the both-ways rate while the other direction copies, and slower again while the CPU updates; a CPU update runs
+   slower while any copy runs. A rate depends on what the other lanes do at that moment, so the simulation runs twice:
+   the first pass charges overlap with what is already placed, the second with the whole first pass.
 
-Constants (`Machine`; `H200` is the default): measured on one H200 machine (docs/measurements.md, 2026-11-30) except those marked
-ASSUMED below, which wait for a measurement. One constant, the per-kernel overhead, was fitted to measured steps
-(see `Machine.kernel_s`); nothing else was fitted. A Machine also holds the sizes `px.plan` checks a plan against
-(device memory per GPU, host memory per node, GPUs per node); `preset("h200", ...)` and `preset("h100", ...)` are
-whole machines of either GPU with the host the user names (docs/planning.md, "Machines").
+Constants (`Machine`; `H200` is the default): measured on one H200 (docs/measurements.md, 2026-11-30) except those
+marked ASSUMED below, which wait for a measurement. One constant, the per-kernel overhead, was fitted to measured
+steps (`Machine.kernel_s`); nothing else was. A Machine also holds the sizes `px.plan` checks a plan against (device
+memory per GPU, host memory per node, GPUs per node): `preset("h200" or "h100", ...)` (docs/planning.md).
 """
 from __future__ import annotations
 
@@ -185,9 +184,10 @@ class GPU(enum.Enum):
     H100 = "h100"
 
 
-# One GPU of each kind and its share of the host. The H200's rates and memory were measured (docs/measurements.md); the H100's
-# are ASSUMED: the same GH100 die and clocks as the H200 (so its matmul rate), 3.35 of the H200's 4.8 TB/s HBM (its
-# memory-bound rates scaled by 3.35 / 4.8), the same PCIe 5 x16 link, NVLink 4 and host share (copy and CPU rates).
+# One GPU of each kind and its share of the host. The H200's rates and memory were measured (docs/measurements.md);
+# the H100's are ASSUMED: the same GH100 die and clocks as the H200 (so its matmul rate), 3.35 of the H200's 4.8 TB/s
+# HBM (its memory-bound rates scaled by 3.35 / 4.8), the same PCIe 5 x16 link, NVLink 4 and host share (copy and CPU
+# rates).
 _GPUS: Mapping[GPU, Machine] = MappingProxyType({
     GPU.H200: dataclasses.replace(H200, device_memory=int(139.8 * GiB), name="H200"),   # torch's total, measured
     GPU.H100: dataclasses.replace(H200, hbm_bytes=H200.hbm_bytes * 3.35 / 4.8, gpu_adam=H200.gpu_adam * 3.35 / 4.8,

@@ -35,6 +35,7 @@ import torch.nn as nn
 
 from ..errors import DistributedError
 from ..frontend.init_empty import is_empty, origin_digests
+from ..frontend.model_tensors import hook_count
 from ..frontend.trace import flatten_batch, leaf_name
 from ..runtime.comm import Comm, digest64
 
@@ -115,13 +116,10 @@ def _describe_step(batch: tuple, model: nn.Module, taking: bool) -> dict[str, st
     frozen = [name for name, p in model.named_parameters() if not p.requires_grad]
     params = list(model.named_parameters())
     shapes = repr([(n, tuple(p.shape)) for n, p in params])
-    hooks = sum(len(getattr(m, h)) for m in model.modules() for h in ("_forward_hooks", "_forward_pre_hooks",
-                                                                       "_backward_hooks", "_backward_pre_hooks"))
-    hooks += sum(len(p._backward_hooks or ()) for _, p in params)
     return {
         "the model's parameters": (f"{len(params)} tensors of {sum(p.numel() for _, p in params):,} elements "
                                    f"(names and shapes {hashlib.sha256(shapes.encode()).hexdigest()[:8]})"),
-        "hooks on the model": str(hooks),
+        "hooks on the model": str(hook_count(model)),
         "batch shapes and dtypes": ", ".join(tensors) or "no tensors",
         "batch constants": ", ".join(constants) or "none",
         "batch structure": repr(spec),

@@ -343,7 +343,8 @@ def plan(model: nn.Module, loss_fn, *batch, world_size: int = 1, device_memory=N
     batch: what ONE rank passes to the step (tensors, meta tensors, or (shape, dtype) pairs). machine: a
     `pstar_fx.cost.Machine` (rates and sizes), a preset's name ("h200", "h100": `pstar_fx.cost.preset`), or None
     (the H200's rates, no sizes). precision: "bf16" by default, px.compile's default on a GPU (on the CPU px.compile
-    defaults to "fp32": pass it to plan a CPU run). device_memory: bytes or a string ("80GB") per GPU (default: the machine's GPU less
+    defaults to "fp32": pass it to plan a CPU run). device_memory: bytes or a string ("80GB") per GPU (default: the
+    machine's GPU less
     what px.compile's default budget leaves beside the plan, `device_headroom`; unlimited when the machine gives no
     size); host_memory: per node (default: the machine's; None: not checked); gpus_per_node: ranks sharing a node's
     host memory and NVLink (default: the machine's, at most world_size). optimizer: px.AdamW(...) (or any px

@@ -217,7 +217,8 @@ class CompiledStep:
 
     @property
     def final_graph(self) -> TrainGraph:
-        """The graph the step runs: the last stage ("scheduled"; "sharded" with more than one rank; "fused" with fuse)."""
+        """The graph the step runs: the last stage ("scheduled"; "sharded" with more than one rank; "fused" with
+        fuse=True)."""
         return list(self.graphs.values())[-1]
 
     def summary(self) -> Summary:

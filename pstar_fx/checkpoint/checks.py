@@ -39,7 +39,8 @@ def model_state(state: StepState, sd, where: str, left_out=()) -> None:
         raise CheckpointError(f"step.load: {where} leaves out {trained[:3]}, which this step trains (or this model "
                               "lacks): a checkpoint saved with frozen=False loads into a step that freezes the same "
                               "parameters")
-    ref = {k: v for k, v in ref.items() if k not in set(left_out)}
+    left_out = set(left_out)
+    ref = {k: v for k, v in ref.items() if k not in left_out}
     wrong = sorted(set(sd) ^ set(ref), key=str)
     if wrong:
         raise CheckpointError(f"step.load: {where} was saved from another model: keys differ ({wrong[:3]})")

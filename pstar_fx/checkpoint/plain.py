@@ -27,8 +27,8 @@ META_KEYS = {"format", "precision", "device", "loss_scaler", "rng", "state_dtype
 def contents(state: StepState, left_out: list[str] = ()) -> dict[str, object]:
     """What each data file holds, read whole (with several ranks, collectives: every rank gathers the values); the
     model's values without the `left_out` names."""
-    values = state.model_values()
-    return {"model.pt": _to_cpu({k: v for k, v in values.items() if k not in set(left_out)}),
+    values, leave = state.model_values(), set(left_out)
+    return {"model.pt": _to_cpu({k: v for k, v in values.items() if k not in leave}),
             "optimizer.pt": _to_cpu(state.optimizer.state_dict()),
             "meta.pt": _meta(state, left_out)}
 

@@ -176,8 +176,8 @@ def _adam_only(state: StepState) -> None:
     """This format stores Adam's states (exp_avg, exp_avg_sq, step) only, so far."""
     if state.optimizer is not None and not state.optimizer.is_adam:
         raise ValueError(f"the sharded checkpoint format holds Adam / AdamW states only, so far; this step's optimizer "
-                         f"is {state.optimizer.torch_class.__name__}: save with step.save(path, sharded=False) (plain files holding "
-                         "torch's optimizer state dict, for any optimizer)")
+                         f"is {state.optimizer.torch_class.__name__}: save with step.save(path, sharded=False) (plain "
+                         "files holding torch's optimizer state dict, for any optimizer)")
 
 
 class Entries(dict):

@@ -149,7 +149,7 @@ def hook_key(p: torch.Tensor, portable: bool = False):
     return _which(p._backward_hooks, portable) if p._backward_hooks else ()
 
 
-_MODULE_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+MODULE_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 _GLOBAL_HOOKS = tuple(getattr(torch.nn.modules.module, name) for name in (
     "_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks", "_global_backward_pre_hooks")
     if hasattr(torch.nn.modules.module, name))
@@ -160,7 +160,13 @@ def module_key(m: nn.Module, portable: bool = False):
     forward hook registered after a trace changes what the step computes: it retraces)."""
     if not (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks):
         return m.training
-    return (m.training, *(_which(getattr(m, name), portable) for name in _MODULE_HOOKS))
+    return (m.training, *(_which(getattr(m, name), portable) for name in MODULE_HOOKS))
+
+
+def hook_count(model: nn.Module) -> int:
+    """How many module and gradient hooks the model has (what a message says of them)."""
+    return (sum(len(getattr(m, name)) for m in model.modules() for name in MODULE_HOOKS)
+            + sum(len(p._backward_hooks or ()) for p in model.parameters()))
 
 
 def global_hooks_key(portable: bool = False) -> tuple:

@@ -295,8 +295,9 @@ def _trace_step(fn, model: nn.Module, batch: tuple, settings: Settings, assume: 
     named = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
     for n, t in named:
         table_name.setdefault(id(t), n)
-    slot_names = [(full, table_name[id(t)]) for full, _, _, _, t in slots(model)]
-    buffer_slots = {"m." + full: table_name[id(t)] for full, kind, _, _, t in slots(model) if kind == "_buffers"}
+    model_slots = slots(model)
+    slot_names = [(full, table_name[id(t)]) for full, _, _, _, t in model_slots]
+    buffer_slots = {"m." + full: table_name[id(t)] for full, kind, _, _, t in model_slots if kind == "_buffers"}
 
     model_dtype = {p.name: p.dtype for p in tables.params}
 
@@ -407,11 +408,11 @@ def _trace_step(fn, model: nn.Module, batch: tuple, settings: Settings, assume: 
         user_checkpoint.mark_recompute(gm, [s for s in (loss_seed(gm.graph, n) for n in parts.micro_losses)
                                             if s is not None])
         first_aux = 1 + (micro if micro > 1 else 0)
-        own_aux_storage(gm, range(first_aux, first_aux + len(parts.aux)),
-                        {n: role for n, (role, _) in zip(placeholders, roles)})
-    else:    # an evaluation's outputs: a parameter or buffer returned (or a view of one) is returned as a copy
-        own_aux_storage(gm, range(len(output_node(gm.graph).args[0])),
-                        {n: role for n, (role, _) in zip(placeholders, roles)})
+        returned = range(first_aux, first_aux + len(parts.aux))
+    else:
+        returned = range(len(output_node(gm.graph).args[0]))     # an evaluation's outputs
+    # a parameter or buffer returned (or a view of one) is returned as a copy
+    own_aux_storage(gm, returned, {n: role for n, (role, _) in zip(placeholders, roles)})
     ann = {}
     for node, (role, name) in zip(placeholders, roles):
         ann[node.name] = NodeAnn(role=role, phase=Phase.INPUT, param=name if role is Role.PARAM else None)
@@ -460,9 +461,10 @@ def _reject_sparse(gm: fx.GraphModule) -> None:
             sparse_embedding = next((n for n in gm.graph.nodes if n.target is torch.ops.aten.embedding.default
                                      and len(n.args) > 4 and n.args[4]), None)
             where = user_frame(sparse_embedding) if sparse_embedding is not None else None
+            line = " ".join(where) if where else "source unknown"
             hint = ("" if sparse_embedding is None else
-                    f": a sparse embedding (nn.Embedding(sparse=True), {' '.join(where) if where else 'source unknown'})"
-                    "; use sparse=False, which trains the same values")
+                    f": a sparse embedding (nn.Embedding(sparse=True), {line}); use sparse=False, which trains the "
+                    "same values")
             raise UntraceableError(f"cannot trace the training step: operation {node.target} makes a {val.layout} "
                                    f"tensor, and pstar-fx holds dense tensors only{hint}")
 
