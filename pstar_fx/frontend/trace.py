@@ -173,6 +173,11 @@ def _explain(exc: BaseException, flat: "FlatBatch | None" = None, shape_env: Sha
         if doubles and "double" in str(exc).lower():
             what += (f" (batch tensor {doubles[0]} is float64: pstar-fx, like eager PyTorch, passes batch tensors in "
                      "their own dtype, so convert it to the model's dtype, e.g. x.float(), in or before the step)")
+        if "grouped_mm" in "".join(traceback.format_tb(exc.__traceback__)) and "BF16" in str(exc):
+            what += (" (transformers' grouped_mm experts in float32, recomputed by an activation checkpoint: "
+                     "pstar-fx traces them outside checkpoints only; build the model with "
+                     "experts_implementation=\"eager\" (traced as an equal loop), or train it without gradient "
+                     "checkpointing)")
         empty = [(i, tuple(t.shape)) for i, t in enumerate(flat.tensors) if t.numel() == 0] if flat else []
         if empty:
             what += (f" (batch tensor {empty[0][0]} is empty, of shape {empty[0][1]}: a batch of no rows has nothing "

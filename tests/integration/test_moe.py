@@ -266,3 +266,21 @@ def test_size_without_a_bound_is_refused_naming_op_and_line():
     with pytest.raises(px.UntraceableError, match="repeat_interleave.*no known upper bound") as e:
         step(torch.randn(5, 6))
     assert f"test_moe.py:{_this_line('MARK-repeat')}" in str(e.value)
+
+
+def test_grouped_mm_experts_under_activation_checkpoints_say_what_to_change():
+    """Recomputed inside an activation checkpoint, the default experts meet torch's own kernel check (bf16 only) in
+    the backward, where pstar-fx's routing around it does not reach: refused, saying what trains instead (the eager
+    experts under checkpoints: tests/integration/test_checkpointing.py trains checkpointed models)."""
+    case = MOE_CASES[0]
+    model = case.build_model()
+    model.gradient_checkpointing_enable()
+    step = px.compile(model, optimizer=px.AdamW(**HYPER), device=DEVICE, precision="fp32")(case.loss_fn)
+    with pytest.raises(px.UntraceableError, match=r"grouped_mm experts in float32, recomputed by an activation "
+                                                  r"checkpoint.*experts_implementation=\"eager\""):
+        step(*case.batch(0))
+    eager_experts = dataclasses.replace(case, build=functools.partial(tiny_mixtral, "eager"))
+    model = eager_experts.build_model()
+    model.gradient_checkpointing_enable()
+    step = px.compile(model, optimizer=px.AdamW(**HYPER), device=DEVICE, precision="fp32")(case.loss_fn)
+    assert torch.isfinite(step(*case.batch(0)))
