@@ -93,15 +93,21 @@ class _RandomState:
 
 def run_guarded(compiler, batch, interrupts, run: Callable):
     """`run(compiled, flat)` on the compiled step for this batch, again on another trace after each failed guard.
-    Returns (compiled, flat, what run returned) of the attempt that passed every guard."""
+    Returns (compiled, flat, what run returned) of the attempt that passed every guard. The random number generators
+    are put back as they were before each attempt that fails (a guard, or any failure: the step changed nothing)."""
     compiled, flat = compiler.get(batch, interrupts)
-    saved = _RandomState(compiler.settings.device) if compiled.outcomes else None
+    saved = _RandomState(compiler.settings.device)
     for _ in range(MAX_ATTEMPTS):
         try:
             return compiled, flat, run(compiled, flat)
         except GuardFailed as e:
             failed = e
-        assert saved is not None, "a guard failed in a graph without guards"
+        except BaseException:
+            # a step that failed changed nothing, its random draws (dropout's masks) included: the next step draws
+            # what it would have drawn had this one never run
+            saved.restore()
+            raise
+        assert compiled.outcomes, "a guard failed in a graph without guards"
         saved.restore()
         prefix = compiled.outcomes[:failed.spec.index] + (failed.observed,)
         before = compiler.compiles

@@ -10,6 +10,8 @@ further use.
 import signal
 
 import pytest
+import torch
+import torch.nn as nn
 
 import pstar_fx as px
 from pstar_fx.ir import Role
@@ -107,3 +109,31 @@ def test_failed_step_then_training_matches_eager_that_never_saw_it():
     want_losses, want_sd = eager_run(CASE, 4)
     assert max(abs(a - b) / abs(b) for a, b in zip(losses, want_losses)) < 1e-6
     assert_state_close(step.state_dict(), want_sd, rtol=1e-6)
+
+
+@pytest.mark.parametrize("exc", [RuntimeError("injected"), KeyboardInterrupt()], ids=["error", "ctrl-c"])
+def test_a_failed_step_draws_nothing_from_the_random_generators(exc):
+    """With dropout, the steps after a failed one draw the masks a run that never saw it draws: the failure puts
+    the generators back with the values."""
+
+    def run(fail_at):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 32), nn.Dropout(0.5), nn.ReLU(), nn.Linear(32, 4))
+        step = px.compile(model, optimizer=px.AdamW(lr=1e-2), device="cpu")(
+            lambda m, x, y: torch.nn.functional.mse_loss(m(x), y))
+        g = torch.Generator().manual_seed(1)
+        batches = [(torch.randn(6, 8, generator=g), torch.randn(6, 4, generator=g)) for _ in range(3)]
+        losses = [step(*batches[0]).item()]
+        if fail_at is not None:
+            roles = [step.final_graph.ann[n.name].role for n in step.final_graph.nodes]
+            step._before_node = raiser(roles.index(Role.COMMIT) if fail_at == "commit" else fail_at, exc)
+            with pytest.raises(type(exc)):
+                step(*batches[1])
+            step._before_node = None
+        losses += [step(*b).item() for b in batches[1:]]
+        return losses, step_values(step)
+    want, values = run(None)
+    for at in (5, "commit"):            # after the dropout mask was drawn, and at the commit
+        got, got_values = run(at)
+        assert got == want, (at, got, want)
+        assert_values_equal(got_values, values, f"failure before node {at}")
