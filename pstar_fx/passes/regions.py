@@ -168,9 +168,9 @@ def _worth(nodes: list[fx.Node], seg: list[int]) -> bool:
 # -- building the fused graph -------------------------------------------------------------------------------------
 
 def _build(g: TrainGraph, nodes: list[fx.Node], runs: list[tuple[int, int]]) -> tuple[TrainGraph, dict]:
-    """The fused graph, and the run each region node came from. Between a region's first and last member there are
-    only parameter views and gradient writes (a region is a maximal sequence of fusible nodes skipping only those):
-    the views are taken before the region, the writes made after it."""
+    """The fused graph, and the run each region node (and each view and write moved around one) came from. Between a
+    region's first and last member there are only parameter views and gradient writes (a region is a maximal sequence
+    of fusible nodes skipping only those): the views are taken before the region, the writes made after it."""
     pos = {n: i for i, n in enumerate(nodes)}
     starts: dict[int, tuple[list[int], tuple[int, int]]] = {}
     for run in runs:
@@ -198,12 +198,14 @@ def _build(g: TrainGraph, nodes: list[fx.Node], runs: list[tuple[int, int]]) -> 
         for j in span:
             if g.ann[nodes[j].name].role is Role.PARAM_VIEW:
                 copy(j)
+                region_run[env[nodes[j]].name] = run
         for name in _add_region(g, graph, env, ann, [nodes[j] for j in seg], regions):
             region_run[name] = run
         regions += 1
-        for j in span:
+        for j in span:        # (a write moved after the region keeps its gradient alive longer: the run's too)
             if g.ann[nodes[j].name].role is Role.WRITE_GRAD:
                 copy(j)
+                region_run[env[nodes[j]].name] = run
         i = seg[-1] + 1
     fused = g.evolve(gm=to_module(graph, g.gm), ann=ann)
     sched = annotate(fused, g.plan.carried)
