@@ -209,7 +209,7 @@ class Compiler:
                                     host_is_device=st.host_is_device)
             if self.optimizer is not None:
                 self.optimizer.attach(self.store)
-        executor = Executor(final, self.store, self.regions)
+        executor = Executor(final, self.store, self.regions, between=interrupts.deliver)   # (Ctrl-C: between regions)
         now = time.perf_counter()
         return Compiled(stages={s.stage: s for s in stages}, executor=executor, setup_seconds=now - t0,
                         set_up_until=now, outcomes=outcomes)

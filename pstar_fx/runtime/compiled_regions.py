@@ -51,7 +51,8 @@ class RegionStats:
     regions: int = 0                 # region nodes of the graph
     nodes: int = 0                   # compute nodes they replace
     compiled: int = 0                # distinct region graphs compiled (identical regions share one)
-    cache_hits: int = 0              # of those, found in Inductor's FX graph cache (compiled by an earlier process)
+    cache_hits: int = 0              # of those, found in Inductor's FX graph cache (compiled earlier: by an earlier
+    #                                  process, or in this one for a region of other code but the same Inductor graph)
     eager: int = 0                   # regions that could not be compiled and run eagerly
     seconds: float = 0.0
     relaid: int = 0                  # compiled again at a call whose inputs came in another layout than traced
@@ -73,11 +74,17 @@ class RegionCompiler:
     def __init__(self):
         self._cache: dict[tuple, Callable[[list], list]] = {}
 
-    def compile_all(self, specs: list[RegionSpec]) -> tuple[list[Callable[[list], list]], RegionStats]:
-        """A callable per region, each taking the list of the region's inputs and returning its outputs."""
+    def compile_all(self, specs: list[RegionSpec], between: Callable[[], None] | None = None
+                    ) -> tuple[list[Callable[[list], list]], RegionStats]:
+        """A callable per region, each taking the list of the region's inputs and returning its outputs. `between()`
+        runs after each (a Ctrl-C held over the compile is taken there: what compiled stays in this compiler)."""
         stats = RegionStats(regions=len(specs), nodes=sum(s.nodes for s in specs))
         t0 = time.perf_counter()
-        out = [self._one(s, stats) for s in specs]
+        out = []
+        for s in specs:
+            out.append(self._one(s, stats))
+            if between is not None:
+                between()
         stats.seconds = time.perf_counter() - t0
         return out, stats
 

@@ -8,6 +8,7 @@ it, which no pool sees). The largest such total is the step's measured peak, com
 from __future__ import annotations
 
 import re
+from typing import Callable
 
 import torch
 import torch.fx as fx
@@ -119,9 +120,10 @@ def device_memory_error(n: fx.Node, oom: torch.OutOfMemoryError, store: ChunkSto
 class Executor:
     """Runs one scheduled graph. Built once per compiled signature; `run` is one training step."""
 
-    def __init__(self, g: TrainGraph, store: ChunkStore, regions: RegionCompiler | None = None):
+    def __init__(self, g: TrainGraph, store: ChunkStore, regions: RegionCompiler | None = None,
+                 between: Callable[[], None] | None = None):
         """`regions` compiles the graph's fused regions (fuse=True), here, once; a compiler of one's own when
-        None."""
+        None. `between()` runs after each region compiled (the caller's safe point for a pending Ctrl-C)."""
         assert g.plan is not None, "the executor runs scheduled graphs"
         self.g = g
         self.store = store
@@ -141,7 +143,8 @@ class Executor:
         self.mutated_buffers = mutated_buffers(g)
         # fused regions: per node position, the compiled callable of a region node
         at = [i for i, r in enumerate(self.roles) if r is Role.REGION]
-        fns, self.region_stats = (regions or RegionCompiler()).compile_all([self.nodes[i].kwargs["spec"] for i in at])
+        fns, self.region_stats = (regions or RegionCompiler()).compile_all([self.nodes[i].kwargs["spec"] for i in at],
+                                                                           between)
         self.compiled: list = [None] * len(self.nodes)
         # a region's internal buffers, which its compiled code allocates and frees itself where the pool cannot see
         # them: counted at its node as the plan's bound on them (passes/regions.py)

@@ -355,3 +355,32 @@ def test_gradient_writes_moved_after_a_region_split_it_where_they_pass_the_budge
     report = px.plan(model, ref_loss, *batch, device_memory=int(least * slack), fuse=True, **kw)
     assert report.fits and report.fused is not None and report.fused[0] > 0
     assert report.peak_device <= int(least * slack)
+
+
+def test_ctrl_c_is_taken_between_region_compiles_and_what_compiled_is_kept(monkeypatch):
+    """Compiling a step's regions can take minutes: a Ctrl-C held over it is taken after the region compiling when it
+    arrived (the `between` safe point), not after all of them, and the regions compiled stay in the compiler."""
+    from pstar_fx.runtime import compiled_regions
+    compiled_now = []
+    monkeypatch.setattr(compiled_regions, "_compile",      # (no Inductor: the region's own graph, eagerly)
+                        lambda gm, vals: compiled_now.append(gm) or (lambda args: gm(*args)))
+    case = small_batches(CASES_BY_NAME["gpt_tied"])
+    budget = tight_budget(case, chunk_size=256)          # (chunk moves between the compute: several regions)
+    step = px.compile(case.build_model(), optimizer=px.AdamW(**HYPER), device="cpu", fuse=True, chunk_size=256,
+                      device_memory=budget)(case.loss_fn)
+    regions = step._compiler.regions
+    calls = []
+
+    def ctrl_c_after_the_first():
+        calls.append(len(compiled_now))
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+    real = compiled_regions.RegionCompiler.compile_all
+    monkeypatch.setattr(compiled_regions.RegionCompiler, "compile_all",
+                        lambda self, specs, between=None: real(self, specs, ctrl_c_after_the_first))
+    with pytest.raises(KeyboardInterrupt):
+        step.lower(*case.batch(0))
+    assert calls == [1] and len(regions._cache) == 1, (calls, len(regions._cache))
+    monkeypatch.setattr(compiled_regions.RegionCompiler, "compile_all", real)
+    step(*case.batch(0))             # the next call compiles the rest; the first region comes from the compiler
+    assert len(compiled_now) == len(regions._cache) >= 2, "each region compiled once"
