@@ -82,6 +82,10 @@ class DevicePool:
         nbytes = t.numel() * t.element_size()
         self._check(nbytes, what)
         self._count(nbytes)
+        self._hold_lent(t)
+
+    def _hold_lent(self, t: torch.Tensor) -> None:
+        """One more lent buffer on t's storage, which the pool then owns."""
         ptr = t.untyped_storage().data_ptr()
         self.lent[ptr] = self.lent.get(ptr, 0) + 1
         self.storages.add(ptr)
@@ -137,6 +141,4 @@ class DevicePool:
         self.storages.update(t.untyped_storage().data_ptr() for t in held)
         self.lent.clear()
         for t in lent:
-            ptr = t.untyped_storage().data_ptr()
-            self.lent[ptr] = self.lent.get(ptr, 0) + 1
-            self.storages.add(ptr)
+            self._hold_lent(t)
