@@ -250,7 +250,8 @@ def run_pstar(cfg, args, device, batch, budget: str) -> dict:
     step = px.compile(model, optimizer=opt, device_memory=dm, precision=args.precision, device=device,
                       chunk_size=args.chunk_size, accumulate=args.accumulate, atomic=not args.no_atomic,
                       host_memory=args.host_memory, offload_dir=args.offload_dir, disk_memory=args.disk_memory,
-                      fuse=args.fuse or None, **prefetch_kw(args), **device_updates_kw(args))(models.loss)
+                      fuse=True if args.fuse else False if args.no_fuse else None,
+                      **prefetch_kw(args), **device_updates_kw(args))(models.loss)
     if args.plan_only:       # px.plan of this very step (model, optimizer, budget, ranks), without a store
         report = px.plan(model, models.loss, *batch, world_size=world(), device_memory=dm, precision=args.precision,
                          chunk_size=args.chunk_size, accumulate=args.accumulate, atomic=not args.no_atomic,
@@ -546,6 +547,7 @@ def main():
                     help="pstar: intra-op threads of the CPU worker that runs host-side updates (default: pstar-fx's)")
     ap.add_argument("--fuse", action="store_true", help="pstar-fx fuse=True: the compute between chunk operations "
                                                         "runs as compiled regions (default: the device's default)")
+    ap.add_argument("--no-fuse", action="store_true", help="pstar-fx fuse=False: every node runs eagerly")
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--vocab", type=int, default=50304)
     ap.add_argument("--systems", default="eager,fsdp2,pstar", help="comma-separated: eager, fsdp2, pstar")
@@ -611,6 +613,8 @@ def main():
         passthrough += ["--no-atomic"]
     if args.fuse:
         passthrough += ["--fuse"]
+    if args.no_fuse:
+        passthrough += ["--no-fuse"]
     for flag, value in (("--host-memory", args.host_memory), ("--offload-dir", args.offload_dir),
                         ("--disk-memory", args.disk_memory)):
         if value:

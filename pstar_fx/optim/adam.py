@@ -61,6 +61,10 @@ def check_options(where: str, opts: Mapping[str, Any], decoupled: bool, *, const
     messages. construction=False: the checks made at every step, on options possibly set through param_groups or
     loaded from a state dict (foreach and capturable are then how torch would have run; pstar-fx's chunk kernels
     give the same values, so they are accepted)."""
+    missing = [k for k in ("lr", "betas", "eps", "weight_decay") if k not in opts]
+    if missing:
+        raise ValueError(f"{where}: the group has no {', '.join(missing)}: not an Adam group (another optimizer's "
+                         "state dict?)")
     lr, betas, eps, wd = opts["lr"], opts["betas"], opts["eps"], opts["weight_decay"]
     if isinstance(lr, torch.Tensor):
         raise ValueError(f"{where}: lr must be a Python float, got a tensor (tensor learning rates are not "

@@ -143,10 +143,26 @@ def probe(cls: type, opts: Mapping[str, Any], where: str) -> tuple[tuple[str, ..
     return tuple(vectors), tuple(scalars)
 
 
-def check_group(cls: type, where: str, opts: Mapping[str, Any], *, construction: bool) -> dict[str, Any]:
+def _options_of(cls: type) -> frozenset[str] | None:
+    """The keyword arguments cls's constructor takes besides the parameters (None: any, it takes **kwargs)."""
+    try:
+        params = inspect.signature(cls.__init__).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return None
+    return frozenset(p.name for p in params) - {"self", "params"}
+
+
+def check_group(cls: type, where: str, opts: Mapping[str, Any], *, construction: bool,
+                strict: bool = False) -> dict[str, Any]:
     """One group's options (without 'params'), checked as torch's constructor checks them (its messages) plus
-    what pstar-fx cannot honour; NaN and inf numbers are rejected. Returns them as a plain dict."""
-    opts = {k: v for k, v in opts.items() if k != "params"}
+    what pstar-fx cannot honour; NaN and inf numbers are rejected. Returns them as a plain dict. A group's keys that
+    the constructor does not take are left out, as torch's update never reads them: a scheduler's ('initial_lr',
+    OneCycleLR's 'max_lr'), torch's own 'param_names', a user's ('name'). strict: the constructor's own keyword
+    arguments, where an unknown one is the TypeError torch raises."""
+    takes = None if strict else _options_of(cls)
+    opts = {k: v for k, v in opts.items() if k != "params" and (takes is None or k in takes)}
     for k, v in opts.items():
         if isinstance(v, torch.Tensor):
             raise ValueError(f"{where}: {k} must be a Python number, got a tensor (tensor options are not "
@@ -178,8 +194,8 @@ def optim_from_torch(torch_class: type, params=None, **options) -> OptimizerSpec
                         f"{torch_class!r}")
     if torch_class is torch.optim.AdamW:
         return AdamW(params, **options)
-    if torch_class is torch.optim.Adam:
-        return Adam(params, **options)
+    if torch_class is torch.optim.Adam:   # Adam(decoupled_weight_decay=True) is AdamW, as torch documents
+        return (AdamW if options.pop("decoupled_weight_decay", False) else Adam)(params, **options)
     name = torch_class.__name__
     where = f"px.optim_from_torch({name})"
     if "state_dtype" in options:
@@ -187,7 +203,7 @@ def optim_from_torch(torch_class: type, params=None, **options) -> OptimizerSpec
                          f"it compresses); {name} keeps its states in fp32: drop state_dtype")
     refuse_known(torch_class, where)
     groups = param_groups(name, params)
-    defaults = check_group(torch_class, where, options, construction=True)
+    defaults = check_group(torch_class, where, options, construction=True, strict=True)
     vectors, scalars = probe(torch_class, defaults, where)
     for i, g in enumerate(groups or ()):
         merged = check_group(torch_class, f"{where}: parameter group {i}", {**defaults, **g}, construction=True)

@@ -151,12 +151,16 @@ def assign_chunks(g: TrainGraph, *, chunk_size: int | None = None,
         for p in all_params:
             q = old.get(p.name)
             if q is None or (q.trainable != p.trainable and not forward_only):
+                now, then = ("gets a gradient", "got none") if p.trainable else ("gets no gradient", "got one")
                 raise ValueError(
-                    f"parameter '{p.name}' is {'trainable' if p.trainable else 'not trainable'} in this trace but "
-                    "not in the first one (its requires_grad changed, or this input shape leaves it unused): "
-                    "pstar-fx fixes which parameters train when it lays out the chunks at the first compile. Set "
-                    "requires_grad before the first step; to change it later, call step.sync_model(), change it, "
-                    "and compile a new step (carry the optimizer over with step.optimizer.state_dict()).")
+                    f"parameter '{p.name}' {now} in this trace but {then} in the first one: pstar-fx fixes which "
+                    "parameters train when it lays out the chunks at the first compile. Either its requires_grad "
+                    "changed (set it before the first step; to change it later, call step.sync_model(), change it "
+                    "and compile a new step, whose optimizer state starts empty: torch's state dicts key the "
+                    "states by position, so an old one loads only into a step that trains the same parameters), "
+                    "or this trace leaves it unused (an input shape, a Python flag or a branch on a tensor value "
+                    "skips it): use every trainable parameter in every step, e.g. add its branch's output times 0, "
+                    "or set requires_grad=False on those that never train.")
         param_table = tuple(old[p.name] for p in all_params)
         # where each chunk updates is the placement's to decide for this graph (an evaluation graph updates none):
         # a chunk the first step streamed is not streamed here until place_optimizer says so

@@ -239,6 +239,63 @@ class PerTensorNorm(torch.optim.Optimizer):
                 p.add_(p.grad / (p.grad.norm() + 1e-6), alpha=-g["lr"])
 
 
+def _named_groups(model):
+    """named_parameters() groups with a user's key: torch adds 'param_names', a scheduler 'initial_lr' and more."""
+    named = list(model.named_parameters())
+    return [{"params": [(n, p) for n, p in named if p.dim() >= 2], "name": "decay"},
+            {"params": [(n, p) for n, p in named if p.dim() < 2], "name": "rest", "weight_decay": 0.0}]
+
+
+@pytest.mark.parametrize("sched", ["StepLR", "OneCycleLR"])
+@pytest.mark.parametrize("name", ["sgd_momentum", "lion", "adagrad"])
+def test_schedulers_and_groups_keys_the_update_never_reads_work_as_in_torch(name, sched):
+    """Keys torch's constructors do not take (a scheduler's initial_lr and max_lr, param_names, a user's 'name')
+    ride along in the groups, as in torch, and never reach the update."""
+    def make_sched(o):
+        if sched == "StepLR":
+            return torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5)
+        return torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.02, total_steps=8,
+                                                   cycle_momentum=name == "sgd_momentum")
+    model = CASE.build_model()
+    step = px.compile(model, optimizer=describe(name, _named_groups(model)), device="cpu", chunk_size=CHUNK,
+                      debug=True)(CASE.loss_fn)
+    schedule = make_sched(step.optimizer)
+    ref = CASE.build_model()
+    opt = OPTIMIZERS[name][1](_named_groups(ref), **OPTIMIZERS[name][2])
+    ref_schedule = make_sched(opt)
+    losses, ref_losses = [], []
+    for i in range(4):
+        losses.append(step(*CASE.batch(i)).item())
+        schedule.step()
+        loss = CASE.loss_fn(ref, *CASE.batch(i))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        ref_schedule.step()
+        ref_losses.append(loss.item())
+    assert "initial_lr" in step.optimizer.param_groups[0] and step.optimizer.param_groups[1]["name"] == "rest"
+    assert step.optimizer.param_groups[1]["param_names"] == opt.param_groups[1]["param_names"]
+    assert [g["lr"] for g in step.optimizer.param_groups] == [g["lr"] for g in opt.param_groups]
+    assert rel_err(losses, ref_losses) <= 1e-6, (losses, ref_losses)
+    assert_state_close(step.state_dict(), ref.state_dict(), rtol=1e-6)
+
+
+def test_adam_with_decoupled_weight_decay_is_adamw_and_another_optimizers_state_is_refused_by_name():
+    spec = px.optim_from_torch(torch.optim.Adam, lr=1e-3, weight_decay=0.1, decoupled_weight_decay=True)
+    assert spec.is_adam and spec.decoupled
+    assert not px.optim_from_torch(torch.optim.Adam, lr=1e-3, decoupled_weight_decay=False).decoupled
+    step = px.compile(CASE.build_model(), optimizer=px.AdamW(lr=1e-3), device="cpu")(CASE.loss_fn)
+    step(*CASE.batch(0))
+    model = CASE.build_model()
+    adagrad = torch.optim.Adagrad(model.parameters(), lr=0.1)
+    CASE.loss_fn(model, *CASE.batch(0)).backward()
+    adagrad.step()
+    before = step.optimizer.state_dict()
+    with pytest.raises(ValueError, match="the group has no betas: not an Adam group"):
+        step.optimizer.load_state_dict(adagrad.state_dict())
+    assert step.optimizer.param_groups[0]["betas"] == before["param_groups"][0]["betas"]
+
+
 def test_an_update_that_reads_whole_tensors_is_detected():
     with pytest.raises(ValueError, match="not elementwise"):
         px.optim_from_torch(PerTensorNorm, lr=0.01)
