@@ -27,9 +27,9 @@ from .device_budget import (
 # type and precision; a pair not named is unfused. Fused regions change the last bits (Inductor sums in its own
 # order), so only mixed precision, held to autocast's tolerance (docs/design.md, "Numerics"), can take them by
 # default, and only on CUDA (on the CPU Inductor's C++ kernels need a compiler and did not pay for their compile time
-# on the example). It names none yet: with CUDA mixed precision fused, the GPU test subset has not passed whole
-# (BENCHMARKS.md, "Known gaps").
-DEFAULT_FUSE: dict[tuple[str, Precision], bool] = {}
+# on the example). CUDA bf16 and fp16 are fused: the GPU test subset passes whole both ways, and fused steps ran
+# faster on the H200 where compute decides the step (BENCHMARKS.md, benchmarks/results/fuse_default_h200_2026-12-05.md).
+DEFAULT_FUSE: dict[tuple[str, Precision], bool] = {("cuda", Precision.BF16): True, ("cuda", Precision.FP16): True}
 
 
 # A CPU device of one rank is the host itself: its chunk slots are their host homes (nothing is copied), host-side

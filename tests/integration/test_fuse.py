@@ -169,23 +169,22 @@ def test_fuse_option_checked():
 
 
 def test_the_default_is_per_device_and_precision(monkeypatch):
-    """fuse=None: DEFAULT_FUSE's entry for the device type and precision (none yet: unfused everywhere); a CUDA
-    entry holds only where Triton is installed; an explicit True or False is kept."""
+    """fuse=None: DEFAULT_FUSE's entry for the device type and precision (CUDA mixed precision fused, fp32 and the
+    CPU not); a CUDA entry holds only where Triton is installed; an explicit True or False is kept."""
     from pstar_fx.api import options
     from pstar_fx.ir.graph import Precision
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     monkeypatch.setattr(options, "_has_triton", lambda: True)
     for precision in Precision:
         for device in (cpu, cuda):
-            assert options.resolve_fuse(None, device, precision) is False
+            fused = device.type == "cuda" and precision in (Precision.BF16, Precision.FP16)
+            assert options.resolve_fuse(None, device, precision) is fused
             assert options.resolve_fuse(True, device, precision) is True
             assert options.resolve_fuse(False, device, precision) is False
-    monkeypatch.setitem(options.DEFAULT_FUSE, ("cuda", Precision.BF16), True)
-    assert options.resolve_fuse(None, cuda, Precision.BF16) is True
-    assert options.resolve_fuse(None, cuda, Precision.FP16) is False
-    assert options.resolve_fuse(None, cpu, Precision.BF16) is False
-    monkeypatch.setattr(options, "_has_triton", lambda: False)
+    monkeypatch.setitem(options.DEFAULT_FUSE, ("cuda", Precision.BF16), False)
     assert options.resolve_fuse(None, cuda, Precision.BF16) is False
+    monkeypatch.setattr(options, "_has_triton", lambda: False)
+    assert options.resolve_fuse(None, cuda, Precision.FP16) is False
 
 
 def test_attention_kernels_timed_at_their_measured_rates():
