@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 
 from ..frontend.model_tensors import global_hooks_key, hook_key, model_tables, module_key
+from ..frontend.python_state import closure_key
 from ..frontend.trace import FlatBatch, flatten_batch, trace_step
 from ..interrupts import DeferredInterrupt
 from ..ir.graph import Settings, TrainGraph
@@ -125,12 +126,13 @@ class Compiler:
         self.layout: Layout | None = None
 
     def model_key(self, portable: bool = False) -> tuple:
-        """What of the model a trace depends on besides the batch: each module's train/eval mode and hooks, each
-        parameter's requires_grad and gradient hooks (a change of any retraces). `portable`: hooks by number, not
-        identity (what the ranks compare: the same on every rank running the same code)."""
+        """What of the model a trace depends on besides the batch: each module's train/eval mode, plain attributes
+        and hooks, each parameter's requires_grad and gradient hooks, and the plain values the step function reads
+        from its closure and globals (frontend/python_state.py; a change of any retraces). `portable`: hooks by
+        number, not identity (what the ranks compare: the same on every rank running the same code)."""
         return (tuple(module_key(m, portable) for m in self.model.modules()),
                 tuple(p.requires_grad if not p._backward_hooks else (p.requires_grad, hook_key(p, portable))
-                      for p in self.model.parameters()), global_hooks_key(portable))
+                      for p in self.model.parameters()), global_hooks_key(portable), closure_key(self.fn))
 
     def get(self, batch, interrupts: DeferredInterrupt, prefix: tuple = ()) -> tuple[Compiled, FlatBatch]:
         """The compiled step for this batch's signature (compiling it on first sight), and the flattened batch.

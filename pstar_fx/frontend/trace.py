@@ -45,7 +45,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, ShapeEnv
 from torch.overrides import TorchFunctionMode
 
-from ..errors import UntraceableError
+from ..errors import UntraceableError, warn
 from ..interrupts import DeferredInterrupt
 from ..ir.fx_utils import (data_dependent_sizes, is_user_file, loss_seed, mutated_args, output_node, storage_key,
                            tensors_of, user_frame)
@@ -57,6 +57,7 @@ from .aux_outputs import AuxCollector, describe_aux, own_aux_storage, split_retu
 from .batch import BatchSignature, FlatBatch, flatten_batch, leaf_name  # noqa: F401 (re-exported)
 from .guards import GuardingShapeEnv, insert_guards
 from .model_tensors import ModelTables, gradient_hooks, model_restored, model_tables, slots, write_rebound
+from .python_state import changes, python_draws, snapshot
 
 
 
@@ -263,8 +264,21 @@ def trace_step(fn, model: nn.Module, batch: tuple, settings: Settings, assume: t
     The model is left exactly as it was (the same parameter and buffer objects), whether tracing succeeds or not.
     Ctrl-C is held while tracing (pstar_fx/interrupts.py) and delivered after it: a KeyboardInterrupt raised inside
     one of torch's C++ callbacks can abort the process."""
-    with DeferredInterrupt():
-        return _trace_step(fn, model, batch, settings, assume)
+    before = snapshot(model, fn)
+    with DeferredInterrupt(), python_draws() as drawn:
+        graph = _trace_step(fn, model, batch, settings, assume)
+    if drawn:
+        raise UntraceableError(
+            f"the step drew from {' and '.join(drawn)} while it was traced: a compiled step runs no Python, so every "
+            "step would replay the trace's draw; draw from torch instead (torch.rand, torch.randint: traced, "
+            "a new draw at every step, as eager), or draw outside the step and pass the value in as an argument")
+    changed = changes(before, snapshot(model, fn))
+    if changed:
+        warn(f"the step changed plain Python values while it was traced ({'; '.join(changed[:4])}"
+             f"{'; ...' if len(changed) > 4 else ''}): a compiled step runs no Python, so it does not change them "
+             "again, and since they are part of the step's signature each change compiles the step anew. Keep "
+             "state the step updates in tensors (a buffer) or outside the step.")
+    return graph
 
 
 def _trace_step(fn, model: nn.Module, batch: tuple, settings: Settings, assume: tuple) -> TrainGraph:

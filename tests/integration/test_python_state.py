@@ -1,0 +1,139 @@
+"""Plain Python values the step reads are part of its signature, as its arguments are.
+
+A compiled step runs no Python, so a value read while tracing is fixed in the graph: a loss weight in a closure or a
+global, a module's float attribute, `nn.Dropout.p` changed between steps retrace and train as eager; a draw from
+Python's `random` is refused (every step would replay it); a value the step itself writes is named in a warning.
+"""
+import random
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import pstar_fx as px
+from pstar_fx.frontend.python_state import closure_key, module_scalars
+
+from harness import HYPER, rel_err
+from models import assert_state_close
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(12, 24)
+        self.drop = nn.Dropout(0.3)
+        self.fc2 = nn.Linear(24, 5)
+        self.temperature = 1.0
+
+    def forward(self, x):
+        return self.fc2(self.drop(torch.tanh(self.fc1(x)))) / self.temperature
+
+
+def _model():
+    torch.manual_seed(0)
+    return Net()
+
+
+def _batch(i):
+    g = torch.Generator().manual_seed(100 + i)
+    return torch.randn(16, 12, generator=g), torch.randint(0, 5, (16,), generator=g)
+
+
+WEIGHT = {"w": 1.0}
+SCALE = 1.0
+
+
+def _run_both(loss_fn, change, steps=5):
+    """`change(i, model)` before step i, on the compiled step's model and on the eager one; same seeds."""
+    model, ref = _model(), _model()
+    step = px.compile(model, optimizer=px.AdamW(**HYPER), device="cpu")(loss_fn)
+    opt = torch.optim.AdamW(ref.parameters(), **HYPER, fused=True)
+    losses, ref_losses = [], []
+    for i in range(steps):
+        change(i, model)
+        torch.manual_seed(i)
+        losses.append(step(*_batch(i)).item())
+        change(i, ref)
+        torch.manual_seed(i)
+        loss = loss_fn(ref, *_batch(i))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        ref_losses.append(loss.item())
+    return step, losses, ref_losses, ref
+
+
+def _ce(model, x, y):
+    return F.cross_entropy(model(x), y)
+
+
+@pytest.mark.parametrize("where", ["closure_dict", "global", "module_attribute", "dropout_p"])
+def test_a_plain_value_changed_between_steps_retraces_and_trains_as_eager(where):
+    state = {"w": 1.0}
+
+    def closure_loss(model, x, y):
+        return _ce(model, x, y) * state["w"]
+
+    def global_loss(model, x, y):
+        return _ce(model, x, y) * SCALE
+
+    def change(i, model):
+        global SCALE
+        value = [1.0, 0.5, 0.5, 2.0, 0.0][i]
+        if where == "closure_dict":
+            state["w"] = value
+        elif where == "global":
+            SCALE = value
+        elif where == "module_attribute":
+            model.temperature = value + 0.5
+        else:
+            model.drop.p = value / 2
+    loss_fn = {"closure_dict": closure_loss, "global": global_loss}.get(where, _ce)
+    try:
+        step, losses, ref_losses, ref = _run_both(loss_fn, change)
+    finally:
+        globals()["SCALE"] = 1.0
+    assert rel_err(losses, ref_losses) <= 1e-6, (losses, ref_losses)
+    assert_state_close(step.state_dict(), ref.state_dict(), rtol=1e-6)
+    assert step._compiler.compiles == 4          # one per distinct value (0.5 seen twice in a row)
+
+
+def test_keys_see_scalars_and_small_containers_and_nan_equals_itself():
+    nan_weight = float("nan")
+    big = list(range(1000))
+
+    def fn(model, x):
+        return model(x).sum() * nan_weight * len(big)
+    assert closure_key(fn) == closure_key(fn)                # a NaN does not make every call a new signature
+    assert ("p", 0.3) in module_scalars(_model().drop) and ("temperature", 1.0) in module_scalars(_model())
+    assert all(name != "training" and not name.startswith("_") for name, _ in module_scalars(_model()))
+    key = closure_key(fn)
+    big.append(1)                                            # past CONTAINER_ITEMS: not keyed by value
+    assert closure_key(fn) == key
+
+
+def test_a_draw_from_pythons_random_is_refused_and_changes_nothing():
+    def layer_drop(model, x, y):
+        h = torch.tanh(model.fc1(x))
+        if random.random() < 2.0:                            # always true, but eager draws anew at every step
+            h = model.drop(h)
+        return F.cross_entropy(model.fc2(h), y)
+    model = _model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    step = px.compile(model, optimizer=px.AdamW(**HYPER), device="cpu")(layer_drop)
+    with pytest.raises(px.UntraceableError, match=r"drew from random \(Python's random module\).*torch\.rand"):
+        step(*_batch(0))
+    assert_state_close(step.state_dict(), before, rtol=0)
+
+
+def test_a_value_the_step_writes_is_named_in_a_warning():
+    class Counting(Net):
+        def forward(self, x):
+            self.calls = getattr(self, "calls", 0) + 1
+            return super().forward(x)
+    model = Counting()
+    step = px.compile(model, optimizer=px.AdamW(**HYPER), device="cpu")(_ce)
+    with pytest.warns(UserWarning, match=r"changed plain Python values while it was traced \(model\.calls: None -> 1"):
+        step(*_batch(0))
+    assert step._compiler.compiles == 1 and model.calls == 1
