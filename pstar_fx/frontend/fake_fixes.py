@@ -98,9 +98,25 @@ def _batch_norm(func, args, kwargs):
     return _ContiguousGrad.apply(out) if out.requires_grad else out
 
 
+# ops whose backward's fake kernel keeps a non-contiguous input's strides where the CPU kernel returns a contiguous
+# gradient (so a view traced after it fails at run time): their gradients are made contiguous (`_ContiguousGrad`)
+_CONTIGUOUS_GRADS = (torch.nn.functional.mse_loss, torch.nn.functional.smooth_l1_loss,
+                     torch.nn.functional.huber_loss, torch.nn.functional.softplus)
+
+
+def _contiguous_grads(func, args, kwargs):
+    """func as it is (the same kernels, the same sums), its non-contiguous inputs' gradients made contiguous."""
+    def fix(a):
+        if isinstance(a, torch.Tensor) and a.requires_grad and not a.is_contiguous():
+            return _ContiguousGrad.apply(a)
+        return a
+    return func(*map(fix, args), **{k: fix(v) for k, v in kwargs.items()})
+
+
 class FakeKernelFixes(TorchFunctionMode):
-    """Active while a step is traced: routes the calls described in the module docstring to their opaque ops, and
-    batch norm through `_batch_norm` (layouts its fake and real kernels agree on)."""
+    """Active while a step is traced: routes the calls described in the module docstring to their opaque ops, batch
+    norm through `_batch_norm` and the losses of `_CONTIGUOUS_GRADS` with contiguous gradients (layouts their fake
+    and real kernels agree on)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -108,4 +124,6 @@ class FakeKernelFixes(TorchFunctionMode):
             return grouped_mm(args[0], args[1], kwargs.get("offs", args[2] if len(args) > 2 else None))
         if func in _BATCH_NORMS and args:
             return _batch_norm(func, args, kwargs)
+        if func in _CONTIGUOUS_GRADS:
+            return _contiguous_grads(func, args, kwargs)
         return func(*args, **kwargs)

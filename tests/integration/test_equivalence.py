@@ -92,3 +92,34 @@ def test_batch_norm_over_a_transposed_input_matches_eager(tight):
     losses, sd, _ = compiled_run(SEQUENCE_NORM, STEPS, budget=budget, chunk_size=64 if tight else None)
     assert rel_err(losses, ref_losses) <= 1e-6, (losses, ref_losses)
     assert_state_close(sd, ref_sd, rtol=1e-6)
+
+
+class _TransposedHead(torch.nn.Module):
+    """A head whose output reaches the loss transposed ((T, B, C) -> (B, T, C)), as nn.MultiheadAttention's
+    batch_first output does: the losses' backward kernels return a contiguous gradient there, their fake kernels
+    the input's strides."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.lin(x).transpose(0, 1)
+
+
+LOSSES = {
+    "mse": torch.nn.functional.mse_loss,
+    "smooth_l1": torch.nn.functional.smooth_l1_loss,
+    "huber": torch.nn.functional.huber_loss,
+    "softplus": lambda a, b: torch.nn.functional.softplus(a).mean(),
+}
+
+
+@pytest.mark.parametrize("loss", sorted(LOSSES))
+def test_losses_over_a_transposed_prediction_match_eager(loss):
+    case = Case(f"transposed_{loss}", _TransposedHead, lambda m, x, y: LOSSES[loss](m(x), y),
+                lambda step, g: (torch.randn(6, 3, 16, generator=g), torch.randn(3, 6, 16, generator=g)))
+    ref_losses, ref_sd = eager_run(case, STEPS)
+    losses, sd, _ = compiled_run(case, STEPS)
+    assert rel_err(losses, ref_losses) == 0, (losses, ref_losses)       # the same kernels, the same sums
+    assert_state_close(sd, ref_sd, rtol=1e-6)
