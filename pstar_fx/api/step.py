@@ -267,7 +267,12 @@ class CompiledStep:
         """Write a checkpoint directory that resumes exactly (see pstar_fx.checkpoint). sharded: None writes the
         sharded format with several ranks or a disk tier, plain files otherwise; True or False chooses. frozen=False
         leaves out the parameters the step does not train (plain files): a load keeps the model's own values for
-        them, so load it into a model built with the same frozen values (a fine-tune's base weights)."""
+        them, so load it into a model built with the same frozen values (a fine-tune's base weights). Refused
+        (CommitError) after a step failed past its commit point: its values are not one step's."""
+        if self._broken is not None:
+            raise CommitError(f"step.save({str(path)!r}) refused: the values are not consistent since a step failed "
+                              f"after its commit point (saving them could replace a good checkpoint): "
+                              f"{self._broken}")
         checkpoint.save(self._step_state(), path, sharded=sharded, frozen=frozen)
 
     @_locked

@@ -5,6 +5,7 @@ read, then applied."""
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 
@@ -12,6 +13,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ..errors import CheckpointError
+from ..interrupts import DeferredInterrupt
 from ..ir.graph import StateHome
 from ..runtime.host_memory import local_ranks, spare_host_bytes
 from ..units import format_bytes
@@ -81,6 +83,14 @@ def _save_error(e: BaseException, path: str, tmp: str, rank: int) -> BaseExcepti
     """What to raise for a failed part of a save: DCP's wrapper (around any rank's exception, Ctrl-C too) undone, a
     file system error in it naming the file (this rank's data files, where DCP does not say which) and the cause.
     Errors of pstar-fx's own writes name their file already."""
+    interrupt = _interrupt_in(e)
+    if interrupt is not None:                  # Ctrl-C inside torch's file writer comes out as its RuntimeError
+        return interrupt
+    if isinstance(e, RuntimeError) and "inline_container" in str(e):   # torch's zip writer: a write failed
+        if shutil.disk_usage(os.path.dirname(tmp) or ".").free < 1 << 20:
+            return files.described(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), tmp, f"step.save({path!r}): "
+                                   "writing")
+        return OSError(errno.EIO, f"step.save({path!r}): writing under {tmp}: torch's file writer failed ({e})")
     if not isinstance(e, CheckpointException):
         return e
     inner = (e.failures.get(rank) or next(iter(e.failures.values()), (e, None)))[0]
@@ -88,6 +98,15 @@ def _save_error(e: BaseException, path: str, tmp: str, rank: int) -> BaseExcepti
         return files.described(inner, inner.filename or os.path.join(tmp, f"__{rank}_*.distcp"),
                                f"step.save({path!r}): writing")
     return inner
+
+
+def _interrupt_in(e: BaseException) -> KeyboardInterrupt | None:
+    """A KeyboardInterrupt e is, or was raised while handling (torch's writer wraps one in its RuntimeError)."""
+    for _ in range(8):
+        if e is None or isinstance(e, KeyboardInterrupt):
+            return e
+        e = e.__cause__ or e.__context__
+    return None
 
 
 def _every_rank(comm, path: str, tmp: str, fn):
@@ -100,10 +119,10 @@ def _every_rank(comm, path: str, tmp: str, fn):
     except BaseException as e:   # noqa: BLE001 - every rank must learn of it, Ctrl-C included
         failed = e
     if _any(comm, failed is not None):
+        error = None if failed is None else _save_error(failed, path, tmp, rank)   # (before the files go)
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         if failed is not None:
-            error = _save_error(failed, path, tmp, rank)
             if error is failed:
                 raise failed
             raise error from failed
@@ -252,15 +271,18 @@ def _apply(state: StepState, model_sd: dict, opt_sd: dict, meta: dict, path: str
         wrong = sorted(set(model_sd) ^ set(ref)) or [k for k, v in model_sd.items() if v.shape != ref[k].shape]
         raise CheckpointError(f"step.load: {path!r} was saved from another model: keys or shapes differ "
                               f"({wrong[:3]})")
-    # optimizer first: it checks everything before it changes anything, so a refused checkpoint changes nothing
-    try:
-        state.optimizer.load_state_dict(opt_sd)
-    except (ValueError, KeyError) as e:     # (a CheckpointError is a ValueError too)
-        raise CheckpointError(f"step.load: {path!r}: its optimizer state does not fit this step: {e}") from e
-    # model values: into the chunks when this step holds the model, else into the model, which the next step takes
-    # (another step holding the model gives it back first); a model built under px.init_empty() has values only in
-    # the chunks, so the step takes it first
-    state.fill_if_empty()
-    state.load_model_values(model_sd, not left_out)   # into the chunks when the step holds the model, else the model
-    sharded_format.apply_meta(state, meta)
-    state.clear_broken()
+    # Ctrl-C waits until every value is in (then comes as a KeyboardInterrupt after a whole load): a load cut short
+    # would leave the checkpoint's optimizer states beside the old parameters
+    with DeferredInterrupt():
+        # optimizer first: it checks everything before it changes anything, so a refused checkpoint changes nothing
+        try:
+            state.optimizer.load_state_dict(opt_sd)
+        except (ValueError, KeyError) as e:     # (a CheckpointError is a ValueError too)
+            raise CheckpointError(f"step.load: {path!r}: its optimizer state does not fit this step: {e}") from e
+        # model values: into the chunks when this step holds the model, else into the model, which the next step
+        # takes (another step holding the model gives it back first); a model built under px.init_empty() has
+        # values only in the chunks, so the step takes it first
+        state.fill_if_empty()
+        state.load_model_values(model_sd, not left_out)   # into the chunks when the step holds them, else the model
+        sharded_format.apply_meta(state, meta)
+        state.clear_broken()

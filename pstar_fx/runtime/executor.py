@@ -209,10 +209,10 @@ class Executor:
             if rt.committed or rt.stepped:        # (stepped before the commit: host-side steps with atomic=False)
                 raise CommitError(
                     f"pstar-fx: the step failed after {'its commit point' if rt.committed else 'its first update'} "
-                    f"({type(e).__name__}: {e}), with "
+                    f"({type(e).__name__}: {e}), with the updates of "
                     f"{len(rt.stepped)} of {sum(1 for r in self.roles if r is Role.OPTIMIZER_STEP)} chunks "
-                    "updated; the compiled step's values are no longer consistent. Load a checkpoint "
-                    "with step.load(path) to continue.") from e
+                    "begun (the last possibly unfinished); the compiled step's values are no longer consistent. "
+                    "Load a checkpoint with step.load(path) to continue.") from e
             for name, value in saved.items():
                 self.store.buffers[name].copy_(value)
             self.store.values.restore_params_from_masters()

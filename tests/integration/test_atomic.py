@@ -7,6 +7,7 @@ before the step, and the next step equals a run that never saw the failed one. F
 held until the update is complete, then delivered; any other failure there is a CommitError and the step refuses
 further use.
 """
+import os
 import signal
 
 import pytest
@@ -79,18 +80,25 @@ def test_ctrl_c_after_the_commit_is_held_until_the_step_is_complete(precision, t
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
-def test_failure_after_the_commit_is_a_clear_error_and_the_step_refuses_further_use():
+def test_failure_after_the_commit_is_a_clear_error_and_the_step_refuses_further_use(tmp_path):
     step = _make("fp32", False)
     step(*CASE.batch(0))
+    step.save(tmp_path / "good")
     g = step.final_graph
     roles = [g.ann[n.name].role for n in g.nodes]
     second_update = [i for i, r in enumerate(roles) if r is Role.OPTIMIZER_STEP][1]
     step._before_node = raiser(second_update, RuntimeError("device fault"))
-    with pytest.raises(px.CommitError, match="1 of .* chunks updated"):
+    with pytest.raises(px.CommitError, match=r"the updates of 1 of .* chunks begun"):
         step(*CASE.batch(1))
     step._before_node = None
     with pytest.raises(px.CommitError, match="Load a checkpoint"):
         step(*CASE.batch(2))
+    good = sorted(os.listdir(tmp_path / "good"))
+    with pytest.raises(px.CommitError, match="save.*refused: the values are not consistent"):
+        step.save(tmp_path / "good")           # a crash handler's save would replace the good checkpoint
+    assert sorted(os.listdir(tmp_path / "good")) == good
+    step.load(tmp_path / "good")
+    step(*CASE.batch(1))                       # a load makes the step whole again
 
 
 def test_failed_step_then_training_matches_eager_that_never_saw_it():

@@ -23,6 +23,7 @@ import random
 import shutil
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -111,6 +112,15 @@ def target(saved):
     return step
 
 
+def _save_anyway(step, path, **kw):
+    """Save a step the target fixture marked broken (which save refuses), leaving it marked."""
+    broken, step._broken = step._broken, None
+    try:
+        step.save(path, **kw)
+    finally:
+        step._broken = broken
+
+
 # -- nothing is unpickled --------------------------------------------------------------------------------------------
 def test_a_stray_pickled_metadata_beside_a_plain_checkpoint_is_never_read(saved, tmp_path):
     _, paths, want = saved
@@ -150,7 +160,7 @@ def test_dcp_byte_entries_are_unpickled_weights_only(tmp_path, monkeypatch, targ
         return MakesMarker(str(marker)) if mine else real(obj)
     step = target
     monkeypatch.setattr(pdcp, "_pack", crafted)
-    step.save(tmp_path / "c", sharded=True)
+    _save_anyway(step, tmp_path / "c", sharded=True)
     monkeypatch.undo()
     assert not marker.exists()
     before = _snapshot(step)
@@ -269,7 +279,7 @@ def test_a_refused_sharded_checkpoint_changes_nothing(tmp_path, monkeypatch, tar
         real = pdcp.save_entries
         monkeypatch.setattr(pdcp, "save_entries", lambda step, values: {
             k: v.double() if k == "model.wte.weight" else v for k, v in real(step, values).items()})
-    source.save(tmp_path / "c", sharded=True)
+    _save_anyway(source, tmp_path / "c", sharded=True)
     monkeypatch.undo()
     step = target if lowered else rs.build(dict(RUN))[0]
     before = _snapshot(step)
@@ -347,8 +357,15 @@ def test_saves_from_another_thread_hold_whole_steps(tmp_path, target):
     assert len(matched) >= 2, "the saves did not interleave with the steps"
 
 
-def test_save_never_replaces_a_directory_it_did_not_write(tmp_path, target):
-    step = target
+@pytest.fixture()
+def whole(target):
+    """The target step, not broken: one that may save."""
+    target._broken = None
+    return target
+
+
+def test_save_never_replaces_a_directory_it_did_not_write(tmp_path, whole):
+    step = whole
     mine = tmp_path / "mine"
     mine.mkdir()
     torch.save({"my": torch.arange(3.0)}, mine / "model.pt")
@@ -369,8 +386,8 @@ def test_save_never_replaces_a_directory_it_did_not_write(tmp_path, target):
     assert sorted(os.listdir(tmp_path / "empty")) == sorted(ckpt.FILES)
 
 
-def test_what_killed_saves_left_goes_after_the_next_save_is_published(tmp_path, monkeypatch, target):
-    step = target
+def test_what_killed_saves_left_goes_after_the_next_save_is_published(tmp_path, monkeypatch, whole):
+    step = whole
     path = tmp_path / "c"
     step.save(path)
     shutil.copytree(path, tmp_path / "c.old-0123abcd")           # a killed save's previous checkpoint
@@ -400,11 +417,11 @@ def test_what_killed_saves_left_goes_after_the_next_save_is_published(tmp_path, 
     ("plain", errno.EACCES, "fsync", "permission denied", "model.pt"),
     ("plain", errno.EROFS, "mkdir", "read-only", ".tmp-"),
 ], ids=["plain-ENOSPC", "sharded-ENOSPC", "plain-EACCES", "plain-EROFS"])
-def test_a_file_system_error_names_the_file_and_the_cause(tmp_path, monkeypatch, target, fmt, code, call, cause,
+def test_a_file_system_error_names_the_file_and_the_cause(tmp_path, monkeypatch, whole, fmt, code, call, cause,
                                                          file):
     """The write fails as the file system would (tests run as root: chmod does not stop writes); the error keeps its
     errno and names the file and the cause; the previous checkpoint stays, whole, and nothing is left beside it."""
-    step = target
+    step = whole
     path = tmp_path / "c"
     step.save(path, sharded=fmt == "sharded")
     before = sorted(os.listdir(path))
@@ -419,6 +436,59 @@ def test_a_file_system_error_names_the_file_and_the_cause(tmp_path, monkeypatch,
     assert cause in str(info.value) and file in str(info.value), str(info.value)
     assert sorted(os.listdir(tmp_path)) == ["c"] and sorted(os.listdir(path)) == before
     rs.build(dict(RUN))[0].load(path)
+
+
+def _torch_writer_fails(monkeypatch, interrupted: bool):
+    """torch.save's zip writer failing as it does on a full disk, or on a Ctrl-C inside it (its RuntimeError, raised
+    while the KeyboardInterrupt was being handled)."""
+    def write(contents, file):
+        if not interrupted:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 1088 vs 982")
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 1 vs 0") from None
+    monkeypatch.setattr(ckpt.plain, "write", write)
+
+
+@pytest.mark.parametrize("interrupted", [False, True], ids=["disk_full", "ctrl_c"])
+def test_a_failure_inside_torchs_file_writer_says_what_it_was(tmp_path, monkeypatch, whole, interrupted):
+    """A Ctrl-C inside torch's writer comes out as the KeyboardInterrupt (an `except KeyboardInterrupt` takes it), a
+    full disk as ENOSPC naming the cause, not torch's bare RuntimeError; the previous checkpoint stays whole."""
+    step = whole
+    path = tmp_path / "c"
+    step.save(path)
+    before = sorted(os.listdir(path))
+    _torch_writer_fails(monkeypatch, interrupted)
+    if interrupted:
+        with pytest.raises(KeyboardInterrupt):
+            step.save(path)
+    else:
+        monkeypatch.setattr(ckpt.save_load.shutil, "disk_usage", lambda p: SimpleNamespace(total=1 << 30, free=0))
+        with pytest.raises(OSError, match="disk is full") as info:
+            step.save(path)
+        assert info.value.errno == errno.ENOSPC
+    monkeypatch.undo()
+    assert sorted(os.listdir(tmp_path)) == ["c"] and sorted(os.listdir(path)) == before
+
+
+def test_ctrl_c_during_a_load_comes_after_the_whole_load(saved, target, monkeypatch):
+    """A Ctrl-C while a load writes values waits until every value is in: never the checkpoint's optimizer states
+    beside the old parameters."""
+    import signal
+    step, paths, after_two = saved
+    apply_meta = ckpt.save_load.sharded_format.apply_meta
+
+    def interrupted(*args):
+        signal.raise_signal(signal.SIGINT)       # arrives after the optimizer state went in, before the rest
+        return apply_meta(*args)
+    monkeypatch.setattr(ckpt.save_load.sharded_format, "apply_meta", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        step.load(paths["plain"])
+    monkeypatch.undo()
+    got = _snapshot(step)
+    step.load(paths["plain"])
+    _assert_same(got, _snapshot(step), "an interrupted load against a whole one")
 
 
 def test_two_ranks_verify_the_files_they_read_and_agree(tmp_path):
