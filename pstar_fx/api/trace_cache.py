@@ -7,7 +7,7 @@ one traces and compiles again. The cache keeps at most `max_size` compiled steps
 once when more than `warn_after` signatures differ only in the values of constants, naming the batch leaf. Batches of
 varying shapes (sequence lengths) are a new signature each too: it warns once when the `shapes_warn_at`-th distinct
 set of batch shapes is compiled, saying how to pad or bucket and how to keep more. A signature can be pinned
-(`step.reserve`): it is never evicted.
+(`step.reserve`): it is never evicted; with every place pinned, the latest other signature is kept beside them.
 """
 from __future__ import annotations
 
@@ -68,8 +68,11 @@ class TraceCache(Generic[V]):
         self._entries[key] = value
         self._entries.move_to_end(key)
         self.last = key
-        while len(self._entries) > self.max_size:     # pinned entries stay: at most max_size of them
-            del self._entries[next(k for k in self._entries if k not in self._pinned)]
+        while len(self._entries) > self.max_size:     # pinned entries stay, and so does the one just put (with
+            old = next((k for k in self._entries if k not in self._pinned and k != key), None)   # max_size pinned,
+            if old is None:                                                                      # one more)
+                break
+            del self._entries[old]
         self._note(key)
         self._note_shapes(key)
 

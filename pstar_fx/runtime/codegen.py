@@ -19,6 +19,7 @@ from __future__ import annotations
 import itertools
 import linecache
 import os
+import weakref
 
 import torch
 import torch.fx as fx
@@ -139,8 +140,8 @@ _serial = itertools.count()
 def compile_step(ex, kinds: tuple[int, ...], store, pool):
     """The generated step function of executor `ex` (see generate), bound to its store and pool, and a function from
     a failure's traceback to the node it failed at (None where it did not fail inside the function). The source is
-    registered with linecache, so a traceback through it shows the node's line; its file name lies in this package's
-    directory (as pstar-fx's own code does)."""
+    registered with linecache while the function lives, so a traceback through it shows the node's line; its file
+    name lies in this package's directory (as pstar-fx's own code does)."""
     text, names, node_of_line = generate(ex, kinds)
     scope = dict(names, store=store, pool=pool)
     filename = os.path.join(os.path.dirname(__file__), f"<generated step {next(_serial)}: {len(ex.nodes)} nodes>")
@@ -148,6 +149,7 @@ def compile_step(ex, kinds: tuple[int, ...], store, pool):
     linecache.cache[filename] = (len(text), None, text.splitlines(keepends=True), filename)
     exec(code, scope)   # noqa: S102 - the text is generated above from the graph, not read from anywhere
     fn = scope["step"]
+    weakref.finalize(fn, linecache.cache.pop, filename, None)   # the source goes with the function (no leak)
 
     def node_at(tb) -> int | None:
         while tb is not None:

@@ -3,6 +3,9 @@ shape warns how to pad or bucket; `cache_size` bounds the cache; `step.reserve(*
 raising BudgetError there when it does not fit, and keeps it compiled.
 """
 import functools
+import gc
+import linecache
+import os
 import warnings
 
 import pytest
@@ -120,3 +123,21 @@ def test_a_reserved_batch_never_compiles_again():
     step.reserve(*_batch(8))
     with pytest.raises(ValueError, match="cache_size"):         # every kept signature would be reserved
         step.reserve(*_batch(12))
+    compiles = step._compiler.compiles
+    for _ in range(3):
+        step(*_batch(12))                   # every place is reserved: the latest other signature is kept too
+    assert step._compiler.compiles == compiles + 1
+
+
+def _generated_sources():
+    gc.collect()
+    return sum(name.startswith("<generated step") for name in map(os.path.basename, linecache.cache))
+
+
+def test_evicted_steps_take_their_generated_source_with_them():
+    step = _compile(_model(), cache_size=1)
+    before = _generated_sources()
+    for T in (8, 12, 16, 8, 12, 16):
+        step(*_batch(T))
+    assert step._compiler.compiles == 6
+    assert _generated_sources() - before <= 1              # the one compiled step the cache keeps
