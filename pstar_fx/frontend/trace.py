@@ -266,7 +266,7 @@ def trace_step(fn, model: nn.Module, batch: tuple, settings: Settings, assume: t
     one of torch's C++ callbacks can abort the process."""
     before = snapshot(model, fn)
     with DeferredInterrupt(), python_draws() as drawn:
-        graph = _trace_step(fn, model, batch, settings, assume)
+        graph = _tried_both_ways(fn, model, batch, settings, assume)
     if drawn:
         raise UntraceableError(
             f"the step drew from {' and '.join(drawn)} while it was traced: a compiled step runs no Python, so every "
@@ -279,6 +279,31 @@ def trace_step(fn, model: nn.Module, batch: tuple, settings: Settings, assume: t
              "again, and since they are part of the step's signature each change compiles the step anew. Keep "
              "state the step updates in tensors (a buffer) or outside the step.")
     return graph
+
+
+MAX_FLIPS = 8   # conditions a failed trace may take the other way, one after the other
+
+
+def _tried_both_ways(fn, model: nn.Module, batch: tuple, settings: Settings, assume: tuple) -> TrainGraph:
+    """_trace_step; a trace that fails after deciding a condition on a value by default (True: the tracer cannot
+    know it) is tried again with that condition False, the conditions before it as taken: a sanity check such as
+    `if torch.isnan(x).any(): raise ...` or torch's own `if torch.any(var < 0): raise` traces its passing branch,
+    guarded (a step whose data makes it true retraces that branch and raises). A failure after conditions that a run
+    observed (`assume`) is the user's code raising on real data: the user's own exception, as eager code raises it."""
+    for _ in range(MAX_FLIPS):
+        try:
+            return _trace_step(fn, model, batch, settings, assume)
+        except UntraceableError as e:
+            taken = getattr(e, "decisions", ())
+            by_default = [k for k in range(len(assume), len(taken)) if taken[k] is True]
+            if not by_default:      # (the latest error: its trace went furthest)
+                user = getattr(e, "user_raised", None)
+                if user is not None and assume and len(taken) <= len(assume):
+                    raise user from None
+                raise
+            k = by_default[-1]
+            assume = tuple(taken[:k]) + (False,)
+    return _trace_step(fn, model, batch, settings, assume)
 
 
 def _trace_step(fn, model: nn.Module, batch: tuple, settings: Settings, assume: tuple) -> TrainGraph:
@@ -411,7 +436,12 @@ def _trace_step(fn, model: nn.Module, batch: tuple, settings: Settings, assume: 
     except UntraceableError:
         raise
     except Exception as e:  # an unsupported construct deep inside torch: name it and the user's line
-        raise _explain(e, flat, mode.shape_env) from e
+        error = _explain(e, flat, mode.shape_env)
+        # what _tried_both_ways needs: the outcomes decided, and the user's own exception if the user's code raised it
+        error.decisions = tuple(d.value for d in mode.shape_env.decisions)
+        tb = traceback.extract_tb(e.__traceback__)
+        error.user_raised = e if tb and is_user_file(tb[-1].filename) else None
+        raise error from e
     _reject_unbounded(gm, mode.shape_env)
     _reject_sparse(gm)
     guard_nodes = set(insert_guards(gm, mode.shape_env))

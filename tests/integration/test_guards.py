@@ -96,6 +96,39 @@ def test_item_driven_branch_and_item_as_a_number_train_like_eager():
     assert step._compiler.compiles == 2
 
 
+def checked_loss(model, x):
+    y = model(x)
+    if torch.isnan(x).any():                # a sanity check: False on real data, and its branch raises
+        raise ValueError("a NaN in the batch")
+    assert not torch.isinf(y).any(), "an inf in the output"
+    return y.square().mean()
+
+
+def test_a_check_whose_branch_raises_traces_its_passing_branch_and_raises_as_eager_on_bad_data():
+    """The tracer cannot know the condition: it takes True first, the user's code raises, and the trace takes the
+    condition False instead (guarded). A batch that makes it true raises the user's own error, changing nothing."""
+    losses, ref_losses, sd, ref_sd, step = _train_both(_mlp(), checked_loss, _shifted(3, 0.5))
+    assert losses == ref_losses
+    assert_state_close(sd, ref_sd, rtol=1e-6)
+    assert step._compiler.compiles == 1
+    bad = _shifted(1, 0.5, seed=9)[0][0]
+    bad[2, 3] = float("nan")
+    with pytest.raises(ValueError, match="a NaN in the batch"):
+        step(bad)
+    assert_state_close(step.state_dict(), sd, rtol=0)
+    step(*_shifted(1, 0.5, seed=4)[0])      # and training goes on
+
+
+def test_torchs_own_checks_on_values_trace_their_passing_branch():
+    """F.gaussian_nll_loss checks `if torch.any(var < 0): raise ValueError` inside torch."""
+    def loss_fn(model, x):
+        out = model(x)
+        return nn.functional.gaussian_nll_loss(out[:, 0], x[:, 1], nn.functional.softplus(out[:, 1]) + 0.1)
+    losses, ref_losses, sd, ref_sd, _ = _train_both(_mlp(d_out=2), loss_fn, _shifted(3, 0.5))
+    assert losses == ref_losses
+    assert_state_close(sd, ref_sd, rtol=1e-6)
+
+
 def masked_loss(model, x):
     y = model(x).squeeze(-1)
     sel = y[x[:, 0] > 1.0]                  # boolean-mask indexing of the loss: a data-dependent size
