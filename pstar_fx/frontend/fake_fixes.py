@@ -1,14 +1,22 @@
-"""Ops whose fake (meta) kernel rejects inputs that the real kernel accepts, traced through an opaque op instead.
+"""Where torch's fake (meta) kernels differ from the real ones, what the trace does so that the graph runs and its
+plan holds.
 
-`torch._grouped_mm` (transformers' default Mixture-of-Experts implementation, `experts_implementation="grouped_mm"`)
-has a meta kernel that copies the CUDA kernel's checks and accepts bf16 only, while the CPU kernel also computes
-fp32; so an fp32 Mixtral cannot be traced over fake tensors although eager PyTorch runs it. While tracing,
-`FakeKernelFixes` sends such calls to `pstar::grouped_mm`, a custom op with a fake kernel for the shapes (the
-output shape does not depend on values: (S, N) for S grouped rows) whose real kernel is `torch._grouped_mm` itself,
-and whose backward is a second opaque op computing torch's own backward formula with the same kernel. The graph thus
-computes what eager computes, bit for bit. Temporaries inside the kernels are not planned, as for any aten op.
+- They refuse inputs the real kernel accepts: `torch._grouped_mm` (transformers' default Mixture-of-Experts
+  implementation, `experts_implementation="grouped_mm"`) has a meta kernel that copies the CUDA kernel's checks and
+  accepts bf16 only, while the CPU kernel also computes fp32; so an fp32 Mixtral cannot be traced over fake tensors
+  although eager PyTorch runs it. While tracing, `FakeKernelFixes` sends such calls to `pstar::grouped_mm`, a custom
+  op with a fake kernel for the shapes (the output shape does not depend on values: (S, N) for S grouped rows) whose
+  real kernel is `torch._grouped_mm` itself, and whose backward is a second opaque op computing torch's own backward
+  formula with the same kernel. The graph thus computes what eager computes, bit for bit.
+- They lay out outputs otherwise (batch norm over a transposed input; the backward of some losses): the view traced
+  after them would fail at run time, so their inputs or gradients are given a layout both agree on.
+- They allocate otherwise (oneDNN's LSTM layer on the CPU): `real_allocations` corrects the traced values, so the plan
+  counts what the real kernels hold.
+Temporaries inside the kernels are not planned, as for any aten op.
 """
 from __future__ import annotations
+
+import operator
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -127,3 +135,50 @@ class FakeKernelFixes(TorchFunctionMode):
         if func in _CONTIGUOUS_GRADS:
             return _contiguous_grads(func, args, kwargs)
         return func(*args, **kwargs)
+
+
+# ops whose fake kernel returns an empty workspace where the real one allocates: (op, index of the workspace output)
+_WORKSPACES = tuple((op, i) for op, i in ((getattr(torch.ops.aten, "mkldnn_rnn_layer", None), 3),)
+                    if op is not None)
+# ops whose fake kernel returns one tensor twice where the real one returns two: (op, index of the second)
+_SEPARATE = tuple((op, i) for op, i in ((getattr(torch.ops.aten, "mkldnn_rnn_layer_backward", None), 4),)
+                  if op is not None)
+
+
+def _set_output(n: torch.fx.Node, index: int, value: torch.Tensor) -> None:
+    """Replace output `index` of a multi-output node in its traced value and in the getitem taking it."""
+    val = n.meta["val"]
+    n.meta["val"] = type(val)(value if i == index else v for i, v in enumerate(val))
+    for user in n.users:
+        if user.target is operator.getitem and user.args[1] == index:
+            user.meta["val"] = value
+
+
+def real_allocations(gm: torch.fx.GraphModule) -> None:
+    """The traced values of oneDNN's LSTM layer on the CPU allocated as its real kernels allocate, so the plan counts
+    what they hold: the forward's workspace (saved for backward: 0 bytes from the fake kernel, tens of KiB and more
+    from the real one, whose size depends on the shapes only, so it is measured by running the real kernel once on
+    zeros of the traced shapes) and the backward's two bias gradients (one tensor twice from the fake kernel, two
+    from the real one)."""
+    for n in gm.graph.nodes:
+        val = n.meta.get("val")
+        if not isinstance(val, (tuple, list)):
+            continue
+        index = next((i for op, i in _WORKSPACES if n.target is op.default), None)
+        if index is not None and val[index].numel() == 0:
+            _set_output(n, index, _real_workspace(n, index, val))
+        index = next((i for op, i in _SEPARATE if n.target is op.default), None)
+        if index is not None and val[index].untyped_storage()._cdata == val[index - 1].untyped_storage()._cdata:
+            with val[index].fake_mode:
+                _set_output(n, index, torch.empty_like(val[index]))
+
+
+def _real_workspace(n: torch.fx.Node, index: int, val) -> torch.Tensor:
+    def real(a):
+        v = a.meta.get("val") if isinstance(a, torch.fx.Node) else a
+        return torch.zeros(v.shape, dtype=v.dtype) if isinstance(v, torch.Tensor) else v
+    args = [[real(x) for x in a] if isinstance(a, (list, tuple)) else real(a) for a in n.args]
+    with torch.enable_grad():      # (under no_grad the kernel makes no workspace)
+        workspace = n.target(*args, **{k: real(v) for k, v in n.kwargs.items()})[index]
+    with val[index].fake_mode:
+        return torch.empty(0 if workspace is None else workspace.numel(), dtype=val[index].dtype)

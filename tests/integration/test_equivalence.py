@@ -123,3 +123,34 @@ def test_losses_over_a_transposed_prediction_match_eager(loss):
     losses, sd, _ = compiled_run(case, STEPS)
     assert rel_err(losses, ref_losses) == 0, (losses, ref_losses)       # the same kernels, the same sums
     assert_state_close(sd, ref_sd, rtol=1e-6)
+
+
+class _Lstm(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.rnn = torch.nn.LSTM(8, 12, num_layers=2, bidirectional=True, batch_first=True)
+        self.head = torch.nn.Linear(24, 4)
+
+    def forward(self, x):
+        return self.head(self.rnn(x)[0])
+
+
+LSTM = Case("lstm", _Lstm, lambda m, x, y: torch.nn.functional.cross_entropy(m(x).flatten(0, 1), y.flatten()),
+            lambda step, g: (torch.randn(3, 7, 8, generator=g), torch.randint(0, 4, (3, 7), generator=g)))
+
+
+@pytest.mark.parametrize("tight", [False, True], ids=["unlimited", "tight"])
+def test_lstm_plans_its_real_workspace_and_matches_eager(tight):
+    """On the CPU nn.LSTM runs oneDNN's layer kernel, whose workspace (saved for backward) the fake kernel gives 0
+    bytes: the trace measures the real one, so a budget that forces eviction holds and the plan is exact."""
+    ref_losses, ref_sd = eager_run(LSTM, STEPS)
+    budget = tight_budget(LSTM, chunk_size=512) if tight else None
+    losses, sd, step = compiled_run(LSTM, STEPS, budget=budget, chunk_size=512 if tight else None)
+    assert rel_err(losses, ref_losses) <= 1e-6, (losses, ref_losses)
+    assert_state_close(sd, ref_sd, rtol=1e-6)
+    plan = step.graphs["scheduled"].plan
+    assert step.last_step.measured_peak == plan.predicted_peak
+    if step.settings.device.type == "cpu" and torch.backends.mkldnn.is_available():
+        workspaces = [n for n in step.graphs["traced"].nodes if "mkldnn_rnn_layer.default" in str(n.target)]
+        assert workspaces and all(n.meta["val"][3].numel() > 0 for n in workspaces)
