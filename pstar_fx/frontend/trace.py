@@ -162,9 +162,18 @@ def _explain(exc: BaseException, flat: "FlatBatch | None" = None, shape_env: Sha
         what = (f"operation {exc.func} needs a tensor's value while tracing (for example .item(), .tolist(), or "
                 "Python control flow such as `if tensor > 0:`); pstar-fx compiles one static graph, so compute "
                 "it with tensor ops (torch.where) or move it outside the step")
+    elif isinstance(exc, DynamicOutputShapeException) and "_ctc_loss" in str(exc.func):
+        what = (f"operation {exc.func} (F.ctc_loss) has no kernel torch can trace without values (its fake kernel "
+                "is missing, whatever the lengths): CTC loss cannot be compiled; compute it outside the step, or "
+                "train with another loss")
     elif isinstance(exc, DynamicOutputShapeException):
         what = (f"operation {exc.func} returns a shape that depends on tensor values (boolean masking, nonzero, "
                 "unique); pstar-fx compiles one static graph, so use fixed-shape ops such as torch.where")
+    elif _packed_sequence_in(exc):
+        what = (f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''} (a packed sequence: "
+                "pack_padded_sequence computes its batch_sizes from the lengths' values, which a static graph does "
+                "not have; feed the RNN the padded batch instead and leave the padded positions out of the loss, "
+                "e.g. cross_entropy(..., ignore_index=...) or a mask)")
     elif "convert all Tensors to FakeTensors" in str(exc):
         what = ("the step uses a real tensor that is neither a parameter, a buffer nor an input (a plain tensor "
                 "attribute or a global); register it with module.register_buffer(...) or pass it in the batch")
@@ -187,6 +196,17 @@ def _explain(exc: BaseException, flat: "FlatBatch | None" = None, shape_env: Sha
     if frame is None and any(f"autograd{os.sep}" in f.filename for f in traceback.extract_tb(exc.__traceback__)):
         where = "in the backward pass (differentiating an op of the step's forward)"
     return UntraceableError(f"cannot trace the training step: {what}; {where}")
+
+
+def _packed_sequence_in(exc: BaseException) -> bool:
+    """The failure happened with a PackedSequence in hand (a local of one of the frames it passed through)."""
+    from torch.nn.utils.rnn import PackedSequence
+    tb = exc.__traceback__
+    while tb is not None:
+        if any(isinstance(v, PackedSequence) for v in tb.tb_frame.f_locals.values()):
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def _made_by(shape_env: ShapeEnv | None, sym) -> tuple[str, traceback.FrameSummary | None]:

@@ -116,6 +116,30 @@ def test_failed_trace_leaves_model_unchanged(fn, model_name):
     _assert_unchanged(model, snap)
 
 
+class _PackedGRU(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.GRU(4, 6, batch_first=True)
+
+    def forward(self, x, lengths):
+        packed = nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+        return self.rnn(packed)[1].sum()
+
+
+def test_packed_sequences_and_ctc_are_refused_saying_why_and_what_to_do():
+    step = _compile(_PackedGRU(), lambda m, x, lengths: m(x, lengths))
+    with pytest.raises(px.UntraceableError, match=r"a packed sequence: .*batch_sizes.*padded batch"):
+        step(torch.randn(3, 5, 4), torch.tensor([5, 3, 2]))
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+
+    def ctc(m, x, targets, in_lengths, target_lengths):
+        return nn.functional.ctc_loss(m(x).log_softmax(-1), targets, in_lengths, target_lengths)
+    step = _compile(model, ctc)
+    with pytest.raises(px.UntraceableError, match=r"F\.ctc_loss.*CTC loss cannot be compiled"):
+        step(torch.randn(6, 2, 4), torch.tensor([[1, 2], [2, 1]]), torch.tensor([6, 6]), torch.tensor([2, 2]))
+
+
 # -- mixed precision as torch.autocast does it -------------------------------------------------------------------------
 
 def _eager_autocast(case_or_model, loss_fn, batches, dtype, hyper=HYPER):
