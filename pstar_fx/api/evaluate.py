@@ -29,7 +29,7 @@ from .agreement import check_same_step
 from .compiler import Compiled, Compiler, cycle_collection_paused
 from .guarded import run_guarded, traced_outcomes
 from .model_state import holder, holds_own_values, model_tensors
-from .step import CompiledStep, refuse_torch_compile
+from .step import CompiledStep, refuse_keywords, refuse_torch_compile
 from .warnings import warn_chunk_padding
 
 
@@ -112,10 +112,11 @@ class CompiledEval(CompiledStep):
         if kw.get("precision") is not None:
             self._compiler.asked_precision = self.settings.precision
 
-    def __call__(self, *batch):
+    def __call__(self, *batch, **kwargs):
         """Run the function on this batch; returns what it returns, detached. Ctrl-C is held over the call and
         taken at safe points (after the trace, between passes, between nodes), as in CompiledStep.__call__: one
         taken there rolls the evaluation back like a failed step (module buffers it writes in train mode too)."""
+        refuse_keywords(kwargs)
         refuse_torch_compile()
         with DeferredInterrupt() as interrupts:
             if self._comm is not None:     # before its first collective (a compile's own included)

@@ -44,6 +44,15 @@ def _refuse_torch_compile() -> None:
                      "loss = step(*batch)")
 
 
+def refuse_keywords(kwargs: dict) -> None:
+    """A step takes its batch positionally (`step(x, y)` calls `fn(model, x, y)`): say so, and how to pass others."""
+    if kwargs:
+        names = ", ".join(kwargs)
+        raise TypeError(f"a compiled step takes its batch positionally, got keyword arguments ({names}): call "
+                        f"step(x, y, ...) as fn(model, x, y, ...) is defined, or pack them in a dict: step(batch) "
+                        f"with batch = {{{', '.join(repr(k) + ': ...' for k in kwargs)}}}")
+
+
 def refuse_torch_compile() -> None:
     """Raise when a step is called from code torch.compile is tracing. Dynamo treats a `raise` in the code it traces
     as a graph break and runs the frame eagerly, under its frame hook (which compiles what the step calls, and
@@ -113,8 +122,9 @@ class CompiledStep:
         self.__wrapped__ = fn
 
     # -- running ----------------------------------------------------------------------------------------------
-    def __call__(self, *batch):
-        """One training step on this batch; returns the loss, or (loss, aux) as the function does. Atomic (see Executor.run): a failure before the commit
+    def __call__(self, *batch, **kwargs):
+        """One training step on this batch; returns the loss, or (loss, aux) as the function does. Atomic (see
+        Executor.run): a failure before the commit
         point leaves every value as it was. Another thread's save() or load() waits for the step (a lock). Ctrl-C is
         held over the whole call and taken only at safe points: after the trace, between the passes, and between
         nodes before the commit point, where it raises KeyboardInterrupt and the step changes nothing (a compile
@@ -123,6 +133,7 @@ class CompiledStep:
         (px.DistributedError); see pstar_fx/interrupts.py. A guard that finds a Python decision on a tensor's value
         coming out otherwise than traced fails before the commit point: the step, rolled back, runs again on the
         graph traced for that outcome (pstar_fx/api/guarded.py)."""
+        refuse_keywords(kwargs)
         refuse_torch_compile()
         with self._lock, DeferredInterrupt() as interrupts, self._one_call():
             started = time.perf_counter()

@@ -64,6 +64,6 @@ def flatten_batch(batch: tuple) -> FlatBatch:
         except TypeError:
             raise TypeError(f"step(*batch): {leaf_name(path)} is a {type(x).__name__}, neither a tensor nor "
                             "hashable; pass tensors (in tuples, lists or dicts) and plain constants") from None
-        consts.append((leaf_name(path), type(x), x))
+        consts.append((leaf_name(path), type(x), "nan" if x != x else x))    # (NaN != NaN: a new key every call)
     sig = BatchSignature(spec, tuple((tuple(x.shape), x.dtype) for x in tensors), tuple(consts))
     return FlatBatch(tensors, spec, constants, sig)

@@ -291,6 +291,10 @@ def test_wrong_number_of_batch_arguments_names_function_and_arguments():
     assert "_mse" in msg and "x, y" in msg and "1 batch argument" in msg and "<string>" not in msg
     with pytest.raises(TypeError, match="3 batch arguments"):
         step(torch.randn(3, 4), torch.randn(3, 2), torch.randn(1))
+    with pytest.raises(TypeError, match=r"takes its batch positionally, got keyword arguments \(y\).*'y': \.\.\."):
+        step(torch.randn(3, 4), y=torch.randn(3, 2))
+    with pytest.raises(TypeError, match="positionally"):
+        px.compile(TwoNames(), optimizer=None, device=DEVICE)(lambda m, x: m(x))(x=torch.randn(3, 4))
 
 
 class Embed(nn.Module):
@@ -384,6 +388,8 @@ def test_constants_change_the_signature_and_unhashable_ones_are_named():
     assert a != b and a.without_constants() == b.without_constants()
     with pytest.raises(TypeError, match=r"batch\[1\]\['tags'\] is a set.*neither a tensor nor hashable"):
         flatten_batch((torch.randn(2), {"tags": {1, 2}, "x": torch.randn(1)}))
+    nan = flatten_batch((torch.randn(2), float("nan"))).signature
+    assert nan == flatten_batch((torch.randn(2), float("nan"))).signature      # NaN != NaN: not a new key each call
 
 
 # -- chunk padding and float chunk sizes -------------------------------------------------------------------------------
