@@ -17,6 +17,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from ..errors import warn
 from ..frontend.model_tensors import global_hooks_key, hook_key, model_tables, module_key
 from ..frontend.python_state import closure_key
 from ..frontend.trace import FlatBatch, flatten_batch, trace_step
@@ -122,6 +123,7 @@ class Compiler:
         self.variants = GuardVariants()  # per signature: the guard outcomes compiled for it (api/guarded.py)
         self.compiles = 0                # traces compiled so far
         self.latest: Compiled | None = None
+        self.warned_input_grad = False   # a batch tensor with requires_grad was seen (warned once)
         self.store: ChunkStore | None = None
         self.layout: Layout | None = None
 
@@ -141,6 +143,11 @@ class Compiler:
         them. `interrupts` is held by the caller: a Ctrl-C is delivered after the trace and after each pass (nothing
         is set up yet), and otherwise waits for the caller's next safe point."""
         flat = flatten_batch(batch)
+        if not self.warned_input_grad and any(t.requires_grad for t in flat.tensors):
+            self.warned_input_grad = True
+            warn("a batch tensor requires grad: pstar-fx differentiates the loss with respect to the model's "
+                 "trainable parameters only, so the tensor gets no .grad (nor do the parameters: the step updates "
+                 "them itself); detach it, or compute what needs its gradient outside the step")
         base = (flat.signature, self.model_key())
         compiled = None
         for outcomes in self.variants.candidates(base, prefix):

@@ -382,6 +382,17 @@ def test_trace_cache_is_lru_and_bounded():
         TraceCache(max_size=0)
 
 
+def test_a_batch_tensor_that_requires_grad_is_warned_of_once():
+    step = _compile(TwoNames(), _mse)
+    x = torch.randn(3, 4, requires_grad=True)
+    with pytest.warns(UserWarning, match="batch tensor requires grad.*gets no .grad"):
+        step(x, torch.randn(3, 2))
+    assert x.grad is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        step(x, torch.randn(3, 2))
+
+
 def test_constants_change_the_signature_and_unhashable_ones_are_named():
     a = flatten_batch((torch.randn(2), {"epoch": 1})).signature
     b = flatten_batch((torch.randn(2), {"epoch": 2})).signature
