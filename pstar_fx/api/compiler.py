@@ -131,10 +131,12 @@ class Compiler:
         """What of the model a trace depends on besides the batch: each module's train/eval mode, plain attributes
         and hooks, each parameter's requires_grad and gradient hooks, and the plain values the step function reads
         from its closure and globals (frontend/python_state.py; a change of any retraces). `portable`: hooks by
-        number, not identity (what the ranks compare: the same on every rank running the same code)."""
+        number, not identity, and no plain values (what the ranks compare: the same on every rank running the same
+        code, whose rank number a value may hold without changing the graph)."""
         return (tuple(module_key(m, portable) for m in self.model.modules()),
                 tuple(p.requires_grad if not p._backward_hooks else (p.requires_grad, hook_key(p, portable))
-                      for p in self.model.parameters()), global_hooks_key(portable), closure_key(self.fn))
+                      for p in self.model.parameters()), global_hooks_key(portable),
+                () if portable else closure_key(self.fn))
 
     def get(self, batch, interrupts: DeferredInterrupt, prefix: tuple = ()) -> tuple[Compiled, FlatBatch]:
         """The compiled step for this batch's signature (compiling it on first sight), and the flattened batch.

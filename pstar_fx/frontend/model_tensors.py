@@ -160,7 +160,7 @@ def module_key(m: nn.Module, portable: bool = False):
     """What of a module a trace depends on besides its tensors: its train/eval mode, its plain Python attributes
     (python_state.module_scalars: `Dropout.p`, a `temperature`) and which hooks it has (a forward hook registered
     after a trace changes what the step computes: it retraces)."""
-    scalars = module_scalars(m)
+    scalars = () if portable else module_scalars(m)     # (ranks may differ in a value that changes no graph)
     if not (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks):
         return (m.training, scalars) if scalars else m.training
     return (m.training, scalars, *(_which(getattr(m, name), portable) for name in MODULE_HOOKS))

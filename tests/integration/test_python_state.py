@@ -137,3 +137,13 @@ def test_a_value_the_step_writes_is_named_in_a_warning():
     with pytest.warns(UserWarning, match=r"changed plain Python values while it was traced \(model\.calls: None -> 1"):
         step(*_batch(0))
     assert step._compiler.compiles == 1 and model.calls == 1
+
+
+def test_what_the_ranks_compare_leaves_plain_values_out():
+    """Ranks compare the portable key: a value holding the rank's number (in a module or a global the step reads for
+    its logging) must not make them disagree; the collectives check catches graphs that differ."""
+    model = _model()
+    step = px.compile(model, optimizer=px.AdamW(**HYPER), device="cpu")(_ce)
+    portable, local = step._compiler.model_key(portable=True), step._compiler.model_key()
+    model.temperature = 3.0
+    assert step._compiler.model_key(portable=True) == portable and step._compiler.model_key() != local
