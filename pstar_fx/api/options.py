@@ -28,7 +28,8 @@ from .device_budget import (
 # order), so only mixed precision, held to autocast's tolerance (docs/design.md, "Numerics"), can take them by
 # default, and only on CUDA (on the CPU Inductor's C++ kernels need a compiler and did not pay for their compile time
 # on the example). CUDA bf16 and fp16 are fused: the GPU test subset passes whole both ways, and fused steps ran
-# faster on the H200 where compute decides the step (BENCHMARKS.md, benchmarks/results/fuse_default_h200_2026-12-05.md).
+# faster on the H200 where compute decides the step (BENCHMARKS.md, benchmarks/results/fuse_default_h200_2026-12-05.md);
+# several ranks stay unfused (resolve_fuse) until fused steps have run on several GPUs.
 DEFAULT_FUSE: dict[tuple[str, Precision], bool] = {("cuda", Precision.BF16): True, ("cuda", Precision.FP16): True}
 
 
@@ -42,11 +43,12 @@ def host_is_device(device: torch.device, world: int) -> bool:
     return CPU_DEVICE_IS_HOST and device.type == "cpu" and world == 1
 
 
-def resolve_fuse(fuse, device: torch.device, precision: Precision) -> bool:
-    """None: DEFAULT_FUSE for the device's type and the precision (False where it names none; on CUDA only where
-    Triton, which Inductor needs there, is installed)."""
+def resolve_fuse(fuse, device: torch.device, precision: Precision, world: int = 1) -> bool:
+    """None: DEFAULT_FUSE for the device type and the precision, with one rank (False where it names none, with
+    several ranks until fused steps have run on several GPUs, and on CUDA where Triton, which Inductor needs there, is
+    not installed)."""
     if fuse is None:
-        if device.type == "cuda" and not _has_triton():
+        if (device.type == "cuda" and not _has_triton()) or world > 1:
             return False
         return DEFAULT_FUSE.get((device.type, precision), False)
     if not isinstance(fuse, bool):

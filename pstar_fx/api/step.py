@@ -98,7 +98,7 @@ class CompiledStep:
         world = 1 if self._comm is None else self._comm.world
         budget, self._default_budget = resolve_budget(device_memory, dev, world)
         host_budget, offload, disk_budget = resolve_tiers(host_memory, offload_dir, disk_memory, self._comm)
-        fuse = resolve_fuse(fuse, dev, prec)
+        fuse = resolve_fuse(fuse, dev, prec, world)
         self.settings = Settings(precision=prec, device=dev, budget=budget,
                                  chunk_size=chunk_size,
                                  optimizer=self._optimizer.layout if self._optimizer is not None else None,

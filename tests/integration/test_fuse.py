@@ -183,6 +183,8 @@ def test_the_default_is_per_device_and_precision(monkeypatch):
             assert options.resolve_fuse(False, device, precision) is False
     monkeypatch.setitem(options.DEFAULT_FUSE, ("cuda", Precision.BF16), False)
     assert options.resolve_fuse(None, cuda, Precision.BF16) is False
+    assert options.resolve_fuse(None, cuda, Precision.FP16, world=2) is False     # not yet run on several GPUs
+    assert options.resolve_fuse(True, cuda, Precision.FP16, world=2) is True
     monkeypatch.setattr(options, "_has_triton", lambda: False)
     assert options.resolve_fuse(None, cuda, Precision.FP16) is False
 
