@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from ..errors import warn
 from ..frontend.model_tensors import global_hooks_key, hook_key, model_tables, module_key
-from ..frontend.python_state import closure_key
+from ..frontend.python_state import ModuleScalars, changes, closure_key, snapshot
 from ..frontend.trace import FlatBatch, flatten_batch, trace_step
 from ..interrupts import DeferredInterrupt
 from ..ir.graph import Settings, TrainGraph
@@ -35,6 +35,8 @@ from ..runtime.host_memory import HostMemory, local_ranks, spare_host_bytes
 from .guarded import GuardVariants, traced_outcomes
 from .trace_cache import DEFAULT_MAX_SIZE, TraceCache
 from .warnings import warn_chunk_padding, warn_host_threads
+
+VALUE_RETRACES_WARN = 4   # compiles caused by changed plain Python values, then a warning
 
 STAGE_NAMES = ("traced", "canonical", "chunked", "liveness", "remat", "optimizer_placed", "scheduled")
 # + "sharded" (2+ ranks), + "fused" (fuse=True)
@@ -119,11 +121,14 @@ class Compiler:
         self.prefetch = prefetch
         self.offload_dir = offload_dir   # the disk tier's directory (the store makes its files there)
         self.tables = model_tables(model)
+        self.scalars = ModuleScalars(model)   # the modules' plain attributes, part of the signature
         self.cache: TraceCache[Compiled] = TraceCache(max_size=cache_size)
         self.variants = GuardVariants()  # per signature: the guard outcomes compiled for it (api/guarded.py)
         self.compiles = 0                # traces compiled so far
         self.latest: Compiled | None = None
         self.warned_input_grad = False   # a batch tensor with requires_grad was seen (warned once)
+        self._values: dict | None = None  # python_state.snapshot at the last compile
+        self._value_retraces = 0          # compiles after which plain values had changed
         self.store: ChunkStore | None = None
         self.layout: Layout | None = None
 
@@ -133,10 +138,11 @@ class Compiler:
         from its closure and globals (frontend/python_state.py; a change of any retraces). `portable`: hooks by
         number, not identity, and no plain values (what the ranks compare: the same on every rank running the same
         code, whose rank number a value may hold without changing the graph)."""
-        return (tuple(module_key(m, portable) for m in self.model.modules()),
+        modules = tuple(self.model.modules())
+        return (tuple(module_key(m, portable) for m in modules),
                 tuple(p.requires_grad if not p._backward_hooks else (p.requires_grad, hook_key(p, portable))
                       for p in self.model.parameters()), global_hooks_key(portable),
-                () if portable else closure_key(self.fn))
+                () if portable else (self.scalars.read(modules), closure_key(self.fn)))
 
     def get(self, batch, interrupts: DeferredInterrupt, prefix: tuple = ()) -> tuple[Compiled, FlatBatch]:
         """The compiled step for this batch's signature (compiling it on first sight), and the flattened batch.
@@ -157,6 +163,7 @@ class Compiler:
             if compiled is not None:
                 break
         if compiled is None:
+            self._note_value_changes()
             with cycle_collection_paused() as collect_now:   # counted in the set-up time (the collection at the end)
                 compiled = self._compile(batch, collect_now, interrupts, prefix)
             compiled.setup_seconds += time.perf_counter() - compiled.set_up_until
@@ -164,6 +171,21 @@ class Compiler:
         self.variants.note(base, compiled.outcomes)
         self.latest = compiled
         return compiled, flat
+
+    def _note_value_changes(self) -> None:
+        """Before a compile: warn once when plain Python values the step reads (python_state) have changed before
+        VALUE_RETRACES_WARN compiles, naming them (a value that changes every step compiles every step)."""
+        now = snapshot(self.model, self.fn)
+        if self._values is not None:
+            changed = changes(self._values, now)
+            if changed:
+                self._value_retraces += 1
+                if self._value_retraces == VALUE_RETRACES_WARN:
+                    warn(f"pstar-fx: the step was compiled again {self._value_retraces} times because plain Python "
+                         f"values it reads changed ({'; '.join(changed[:4])}): each new value traces and plans the "
+                         "step again. Pass a value that changes every step as a tensor (a 0-d tensor argument, or a "
+                         "buffer), which one graph serves for every value.")
+        self._values = now
 
     def reserve(self, batch, interrupts: DeferredInterrupt) -> None:
         """Compile for this batch's signature now (raising BudgetError now if it does not fit) and keep it compiled

@@ -108,8 +108,9 @@ def _batch_norm(func, args, kwargs):
 
 # ops whose backward's fake kernel keeps a non-contiguous input's strides where the CPU kernel returns a contiguous
 # gradient (so a view traced after it fails at run time): their gradients are made contiguous (`_ContiguousGrad`)
-_CONTIGUOUS_GRADS = (torch.nn.functional.mse_loss, torch.nn.functional.smooth_l1_loss,
-                     torch.nn.functional.huber_loss, torch.nn.functional.softplus)
+_F = torch.nn.functional
+_CONTIGUOUS_GRADS = (_F.mse_loss, _F.smooth_l1_loss, _F.huber_loss, _F.softplus, _F.elu, _F.celu, _F.selu,
+                     _F.hardtanh, _F.relu6, _F.hardswish, _F.hardsigmoid)
 
 
 def _contiguous_grads(func, args, kwargs):

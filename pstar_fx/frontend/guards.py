@@ -64,9 +64,10 @@ class GuardingShapeEnv(ShapeEnv):
     """A ShapeEnv that decides data-dependent questions instead of raising: `assume[k]` for the k-th, else a
     default; every decision is kept in `decisions`, in order."""
 
-    def __init__(self, assume: tuple = (), **kwargs):
+    def __init__(self, assume: tuple = (), false_at: frozenset = frozenset(), **kwargs):
         super().__init__(**kwargs)
         self.assume = tuple(assume)
+        self.false_at = false_at     # (file, line) of conditions whose True branch raised: False by default there
         self.decisions: list[_Decision] = []
 
     def evaluate_expr(self, orig_expr, *args, **kwargs):
@@ -78,7 +79,13 @@ class GuardingShapeEnv(ShapeEnv):
                 # size symbolic even once it is known to be 0 or 1, so the traced shapes would not be the real ones
                 raise
         k = len(self.decisions)
-        value = self.assume[k] if k < len(self.assume) else self._default(orig_expr)
+        frame = _user_frame_now()
+        if k < len(self.assume):
+            value = self.assume[k]
+        elif _is_condition(orig_expr) and frame is not None and (frame.filename, frame.lineno) in self.false_at:
+            value = False
+        else:
+            value = self._default(orig_expr)
         if _is_condition(orig_expr):
             value = bool(value)
             answer = sympy.true if value else sympy.false
@@ -87,7 +94,7 @@ class GuardingShapeEnv(ShapeEnv):
             value = float(value) if _is_float(orig_expr) else int(value)
             answer = sympy.Float(value) if isinstance(value, float) else sympy.Integer(value)
             fact = sympy.Eq(orig_expr, answer)
-        self.decisions.append(_Decision(orig_expr, value, _user_frame_now()))
+        self.decisions.append(_Decision(orig_expr, value, frame))
         defer = getattr(self, "guard_or_defer_runtime_assert", None) or self.defer_runtime_assert
         try:
             # the rest of the trace follows the decision: ranges refined, a size equal to a value replaced by it

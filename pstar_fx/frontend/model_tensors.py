@@ -12,7 +12,6 @@ import torch.nn as nn
 
 from ..errors import UntraceableError
 from ..ir.graph import BufferInfo, ParamInfo
-from .python_state import module_scalars
 
 
 @dataclass(frozen=True)
@@ -157,13 +156,12 @@ _GLOBAL_HOOKS = tuple(getattr(torch.nn.modules.module, name) for name in (
 
 
 def module_key(m: nn.Module, portable: bool = False):
-    """What of a module a trace depends on besides its tensors: its train/eval mode, its plain Python attributes
-    (python_state.module_scalars: `Dropout.p`, a `temperature`) and which hooks it has (a forward hook registered
-    after a trace changes what the step computes: it retraces)."""
-    scalars = () if portable else module_scalars(m)     # (ranks may differ in a value that changes no graph)
+    """What of a module a trace depends on besides its tensors and plain attributes (python_state.ModuleScalars):
+    its train/eval mode and which hooks it has (a forward hook registered after a trace changes what the step
+    computes: it retraces)."""
     if not (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks):
-        return (m.training, scalars) if scalars else m.training
-    return (m.training, scalars, *(_which(getattr(m, name), portable) for name in MODULE_HOOKS))
+        return m.training
+    return (m.training, *(_which(getattr(m, name), portable) for name in MODULE_HOOKS))
 
 
 def hook_count(model: nn.Module) -> int:

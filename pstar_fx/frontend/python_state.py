@@ -5,19 +5,25 @@ Eager code reads it anew at every call, so a value the user changes between step
 global, a module's `temperature`, `nn.Dropout.p`, a step counter a branch reads) must retrace, as a changed argument
 does. Two keys cover what a trace can be seen to read:
 
-- `module_scalars(m)`: a module's public attributes holding a bool, int, float, str or None (or a tuple of them):
-  `Dropout.p`, `LayerNorm.eps`, a user's `temperature`. Part of `Compiler.model_key`.
-- `closure_key(fn)`: the step function's closure cells and the globals its code names, where they hold such a value,
-  or a dict, list or tuple of at most `CONTAINER_ITEMS` of them (`state["step"]`). Values read only by other
-  functions the step calls are not seen (docs/tracing.md says so).
+- `ModuleScalars(model).read()`: every module's public attributes holding a bool, int, float, str or None (or a
+  tuple of them): `Dropout.p`, `LayerNorm.eps`, a user's `temperature`. Part of `Compiler.model_key`. Which
+  attributes are plain is found once per module and again only when its attributes change in number, so a call
+  reads a few known names per module.
+- `closure_key(fn)`: the step function's closure cells and the globals its code loads (LOAD_GLOBAL, not attribute
+  names), where they hold such a value, or a dict, list or tuple of at most `CONTAINER_ITEMS` of them
+  (`state["step"]`), following `functools.wraps` and `functools.partial`. Values read only by other functions the
+  step calls (or through `self` of a method) are not seen (docs/tracing.md says so).
 
-NaN keys equal themselves here (a NaN weight would otherwise retrace at every call). `python_draws()` tells whether a
-trace drew from Python's or NumPy's global random generators: a compiled step would replay the trace's draw at every
-call (LayerDrop by `random.random()`), so the trace refuses it.
+A bool keys apart from an equal int (`True` from `1`); NaN keys equal themselves (a NaN weight would otherwise retrace
+at every call). `python_draws()` tells whether the global random generators of Python or NumPy moved while tracing:
+a compiled step would replay the trace's draw at every call (LayerDrop by `random.random()`), which the trace warns
+of (not refused: transformers' MusicGen draws in every forward, also with its layer drop off, and another thread's
+draws move the same generator).
 """
 from __future__ import annotations
 
 import contextlib
+import dis
 import functools
 import math
 import random
@@ -33,13 +39,16 @@ _PLAIN = frozenset(_SCALARS)
 
 
 def _scalar(v):
-    """v as a key, if it is a plain scalar (or a tuple of them); None otherwise. NaN becomes a string (NaN != NaN)."""
+    """v as a key, if it is a plain scalar (or a tuple of them); None otherwise. NaN becomes a string (NaN != NaN), a
+    bool a pair (True == 1)."""
     t = type(v)
     if t is float:
         return "nan" if math.isnan(v) else v
-    if t in _SCALARS:
-        return (t.__name__, v) if t is bool else v
-    if t is tuple and len(v) <= CONTAINER_ITEMS and all(type(x) in _SCALARS for x in v):
+    if t is bool:
+        return ("bool", v)
+    if t in _PLAIN:
+        return v
+    if t is tuple and len(v) <= CONTAINER_ITEMS and all(type(x) in _PLAIN for x in v):
         return tuple(_scalar(x) for x in v)
     return None
 
@@ -67,70 +76,88 @@ def _value_key(v):
     return _NOT_SCALAR
 
 
+def _plain_names(m: nn.Module) -> tuple[str, ...]:
+    return tuple(name for name, v in m.__dict__.items()
+                 if name[0] != "_" and name != "training" and (v is None or _scalar(v) is not None))
+
+
+class ModuleScalars:
+    """Reads every module's public plain attributes (`module_scalars`) at each call, cheaply: the names are found
+    once per module and again only when the module's attributes change in number."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self._entries: list[list] = []     # [module __dict__, its number of attributes, the plain names]
+        self._modules: tuple = ()
+
+    def read(self, modules: tuple | None = None) -> tuple:
+        """The values; `modules`: the model's modules() as a tuple, where the caller has walked them already."""
+        modules = tuple(self.model.modules()) if modules is None else modules
+        if modules != self._modules:        # (a module added or replaced)
+            self._modules = modules
+            self._entries = [[m.__dict__, len(m.__dict__), _plain_names(m)] for m in modules]
+        out = []
+        for entry, m in zip(self._entries, modules):
+            d, n, names = entry
+            if len(d) != n:
+                entry[1], entry[2] = len(d), _plain_names(m)
+                names = entry[2]
+            out.append(tuple(_scalar(d[k]) if k in d else "missing" for k in names))
+        return tuple(out)
+
+    def named(self) -> dict[str, tuple]:
+        """The same values by module name, for a message."""
+        return {name or "model": module_scalars(m) for name, m in self.model.named_modules()}
+
+
 def module_scalars(m: nn.Module) -> tuple:
-    """The module's public plain attributes (name, value), in definition order: what its forward may read. (Called
-    for every module at every step: kept to one pass over the module's __dict__.)"""
-    out = []
-    for name, v in m.__dict__.items():
-        t = type(v)
-        if t in _PLAIN:
-            if name[0] != "_" and name != "training":
-                out.append((name, v if v == v else "nan"))     # (NaN != NaN)
-        elif t is tuple and name[0] != "_":
-            k = _scalar(v)
-            if k is not None:
-                out.append((name, k))
-    return tuple(out)
+    """The module's public plain attributes (name, value key), in definition order: what its forward may read."""
+    return tuple((name, _scalar(m.__dict__[name])) for name in _plain_names(m))
 
 
-def _code_of(fn) -> tuple:
-    """(function, extra values) for what `fn` is: a function, a bound method, a functools.partial, or a callable
-    object (its __call__; the object's own attributes come in as values)."""
+def _functions(fn) -> tuple[list, tuple]:
+    """The Python functions whose closures and globals the step reads (a functools.wraps chain: the wrapper and what
+    it wraps), and the values a functools.partial binds."""
     extra = ()
-    while True:
-        if isinstance(fn, functools.partial):
-            extra += tuple(fn.args) + tuple(fn.keywords.values())
-            fn = fn.func
-        elif hasattr(fn, "__func__"):          # a bound method: its object's plain attributes too
-            extra += tuple(getattr(fn.__self__, "__dict__", {}).values())
-            fn = fn.__func__
-        else:
-            break
-    if not hasattr(fn, "__code__") and callable(fn) and hasattr(type(fn), "__call__"):
-        extra += tuple(getattr(fn, "__dict__", {}).values())
-        fn = type(fn).__call__
-    return fn, extra
+    while isinstance(fn, functools.partial):
+        extra += tuple(fn.args) + tuple(fn.keywords.values())
+        fn = fn.func
+    fns = []
+    seen = set()
+    while fn is not None and id(fn) not in seen:
+        seen.add(id(fn))
+        fn = getattr(fn, "__func__", fn)           # a bound method: its function (its self is not keyed)
+        if hasattr(fn, "__code__"):
+            fns.append(fn)
+        fn = getattr(fn, "__wrapped__", None)
+    return fns, extra
 
 
 def closure_key(fn: Callable) -> tuple:
-    """The plain values `fn` can be seen to read: its closure cells and the globals its code names (and nested
-    code objects' names), by value where they are scalars or small containers of scalars."""
-    fn, extra = _code_of(fn)
-    code = getattr(fn, "__code__", None)
-    if code is None:
-        return ()
+    """The plain values `fn` can be seen to read, by name: its closure cells and the globals its code (and the code
+    nested in it) loads, where they are scalars or small containers of scalars."""
+    fns, extra = _functions(fn)
     keys = []
-    for cell in getattr(fn, "__closure__", None) or ():
-        try:
-            v = cell.cell_contents
-        except ValueError:                       # an empty cell (a name bound later)
-            continue
-        keys.append(_value_key(v))
-    g = getattr(fn, "__globals__", {})
-    for name in _global_names(code):
-        if name in g:
-            keys.append((name, _value_key(g[name])))
-    keys.extend(_value_key(v) for v in extra)
-    return tuple(k for k in keys if k is not _NOT_SCALAR and not (type(k) is tuple and _NOT_SCALAR in k))
+    for f in fns:
+        names = f.__code__.co_freevars
+        for name, cell in zip(names, getattr(f, "__closure__", None) or ()):
+            try:
+                keys.append((name, _value_key(cell.cell_contents)))
+            except ValueError:                       # an empty cell (a name bound later)
+                continue
+        g = getattr(f, "__globals__", {})
+        keys.extend((name, _value_key(g[name])) for name in _global_names(f.__code__) if name in g)
+    keys.extend(("partial", _value_key(v)) for v in extra)
+    return tuple(k for k in keys if k[1] is not _NOT_SCALAR and not (type(k[1]) is tuple and _NOT_SCALAR in k[1]))
 
 
 @functools.lru_cache(maxsize=256)
 def _global_names(code) -> tuple[str, ...]:
-    """The names a code object (and the code objects nested in it: comprehensions, inner functions) may load as
-    globals."""
-    names = list(code.co_names)
+    """The names a code object (and the code objects nested in it: comprehensions, inner functions) loads as
+    globals: LOAD_GLOBAL and LOAD_NAME, not the attribute names co_names also holds (`.loss`, `F.mse_loss`)."""
+    names = [i.argval for i in dis.get_instructions(code) if i.opname in ("LOAD_GLOBAL", "LOAD_NAME")]
     for const in code.co_consts:
-        if hasattr(const, "co_names"):
+        if hasattr(const, "co_code"):
             names.extend(_global_names(const))
     return tuple(dict.fromkeys(names))
 
@@ -149,7 +176,7 @@ def _generators() -> list[tuple[str, Callable]]:
 
 @contextlib.contextmanager
 def python_draws() -> Iterator[list[str]]:
-    """Yields a list that, once the block ends, names the global Python random generators the block drew from."""
+    """Yields a list that, once the block ends, names the global Python random generators that moved during it."""
     gens = _generators()
     before = [get() for _, get in gens]
     drawn: list[str] = []
@@ -161,23 +188,27 @@ def python_draws() -> Iterator[list[str]]:
 
 def snapshot(model: nn.Module, fn: Callable) -> dict[str, tuple]:
     """Every plain value the two keys cover, by where it lives: each module's scalars (by module name) and the
-    step function's closure and globals."""
+    step function's closure and globals (by name)."""
     out = {name or "model": module_scalars(m) for name, m in model.named_modules()}
-    out["the step function's closure and globals"] = closure_key(fn)
+    out["the step function"] = closure_key(fn)
     return out
 
 
 def changes(before: dict[str, tuple], after: dict[str, tuple]) -> list[str]:
-    """What differs between two snapshots, as text (a module attribute: 'h.0.calls: 0 -> 1')."""
+    """What differs between two snapshots, as text ('h.0.calls: 0 -> 1', 'the step function's weight: ...')."""
     out = []
     for where, old in before.items():
         new = after.get(where, old)
         if new == old:
             continue
-        if where in after and where.startswith("the step"):
-            out.append(where)
-            continue
         old_d, new_d = dict(old), dict(new)
-        out.extend(f"{where}.{k}: {old_d.get(k)!r} -> {new_d.get(k)!r}" for k in dict.fromkeys([*old_d, *new_d])
-                   if old_d.get(k) != new_d.get(k))
+        prefix = "the step function's " if where == "the step function" else f"{where}."
+        out.extend(f"{prefix}{k}: {_shown(old_d.get(k))} -> {_shown(new_d.get(k))}"
+                   for k in dict.fromkeys([*old_d, *new_d]) if old_d.get(k) != new_d.get(k))
     return out
+
+
+def _shown(key) -> str:
+    if type(key) is tuple and len(key) == 2 and key[0] == "bool":
+        return repr(key[1])
+    return repr(key)

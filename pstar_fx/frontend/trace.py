@@ -288,10 +288,11 @@ def trace_step(fn, model: nn.Module, batch: tuple, settings: Settings, assume: t
     with DeferredInterrupt(), python_draws() as drawn:
         graph = _tried_both_ways(fn, model, batch, settings, assume)
     if drawn:
-        raise UntraceableError(
-            f"the step drew from {' and '.join(drawn)} while it was traced: a compiled step runs no Python, so every "
-            "step would replay the trace's draw; draw from torch instead (torch.rand, torch.randint: traced, "
-            "a new draw at every step, as eager), or draw outside the step and pass the value in as an argument")
+        warn(f"the global generator of {' and '.join(drawn)} moved while the step was traced: if the step drew from "
+             "it (in your code or a library's: LayerDrop by random.random()), every compiled step replays the "
+             "trace's draw, where eager code draws anew. A draw that decides nothing is harmless (transformers' "
+             "MusicGen draws with its layer drop off); one that decides, draw with torch (torch.rand: traced, a "
+             "new draw at every step) or outside the step, passing the value in as an argument.")
     changed = changes(before, snapshot(model, fn))
     if changed:
         warn(f"the step changed plain Python values while it was traced ({'; '.join(changed[:4])}"
@@ -301,32 +302,42 @@ def trace_step(fn, model: nn.Module, batch: tuple, settings: Settings, assume: t
     return graph
 
 
-MAX_FLIPS = 8   # conditions a failed trace may take the other way, one after the other
+MAX_FLIPS = 16   # source lines whose condition a failed trace may take the other way, one after the other
+
+# exceptions a check on values raises (the user's, or torch's own such as gaussian_nll_loss's): with every decision
+# observed on real data, eager code would raise them too
+_CHECK_ERRORS = (ValueError, AssertionError, FloatingPointError, ZeroDivisionError)
 
 
 def _tried_both_ways(fn, model: nn.Module, batch: tuple, settings: Settings, assume: tuple) -> TrainGraph:
     """_trace_step; a trace that fails after deciding a condition on a value by default (True: the tracer cannot
-    know it) is tried again with that condition False, the conditions before it as taken: a sanity check such as
-    `if torch.isnan(x).any(): raise ...` or torch's own `if torch.any(var < 0): raise` traces its passing branch,
-    guarded (a step whose data makes it true retraces that branch and raises). A failure after conditions that a run
-    observed (`assume`) is the user's code raising on real data: the user's own exception, as eager code raises it."""
+    know it) is tried again with that condition False, the conditions before it as taken, and every later condition
+    asked at the same source line False too (a check in every layer costs one more trace, not one per layer): a
+    sanity check such as `if torch.isnan(x).any(): raise ...` or torch's own `if torch.any(var < 0): raise` traces
+    its passing branch, guarded (a step whose data makes it true retraces that branch and raises). A failure after
+    conditions that a run observed (`assume`) is the code raising on real data: its own exception, as eager code
+    raises it."""
+    false_at: frozenset = frozenset()
     for _ in range(MAX_FLIPS):
         try:
-            return _trace_step(fn, model, batch, settings, assume)
+            return _trace_step(fn, model, batch, settings, assume, false_at)
         except UntraceableError as e:
             taken = getattr(e, "decisions", ())
-            by_default = [k for k in range(len(assume), len(taken)) if taken[k] is True]
+            by_default = [k for k in range(len(assume), len(taken)) if taken[k][0] is True]
             if not by_default:      # (the latest error: its trace went furthest)
-                user = getattr(e, "user_raised", None)
-                if user is not None and assume and len(taken) <= len(assume):
-                    raise user from None
+                raised = getattr(e, "raised", None)
+                if raised is not None and assume and len(taken) <= len(assume):
+                    raise raised from None
                 raise
             k = by_default[-1]
-            assume = tuple(taken[:k]) + (False,)
-    return _trace_step(fn, model, batch, settings, assume)
+            assume = tuple(v for v, _ in taken[:k]) + (False,)
+            if taken[k][1] is not None:
+                false_at = false_at | {taken[k][1]}
+    return _trace_step(fn, model, batch, settings, assume, false_at)
 
 
-def _trace_step(fn, model: nn.Module, batch: tuple, settings: Settings, assume: tuple) -> TrainGraph:
+def _trace_step(fn, model: nn.Module, batch: tuple, settings: Settings, assume: tuple,
+                false_at: frozenset = frozenset()) -> TrainGraph:
     t0 = time.perf_counter()
     _check_arity(fn, batch)
     tables = model_tables(model)
@@ -338,7 +349,7 @@ def _trace_step(fn, model: nn.Module, batch: tuple, settings: Settings, assume: 
     # range, planned at its upper bound (ir/fx_utils); .item() gives a symbol too; Python decisions on either take
     # one outcome each, guarded at run time (frontend/guards.py)
     mode = FakeTensorMode(allow_non_fake_inputs=False, static_shapes=True,
-                          shape_env=GuardingShapeEnv(assume, allow_scalar_outputs=True,
+                          shape_env=GuardingShapeEnv(assume, false_at, allow_scalar_outputs=True,
                                                      allow_dynamic_output_shape_ops=True))
     fp16 = settings.precision.dtype is torch.float16
     half = settings.precision.dtype if settings.precision.mixed else None
@@ -457,10 +468,12 @@ def _trace_step(fn, model: nn.Module, batch: tuple, settings: Settings, assume: 
         raise
     except Exception as e:  # an unsupported construct deep inside torch: name it and the user's line
         error = _explain(e, flat, mode.shape_env)
-        # what _tried_both_ways needs: the outcomes decided, and the user's own exception if the user's code raised it
-        error.decisions = tuple(d.value for d in mode.shape_env.decisions)
+        # what _tried_both_ways needs: the outcomes decided (and where), and the exception if code checking values
+        # raised it (the user's own, or one of _CHECK_ERRORS from torch's checks)
+        error.decisions = tuple((d.value, None if d.frame is None else (d.frame.filename, d.frame.lineno))
+                                for d in mode.shape_env.decisions)
         tb = traceback.extract_tb(e.__traceback__)
-        error.user_raised = e if tb and is_user_file(tb[-1].filename) else None
+        error.raised = e if (tb and is_user_file(tb[-1].filename)) or isinstance(e, _CHECK_ERRORS) else None
         raise error from e
     _reject_unbounded(gm, mode.shape_env)
     _reject_sparse(gm)

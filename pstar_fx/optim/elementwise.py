@@ -20,6 +20,7 @@ Checked against eager torch in the tests: SGD, Adagrad, RMSprop, Adamax, NAdam, 
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 from dataclasses import dataclass
@@ -143,6 +144,7 @@ def probe(cls: type, opts: Mapping[str, Any], where: str) -> tuple[tuple[str, ..
     return tuple(vectors), tuple(scalars)
 
 
+@functools.lru_cache(maxsize=64)
 def _options_of(cls: type) -> frozenset[str] | None:
     """The keyword arguments cls's constructor takes besides the parameters (None: any, it takes **kwargs)."""
     try:
@@ -195,7 +197,9 @@ def optim_from_torch(torch_class: type, params=None, **options) -> OptimizerSpec
     if torch_class is torch.optim.AdamW:
         return AdamW(params, **options)
     if torch_class is torch.optim.Adam:   # Adam(decoupled_weight_decay=True) is AdamW, as torch documents
-        return (AdamW if options.pop("decoupled_weight_decay", False) else Adam)(params, **options)
+        if options.pop("decoupled_weight_decay", False):
+            return AdamW(params, **{"weight_decay": 0.0, **options})    # (torch.optim.Adam's default, not AdamW's)
+        return Adam(params, **options)
     name = torch_class.__name__
     where = f"px.optim_from_torch({name})"
     if "state_dtype" in options:

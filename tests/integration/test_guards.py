@@ -119,14 +119,38 @@ def test_a_check_whose_branch_raises_traces_its_passing_branch_and_raises_as_eag
     step(*_shifted(1, 0.5, seed=4)[0])      # and training goes on
 
 
-def test_torchs_own_checks_on_values_trace_their_passing_branch():
+def test_torchs_own_checks_on_values_trace_their_passing_branch_and_raise_on_bad_data():
     """F.gaussian_nll_loss checks `if torch.any(var < 0): raise ValueError` inside torch."""
-    def loss_fn(model, x):
+    def loss_fn(model, x, shift=0.1):
         out = model(x)
-        return nn.functional.gaussian_nll_loss(out[:, 0], x[:, 1], nn.functional.softplus(out[:, 1]) + 0.1)
-    losses, ref_losses, sd, ref_sd, _ = _train_both(_mlp(d_out=2), loss_fn, _shifted(3, 0.5))
+        return nn.functional.gaussian_nll_loss(out[:, 0], x[:, 1], nn.functional.softplus(out[:, 1]) + shift)
+    losses, ref_losses, sd, ref_sd, step = _train_both(_mlp(d_out=2), loss_fn, _shifted(3, 0.5))
     assert losses == ref_losses
     assert_state_close(sd, ref_sd, rtol=1e-6)
+    with pytest.raises(ValueError, match="var has negative entry"):       # as eager raises it
+        step(_shifted(1, 0.5)[0][0], -100.0)
+
+
+class _CheckedLayers(nn.Module):
+    def __init__(self, n=12):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(nn.Linear(6, 6) for _ in range(n))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+            if torch.isnan(x).any():              # MARK-layer-check: one line, asked once per layer
+                raise FloatingPointError("a NaN after a layer")
+        return x.square().mean()
+
+
+def test_a_check_in_every_layer_traces_in_two_attempts():
+    """After the line's first condition failed the trace, every later condition asked at that line is taken False."""
+    losses, ref_losses, sd, ref_sd, step = _train_both(_CheckedLayers(), lambda m, x: m(x), _shifted(2, 0.5))
+    assert losses == ref_losses
+    assert_state_close(sd, ref_sd, rtol=1e-6)
+    assert len(_guards(step.graphs["traced"])) == 12
 
 
 def masked_loss(model, x):
