@@ -112,6 +112,10 @@ LOSSES = {
     "smooth_l1": torch.nn.functional.smooth_l1_loss,
     "huber": torch.nn.functional.huber_loss,
     "softplus": lambda a, b: torch.nn.functional.softplus(a).mean(),
+    "elu": lambda a, b: torch.nn.functional.elu(a).mean(),
+    "relu6": lambda a, b: torch.nn.ReLU6()(a).mean(),
+    "hardswish": lambda a, b: torch.nn.functional.hardswish(a).mean(),
+    "selu": lambda a, b: torch.nn.functional.selu(a).mean(),
 }
 
 
