@@ -42,7 +42,7 @@ from ..units import format_bytes, parse_bytes
 from .compiler import cycle_collection_paused, one_intra_op_thread
 from .device_budget import ALLOCATOR_EXPANDABLE, KERNELS, NCCL
 from .live_optimizer import build
-from .options import check_options, host_is_device
+from .options import check_options
 
 # What the process holds on the device outside torch's allocator (the CUDA context, cuBLAS workspaces): 0.70 GiB on
 # the H200 (docs/memory.md). With the allowances of px.compile's default budget (device_budget.py) it is what a
@@ -403,7 +403,7 @@ def plan(model: nn.Module, loss_fn, *batch, world_size: int = 1, device_memory=N
                         max_grad_norm=None if max_grad_norm is None else float(max_grad_norm),
                         accumulate=accumulate, world=world_size, atomic=atomic,
                         host_budget=None if disk is None else host // per_node, disk_budget=disk,
-                        host_is_device=host_is_device(dev, world_size))
+                        host_is_device=False)    # (the plan is for the preset GPU, whatever device traces it)
     with cycle_collection_paused(), one_intra_op_thread():
         traced = trace_step(loss_fn, model, meta_batch, settings)
         t0 = time.perf_counter()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import sys
 import traceback
+from typing import Callable, TypeVar
 
 import sympy
 import torch
@@ -32,6 +33,8 @@ from ..errors import UntraceableError
 from ..ir import ops
 from ..ir.fx_utils import is_user_file
 from ..ir.guards import Bind, GuardSpec, Step
+
+T = TypeVar("T")
 
 
 class _Decision:
@@ -201,3 +204,34 @@ def insert_guards(gm: fx.GraphModule, env: GuardingShapeEnv) -> list[fx.Node]:
     gm.graph.lint()
     gm.recompile()
     return out
+
+
+MAX_FLIPS = 16   # source lines whose condition a failed trace may take the other way, one after the other
+
+
+def tried_both_ways(trace: Callable[[tuple, frozenset], T], assume: tuple) -> T:
+    """trace(assume, false_at); a trace that fails (UntraceableError) after deciding a condition on a value by
+    default (True: the tracer cannot know it) is tried again with that condition False, the conditions before it as
+    taken, and every later condition asked at the same source line False too (a check in every layer costs one more
+    trace, not one per layer): a sanity check such as `if torch.isnan(x).any(): raise ...` or torch's own `if
+    torch.any(var < 0): raise` traces its passing branch, guarded (a step whose data makes it true retraces that
+    branch and raises). A failure after conditions that a run observed (`assume`) is the code raising on real data:
+    its own exception (the error's `raised`), as eager code raises it. The error carries `decisions`: (outcome,
+    (file, line) or None) of each decision the failed trace took."""
+    false_at: frozenset = frozenset()
+    for _ in range(MAX_FLIPS):
+        try:
+            return trace(assume, false_at)
+        except UntraceableError as e:
+            taken = getattr(e, "decisions", ())
+            by_default = [k for k in range(len(assume), len(taken)) if taken[k][0] is True]
+            if not by_default:      # (the latest error: its trace went furthest)
+                raised = getattr(e, "raised", None)
+                if raised is not None and assume and len(taken) <= len(assume):
+                    raise raised from None
+                raise
+            k = by_default[-1]
+            assume = tuple(v for v, _ in taken[:k]) + (False,)
+            if taken[k][1] is not None:
+                false_at = false_at | {taken[k][1]}
+    return trace(assume, false_at)

@@ -55,7 +55,7 @@ from ..ir.outputs import split_outputs
 from . import backward_calls, fake_fixes, moe_rewrites, torch_compile, torchscript, user_checkpoint
 from .aux_outputs import AuxCollector, describe_aux, own_aux_storage, split_returned
 from .batch import BatchSignature, FlatBatch, flatten_batch, leaf_name  # noqa: F401 (re-exported)
-from .guards import GuardingShapeEnv, insert_guards
+from .guards import GuardingShapeEnv, insert_guards, tried_both_ways
 from .model_tensors import ModelTables, gradient_hooks, model_restored, model_tables, slots, write_rebound
 from .python_state import changes, python_draws, snapshot
 
@@ -286,7 +286,8 @@ def trace_step(fn, model: nn.Module, batch: tuple, settings: Settings, assume: t
     one of torch's C++ callbacks can abort the process."""
     before = snapshot(model, fn)
     with DeferredInterrupt(), python_draws() as drawn:
-        graph = _tried_both_ways(fn, model, batch, settings, assume)
+        graph = tried_both_ways(lambda taken, false_at: _trace_step(fn, model, batch, settings, taken, false_at),
+                                assume)
     if drawn:
         warn(f"the global generator of {' and '.join(drawn)} moved while the step was traced: if the step drew from "
              "it (in your code or a library's: LayerDrop by random.random()), every compiled step replays the "
@@ -302,38 +303,9 @@ def trace_step(fn, model: nn.Module, batch: tuple, settings: Settings, assume: t
     return graph
 
 
-MAX_FLIPS = 16   # source lines whose condition a failed trace may take the other way, one after the other
-
 # exceptions a check on values raises (the user's, or torch's own such as gaussian_nll_loss's): with every decision
-# observed on real data, eager code would raise them too
+# observed on real data, eager code would raise them too (guards.tried_both_ways)
 _CHECK_ERRORS = (ValueError, AssertionError, FloatingPointError, ZeroDivisionError)
-
-
-def _tried_both_ways(fn, model: nn.Module, batch: tuple, settings: Settings, assume: tuple) -> TrainGraph:
-    """_trace_step; a trace that fails after deciding a condition on a value by default (True: the tracer cannot
-    know it) is tried again with that condition False, the conditions before it as taken, and every later condition
-    asked at the same source line False too (a check in every layer costs one more trace, not one per layer): a
-    sanity check such as `if torch.isnan(x).any(): raise ...` or torch's own `if torch.any(var < 0): raise` traces
-    its passing branch, guarded (a step whose data makes it true retraces that branch and raises). A failure after
-    conditions that a run observed (`assume`) is the code raising on real data: its own exception, as eager code
-    raises it."""
-    false_at: frozenset = frozenset()
-    for _ in range(MAX_FLIPS):
-        try:
-            return _trace_step(fn, model, batch, settings, assume, false_at)
-        except UntraceableError as e:
-            taken = getattr(e, "decisions", ())
-            by_default = [k for k in range(len(assume), len(taken)) if taken[k][0] is True]
-            if not by_default:      # (the latest error: its trace went furthest)
-                raised = getattr(e, "raised", None)
-                if raised is not None and assume and len(taken) <= len(assume):
-                    raise raised from None
-                raise
-            k = by_default[-1]
-            assume = tuple(v for v, _ in taken[:k]) + (False,)
-            if taken[k][1] is not None:
-                false_at = false_at | {taken[k][1]}
-    return _trace_step(fn, model, batch, settings, assume, false_at)
 
 
 def _trace_step(fn, model: nn.Module, batch: tuple, settings: Settings, assume: tuple,
@@ -468,8 +440,8 @@ def _trace_step(fn, model: nn.Module, batch: tuple, settings: Settings, assume: 
         raise
     except Exception as e:  # an unsupported construct deep inside torch: name it and the user's line
         error = _explain(e, flat, mode.shape_env)
-        # what _tried_both_ways needs: the outcomes decided (and where), and the exception if code checking values
-        # raised it (the user's own, or one of _CHECK_ERRORS from torch's checks)
+        # what guards.tried_both_ways needs: the outcomes decided (and where), and the exception if code checking
+        # values raised it (the user's own, or one of _CHECK_ERRORS from torch's checks)
         error.decisions = tuple((d.value, None if d.frame is None else (d.frame.filename, d.frame.lineno))
                                 for d in mode.shape_env.decisions)
         tb = traceback.extract_tb(e.__traceback__)

@@ -78,6 +78,16 @@ def test_plan_is_the_compiled_steps_plan(name, budget):
         assert p.h2d_bytes == 0 and rep.cost.busy[Lane.H2D] == 0
 
 
+@pytest.mark.host_is_device
+def test_a_plan_is_for_the_gpu_even_where_a_cpu_device_is_the_host():
+    """px.plan answers for a preset GPU: traced on a CPU machine, where a CPU step's slots are their host homes, its
+    plan still copies to the device and streams updates as a GPU step would."""
+    case = _case("gpt_tied", 4)
+    rep = _plan(case, case.batch(0), device_memory=tight_budget(case, CHUNK))
+    assert rep.graph.settings.host_is_device is False and rep.h2d_bytes > 0
+    assert "a CPU device is the host" not in str(rep)
+
+
 def test_a_meta_model_plans_like_the_real_one():
     case = _case("gpt_tied", 4)
     real = _plan(case, case.batch(0), device_memory=200_000)
