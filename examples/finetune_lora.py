@@ -12,7 +12,7 @@ pstar-fx trains exactly the parameters with requires_grad=True when the step is 
 get_peft_model freezes the rest): px.AdamW without params= takes those, and the base weights are never updated. The
 default run (2 layers, hidden 64, rank-8 adapters on q_proj and v_proj) takes seconds on 2 CPU cores; the base model
 is random there, so the few adapter weights learn only a little of the corpus's byte statistics: the loss falls from
-~5.6 to ~5.3. With --model it fine-tunes `AutoModelForCausalLM.from_pretrained(NAME)` on the corpus tokenized by its
+~5.6 to ~5.2. With --model it fine-tunes `AutoModelForCausalLM.from_pretrained(NAME)` on the corpus tokenized by its
 tokenizer.
 """
 

@@ -12,7 +12,7 @@ Run from the repository root:
     python examples/train_gpt.py --resume        # continue from out/ckpt (same losses as an uninterrupted run)
 
 The defaults (1.6M parameters, 24.5 MiB of model data, a 12.25 MiB budget) train on 2 CPU cores in about half a
-minute; the loss falls from ~4.4 (uniform over the 70 characters is 4.25) to ~2.0. Try `--device-memory 16MiB`,
+minute; the loss falls from ~4.4 (uniform over the 70 characters is 4.25) to ~1.8. Try `--device-memory 16MiB`,
 `--precision bf16`, `--model tiny --steps 50` (a quick smoke run), `--model medium` or `--device cuda`. A budget below
 what the activations of one micro-batch need fails with px.BudgetError, which says how much is needed.
 """
