@@ -28,8 +28,8 @@ from .device_budget import (
 # order), so only mixed precision, held to autocast's tolerance (docs/design.md, "Numerics"), can take them by
 # default, and only on CUDA (on the CPU Inductor's C++ kernels need a compiler and did not pay for their compile time
 # on the example). CUDA bf16 and fp16 are fused: the GPU test subset passes whole both ways, and fused steps ran
-# faster on the H200 where compute decides the step (BENCHMARKS.md, benchmarks/results/fuse_default_h200_2026-12-05.md);
-# several ranks stay unfused (resolve_fuse) until fused steps have run on several GPUs.
+# faster on the H200 where compute decides the step (BENCHMARKS.md, "Fused regions"); several ranks stay unfused
+# (resolve_fuse) until fused steps have run on several GPUs.
 DEFAULT_FUSE: dict[tuple[str, Precision], bool] = {("cuda", Precision.BF16): True, ("cuda", Precision.FP16): True}
 
 

@@ -123,9 +123,9 @@ class CompiledStep:
 
     # -- running ----------------------------------------------------------------------------------------------
     def __call__(self, *batch, **kwargs):
-        """One training step on this batch; returns the loss, or (loss, aux) as the function does. Atomic (see
-        Executor.run): a failure before the commit
-        point leaves every value as it was. Another thread's save() or load() waits for the step (a lock). Ctrl-C is
+        """One training step on this batch (positional arguments, as `fn(model, *batch)` takes them); returns the
+        loss, or (loss, aux) as the function does. Atomic (see Executor.run): a failure before the commit point
+        leaves every value as it was. Another thread's save() or load() waits for the step (a lock). Ctrl-C is
         held over the whole call and taken only at safe points: after the trace, between the passes, and between
         nodes before the commit point, where it raises KeyboardInterrupt and the step changes nothing (a compile
         that finished is kept: the next call does not trace again); from the commit point on the step completes,
@@ -207,7 +207,8 @@ class CompiledStep:
     def optimizer(self) -> torch.optim.Optimizer:
         """The live optimizer: a torch.optim object of the optimizer's class (AdamW, SGD, ...), its param_groups
         read at every step (set lr between steps, or drive it with a torch.optim.lr_scheduler), and its
-        state_dict() / load_state_dict() in torch's format. The compiled step runs its update: do not call step.optimizer.step()."""
+        state_dict() / load_state_dict() in torch's format. The compiled step runs its update: do not call
+        step.optimizer.step()."""
         return self._optimizer
 
     @property

@@ -68,9 +68,11 @@ class TraceCache(Generic[V]):
         self._entries[key] = value
         self._entries.move_to_end(key)
         self.last = key
-        while len(self._entries) > self.max_size:     # pinned entries stay, and so does the one just put (with
-            old = next((k for k in self._entries if k not in self._pinned and k != key), None)   # max_size pinned,
-            if old is None:                                                                      # one more)
+        # the least recently used goes first; pinned entries stay, and so does the one just put (with max_size
+        # pinned, the cache holds one more)
+        while len(self._entries) > self.max_size:
+            old = next((k for k in self._entries if k not in self._pinned and k != key), None)
+            if old is None:
                 break
             del self._entries[old]
         self._note(key)

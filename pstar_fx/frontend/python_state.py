@@ -105,10 +105,6 @@ class ModuleScalars:
             out.append(tuple(_scalar(d[k]) if k in d else "missing" for k in names))
         return tuple(out)
 
-    def named(self) -> dict[str, tuple]:
-        """The same values by module name, for a message."""
-        return {name or "model": module_scalars(m) for name, m in self.model.named_modules()}
-
 
 def module_scalars(m: nn.Module) -> tuple:
     """The module's public plain attributes (name, value key), in definition order: what its forward may read."""

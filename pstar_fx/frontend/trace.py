@@ -139,7 +139,8 @@ class _SourceRecorder(TorchFunctionMode):
             return
         self._current = key
         if key is None:
-            fx_traceback.get_current_meta().pop("stack_trace", None)   # (set_stack_trace([]) clears only in newer torch)
+            # (set_stack_trace([]) clears only in newer torch)
+            fx_traceback.get_current_meta().pop("stack_trace", None)
             return
         lines = self._formatted.get(key)
         if lines is None:
