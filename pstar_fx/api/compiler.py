@@ -174,7 +174,8 @@ class Compiler:
 
     def _note_value_changes(self) -> None:
         """Before a compile: warn once when plain Python values the step reads (python_state) have changed before
-        VALUE_RETRACES_WARN compiles, naming them (a value that changes every step compiles every step)."""
+        VALUE_RETRACES_WARN compiles, naming them (a value that changes every step compiles every step). Keeps the
+        snapshot, which the trace that follows reuses."""
         now = snapshot(self.model, self.fn)
         if self._values is not None:
             changed = changes(self._values, now)
@@ -215,7 +216,7 @@ class Compiler:
                 hostmem.reserve(host_buffer_specs(stage.chunks, st.precision, st.world, state_layout(st)))
         try:
             with one_intra_op_thread():
-                traced = trace_step(self.fn, self.model, batch, st, assume)
+                traced = trace_step(self.fn, self.model, batch, st, assume, values=self._values)
                 self.compiles += 1
                 outcomes = traced_outcomes(traced)
                 interrupts.deliver()    # a safe point after the trace

@@ -279,13 +279,15 @@ def _micro_batch_sizes(flat: "FlatBatch", micro: int) -> list[int]:
     return sizes
 
 
-def trace_step(fn, model: nn.Module, batch: tuple, settings: Settings, assume: tuple = ()) -> TrainGraph:
+def trace_step(fn, model: nn.Module, batch: tuple, settings: Settings, assume: tuple = (),
+               values: dict | None = None) -> TrainGraph:
     """Trace `fn(model, *batch)` into the "traced" TrainGraph (forward + backward, nothing real allocated).
     `assume`: the outcomes to take for the step's first data-dependent decisions, in order (frontend/guards.py).
     The model is left exactly as it was (the same parameter and buffer objects), whether tracing succeeds or not.
     Ctrl-C is held while tracing (pstar_fx/interrupts.py) and delivered after it: a KeyboardInterrupt raised inside
-    one of torch's C++ callbacks can abort the process."""
-    before = snapshot(model, fn)
+    one of torch's C++ callbacks can abort the process. `values`: python_state.snapshot(model, fn) taken just
+    before, where the caller has one (else it is taken here), to tell the values the trace writes."""
+    before = snapshot(model, fn) if values is None else values
     with DeferredInterrupt(), python_draws() as drawn:
         graph = tried_both_ways(lambda taken, false_at: _trace_step(fn, model, batch, settings, taken, false_at),
                                 assume)
