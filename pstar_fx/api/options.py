@@ -175,15 +175,27 @@ def resolve_budget(device_memory, device: torch.device, world: int) -> tuple[int
 _UNSET = 1 << 62
 
 
-def resolve_tiers(host_memory, offload_dir, disk_memory, comm: Comm | None = None
+def model_host_bytes(model: nn.Module) -> int:
+    """Bytes of the model's parameters and buffers in host memory now: what the chunks replace once a step holds the
+    model (api/model_state.py), so the default host budget counts them as the step's to use."""
+    seen, total = set(), 0
+    for t in (*model.parameters(), *model.buffers()):
+        if id(t) not in seen and t.device.type == "cpu":
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+    return total
+
+
+def resolve_tiers(host_memory, offload_dir, disk_memory, comm: Comm | None = None, model_host_bytes: int = 0
                   ) -> tuple[int | None, str | None, int | None]:
     """(host budget, offload directory, disk budget) of this rank, from px.compile's host_memory, offload_dir and
     disk_memory.
 
     host_memory: bytes or a size string, for the node (with several ranks, each rank's budget is its share: divided
-    by the ranks on the node, LOCAL_WORLD_SIZE, as px.plan divides a node's host memory among its GPUs); None: not
-    checked without a disk tier, and with one (offload_dir given) the host memory the system could give now less a
-    margin, shared among the node's ranks (runtime/host_memory.spare_host_bytes). offload_dir: an existing, writable
+    by the ranks on the node, LOCAL_WORLD_SIZE, as px.plan divides a node's host memory among its GPUs); None: the
+    host memory the system could give now less a margin, shared among the node's ranks
+    (runtime/host_memory.spare_host_bytes), plus `model_host_bytes` (the model's own host tensors, which the chunks
+    replace) where there is no disk tier; not checked where /proc/meminfo cannot say. offload_dir: an existing, writable
     directory for the disk tier's files (None: no disk tier); ranks may share it, each making a directory of its own
     there. disk_memory: bytes of it each rank's disk tier may use (per rank, as px.plan's per GPU); None: the free
     space there now, shared among the node's ranks.
@@ -208,6 +220,9 @@ def resolve_tiers(host_memory, offload_dir, disk_memory, comm: Comm | None = Non
             if host <= 0:
                 raise ValueError("host_memory=None with offload_dir: the host memory available could not be read "
                                  "(/proc/meminfo); pass host_memory")
+    elif host is None:
+        spare = spare_host_bytes(local)
+        host = spare + model_host_bytes if spare > 0 else None
     if comm is not None:
         tier = int(path is not None)
         fewest_tiers, neg_most_tiers, host_min, disk_min = comm.smallest(

@@ -31,8 +31,8 @@ from .compiler import Compiler
 from .guarded import run_guarded
 from .live_optimizer import build as build_optimizer
 from .model_state import ModelState, holds_own_values
-from .options import (check_options, check_world, host_is_device, resolve_budget, resolve_device, resolve_fuse,
-                      resolve_precision, resolve_tiers)
+from .options import (check_options, check_world, host_is_device, model_host_bytes, resolve_budget, resolve_device,
+                      resolve_fuse, resolve_precision, resolve_tiers)
 from .summary import Summary, summarize
 from .trace_cache import DEFAULT_MAX_SIZE
 from .warnings import warn_torch_compiled
@@ -97,7 +97,8 @@ class CompiledStep:
         self._comm = default_comm(dev)       # the default process group, when one of 2+ ranks exists
         world = 1 if self._comm is None else self._comm.world
         budget, self._default_budget = resolve_budget(device_memory, dev, world)
-        host_budget, offload, disk_budget = resolve_tiers(host_memory, offload_dir, disk_memory, self._comm)
+        host_budget, offload, disk_budget = resolve_tiers(host_memory, offload_dir, disk_memory, self._comm,
+                                                          model_host_bytes(model))
         fuse = resolve_fuse(fuse, dev, prec, world)
         self.settings = Settings(precision=prec, device=dev, budget=budget,
                                  chunk_size=chunk_size,
@@ -105,7 +106,8 @@ class CompiledStep:
                                  max_grad_norm=None if max_grad_norm is None else float(max_grad_norm),
                                  accumulate=accumulate, world=world,
                                  atomic=atomic, device_updates=device_updates, host_budget=host_budget,
-                                 disk_budget=disk_budget, host_is_device=host_is_device(dev, world))
+                                 disk_budget=disk_budget, host_is_device=host_is_device(dev, world),
+                                 host_default=host_memory is None and offload is None and host_budget is not None)
         check_world(atomic, self.settings.world)
         self.debug = debug
         self._lock = threading.RLock()       # held by a step, save and load: another thread never sees half a step

@@ -5,10 +5,13 @@ Eager code reads it anew at every call, so a value the user changes between step
 global, a module's `temperature`, `nn.Dropout.p`, a step counter a branch reads) must retrace, as a changed argument
 does. Two keys cover what a trace can be seen to read:
 
-- `ModuleScalars(model).read()`: every module's public attributes holding a bool, int, float, str or None (or a
-  tuple of them): `Dropout.p`, `LayerNorm.eps`, a user's `temperature`. Part of `Compiler.model_key`. Which
-  attributes are plain is found once per module and again only when its attributes change in number, so a call
-  reads a few known names per module.
+- `ModuleScalars(model).read()`: every module's attributes (torch's own `nn.Module` fields aside) holding a bool,
+  int, float, str or None, or a dict, list or tuple of at most `CONTAINER_ITEMS` of them: `Dropout.p`,
+  `LayerNorm.eps`, a user's `temperature`, peft's `scaling` and `_disable_adapters`; and the fields of the
+  configuration objects a module holds (a dataclass, or an object with `to_dict`: transformers' `model.config`,
+  whose `use_cache` or `_attn_implementation_internal` the forward reads), each object once. Part of
+  `Compiler.model_key`. Which attributes are plain is found once per module and again only when its attributes
+  change in number, so a call reads a few known names per module.
 - `closure_key(fn)`: the step function's closure cells and the globals its code loads (LOAD_GLOBAL, not attribute
   names), where they hold such a value, or a dict, list or tuple of at most `CONTAINER_ITEMS` of them
   (`state["step"]`), following `functools.wraps` and `functools.partial`. Values read only by other functions the
@@ -23,6 +26,7 @@ draws move the same generator).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import dis
 import functools
 import math
@@ -30,6 +34,7 @@ import random
 import sys
 from typing import Callable, Iterator
 
+import torch
 import torch.nn as nn
 
 CONTAINER_ITEMS = 64    # a closure's or global's dict, list or tuple is keyed by value up to this many items
@@ -76,18 +81,44 @@ def _value_key(v):
     return _NOT_SCALAR
 
 
-def _plain_names(m: nn.Module) -> tuple[str, ...]:
-    return tuple(name for name, v in m.__dict__.items()
-                 if name[0] != "_" and name != "training" and (v is None or _scalar(v) is not None))
+_MODULE_FIELDS = frozenset(nn.Module().__dict__)    # torch's own (training, _parameters, the hook dicts, ...)
+
+
+def _is_config(v) -> bool:
+    """A configuration object whose fields a forward may read: a dataclass instance or an object with `to_dict`
+    (transformers' PreTrainedConfig), not a module, tensor, class or function."""
+    if isinstance(v, (nn.Module, torch.Tensor, type)) or callable(v) or not hasattr(v, "__dict__"):
+        return False
+    return dataclasses.is_dataclass(v) or callable(getattr(type(v), "to_dict", None))
+
+
+def _names(m: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The module's plain attributes (scalars or small containers of them) and the attributes holding a
+    configuration object, by name (torch's own nn.Module fields aside)."""
+    plain, configs = [], []
+    for name, v in m.__dict__.items():
+        if name in _MODULE_FIELDS:
+            continue
+        if _value_key(v) is not _NOT_SCALAR:
+            plain.append(name)
+        elif _is_config(v):
+            configs.append(name)
+    return tuple(plain), tuple(configs)
+
+
+def _fields(cfg) -> tuple:
+    """A configuration object's plain fields, (name, value key) in definition order."""
+    return tuple((k, key) for k, v in vars(cfg).items() if (key := _value_key(v)) is not _NOT_SCALAR)
 
 
 class ModuleScalars:
-    """Reads every module's public plain attributes (`module_scalars`) at each call, cheaply: the names are found
-    once per module and again only when the module's attributes change in number."""
+    """Reads every module's plain attributes and its configuration objects' fields (`module_scalars`) at each call,
+    cheaply: the names are found once per module and again only when the module's attributes change in number;
+    a configuration object several modules hold (transformers' `config`) is read once."""
 
     def __init__(self, model: nn.Module):
         self.model = model
-        self._entries: list[list] = []     # [module __dict__, its number of attributes, the plain names]
+        self._entries: list[list] = []     # [module __dict__, its number of attributes, (plain names, config names)]
         self._modules: tuple = ()
 
     def read(self, modules: tuple | None = None) -> tuple:
@@ -95,20 +126,29 @@ class ModuleScalars:
         modules = tuple(self.model.modules()) if modules is None else modules
         if modules != self._modules:        # (a module added or replaced)
             self._modules = modules
-            self._entries = [[m.__dict__, len(m.__dict__), _plain_names(m)] for m in modules]
-        out = []
+            self._entries = [[m.__dict__, len(m.__dict__), _names(m)] for m in modules]
+        out, configs = [], {}
         for entry, m in zip(self._entries, modules):
-            d, n, names = entry
+            d, n, (names, config_names) = entry
             if len(d) != n:
-                entry[1], entry[2] = len(d), _plain_names(m)
-                names = entry[2]
-            out.append(tuple(_scalar(d[k]) if k in d else "missing" for k in names))
+                entry[1], entry[2] = len(d), _names(m)
+                names, config_names = entry[2]
+            out.append(tuple(_value_key(d[k]) if k in d else "missing" for k in names))
+            for k in config_names:
+                cfg = d.get(k)
+                if cfg is not None and id(cfg) not in configs:
+                    configs[id(cfg)] = (k, cfg)
+        out.extend((k, _fields(cfg)) for k, cfg in configs.values())
         return tuple(out)
 
 
 def module_scalars(m: nn.Module) -> tuple:
-    """The module's public plain attributes (name, value key), in definition order: what its forward may read."""
-    return tuple((name, _scalar(m.__dict__[name])) for name in _plain_names(m))
+    """The module's plain attributes and its configuration objects' fields (`config.use_cache`), as (name, value
+    key) in definition order: what its forward may read."""
+    names, config_names = _names(m)
+    d = m.__dict__
+    return (tuple((name, _value_key(d[name])) for name in names)
+            + tuple((f"{name}.{k}", key) for name in config_names for k, key in _fields(d[name])))
 
 
 def _functions(fn) -> tuple[list, tuple]:

@@ -222,8 +222,11 @@ def test_host_memory_is_per_node_and_the_ranks_take_the_smallest_budgets(tmp_pat
     assert abs(disk - free // 4) <= (64 << 20) // 4 and 0 < host <= spare_host_bytes(4) + (64 << 20) // 4
     # one process (no process group) takes host_memory whole, whatever LOCAL_WORLD_SIZE says
     assert resolve_tiers("4000", None, None, None) == (4000, None, None)
-    # host_memory=None and no disk tier on every rank: not checked
-    assert resolve_tiers(None, None, None, _Ranks(2, 0, [[0, 0, _UNSET, _UNSET]])) == (None, None, None)
+    # host_memory=None and no disk tier: this rank's share of the spare memory and its model's host bytes, the
+    # smallest over the ranks (a peer with less wins)
+    host, path, disk = resolve_tiers(None, None, None, _Ranks(8, 3, [[0, 0, _UNSET, _UNSET]]), 5000)
+    assert path is None and disk is None and 5000 < host <= spare_host_bytes(4) + 5000 + (64 << 20) // 4
+    assert resolve_tiers(None, None, None, _Ranks(8, 3, [[0, 0, 1234, _UNSET]]), 5000) == (1234, None, None)
 
 
 def test_a_disk_tier_on_some_ranks_only_raises(tmp_path):

@@ -1,9 +1,12 @@
 """Plain Python values the step reads are part of its signature, as its arguments are.
 
 A compiled step runs no Python, so a value read while tracing is fixed in the graph: a loss weight in a closure or a
-global, a module's float attribute, `nn.Dropout.p` changed between steps retrace and train as eager; a draw from
-Python's `random` is refused (every step would replay it); a value the step itself writes is named in a warning.
+global, a module's float attribute (private or in a small dict), `nn.Dropout.p`, a field of a config the model holds
+changed between steps retrace and train as eager; a draw from Python's `random` is warned of (every step would
+replay it); a value the step itself writes is named in a warning.
 """
+import copy
+import dataclasses
 import functools
 import random
 import warnings
@@ -20,6 +23,11 @@ from harness import HYPER, rel_err
 from models import assert_state_close
 
 
+@dataclasses.dataclass
+class Config:
+    shift: float = 0.0
+
+
 class Net(nn.Module):
     def __init__(self):
         super().__init__()
@@ -27,9 +35,13 @@ class Net(nn.Module):
         self.drop = nn.Dropout(0.3)
         self.fc2 = nn.Linear(24, 5)
         self.temperature = 1.0
+        self._bias = 0.0                  # private attributes, containers and a held config are read too
+        self.gains = {"fc1": 1.0}
+        self.config = Config()
 
     def forward(self, x):
-        return self.fc2(self.drop(torch.tanh(self.fc1(x)))) / self.temperature
+        h = torch.tanh(self.fc1(x) * self.gains["fc1"] + self._bias + self.config.shift)
+        return self.fc2(self.drop(h)) / self.temperature
 
 
 def _model():
@@ -70,7 +82,8 @@ def _ce(model, x, y):
     return F.cross_entropy(model(x), y)
 
 
-@pytest.mark.parametrize("where", ["closure_dict", "global", "module_attribute", "dropout_p"])
+@pytest.mark.parametrize("where", ["closure_dict", "global", "module_attribute", "dropout_p", "private_attribute",
+                                   "dict_attribute", "config_field"])
 def test_a_plain_value_changed_between_steps_retraces_and_trains_as_eager(where):
     state = {"w": 1.0}
 
@@ -89,6 +102,12 @@ def test_a_plain_value_changed_between_steps_retraces_and_trains_as_eager(where)
             SCALE = value
         elif where == "module_attribute":
             model.temperature = value + 0.5
+        elif where == "private_attribute":
+            model._bias = value
+        elif where == "dict_attribute":
+            model.gains["fc1"] = value
+        elif where == "config_field":
+            model.config.shift = value
         else:
             model.drop.p = value / 2
     loss_fn = {"closure_dict": closure_loss, "global": global_loss}.get(where, _ce)
@@ -109,7 +128,9 @@ def test_keys_see_scalars_and_small_containers_and_nan_equals_itself():
         return model(x).sum() * nan_weight * len(big)
     assert closure_key(fn) == closure_key(fn)                # a NaN does not make every call a new signature
     assert ("p", 0.3) in module_scalars(_model().drop) and ("temperature", 1.0) in module_scalars(_model())
-    assert all(name != "training" and not name.startswith("_") for name, _ in module_scalars(_model()))
+    keys = dict(module_scalars(_model()))
+    assert keys["_bias"] == 0.0 and keys["gains"] == ("dict", (("fc1", 1.0),)) and keys["config.shift"] == 0.0
+    assert not {"training", "_parameters", "_buffers", "_forward_hooks"} & set(keys)      # torch's own fields
     key = closure_key(fn)
     big.append(1)                                            # past CONTAINER_ITEMS: not keyed by value
     assert closure_key(fn) == key
@@ -199,3 +220,32 @@ def test_a_bool_is_not_an_equal_int_and_a_decorated_step_is_followed():
     def scaled(model, x, y):
         return _ce(model, x, y) * SCALE
     assert ("SCALE", 1.0) in closure_key(scaled)
+
+
+def test_a_transformers_config_field_changed_between_steps_retraces_and_trains_as_eager():
+    """transformers' forwards read `self.config` (Gemma-2's final logit soft-capping here): the held config's fields
+    are part of the signature, read once however many modules hold it."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.Gemma2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                    num_key_value_heads=1, head_dim=16, vocab_size=97, final_logit_softcapping=30.0,
+                                    attn_implementation="eager")
+    model = transformers.Gemma2ForCausalLM(cfg)
+    ref = copy.deepcopy(model)
+    step = px.compile(model, optimizer=px.AdamW(**HYPER), device="cpu")(
+        lambda m, ids: m(input_ids=ids, labels=ids).loss)
+    opt = torch.optim.AdamW(ref.parameters(), **HYPER, fused=True)
+    losses, ref_losses = [], []
+    for i, cap in enumerate([30.0, 1.0, 1.0, None]):
+        ids = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(i))
+        model.config.final_logit_softcapping = ref.config.final_logit_softcapping = cap
+        losses.append(step(ids).item())
+        loss = ref(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        ref_losses.append(loss.item())
+    assert rel_err(losses, ref_losses) <= 1e-6, (losses, ref_losses)
+    assert_state_close(step.state_dict(), ref.state_dict(), rtol=1e-5)
+    assert step._compiler.compiles == 3
+    assert sum(1 for key in step._compiler.scalars.read() if key and key[0] == "config") == 1   # read once

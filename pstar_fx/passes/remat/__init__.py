@@ -109,7 +109,8 @@ def least_need_graph(g: TrainGraph) -> TrainGraph:
 
 def _budget_error(g: TrainGraph, budget: int) -> BudgetError:
     """The least budget with recomputation (what step.min_device_memory reports) and the node that needs it."""
-    host = place_optimizer(g.evolve(settings=dataclasses.replace(g.settings, budget=0)))
+    # (every state on the host, the host unbounded: the device's least need, whatever host_memory holds)
+    host = place_optimizer(g.evolve(settings=dataclasses.replace(g.settings, budget=0, host_budget=None)))
     need = min_need(host)
     nodes = host.nodes
     lv = analyze(nodes, host.ann)
