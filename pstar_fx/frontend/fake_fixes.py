@@ -81,9 +81,7 @@ def _channels_last(x: torch.Tensor) -> bool:
 
 
 class _ContiguousGrad(torch.autograd.Function):
-    """The identity, whose backward makes the gradient contiguous: batch norm's backward then gets a contiguous
-    gradient, whose layout its fake and real kernels keep alike (given a transposed one, the fake kernel keeps its
-    strides and the real ones return a contiguous gradient)."""
+    """The identity, whose backward makes the gradient contiguous (for a leaf: `contiguous_grad`)."""
 
     @staticmethod
     def forward(ctx, x):
@@ -92,6 +90,23 @@ class _ContiguousGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad.contiguous()
+
+
+def _contiguous(grad: torch.Tensor) -> torch.Tensor:
+    return grad.contiguous()
+
+
+def contiguous_grad(t: torch.Tensor) -> torch.Tensor:
+    """t, whose gradient arrives contiguous: batch norm's backward then gets a contiguous gradient, whose layout its
+    fake and real kernels keep alike (given a transposed one, the fake kernel keeps its strides and the real ones
+    return a contiguous gradient). A hook on t itself where t is computed, so that code after may still write t in
+    place (`out += identity`, `ReLU(inplace=True)`: the hook sees the gradient of t's value before the write, the
+    one the op that made t differentiates); a leaf (a parameter, which the step's own hooks must not outlive) goes
+    through an identity Function instead."""
+    if t.grad_fn is None:
+        return _ContiguousGrad.apply(t)
+    t.register_hook(_contiguous)
+    return t
 
 
 def _batch_norm(func, args, kwargs):
@@ -103,11 +118,11 @@ def _batch_norm(func, args, kwargs):
     if not isinstance(x, torch.Tensor) or _channels_last(x):
         return func(*args, **kwargs)
     out = func(x.contiguous(), *args[1:], **kwargs)
-    return _ContiguousGrad.apply(out) if out.requires_grad else out
+    return contiguous_grad(out) if out.requires_grad else out
 
 
 # ops whose backward's fake kernel keeps a non-contiguous input's strides where the CPU kernel returns a contiguous
-# gradient (so a view traced after it fails at run time): their gradients are made contiguous (`_ContiguousGrad`)
+# gradient (so a view traced after it fails at run time): their gradients are made contiguous (`contiguous_grad`)
 _F = torch.nn.functional
 _CONTIGUOUS_GRADS = (_F.mse_loss, _F.smooth_l1_loss, _F.huber_loss, _F.softplus, _F.elu, _F.celu, _F.selu,
                      _F.hardtanh, _F.relu6, _F.hardswish, _F.hardsigmoid)
@@ -117,7 +132,7 @@ def _contiguous_grads(func, args, kwargs):
     """func as it is (the same kernels, the same sums), its non-contiguous inputs' gradients made contiguous."""
     def fix(a):
         if isinstance(a, torch.Tensor) and a.requires_grad and not a.is_contiguous():
-            return _ContiguousGrad.apply(a)
+            return contiguous_grad(a)
         return a
     return func(*map(fix, args), **{k: fix(v) for k, v in kwargs.items()})
 

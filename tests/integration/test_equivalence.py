@@ -94,6 +94,44 @@ def test_batch_norm_over_a_transposed_input_matches_eager(tight):
     assert_state_close(sd, ref_sd, rtol=1e-6)
 
 
+class _ResidualNorm(torch.nn.Module):
+    """ResNet's block: conv, batch norm, the residual added in place to the norm's output, ReLU(inplace=True); then
+    in-place activations over a transposed (non-contiguous) activation. Eager trains it; the gradient fixes must
+    leave both writes legal."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 3, 3, padding=1, bias=False)
+        self.bn = torch.nn.BatchNorm2d(3)
+        self.act = torch.nn.ReLU(inplace=True)
+        self.lins = torch.nn.ModuleList(torch.nn.Linear(3, 6) for _ in range(3))
+        self.acts = torch.nn.ModuleList([torch.nn.Hardtanh(-0.5, 0.5, inplace=True), torch.nn.ELU(inplace=True),
+                                         torch.nn.Hardswish(inplace=True)])
+        self.head = torch.nn.Linear(6, 4)
+
+    def forward(self, x):
+        out = self.bn(self.conv(x))
+        out += x
+        h = self.act(out).mean((2, 3))[:, None, :].expand(-1, 5, -1)             # (B, 5, 3)
+        # each activation writes a transposed (B, 6, 5) view of its own Linear's output in place
+        h = sum(act(lin(h).transpose(1, 2)) for lin, act in zip(self.lins, self.acts))
+        return self.head(h.mean(-1))
+
+
+RESIDUAL_NORM = Case("residual_bn", _ResidualNorm,
+                     lambda m, x, y: torch.nn.functional.cross_entropy(m(x), y),
+                     lambda step, g: (torch.randn(4, 3, 6, 6, generator=g), torch.randint(0, 4, (4,), generator=g)))
+
+
+@pytest.mark.parametrize("tight", [False, True], ids=["unlimited", "tight"])
+def test_in_place_writes_after_batch_norm_and_on_transposed_activations_match_eager(tight):
+    ref_losses, ref_sd = eager_run(RESIDUAL_NORM, STEPS)
+    budget = tight_budget(RESIDUAL_NORM, chunk_size=64) if tight else None
+    losses, sd, _ = compiled_run(RESIDUAL_NORM, STEPS, budget=budget, chunk_size=64 if tight else None)
+    assert rel_err(losses, ref_losses) <= 1e-6, (losses, ref_losses)
+    assert_state_close(sd, ref_sd, rtol=1e-6)
+
+
 class _TransposedHead(torch.nn.Module):
     """A head whose output reaches the loss transposed ((T, B, C) -> (B, T, C)), as nn.MultiheadAttention's
     batch_first output does: the losses' backward kernels return a contiguous gradient there, their fake kernels
