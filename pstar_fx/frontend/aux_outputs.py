@@ -1,7 +1,8 @@
 """What a traced training step returns: the loss, or `(loss, aux)`.
 
-`aux` is any pytree (tuples, lists, dicts) of tensors and plain constants (int, float, bool, str, None): logits,
-an accuracy, per-token losses, a dict of metrics. Its tensors become graph outputs (ir/outputs.py gives their
+`aux` is any pytree (tuples, lists, dicts and other mappings, such as transformers' `ModelOutput`, returned as
+the same class) of tensors and plain constants (int, float, bool, str, None): logits, an accuracy, per-token losses,
+a dict of metrics. Its tensors become graph outputs (ir/outputs.py gives their
 place), planned like every activation: each lives from the node that computes it to the end of the step. They are
 the values of the forward pass, computed with the parameters before the update. The constants are returned as
 they are (they are fixed by the trace, like the constants of a batch).
@@ -15,6 +16,10 @@ An aux tensor that shares storage with a parameter, a module buffer or a tensor 
 the step returns the values of its forward pass.
 """
 from __future__ import annotations
+
+import functools
+from collections import OrderedDict, defaultdict
+from collections.abc import Mapping
 
 import optree
 import torch
@@ -53,10 +58,46 @@ def split_returned(out) -> tuple[torch.Tensor, object, bool]:
                            + (" (a model output object: return its .loss)" if hasattr(out, "loss") else ""))
 
 
+NAMESPACE = "pstar_fx"     # optree's namespace for the mapping classes below
+
+
+def _register_mappings(tree) -> None:
+    """Register, in pstar-fx's optree namespace, the mapping classes in `tree` that optree does not know (an
+    OrderedDict subclass such as transformers' ModelOutput): flattened by key, rebuilt as the same class."""
+    stack = [tree]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, Mapping):
+            cls = type(x)
+            if cls not in (dict, OrderedDict, defaultdict):
+                try:
+                    optree.register_pytree_node(cls, _flatten_mapping, functools.partial(_rebuild_mapping, cls),
+                                                namespace=NAMESPACE)
+                except ValueError:          # registered already
+                    pass
+            stack.extend(x.values())
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+
+
+def _flatten_mapping(m):
+    keys = list(m.keys())
+    return [m[k] for k in keys], tuple(keys), keys
+
+
+def _rebuild_mapping(cls, keys, values):
+    items = dict(zip(keys, values))
+    try:
+        return cls(**items)             # a ModelOutput (a dataclass) takes its fields by name
+    except TypeError:
+        return cls(items)
+
+
 def describe_aux(aux, name: str = "aux") -> tuple[AuxOutputs, list[torch.Tensor]]:
     """aux's structure and constants, and its tensors in pytree order. `name`: what the messages call it (a
     forward-only function's whole output is described alike)."""
-    paths, leaves, spec = optree.tree_flatten_with_path(aux, none_is_leaf=True)
+    _register_mappings(aux)
+    paths, leaves, spec = optree.tree_flatten_with_path(aux, none_is_leaf=True, namespace=NAMESPACE)
     tensors = []
     for path, x in zip(paths, leaves):
         where = name + "".join(f"[{k!r}]" for k in path)
@@ -67,8 +108,10 @@ def describe_aux(aux, name: str = "aux") -> tuple[AuxOutputs, list[torch.Tensor]
                                    "return it as a tensor (for example the result's numel as torch.tensor ops "
                                    "compute it) or leave it out")
         elif not isinstance(x, _CONSTANTS):
+            cache = " (a model's cache of keys and values: call the model with use_cache=False)"
             raise UntraceableError(f"the step function returned {where} of type {type(x).__name__}; its leaves "
-                                   "must be tensors or plain constants (int, float, bool, str, None)")
+                                   "must be tensors or plain constants (int, float, bool, str, None)"
+                                   + (cache if "Cache" in type(x).__name__ else ""))
     layout = AuxOutputs(spec, tuple(TENSOR_LEAF if isinstance(x, torch.Tensor) else x for x in leaves))
     return layout, tensors
 

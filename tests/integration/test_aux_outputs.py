@@ -194,3 +194,34 @@ def test_the_evaluation_of_a_training_function_returns_loss_and_aux():
     loss, aux = evaluate(*batch)
     assert torch.equal(loss, want_loss.detach())
     _assert_same(aux, want_aux)
+
+
+def test_mapping_classes_come_back_as_themselves():
+    """aux of a mapping class optree does not know (transformers' ModelOutput is an OrderedDict subclass) is
+    returned as that class, its tensors equal to eager's; a model's key-value cache in it is refused, saying
+    use_cache=False."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_outputs import CausalLMOutput
+
+    case = CASES_BY_NAME["gpt_tied"]
+
+    def fn(model, idx, targets):
+        logits = model(idx)
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+        return loss, {"out": CausalLMOutput(loss=loss.detach(), logits=logits), "n": 2}
+
+    step = _step(fn)
+    batch = case.batch(0)
+    want_loss, want_aux = _eager_from(step, fn, batch)
+    loss, aux = step(*batch)
+    assert type(aux["out"]) is CausalLMOutput and aux["out"].logits is aux["out"]["logits"]
+    assert torch.equal(loss, want_loss.detach()) and aux["n"] == 2
+    for k in ("loss", "logits"):
+        assert torch.equal(aux["out"][k], want_aux["out"][k].detach()), k
+    cache = transformers.DynamicCache()
+
+    def with_cache(model, idx, targets):
+        loss, aux = fn(model, idx, targets)
+        return loss, {"past_key_values": cache, **aux}
+    with pytest.raises(px.UntraceableError, match=r"aux\['past_key_values'\] of type DynamicCache.*use_cache=False"):
+        _step(with_cache)(*batch)
