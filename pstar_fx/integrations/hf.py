@@ -259,31 +259,35 @@ def _is_tensors(v) -> bool:
     return isinstance(v, (tuple, list)) and len(v) > 0 and all(isinstance(x, torch.Tensor) for x in v)
 
 
-# what a padded position holds in each token tensor a collator pads (with attention_mask, the padding is masked)
-PADDING = {"input_ids": 0, "attention_mask": 0, "labels": -100, "token_type_ids": 0}
+# what a padded position holds in each token tensor a collator pads (with attention_mask, the padding is masked),
+# by the sequence it belongs to: the input's, and the labels' (a seq2seq model's decoder side; for a causal or
+# masked LM the same length as the input's, in each micro-batch)
+PADDING = ({"input_ids": 0, "attention_mask": 0, "token_type_ids": 0},
+           {"labels": -100, "decoder_input_ids": 0, "decoder_attention_mask": 0})
 
 
 def _padded_alike(micro_batches: list[dict]) -> list[dict]:
     """Micro-batches of one group padded per batch to different lengths (a collator's dynamic padding): their token
-    tensors (PADDING's keys, all 2-d) right-padded to the group's longest, the padding masked (attention_mask 0,
-    labels -100: the loss and its token count are those of the unpadded micro-batch). Only where every micro-batch
-    has an attention_mask; otherwise, and for any other tensor, as given."""
-    def length(mb):
-        return {mb[k].shape[1] for k in PADDING if isinstance(mb.get(k), torch.Tensor) and mb[k].dim() == 2}
-    lengths = [length(mb) for mb in micro_batches]
-    if (not all(isinstance(mb.get("attention_mask"), torch.Tensor) for mb in micro_batches)
-            or any(len(ls) != 1 for ls in lengths) or len(set().union(*lengths)) == 1):
+    tensors (PADDING's keys, all 2-d) right-padded to the group's longest, each sequence on its own (a seq2seq
+    batch's labels may be shorter or longer than its input_ids), the padding masked (attention_mask 0, labels -100:
+    the loss and its token count are those of the unpadded micro-batch; a decoder's padded inputs come after its
+    real ones, which a causal decoder does not let them change). Only where every micro-batch has an
+    attention_mask and each sequence's tensors share one length in it; otherwise, and for any other tensor, as
+    given."""
+    if not all(isinstance(mb.get("attention_mask"), torch.Tensor) for mb in micro_batches):
         return micro_batches
-    longest = max(set().union(*lengths))
-    out = []
-    for mb in micro_batches:
-        mb = dict(mb)
-        for k, fill in PADDING.items():
-            t = mb.get(k)
-            if isinstance(t, torch.Tensor) and t.dim() == 2 and t.shape[1] < longest:
-                pad = t.new_full((t.shape[0], longest - t.shape[1]), fill)
-                mb[k] = torch.cat([t, pad], dim=1)
-        out.append(mb)
+    out = [dict(mb) for mb in micro_batches]
+    for keys in PADDING:
+        lengths = [{mb[k].shape[1] for k in keys if isinstance(mb.get(k), torch.Tensor) and mb[k].dim() == 2}
+                   for mb in micro_batches]
+        if any(len(ls) > 1 for ls in lengths) or len(set().union(*lengths)) <= 1:
+            continue
+        longest = max(set().union(*lengths))
+        for mb in out:
+            for k, fill in keys.items():
+                t = mb.get(k)
+                if isinstance(t, torch.Tensor) and t.dim() == 2 and t.shape[1] < longest:
+                    mb[k] = torch.cat([t, t.new_full((t.shape[0], longest - t.shape[1]), fill)], dim=1)
     return out
 
 

@@ -237,6 +237,55 @@ def test_dynamic_padding_with_accumulation_trains_like_a_plain_trainer(tmp_path)
         torch.testing.assert_close(trained[k], v, rtol=0, atol=1e-4, msg=k)
 
 
+class Pairs(torch.utils.data.Dataset):
+    """A seq2seq task: inputs of 4 to 16 tokens, targets of 2 to 9, each padded per batch on its own."""
+
+    def __init__(self, n: int, seed: int):
+        g = torch.Generator().manual_seed(seed)
+
+        def tokens(lo, hi):
+            return torch.randint(1, V, (int(torch.randint(lo, hi, (1,), generator=g)),), generator=g)
+        self.items = [{"input_ids": tokens(4, T + 1), "labels": tokens(2, 10)} for _ in range(n)]
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        return self.items[i]
+
+
+def pad_pairs(features):
+    out = pad_batch(features)
+    n = max(len(f["labels"]) for f in features)
+    out["labels"] = torch.full((len(features), n), -100, dtype=torch.long)
+    for i, f in enumerate(features):
+        out["labels"][i, :len(f["labels"])] = f["labels"]
+    return out
+
+
+def test_seq2seq_dynamic_padding_pads_inputs_and_labels_each_to_its_longest(tmp_path):
+    """A T5's inputs and labels have lengths of their own: each is padded to the group's longest of its own (the
+    labels with -100), with the plain Trainer's losses and grad norms."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    def t5():
+        torch.manual_seed(0)
+        return T5ForConditionalGeneration(T5Config(vocab_size=V, d_model=32, d_kv=8, d_ff=64, num_layers=2,
+                                                   num_heads=4, dropout_rate=0.0, decoder_start_token_id=0,
+                                                   pad_token_id=0))
+    runs = []
+    for cls in (PstarTrainer, Trainer):
+        record = Record()
+        trainer = cls(model=t5(), args=arguments(tmp_path / cls.__name__, eval_strategy="no", max_steps=3,
+                                                 dataloader_drop_last=True),
+                      train_dataset=Pairs(32, seed=1), data_collator=pad_pairs, callbacks=[record])
+        trainer.train()
+        runs.append(record.logs)
+    assert len(runs[0]) == len(runs[1]) == 3 + 1
+    for a, b in zip(runs[0][:-1], runs[1][:-1]):
+        close(a, b)
+
+
 def test_importing_pstar_fx_does_not_import_transformers():
     import subprocess
     import sys
