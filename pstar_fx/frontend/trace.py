@@ -180,6 +180,10 @@ def _explain(exc: BaseException, flat: "FlatBatch | None" = None, shape_env: Sha
                 "attribute or a global); register it with module.register_buffer(...) or pass it in the batch")
     else:
         what = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        if "FakeTensor(" in str(exc):
+            what += (" (the code compared or printed a tensor's value, which a trace does not have: a FakeTensor "
+                     "stands in for it; eager code sees a number there. pstar-fx compiles one static graph, so "
+                     "such checks must be on shapes, or outside the step)")
         doubles = [i for i, t in enumerate(flat.tensors) if t.dtype is torch.float64] if flat else []
         if doubles and "double" in str(exc).lower():
             what += (f" (batch tensor {doubles[0]} is float64: pstar-fx, like eager PyTorch, passes batch tensors in "
@@ -448,7 +452,10 @@ def _trace_step(fn, model: nn.Module, batch: tuple, settings: Settings, assume: 
         error.decisions = tuple((d.value, None if d.frame is None else (d.frame.filename, d.frame.lineno))
                                 for d in mode.shape_env.decisions)
         tb = traceback.extract_tb(e.__traceback__)
-        error.raised = e if (tb and is_user_file(tb[-1].filename)) or isinstance(e, _CHECK_ERRORS) else None
+        # (not a check that saw a fake tensor, or an unbacked size, in place of a value: eager code would pass it)
+        traced_only = "FakeTensor(" in str(e) or "Proxy(" in str(e)
+        error.raised = (e if ((tb and is_user_file(tb[-1].filename)) or isinstance(e, _CHECK_ERRORS))
+                        and not traced_only else None)
         raise error from e
     _reject_unbounded(gm, mode.shape_env)
     _reject_sparse(gm)

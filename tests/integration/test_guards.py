@@ -376,3 +376,25 @@ def test_deberta_v2_label_index_branch_trains_like_eager():
     specs = [s for c in step._compiler.cache._entries.values() for s in _guards(c.stages["traced"])]
     assert sorted(s.expected for s in specs) == [False, True]
     assert all("modeling_deberta_v2.py" in s.where and "label_index.size(0) > 0" in s.where for s in specs)
+
+
+def test_a_check_that_sees_a_traced_value_is_untraceable_not_raised_as_eagers():
+    """transformers' Longformer (no global attention in the batch) asserts a size against a 0-d tensor's value,
+    which the trace holds as a FakeTensor: the assertion fails under the trace only. It is reported as
+    UntraceableError naming the line and why, not re-raised bare as the check eager code would have raised."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.LongformerForMaskedLM(transformers.LongformerConfig(
+        vocab_size=300, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
+        attention_window=4, max_position_embeddings=64, pad_token_id=1))
+    ids = torch.randint(5, 300, (2, 16), generator=torch.Generator().manual_seed(1))
+    labels = torch.full_like(ids, -100)
+    labels[:, 2:6] = ids[:, 2:6]
+
+    def loss(m, ids, labels):
+        return m(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels).loss
+    assert torch.isfinite(loss(copy.deepcopy(model), ids, labels))             # eager trains it
+    step = px.compile(model, optimizer=px.AdamW(lr=1e-3), device="cpu")(loss)
+    with pytest.raises(px.UntraceableError, match="a FakeTensor stands in") as e:
+        step(ids, labels)
+    assert "a FakeTensor stands in" in str(e.value) and "modeling_longformer.py" in str(e.value)
