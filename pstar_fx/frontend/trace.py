@@ -180,6 +180,10 @@ def _explain(exc: BaseException, flat: "FlatBatch | None" = None, shape_env: Sha
                 "attribute or a global); register it with module.register_buffer(...) or pass it in the batch")
     else:
         what = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        if "_apply(): Couldn't swap" in str(exc):
+            what += (" (a Module.to(), .float(), .half() or .cuda() inside the step converts the module's parameters, "
+                     "which pstar-fx holds in its chunks, even where it would change nothing: convert the model "
+                     "before px.compile and leave the call out of forward)")
         if "FakeTensor(" in str(exc):
             what += (" (the code compared or printed a tensor's value, which a trace does not have: a FakeTensor "
                      "stands in for it; eager code sees a number there. pstar-fx compiles one static graph, so "

@@ -465,3 +465,23 @@ def test_float64_input_keeps_its_dtype_like_eager():
         opt.step()
         opt.zero_grad()
         assert loss.item() == pytest.approx(eager.item(), rel=1e-6)
+
+
+class _ConvertsItself(nn.Module):
+    """transformers' SwitchTransformers router: `self.classifier = self.classifier.to(self.dtype)` in every forward,
+    a no-op in eager code where the dtype is already the module's."""
+
+    def __init__(self):
+        super().__init__()
+        self.classifier = nn.Linear(8, 4)
+
+    def forward(self, x):
+        self.classifier = self.classifier.to(torch.float32)
+        return self.classifier(x)
+
+
+def test_a_module_converted_inside_the_step_is_refused_saying_to_convert_before_compiling():
+    step = _compile(_ConvertsItself(), lambda m, x: m(x).square().mean())
+    with pytest.raises(px.UntraceableError, match=r"Module\.to\(\).*convert the model before px\.compile.*"
+                                                  r"test_inputs\.py"):
+        step(torch.randn(3, 8))
