@@ -39,7 +39,7 @@ from __future__ import annotations
 import os
 import threading
 import weakref
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -54,6 +54,13 @@ from .agreement import check_same_values
 
 if TYPE_CHECKING:
     from .compiler import Compiler
+
+class IncompatibleKeys(NamedTuple):
+    """What load_state_dict returns, as nn.Module.load_state_dict does: the keys the state dict lacked, and those
+    the model does not have."""
+    missing_keys: list[str]
+    unexpected_keys: list[str]
+
 
 _METADATA_OPS = {torch.ops.aten.detach.default, torch.ops.aten.alias.default}
 _WORKER_THREADS = "pstar-fx"      # the name prefix of pstar-fx's own threads (runtime/host_updates, host_memory)
@@ -475,19 +482,25 @@ class ModelState:
         return {key: values[first[id(like)]].to(device=like.device, dtype=like.dtype, copy=True)
                 for key, like in self.model.state_dict(keep_vars=True).items()}
 
-    def load_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True) -> None:
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True) -> IncompatibleKeys:
         """Parameter and buffer values into the chunks when this step holds the model, else into the model itself
-        (see CompiledStep.load_state_dict)."""
+        (see CompiledStep.load_state_dict). As nn.Module's: missing or unexpected keys (with strict) and wrong shapes
+        raise RuntimeError before anything is written; returns the missing and unexpected keys."""
         self.fill_if_empty()
         ref = self.model.state_dict(keep_vars=True)      # keys and shapes (no values copied out of the chunks)
         missing = [k for k in ref if k not in state_dict]
         unexpected = [k for k in state_dict if k not in ref]
-        if strict and (missing or unexpected):
-            raise KeyError(f"load_state_dict: missing keys {missing}, unexpected keys {unexpected}")
-        for k, v in state_dict.items():
-            if k in ref and tuple(v.shape) != tuple(ref[k].shape):
-                raise ValueError(f"load_state_dict: {k} has shape {tuple(v.shape)}, the model has "
-                                 f"{tuple(ref[k].shape)}")
+        errors = []
+        if strict and unexpected:
+            errors.append("Unexpected key(s) in state_dict: " + ", ".join(f'"{k}"' for k in unexpected) + ".")
+        if strict and missing:
+            errors.append("Missing key(s) in state_dict: " + ", ".join(f'"{k}"' for k in missing) + ".")
+        errors.extend(f"size mismatch for {k}: copying a param with shape {tuple(v.shape)} from checkpoint, the shape "
+                      f"in current model is {tuple(ref[k].shape)}." for k, v in state_dict.items()
+                      if k in ref and tuple(v.shape) != tuple(ref[k].shape))
+        if errors:
+            raise RuntimeError(f"Error(s) in loading state_dict for {type(self.model).__name__} (nothing was loaded):"
+                               "\n\t" + "\n\t".join(errors))
         if not self.holds():
             if any(is_empty(t) for t in model_tensors(self.model).values()):
                 raise ValueError("step.load_state_dict: the model was built under px.init_empty(), so its values "
@@ -496,7 +509,7 @@ class ModelState:
             for h in holders(self.model):
                 h.give_back()               # the model's values must be real before they are overwritten
             self.model.load_state_dict(state_dict, strict=strict)
-            return
+            return IncompatibleKeys(missing, unexpected)
         pv, bv = {}, {}
         for k, v in state_dict.items():
             if k in self.names:
@@ -505,3 +518,4 @@ class ModelState:
         with DeferredInterrupt():            # a Ctrl-C waits until every value is in: never half loaded
             self.compiler.store.values.load_params(pv)
             self.compiler.store.values.load_buffers(bv)
+        return IncompatibleKeys(missing, unexpected)

@@ -269,11 +269,12 @@ class CompiledStep:
         return self._model_state.state_dict(rank0_only)
 
     @_locked
-    def load_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True) -> None:
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True):
         """Restore parameter and buffer values (optimizer states are left as they are). When this step does not
         hold the model (before the first step, after sync_model(), or while another step holds it), the values go
-        into the model itself, from which the next step takes them."""
-        self._model_state.load_state_dict(state_dict, strict)
+        into the model itself, from which the next step takes them. As nn.Module's: missing or unexpected keys
+        (with strict) and wrong shapes raise RuntimeError, and it returns (missing_keys, unexpected_keys)."""
+        return self._model_state.load_state_dict(state_dict, strict)
 
     # -- checkpoints ------------------------------------------------------------------------------------------
     @_locked

@@ -126,3 +126,29 @@ def test_load_state_dict_after_sync_is_what_the_next_step_trains_on():
     ref.load_state_dict(new)
     want = CASE.loss_fn(ref, *CASE.batch(1))
     assert abs(loss.item() - want.item()) <= 1e-6 * abs(want.item())
+
+
+@pytest.mark.parametrize("held", [True, False], ids=["held", "given_back"])
+def test_load_state_dict_reports_and_refuses_keys_as_torch_does(held):
+    """As nn.Module.load_state_dict: with strict, missing or unexpected keys and a wrong shape raise RuntimeError
+    (code that catches torch's error catches this one) and load nothing; without, the rest loads and the missing
+    and unexpected keys come back."""
+    model = CASE.build_model()
+    step = _compile(model)
+    step(*CASE.batch(0))
+    if not held:
+        step.sync_model()
+    before = step.state_dict()
+    new = {k: v + 0.5 if v.is_floating_point() else v for k, v in before.items()}
+    first = next(iter(new))
+    partial = {k: v for k, v in new.items() if k != first}
+    for bad, match in ((partial, f'Missing key\\(s\\) in state_dict: "{first}"'),
+                       ({**new, "extra.weight": torch.zeros(2)}, 'Unexpected key\\(s\\) in state_dict: "extra.weight"'),
+                       ({**new, first: torch.zeros(7, 3)}, f"size mismatch for {first}")):
+        with pytest.raises(RuntimeError, match=match):
+            step.load_state_dict(bad)
+        assert all(torch.equal(step.state_dict()[k], before[k]) for k in before)      # nothing loaded
+    missing, unexpected = step.load_state_dict({**partial, "extra.weight": torch.zeros(2)}, strict=False)
+    assert missing == [first] and unexpected == ["extra.weight"]
+    got = step.state_dict()
+    assert torch.equal(got[first], before[first]) and all(torch.equal(got[k], partial[k]) for k in partial)
