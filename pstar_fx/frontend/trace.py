@@ -52,7 +52,7 @@ from ..ir.fx_utils import (data_dependent_sizes, is_user_file, loss_seed, mutate
 from ..ir.graph import (InputInfo, NodeAnn, Phase, Role, Settings, TrainGraph, lazy_modules,
                         to_module)
 from ..ir.outputs import split_outputs
-from . import backward_calls, fake_fixes, moe_rewrites, torch_compile, torchscript, user_checkpoint
+from . import backward_calls, fake_fixes, method_caches, moe_rewrites, torch_compile, torchscript, user_checkpoint
 from .aux_outputs import AuxCollector, describe_aux, own_aux_storage, split_returned
 from .batch import BatchSignature, FlatBatch, flatten_batch, leaf_name  # noqa: F401 (re-exported)
 from .guards import GuardingShapeEnv, insert_guards, tried_both_ways
@@ -444,7 +444,7 @@ def _trace_step(fn, model: nn.Module, batch: tuple, settings: Settings, assume: 
     try:
         with (model_restored(model), sources, recorder, fake_fixes.FakeKernelFixes(),
               moe_rewrites.rewritten(model), lazy_modules(), torch_compile.traced_as_original(model),
-              torchscript.scripted_as_python(model, fn)):
+              torchscript.scripted_as_python(model, fn), method_caches.emptied(model)):
             gm = make_fx(traced if settings.optimizer is not None else forward_only, tracing_mode="fake",
                          record_stack_traces=not _CHEAP_SOURCES)(trainable, frozen, buffers, scale, *fake_batch)
     except UntraceableError:

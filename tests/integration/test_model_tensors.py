@@ -6,6 +6,7 @@ gradient accumulation and in evaluation too. A rebinding pstar-fx cannot hold (a
 another shape or dtype) is refused with the name, never dropped. Gradient hooks on parameters (`register_hook`)
 shape the gradients as in eager backward; adding or removing one retraces; a post-accumulate-grad hook is refused."""
 import copy
+import functools
 
 import pytest
 import torch
@@ -203,3 +204,57 @@ def test_what_ranks_compare_of_hooks_is_the_same_on_every_rank():
         step = px.compile(model, optimizer=px.SGD(lr=0.1), device="cpu")(_loss)
         keys.append((step._compiler.model_key(), step._compiler.model_key(portable=True)))
     assert keys[0][0] != keys[1][0] and keys[0][1] == keys[1][1]
+
+
+@functools.lru_cache(maxsize=4)
+def _centers(n: int) -> torch.Tensor:
+    """A module-level cached function (DINOv3's patch centers)."""
+    return torch.linspace(-1, 1, n)
+
+
+class _CachedPositions(nn.Module):
+    """A relative-position bias whose index a method caches for the life of the process (functools.lru_cache on the
+    method, as transformers' BEiT and DINOv3 do)."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(9, 2))
+        self.proj = nn.Linear(2, 2)
+
+    @functools.lru_cache(maxsize=4)
+    def index(self, n: int) -> torch.Tensor:
+        pos = torch.arange(n)
+        return (pos[:, None] - pos[None, :]) + n - 1
+
+    def forward(self, x):                                     # x: (B, n, 2)
+        bias = self.table[self.index(x.shape[1])]             # (n, n, 2)
+        return self.proj(x + bias.mean(1) * _centers(x.shape[1])[:, None])
+
+
+@pytest.mark.parametrize("order", ["eager_first", "compile_first"])
+def test_a_method_cache_neither_feeds_the_trace_nor_keeps_what_it_traced(order):
+    """Filled by an eager forward, the cache would hand the trace a real tensor; filled by the trace, it would keep a
+    fake one that the next eager forward fails on. The trace empties it before and after: both orders train as eager
+    and eager code still runs after."""
+    torch.manual_seed(0)
+    model = _CachedPositions()
+    ref = copy.deepcopy(model)
+    x = torch.randn(3, 5, 2)
+
+    def loss(m, x):
+        return m(x).square().mean()
+    if order == "eager_first":
+        loss(copy.deepcopy(model), x)
+        assert _CachedPositions.index.cache_info().currsize > 0 and _centers.cache_info().currsize > 0
+    step = px.compile(model, optimizer=px.AdamW(lr=1e-2), device="cpu")(loss)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    for i in range(2):
+        got = step(x)
+        if i == 0:                                            # traced: nothing of the trace kept
+            assert _CachedPositions.index.cache_info().currsize == _centers.cache_info().currsize == 0
+        want = loss(ref, x)
+        want.backward()
+        opt.step()
+        opt.zero_grad()
+        assert torch.equal(got, want.detach())
+    assert torch.equal(loss(step.sync_model(), x), loss(ref, x))   # eager code runs after, on real values
