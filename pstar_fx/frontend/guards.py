@@ -219,6 +219,7 @@ def tried_both_ways(trace: Callable[[tuple, frozenset], T], assume: tuple) -> T:
     its own exception (the error's `raised`), as eager code raises it. The error carries `decisions`: (outcome,
     (file, line) or None) of each decision the failed trace took."""
     false_at: frozenset = frozenset()
+    observed = len(assume)          # outcomes a run observed (the flips below add outcomes no run saw)
     for _ in range(MAX_FLIPS):
         try:
             return trace(assume, false_at)
@@ -227,7 +228,7 @@ def tried_both_ways(trace: Callable[[tuple, frozenset], T], assume: tuple) -> T:
             by_default = [k for k in range(len(assume), len(taken)) if taken[k][0] is True]
             if not by_default:      # (the latest error: its trace went furthest)
                 raised = getattr(e, "raised", None)
-                if raised is not None and assume and len(taken) <= len(assume):
+                if raised is not None and observed and len(taken) <= observed:
                     raise raised from None
                 raise
             k = by_default[-1]

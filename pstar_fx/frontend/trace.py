@@ -456,10 +456,7 @@ def _trace_step(fn, model: nn.Module, batch: tuple, settings: Settings, assume: 
         error.decisions = tuple((d.value, None if d.frame is None else (d.frame.filename, d.frame.lineno))
                                 for d in mode.shape_env.decisions)
         tb = traceback.extract_tb(e.__traceback__)
-        # (not a check that saw a fake tensor, or an unbacked size, in place of a value: eager code would pass it)
-        traced_only = "FakeTensor(" in str(e) or "Proxy(" in str(e)
-        error.raised = (e if ((tb and is_user_file(tb[-1].filename)) or isinstance(e, _CHECK_ERRORS))
-                        and not traced_only else None)
+        error.raised = e if (tb and is_user_file(tb[-1].filename)) or isinstance(e, _CHECK_ERRORS) else None
         raise error from e
     _reject_unbounded(gm, mode.shape_env)
     _reject_sparse(gm)

@@ -398,3 +398,21 @@ def test_a_check_that_sees_a_traced_value_is_untraceable_not_raised_as_eagers():
     with pytest.raises(px.UntraceableError, match="a FakeTensor stands in") as e:
         step(ids, labels)
     assert "a FakeTensor stands in" in str(e.value) and "modeling_longformer.py" in str(e.value)
+
+
+def test_a_check_whose_message_prints_the_tensor_raises_its_own_error_on_bad_data():
+    """The message of the user's check formats the tensor (a FakeTensor while tracing): on data that makes it true
+    it is still the user's ValueError, as in eager code, not UntraceableError."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 5)
+
+    def loss(m, x, y):
+        if (y >= 5).any():
+            raise ValueError(f"labels out of range: {y}")
+        return nn.functional.cross_entropy(m(x), y)
+    step = px.compile(model, optimizer=px.AdamW(lr=1e-3), device="cpu")(loss)
+    step(torch.randn(3, 4), torch.tensor([1, 2, 3]))
+    before = step.state_dict()
+    with pytest.raises(ValueError, match="labels out of range"):
+        step(torch.randn(3, 4), torch.tensor([1, 7, 2]))
+    assert_state_close(step.state_dict(), before, rtol=0)
