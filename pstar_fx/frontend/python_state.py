@@ -5,13 +5,14 @@ Eager code reads it anew at every call, so a value the user changes between step
 global, a module's `temperature`, `nn.Dropout.p`, a step counter a branch reads) must retrace, as a changed argument
 does. Two keys cover what a trace can be seen to read:
 
-- `ModuleScalars(model).read()`: every module's attributes (torch's own `nn.Module` fields aside) holding a bool,
-  int, float, str or None, or a dict, list or tuple of at most `CONTAINER_ITEMS` of them: `Dropout.p`,
-  `LayerNorm.eps`, a user's `temperature`, peft's `scaling` and `_disable_adapters`; and the fields of the
-  configuration objects a module holds (a dataclass, or an object with `to_dict`: transformers' `model.config`,
-  whose `use_cache` or `_attn_implementation_internal` the forward reads), each object once. Part of
-  `Compiler.model_key`. Which attributes are plain is found once per module and again only when its attributes
-  change in number, so a call reads a few known names per module.
+- `ModuleScalars(model).read()`: every module's attributes (torch's own `nn.Module` fields aside; private ones only
+  in modules with parameters, so not a metric's bookkeeping) holding a bool, int, float, str or None, or a
+  non-empty dict, list or tuple of at most `CONTAINER_ITEMS` of them: `Dropout.p`, `LayerNorm.eps`, a user's
+  `temperature`, peft's `scaling` and `_disable_adapters`; and the fields of the configuration objects a module
+  holds (a dataclass, or an object with `to_dict`: transformers' `model.config`, whose `use_cache` or
+  `_attn_implementation_internal` the forward reads), each object once. Part of `Compiler.model_key`. Which
+  attributes are plain is found once per module and again only when its attributes change in number, and a
+  scalar that is the same object as at the last call keeps its key, so a call costs little per module.
 - `closure_key(fn)`: the step function's closure cells and the globals its code loads (LOAD_GLOBAL, not attribute
   names), where they hold such a value, or a dict, list or tuple of at most `CONTAINER_ITEMS` of them
   (`state["step"]`), following `functools.wraps` and `functools.partial`. Values read only by other functions the
@@ -30,6 +31,7 @@ import dataclasses
 import dis
 import functools
 import math
+import operator
 import random
 import sys
 from typing import Callable, Iterator
@@ -92,18 +94,24 @@ def _is_config(v) -> bool:
     return dataclasses.is_dataclass(v) or callable(getattr(type(v), "to_dict", None))
 
 
-def _names(m: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """The module's plain attributes (scalars or small containers of them) and the attributes holding a
-    configuration object, by name (torch's own nn.Module fields aside)."""
-    plain, configs = [], []
+def _names(m: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+    """The module's attributes holding a plain scalar, a non-empty small container of them, and a configuration
+    object, by name: torch's own nn.Module fields aside, and private ones (a leading underscore) only where the
+    module or a submodule has parameters, so where a forward reads them (peft's `_disable_adapters`), not a
+    metric's bookkeeping (torchmetrics' `_update_count`, updated between steps). An empty container is left out (a
+    list a metric appends its states to)."""
+    private = next(m.parameters(), None) is not None
+    scalars, containers, configs = [], [], []
     for name, v in m.__dict__.items():
-        if name in _MODULE_FIELDS:
+        if name in _MODULE_FIELDS or (name[0] == "_" and not private):
             continue
-        if _value_key(v) is not _NOT_SCALAR:
-            plain.append(name)
+        if v is None or _scalar(v) is not None:
+            scalars.append(name)
+        elif type(v) in (list, tuple, dict) and v and _value_key(v) is not _NOT_SCALAR:
+            containers.append(name)
         elif _is_config(v):
             configs.append(name)
-    return tuple(plain), tuple(configs)
+    return tuple(scalars), tuple(containers), tuple(configs)
 
 
 def _fields(cfg) -> tuple:
@@ -111,14 +119,48 @@ def _fields(cfg) -> tuple:
     return tuple((k, key) for k, v in vars(cfg).items() if (key := _value_key(v)) is not _NOT_SCALAR)
 
 
+class _Entry:
+    """One module's names (`_names`) and, for its scalars, the values last read (held, so that their ids stay
+    theirs) and their key: a call whose values are the same objects reuses the key."""
+    __slots__ = ("d", "n", "scalars", "containers", "configs", "get", "raw", "key", "items", "ckey")
+
+    def __init__(self, m: nn.Module):
+        self.d, self.n = m.__dict__, len(m.__dict__)
+        self.scalars, self.containers, self.configs = _names(m)
+        self.get = operator.itemgetter(*self.scalars) if self.scalars else None
+        self.raw: tuple = ()
+        self.key: tuple = ()
+        self.items: tuple = ()       # the containers' items at the last call, and their key
+        self.ckey: tuple = ()
+
+    def read(self) -> tuple:
+        raw = self.get(self.d) if self.get is not None else ()
+        if len(self.scalars) == 1:
+            raw = (raw,)
+        if len(raw) != len(self.raw) or not all(map(operator.is_, raw, self.raw)):
+            self.raw, self.key = raw, tuple(map(_scalar_or_none, raw))
+        if not self.containers:
+            return self.key
+        values = [self.d[k] for k in self.containers]
+        items = tuple(tuple(v.items()) if type(v) is dict else tuple(v) for v in values)   # (copies: in-place changes)
+        if items != self.items:      # (NaN never equals itself: then keyed again; True == 1: not told apart here)
+            self.items, self.ckey = items, tuple(map(_value_key, values))
+        return self.key + self.ckey
+
+
+def _scalar_or_none(v):
+    return None if v is None else _scalar(v)
+
+
 class ModuleScalars:
     """Reads every module's plain attributes and its configuration objects' fields (`module_scalars`) at each call,
-    cheaply: the names are found once per module and again only when the module's attributes change in number;
-    a configuration object several modules hold (transformers' `config`) is read once."""
+    cheaply: the names are found once per module and again only when the module's attributes change in number or
+    one of them is gone; scalars that are the same objects as at the last call keep their key; a configuration
+    object several modules hold (transformers' `config`) is read once."""
 
     def __init__(self, model: nn.Module):
         self.model = model
-        self._entries: list[list] = []     # [module __dict__, its number of attributes, (plain names, config names)]
+        self._entries: list[_Entry] = []
         self._modules: tuple = ()
 
     def read(self, modules: tuple | None = None) -> tuple:
@@ -126,16 +168,18 @@ class ModuleScalars:
         modules = tuple(self.model.modules()) if modules is None else modules
         if modules != self._modules:        # (a module added or replaced)
             self._modules = modules
-            self._entries = [[m.__dict__, len(m.__dict__), _names(m)] for m in modules]
+            self._entries = [_Entry(m) for m in modules]
         out, configs = [], {}
-        for entry, m in zip(self._entries, modules):
-            d, n, (names, config_names) = entry
-            if len(d) != n:
-                entry[1], entry[2] = len(d), _names(m)
-                names, config_names = entry[2]
-            out.append(tuple(_value_key(d[k]) if k in d else "missing" for k in names))
-            for k in config_names:
-                cfg = d.get(k)
+        for i, (entry, m) in enumerate(zip(self._entries, modules)):
+            if len(entry.d) != entry.n:
+                entry = self._entries[i] = _Entry(m)
+            try:
+                out.append(entry.read())
+            except KeyError:                # an attribute deleted and another added
+                entry = self._entries[i] = _Entry(m)
+                out.append(entry.read())
+            for k in entry.configs:
+                cfg = entry.d.get(k)
                 if cfg is not None and id(cfg) not in configs:
                     configs[id(cfg)] = (k, cfg)
         out.extend((k, _fields(cfg)) for k, cfg in configs.values())
@@ -144,11 +188,11 @@ class ModuleScalars:
 
 def module_scalars(m: nn.Module) -> tuple:
     """The module's plain attributes and its configuration objects' fields (`config.use_cache`), as (name, value
-    key) in definition order: what its forward may read."""
-    names, config_names = _names(m)
+    key): what its forward may read."""
+    scalars, containers, configs = _names(m)
     d = m.__dict__
-    return (tuple((name, _value_key(d[name])) for name in names)
-            + tuple((f"{name}.{k}", key) for name in config_names for k, key in _fields(d[name])))
+    return (tuple((name, _value_key(d[name])) for name in scalars + containers)
+            + tuple((f"{name}.{k}", key) for name in configs for k, key in _fields(d[name])))
 
 
 def _functions(fn) -> tuple[list, tuple]:

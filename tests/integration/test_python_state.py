@@ -249,3 +249,47 @@ def test_a_transformers_config_field_changed_between_steps_retraces_and_trains_a
     assert_state_close(step.state_dict(), ref.state_dict(), rtol=1e-5)
     assert step._compiler.compiles == 3
     assert sum(1 for key in step._compiler.scalars.read() if key and key[0] == "config") == 1   # read once
+
+
+class _Counter(nn.Module):
+    """A metric kept on the model and updated between steps, outside the step (torchmetrics' idiom): no parameters,
+    a private update count, a list of states."""
+
+    def __init__(self):
+        super().__init__()
+        self._update_count = 0
+        self.values = []
+
+    def update(self, t):
+        self._update_count += 1
+        self.values.append(t)
+
+
+def test_a_metrics_bookkeeping_between_steps_does_not_retrace():
+    model = _model()
+    model.metric = _Counter()
+    step = px.compile(model, optimizer=px.AdamW(**HYPER), device="cpu")(
+        lambda m, x, y: (_ce(m, x, y), m(x)))
+    for i in range(4):
+        loss, logits = step(*_batch(i))
+        model.metric.update(logits)
+    assert step._compiler.compiles == 1
+
+
+def test_reading_the_keys_reuses_what_has_not_changed_and_sees_what_has():
+    """Scalars that are the same objects keep their key; a new value, a container changed in place, an attribute
+    deleted and another added are each seen."""
+    from pstar_fx.frontend.python_state import ModuleScalars
+    model = _model()
+    scalars = ModuleScalars(model)
+    first = scalars.read()
+    assert scalars.read() == first
+    model.temperature = 2.0
+    second = scalars.read()
+    assert second != first
+    model.gains["fc1"] = 3.0
+    third = scalars.read()
+    assert third != second
+    del model.temperature
+    model.other = 1.0                       # the same number of attributes, another name
+    assert scalars.read() != third and ("other", 1.0) in module_scalars(model)
