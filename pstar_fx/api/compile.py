@@ -41,8 +41,8 @@ def compile(model: nn.Module, *, optimizer: OptimizerSpec | None, device_memory:
     writes stay eager). Compiling takes seconds per distinct region on a first run and is cached across processes;
     `fuse=None` takes the default for the device type and precision (api/options.py DEFAULT_FUSE: fused for bf16 and
     fp16 on CUDA with one rank where Triton is installed, unfused otherwise). Training steps only.
-    `host_memory` bounds what pstar-fx keeps in host memory (None: what the host has available at compile time less
-    a margin, plus the model's own host tensors without a disk tier), per node: each of several ranks gets its
+    `host_memory` bounds what pstar-fx keeps in host memory (None: the host's memory less a margin, or with a disk
+    tier what it has available at compile time less that margin), per node: each of several ranks gets its
     share; `offload_dir`, a directory on a local disk, gives a third home to the optimizer states that do not fit
     it, up to `disk_memory` bytes per rank (None: the free space there), each rank in files of its own. See
     docs/memory.md, "The disk tier".

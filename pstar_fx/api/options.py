@@ -3,6 +3,7 @@ resolved (device, precision, budget), before anything is traced."""
 from __future__ import annotations
 
 import math
+import os
 import shutil
 
 import torch
@@ -13,7 +14,7 @@ from ..ir.graph import Precision
 from ..optim import OptimizerSpec
 from ..runtime.comm import Comm
 from ..runtime.disk import check_dir
-from ..runtime.host_memory import local_ranks, spare_host_bytes
+from ..runtime.host_memory import host_limit_bytes, local_ranks, spare_host_bytes
 from ..units import parse_bytes
 from .device_budget import (
     ALLOCATOR_EXPANDABLE,
@@ -192,10 +193,12 @@ def resolve_tiers(host_memory, offload_dir, disk_memory, comm: Comm | None = Non
     disk_memory.
 
     host_memory: bytes or a size string, for the node (with several ranks, each rank's budget is its share: divided
-    by the ranks on the node, LOCAL_WORLD_SIZE, as px.plan divides a node's host memory among its GPUs); None: the
-    host memory the system could give now less a margin, shared among the node's ranks
-    (runtime/host_memory.spare_host_bytes), plus `model_host_bytes` (the model's own host tensors, which the chunks
-    replace) where there is no disk tier; not checked where /proc/meminfo cannot say. offload_dir: an existing, writable
+    by the ranks on the node, LOCAL_WORLD_SIZE, as px.plan divides a node's host memory among its GPUs); None: with
+    a disk tier, the host memory the system could give now less a margin (runtime/host_memory.spare_host_bytes),
+    and without one the host's whole memory less that margin (host_limit_bytes: what a plan can never exceed, so
+    that a plan the host cannot hold raises BudgetError at compile time, not an out-of-memory kill), each shared
+    among the node's ranks; not checked where /proc/meminfo cannot say, nor with several ranks and no
+    LOCAL_WORLD_SIZE (launched otherwise than by torchrun: the ranks per node are not known). offload_dir: an existing, writable
     directory for the disk tier's files (None: no disk tier); ranks may share it, each making a directory of its own
     there. disk_memory: bytes of it each rank's disk tier may use (per rank, as px.plan's per GPU); None: the free
     space there now, shared among the node's ranks.
@@ -220,9 +223,8 @@ def resolve_tiers(host_memory, offload_dir, disk_memory, comm: Comm | None = Non
             if host <= 0:
                 raise ValueError("host_memory=None with offload_dir: the host memory available could not be read "
                                  "(/proc/meminfo); pass host_memory")
-    elif host is None:
-        spare = spare_host_bytes(local)
-        host = spare + model_host_bytes if spare > 0 else None
+    elif host is None and (world == 1 or "LOCAL_WORLD_SIZE" in os.environ):     # (else: ranks per node unknown)
+        host = host_limit_bytes(local)
     if comm is not None:
         tier = int(path is not None)
         fewest_tiers, neg_most_tiers, host_min, disk_min = comm.smallest(

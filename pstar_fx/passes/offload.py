@@ -46,12 +46,11 @@ def offload_states(g: TrainGraph, machine: Machine) -> TrainGraph:
     if st.disk_budget is None and st.host_default:
         raise BudgetError(
             f"this plan keeps {format_bytes(need)} ({need} bytes) in host memory (parameter and gradient homes, the "
-            "optimizer states of the chunks not on the device), more than this machine can give: about "
-            f"{format_bytes(st.host_budget)} ({st.host_budget} bytes) with host_memory=None, the memory available at "
-            "compile time and the model's own host tensors (which the chunks replace), less a tenth of the host for "
-            "everything else. Give offload_dir (a directory on a local disk) so that optimizer states that do not "
-            "fit go to disk, keep fewer states (px.AdamW(state_dtype='int8')), or add device memory or GPUs; "
-            "pass host_memory if more will be free when the step runs.",
+            "optimizer states of the chunks not on the device), more than this machine has: "
+            f"{format_bytes(st.host_budget)} ({st.host_budget} bytes) with host_memory=None, the host's memory (this "
+            "rank's share of it) less a tenth for everything else. Give offload_dir (a directory on a local disk) so "
+            "that optimizer states that do not fit go to disk, keep smaller states (px.AdamW(state_dtype='int8')), "
+            "or add device memory or GPUs; pass host_memory to take more of the host.",
             node="", needed=need, available=st.host_budget, tier=StateHome.HOST)
     if st.disk_budget is None:
         raise BudgetError(

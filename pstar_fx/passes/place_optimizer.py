@@ -41,7 +41,7 @@ from ..errors import BudgetError
 from ..ir import ops
 from ..ir.graph import (BufKind, Choice, ChunkGroup, NodeAnn, Phase, Role, Scheduled, StateHome, TrainGraph,
                         UpdateSite, copy_graph, to_module)
-from ..ir.needs import (NO_NEEDS, all_needs, buf_bytes, needs, shard_numel, state_bytes, state_layout,
+from ..ir.needs import (NO_NEEDS, all_needs, buf_bytes, host_bytes, needs, shard_numel, state_bytes, state_layout,
                         static_bytes)
 from .liveness import analyze
 from .schedule import schedule
@@ -87,6 +87,10 @@ def place_optimizer(g: TrainGraph, machine: Machine = H200) -> TrainGraph:
                 scheduled = schedule(candidate)
             except BudgetError:
                 tried.append(f"{on_device}: does not fit")
+                continue
+            host_budget = g.settings.host_budget if g.settings.disk_budget is None else None
+            if host_budget is not None and host_bytes(scheduled) > host_budget:     # (no disk tier to take more)
+                tried.append(f"{on_device}: over {host_memory(g.settings)}")
                 continue
             seconds = estimate(scheduled, machine, program_s=program_s).seconds
             tried.append(f"{on_device}: {seconds:.4g} s")

@@ -86,17 +86,34 @@ def local_ranks(world: int) -> int:
     return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
 
 
+def _meminfo() -> dict[str, int]:
+    """/proc/meminfo in bytes; empty where it is not there to say."""
+    try:
+        with open("/proc/meminfo") as f:
+            return {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f if line.split()[1:]}
+    except (OSError, ValueError, IndexError):
+        return {}
+
+
+def _margin(total: int) -> int:
+    """Host memory left for everything besides pstar-fx's buffers: a tenth of the host, at least 2 GiB."""
+    return max(2 << 30, total // 10)
+
+
 def spare_host_bytes(ranks: int = 1) -> int:
     """This process's share of the host memory the system could give now, less a margin (a tenth of the host, at
     least 2 GiB) for everything else: what a prefault may take. 0 where /proc/meminfo is not there to say."""
-    try:
-        with open("/proc/meminfo") as f:
-            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f if line.split()[1:]}
-    except (OSError, ValueError, IndexError):
-        return 0
+    info = _meminfo()
     if "MemAvailable" not in info or "MemTotal" not in info:
         return 0
-    return max(0, info["MemAvailable"] - max(2 << 30, info["MemTotal"] // 10)) // max(1, ranks)
+    return max(0, info["MemAvailable"] - _margin(info["MemTotal"])) // max(1, ranks)
+
+
+def host_limit_bytes(ranks: int = 1) -> int | None:
+    """This process's share of the host's memory less the same margin: more than this a plan can never get, whatever
+    else runs (px.compile's default host_memory). None where /proc/meminfo is not there to say."""
+    total = _meminfo().get("MemTotal")
+    return None if not total else max(0, total - _margin(total)) // max(1, ranks)
 
 
 def _mapping(nbytes: int) -> mmap.mmap:

@@ -217,16 +217,18 @@ def test_host_memory_is_per_node_and_the_ranks_take_the_smallest_budgets(tmp_pat
     # the free space of offload_dir and the spare host memory, shared among the node's ranks
     host, _, disk = resolve_tiers(None, tmp_path, None, _Ranks(8, 3, [[1, -1, _UNSET, _UNSET]]))
     import shutil
-    from pstar_fx.runtime.host_memory import spare_host_bytes
+    from pstar_fx.runtime.host_memory import host_limit_bytes, spare_host_bytes
     free = shutil.disk_usage(tmp_path).free
     assert abs(disk - free // 4) <= (64 << 20) // 4 and 0 < host <= spare_host_bytes(4) + (64 << 20) // 4
     # one process (no process group) takes host_memory whole, whatever LOCAL_WORLD_SIZE says
     assert resolve_tiers("4000", None, None, None) == (4000, None, None)
-    # host_memory=None and no disk tier: this rank's share of the spare memory and its model's host bytes, the
-    # smallest over the ranks (a peer with less wins)
-    host, path, disk = resolve_tiers(None, None, None, _Ranks(8, 3, [[0, 0, _UNSET, _UNSET]]), 5000)
-    assert path is None and disk is None and 5000 < host <= spare_host_bytes(4) + 5000 + (64 << 20) // 4
-    assert resolve_tiers(None, None, None, _Ranks(8, 3, [[0, 0, 1234, _UNSET]]), 5000) == (1234, None, None)
+    # host_memory=None and no disk tier: this rank's share of the host's memory less the margin, the smallest over
+    # the ranks (a peer with less wins); without LOCAL_WORLD_SIZE the ranks per node are not known: not checked
+    assert resolve_tiers(None, None, None, _Ranks(8, 3, [[0, 0, _UNSET, _UNSET]])) == (host_limit_bytes(4), None,
+                                                                                       None)
+    assert resolve_tiers(None, None, None, _Ranks(8, 3, [[0, 0, 1234, _UNSET]])) == (1234, None, None)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert resolve_tiers(None, None, None, _Ranks(8, 3, [[0, 0, _UNSET, _UNSET]])) == (None, None, None)
 
 
 def test_a_disk_tier_on_some_ranks_only_raises(tmp_path):

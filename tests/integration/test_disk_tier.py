@@ -417,29 +417,27 @@ def test_loading_values_holds_one_disk_chunk_in_memory_at_a_time(tmp_path):
 
 
 def test_the_default_host_budget_refuses_a_plan_the_machine_cannot_hold(monkeypatch):
-    """host_memory=None checks the plan against what the host could give (the memory available at compile time, less
-    a margin, plus the model's own host tensors, which the chunks replace): a plan over it raises BudgetError naming
-    the bytes and what to change, at compile time, and leaves the model as it was; not a process the out-of-memory
-    killer ends in its first step. Where it fits, the step trains as before."""
+    """host_memory=None bounds the plan by the host's memory less a margin (runtime/host_memory.host_limit_bytes): a
+    plan over it raises BudgetError at compile time, naming the bytes and what to change, and leaves the model as it
+    was; not a process the out-of-memory killer ends in its first step. Where it fits, the step trains as before."""
     import pstar_fx.api.options as options
-    model_bytes = sum(p.numel() * 4 for p in _model().parameters())
-    monkeypatch.setattr(options, "spare_host_bytes", lambda ranks=1: 1000)
+    monkeypatch.setattr(options, "host_limit_bytes", lambda ranks=1: 1000)
     model = _model()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     step = px.compile(model, optimizer=px.AdamW(lr=1e-2), device="cpu", chunk_size=CHUNK,
                       device_memory=DEVICE_MEMORY)(mlp_loss)
-    assert step.settings.host_budget == 1000 + model_bytes and step.settings.host_default
-    with pytest.raises(px.BudgetError, match=r"more than this machine can give.*host_memory=None.*offload_dir") as e:
+    assert step.settings.host_budget == 1000 and step.settings.host_default
+    with pytest.raises(px.BudgetError, match=r"more than this machine has.*host_memory=None.*offload_dir") as e:
         step(*_batches(1)[0])
-    assert e.value.needed > e.value.available == 1000 + model_bytes
+    assert e.value.needed > e.value.available == 1000
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k
     # given host_memory is the user's word; so is a roomy machine
     step = px.compile(_model(), optimizer=px.AdamW(lr=1e-2), device="cpu", chunk_size=CHUNK,
                       device_memory=DEVICE_MEMORY, host_memory="1GiB")(mlp_loss)
     assert not step.settings.host_default and torch.isfinite(step(*_batches(1)[0]))
-    monkeypatch.setattr(options, "spare_host_bytes", lambda ranks=1: 1 << 30)
+    monkeypatch.setattr(options, "host_limit_bytes", lambda ranks=1: 1 << 30)
     step = px.compile(_model(), optimizer=px.AdamW(lr=1e-2), device="cpu", chunk_size=CHUNK,
                       device_memory=DEVICE_MEMORY)(mlp_loss)
     assert torch.isfinite(step(*_batches(1)[0]))
-    assert step.summary().host_budget == (1 << 30) + model_bytes       # the summary's tiers line names it
+    assert step.summary().host_budget == 1 << 30       # the summary's tiers line names it

@@ -562,3 +562,26 @@ def test_plan_weighs_its_choices_at_its_machines_rates():
     assert streamed[0] == 0 < streamed[1], streamed
     assert any("streamed over and back" in str(c) for c in slow_plan.graph.choices)
     assert slow_plan.cost.seconds <= cost.estimate(fast_plan.graph, slow).seconds
+
+
+def test_fewer_device_states_are_not_chosen_over_a_host_budget_the_fullest_placement_fits():
+    """Where copies bound the step, place_optimizer tries keeping fewer optimizer states on the device (more
+    parameters resident); without a disk tier it keeps none that puts more in host memory than the host budget
+    holds, so a host that holds the fullest placement is never refused for a faster one it does not."""
+    from pstar_fx.ir.needs import host_bytes
+    slow_copies = dataclasses.replace(
+        H200, matmul_flops=H200.matmul_flops / 100, fp32_matmul_flops=H200.fp32_matmul_flops / 100,
+        hbm_bytes=H200.hbm_bytes / 100, h2d_bytes=H200.h2d_bytes / 1e4, d2h_bytes=H200.d2h_bytes / 1e4,
+        cpu_adam_mixed=H200.cpu_adam_mixed * 10, host_node_s=1e-8)
+    _, before = _placed_and_before(None)
+    all_host, _ = _all_host(before)
+    fullest = _placed(before, all_host, _choose_homes(all_host, device_priority(all_host, slow_copies)).chunks,
+                      slow_copies)
+    on_device = [sum(c.state_home is StateHome.DEVICE for c in g.chunks)
+                 for g in (fullest, place_optimizer(before, slow_copies))]
+    assert on_device[1] < on_device[0]                  # unbounded, a placement with fewer is faster
+    budget = host_bytes(schedule(fullest))
+    placed = place_optimizer(before.evolve(settings=dataclasses.replace(before.settings, host_budget=budget)),
+                             slow_copies)
+    assert sum(c.state_home is StateHome.DEVICE for c in placed.chunks) == on_device[0]
+    assert host_bytes(placed.scheduled.result) <= budget
