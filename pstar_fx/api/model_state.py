@@ -55,6 +55,7 @@ from .agreement import check_same_values
 if TYPE_CHECKING:
     from .compiler import Compiler
 
+
 class IncompatibleKeys(NamedTuple):
     """What load_state_dict returns, as nn.Module.load_state_dict does: the keys the state dict lacked, and those
     the model does not have."""

@@ -64,9 +64,12 @@ NAMESPACE = "pstar_fx"     # optree's namespace for the mapping classes below
 def _register_mappings(tree) -> None:
     """Register, in pstar-fx's optree namespace, the mapping classes in `tree` that optree does not know (an
     OrderedDict subclass such as transformers' ModelOutput): flattened by key, rebuilt as the same class."""
-    stack = [tree]
+    stack, seen = [tree], set()
     while stack:
         x = stack.pop()
+        if id(x) in seen:            # (a structure that holds itself: optree refuses it below)
+            continue
+        seen.add(id(x))
         if isinstance(x, Mapping):
             cls = type(x)
             if cls not in (dict, OrderedDict, defaultdict):
@@ -112,6 +115,11 @@ def describe_aux(aux, name: str = "aux") -> tuple[AuxOutputs, list[torch.Tensor]
             raise UntraceableError(f"the step function returned {where} of type {type(x).__name__}; its leaves "
                                    "must be tensors or plain constants (int, float, bool, str, None)"
                                    + (cache if "Cache" in type(x).__name__ else ""))
+    try:           # rebuilt once now, while tracing: a class that cannot be is refused before any update
+        optree.tree_unflatten(spec, leaves)
+    except Exception as e:  # noqa: BLE001 - any constructor's error
+        raise UntraceableError(f"the step function returned {name} holding a mapping that cannot be rebuilt from its "
+                               f"keys and values ({type(e).__name__}: {e}); return a dict instead") from e
     layout = AuxOutputs(spec, tuple(TENSOR_LEAF if isinstance(x, torch.Tensor) else x for x in leaves))
     return layout, tensors
 

@@ -225,3 +225,49 @@ def test_mapping_classes_come_back_as_themselves():
         return loss, {"past_key_values": cache, **aux}
     with pytest.raises(px.UntraceableError, match=r"aux\['past_key_values'\] of type DynamicCache.*use_cache=False"):
         _step(with_cache)(*batch)
+
+
+class _Frozen(dict):
+    """A mapping whose constructor takes neither its keys by name nor a dict."""
+
+    def __init__(self, source, *, tag):
+        super().__init__(tag=tag)
+        self.source = source
+
+
+def test_model_outputs_from_evaluation_and_accumulation_and_mappings_that_cannot_be_rebuilt():
+    """A ModelOutput comes back as itself from an evaluation and stacked over micro-batches too; a mapping that
+    cannot be rebuilt from its items is refused while tracing, before any update, and so is aux that holds itself."""
+    pytest.importorskip("transformers")
+    from transformers.modeling_outputs import CausalLMOutput
+
+    case = CASES_BY_NAME["gpt_tied"]
+
+    def fn(model, idx, targets):
+        logits = model(idx)
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+        return loss, CausalLMOutput(logits=logits)
+
+    step = _step(fn, accumulate=2)
+    batch = case.batch(0)
+    _, aux = step(*batch)
+    assert type(aux) is CausalLMOutput and aux.logits.shape[0] == 2          # (K, *shape) stacked
+    evaluate = px.compile(step._model, optimizer=None, device="cpu")(fn)
+    _, out = evaluate(*batch)
+    want = _eager_from(step, fn, batch)[1]
+    assert type(out) is CausalLMOutput and torch.equal(out.logits, want.logits.detach())
+    before = step.state_dict()
+    for returned, match in ((lambda loss, logits: (loss, _Frozen("model", tag=logits)), "cannot be rebuilt"),
+                            (lambda loss, logits: (loss, _holding_itself(logits)), "")):
+        def bad(model, idx, targets):
+            logits = model(idx)
+            return returned(F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1)), logits)
+        with pytest.raises((px.UntraceableError, RecursionError), match=match):
+            px.compile(step._model, optimizer=px.AdamW(**HYPER), device="cpu")(bad)(*batch)
+    assert all(torch.equal(v, before[k]) for k, v in step.state_dict().items())
+
+
+def _holding_itself(logits):
+    aux = {"logits": logits}
+    aux["self"] = aux
+    return aux
