@@ -1,19 +1,27 @@
 """What the ranks of a sharded step must agree on before its collectives, checked where a disagreement would
 otherwise train wrong values silently, or pair one rank's collective with another's different one.
 
-- `check_same_step`, before the first collective of every step (a compile's own included): the batch signature that
-  selects a plan (structure, each tensor's shape and dtype, the constants), the model's train/eval modes and
-  requires_grad flags, and whether the step takes the model's values into its chunks now. Ranks called with
+- `check_same_step`, before the first collective of every step (a compile's own included): which function is called
+  (a training step, or an evaluation: their collectives differ), the batch signature that selects a plan
+  (structure, each tensor's shape and dtype, the constants), the model's train/eval modes and requires_grad flags,
+  whether the step takes the model's values into its chunks now, and the optimizer's class and every group's
+  options (lr, betas, eps, weight_decay, ...: what a scheduler or the user may change between steps). Ranks called with
   different batch sizes would otherwise train on the mean of the ranks' means, not the global batch's, or, where
   their graphs differ, pair different collectives; a rank that changes shape later compiles while the others do
-  not, and its compile's own collectives pair with the others' step.
+  not, and its compile's own collectives pair with the others' step; ranks with different options would each
+  update their own shard of every chunk under their own.
+- `check_same_compile`, at every compile, before the compiled graph's first collective: the settings every rank must
+  give alike (the optimizer's class, its groups and state_dtype, precision, max_grad_norm, accumulate, atomic), and
+  the plan's collectives with the sizes of the chunks they move. Settings that may differ per rank (the budgets,
+  chunk_size, prefetch, remat, fuse) are named where the plans then differ.
 - `check_same_values`, where a step takes the model's values into its chunks: every rank holds the same values. A
   sharded step keeps only this rank's shard of every chunk, so ranks whose models were built from different seeds
   would train a model no rank built, each chunk's shards from different ranks.
 
-Both run on the Comm's CPU-side control group and cost one all-reduce of 16 bytes when the ranks agree (a 64-bit
-digest each, `Comm.agree`); only on a mismatch a second round gathers what each rank has, so that every rank raises
-the same `px.DistributedError` naming the ranks and what differs, before any collective could pair wrongly.
+Each runs on the Comm's CPU-side control group and costs one all-reduce of 16 bytes when the ranks agree (a 64-bit
+digest each, `Comm.agree_on`); only on a mismatch a second round gathers what each rank has, so that every rank
+raises the same `px.DistributedError` naming the ranks and what differs (the setting, the option, the functions
+called), before any collective could pair wrongly.
 
 Values are compared, not broadcast from rank 0 (as DDP does): comparing costs a hash of the values on every rank at
 once and 16 bytes on the network, where a broadcast sends the whole model from one rank; it names the user's bug (a
@@ -37,28 +45,143 @@ from ..errors import DistributedError
 from ..frontend.init_empty import is_empty, origin_digests
 from ..frontend.model_tensors import hook_count
 from ..frontend.trace import flatten_batch, leaf_name
-from ..runtime.comm import Comm, digest64
+from ..ir.graph import TrainGraph
+from ..passes import collectives
+from ..runtime.comm import CALLED, Comm
+from ..units import format_bytes
 
 HASH_PIECE_BYTES = 64 << 20      # a real tensor is hashed in pieces of this many bytes, on up to HASH_THREADS threads
 HASH_THREADS = 8
 SHOWN = 8                        # names listed in a message, then "and N more"
+OPTIMIZER = "optimizer"          # the first word of what describes the optimizer's settings and options
+PLAN = "the plan's collectives"  # what describes a compiled plan's collectives and the chunks they move
 
 
-def check_same_step(comm: Comm, batch: tuple, model: nn.Module, model_key: tuple, taking: bool) -> None:
-    """Before a step's first collective: raise DistributedError on every rank unless every rank calls it with the
-    same batch signature and model state (see the module docstring), including whether the step takes the model's
-    values into its chunks now (`taking`: the model holds some of its own values, at the first step or after
-    sync_model()), when the step checks those values (`check_same_values`, from ModelState.take). `model_key`: what
-    of the model the step's plan depends on (Compiler.model_key). A collective: every rank calls it with its step."""
+def check_same_step(comm: Comm, batch: tuple, model: nn.Module, model_key: tuple, taking: bool,
+                    optimizer=None) -> None:
+    """Before a step's first collective: raise DistributedError on every rank unless every rank calls the same
+    function (a training step with `optimizer`, its live optimizer; an evaluation without) with the same batch
+    signature, model state and optimizer options (see the module docstring), including whether the step takes the
+    model's values into its chunks now (`taking`: the model holds some of its own values, at the first step or
+    after sync_model()), when the step checks those values (`check_same_values`, from ModelState.take).
+    `model_key`: what of the model the step's plan depends on (Compiler.model_key). A collective: every rank calls
+    it with its step."""
     shapes = tuple((n, tuple(p.shape)) for n, p in model.named_parameters())
-    if not comm.agree(digest64(flatten_batch(batch).signature, model_key, taking, shapes)):
-        every = comm.gather_objects(_describe_step(batch, model, taking))
+    options = optimizer_options(optimizer)
+    every = comm.agree_on(called(optimizer), (flatten_batch(batch).signature, model_key, taking, shapes, options),
+                          lambda: _describe_step(batch, model, taking, options))
+    if every is None:
+        return
+    differ = _differing(every)
+    if OPTIMIZER in differ:       # another class: its options differ too
+        differ = [k for k in differ if not k.startswith(OPTIMIZER)] + [OPTIMIZER]
+    elif f"{OPTIMIZER} parameter groups" in differ:     # other groups: the options of those only some ranks have
+        differ = [k for k in differ if all(k in d for d in every)]
+    if any(k.startswith(OPTIMIZER) for k in differ):
+        advice = ("Give every rank the same optimizer and options: the same px.compile(optimizer=...), and an lr "
+                  "scheduler made and stepped, or param_groups edited, on every rank alike.")
+    else:
+        advice = ("Every rank must call the step with batches of the same structure, shapes and dtypes (split the "
+                  "global batch evenly; drop or pad a short last batch on every rank), on the same model (the same "
+                  "parameters and shapes), in the same train/eval mode, with the same requires_grad flags and "
+                  "hooks, and sync_model() on every rank or none.")
+    raise DistributedError(
+        f"pstar-fx: the ranks disagree on this step, so their collectives would not match or their shards would "
+        f"train differently ({_shown(every, differ)}). {advice} Nothing ran: the step's values are as they were.")
+
+
+def check_same_compile(comm: Comm, g: TrainGraph, optimizer=None, **knobs) -> None:
+    """At a compile, before the first collective of its graph `g`: raise DistributedError on every rank unless
+    every rank gave the settings every rank must give alike (`fixed_settings`), and every rank's plan issues the
+    same collectives over chunks of the same sizes. Where only the plans differ, the message names the settings
+    that may differ per rank and do (`tunable_settings`: the budgets, chunk_size, and `knobs`, px.compile's
+    prefetch, remat, fuse), which made them differ. `optimizer`: the live optimizer (None: an evaluation). A
+    collective."""
+    st = g.settings
+    fixed = fixed_settings(st, optimizer)
+    plan = (collectives(g), tuple(c.capacity for c in g.chunks), st.precision.value)
+    every = comm.agree_on(called(optimizer), (sorted(fixed.items()), plan),
+                          lambda: {**fixed, **tunable_settings(st, **knobs), PLAN: _describe_plan(plan)})
+    if every is None:
+        return
+    differ = [k for k in _differing(every) if k in fixed]
+    if differ:
         raise DistributedError(
-            f"pstar-fx: the ranks disagree on this step, so their collectives would not match ({_differences(every)}). "
-            "Every rank must call the step with batches of the same structure, shapes and dtypes (split the global "
-            "batch evenly; drop or pad a short last batch on every rank), on the same model (the same parameters "
-            "and shapes), in the same train/eval mode, with the same requires_grad flags and hooks, and "
-            "sync_model() on every rank or none. Nothing ran: the step's values are as they were.")
+            f"pstar-fx: the ranks compiled the step with different settings ({_shown(every, differ)}): each rank "
+            "would train its shard of every chunk under its own, or pair collectives that differ. Give px.compile "
+            "the same optimizer (class, parameter groups, state_dtype), precision, max_grad_norm, "
+            "accumulate and atomic on every rank. Nothing ran: the step's values are as they were.")
+    tunable = [k for k in _differing(every) if k != PLAN and k not in fixed]
+    why = (f"planned under different settings ({_shown(every, tunable)}): give every rank the same "
+           f"{', '.join(tunable)}" if tunable else "planned under the same settings: give every rank the same model "
+           "and batch shapes")
+    raise DistributedError(
+        f"pstar-fx: the ranks' compiled steps would issue different collectives ({_shown(every, [PLAN])}), "
+        f"{why}. Nothing ran: the step's values are as they were.")
+
+
+def called(optimizer) -> str:
+    """The function a rank is in, as the ranks compare it (Comm.agree_on): a training step has an optimizer."""
+    return "the training step" if optimizer is not None else "an evaluation function"
+
+
+def optimizer_options(optimizer) -> tuple:
+    """The optimizer's class, and every group's number of parameters and options (those of torch.optim's
+    `defaults`: lr, betas, eps, weight_decay, ...; not the parameters, nor keys a scheduler adds such as
+    initial_lr); () for none."""
+    if optimizer is None:
+        return ()
+    keys = sorted(optimizer.defaults)
+    return (optimizer.torch_class.__name__, tuple((len(g["params"]), tuple((k, _plain(g.get(k))) for k in keys))
+                                                  for g in optimizer.param_groups))
+
+
+def _plain(v):
+    """A group option as a plain value whose repr is exact (a tensor lr's repr rounds it)."""
+    if isinstance(v, torch.Tensor):
+        return v.item() if v.numel() == 1 else tuple(v.flatten().tolist())
+    if isinstance(v, (tuple, list)):
+        return tuple(_plain(x) for x in v)
+    return v
+
+
+def fixed_settings(settings, optimizer) -> dict[str, str]:
+    """What every rank must give px.compile alike, readable, by name: what each rank's shard of every chunk trains
+    under, and what its collectives carry."""
+    st = settings
+    out = {"precision": st.precision.value, "device": st.device.type, "max_grad_norm": repr(st.max_grad_norm),
+           "accumulate": repr(st.accumulate), "atomic": repr(st.atomic)}
+    layout = st.optimizer
+    if layout is not None:
+        names = repr(layout.groups)
+        out[OPTIMIZER] = optimizer.torch_class.__name__ if optimizer is not None else "?"
+        out[f"{OPTIMIZER} state_dtype"] = layout.state.dtype.value
+        out[f"{OPTIMIZER} parameter groups"] = (
+            f"{len(layout.groups)} of {', '.join(str(len(g)) for g in layout.groups)} tensors "
+            f"(names {hashlib.sha256(names.encode()).hexdigest()[:8]})")
+    return out
+
+
+def tunable_settings(settings, **knobs) -> dict[str, str]:
+    """Settings the ranks may give differently (each rank's budgets, a chunk size the ranks' plans may agree on
+    whichever is given), readable, by px.compile's names: named where the ranks' plans differ."""
+    st = settings
+    out = {"device_memory": _bytes(st.budget), "chunk_size": repr(st.chunk_size),
+           "host_memory": _bytes(st.host_budget), "disk_memory": _bytes(st.disk_budget)}
+    out.update({k: repr(v) for k, v in knobs.items()})
+    return out
+
+
+def _bytes(n: int | None) -> str:
+    return "None" if n is None else f"{n:,} bytes ({format_bytes(n)})"
+
+
+def _describe_plan(plan) -> str:
+    """A plan's collectives and chunks, readable (the second round, on a mismatch)."""
+    ops, capacities, precision = plan
+    counts = {op: sum(1 for o, _ in ops if o == op) for op in ("all_gather", "reduce_scatter", "all_reduce")}
+    return (", ".join(f"{n} {op}" for op, n in counts.items()) + f" over {len(capacities)} chunks of "
+            f"{sum(capacities):,} {precision} elements (digest {hashlib.sha256(repr(plan).encode()).hexdigest()[:8]})")
 
 
 def check_same_values(comm: Comm, tensors: dict[str, torch.Tensor]) -> None:
@@ -66,9 +189,11 @@ def check_same_values(comm: Comm, tensors: dict[str, torch.Tensor]) -> None:
     buffers (real tensors, or those of a model built under px.init_empty(); see the module docstring). A collective:
     every rank calls it with the same names."""
     digests = _value_digests(tensors)
-    if comm.agree(digest64(sorted(digests.items()))):
+    every = comm.agree_on("a compiled function taking the model's values", sorted(digests.items()),
+                          lambda: {"values": digests})
+    if every is None:
         return
-    every = comm.gather_objects(digests)
+    every = [d["values"] for d in every]
     names = sorted({n for d in every for n in d})
     differ = [n for n in names if len({d.get(n) for d in every}) > 1]
     shown = ", ".join(f"{n} ({_groups([d.get(n) for d in every])})" for n in differ[:SHOWN])
@@ -106,7 +231,7 @@ def _value_digests(tensors: dict[str, torch.Tensor]) -> dict[str, bytes]:
     return out
 
 
-def _describe_step(batch: tuple, model: nn.Module, taking: bool) -> dict[str, str]:
+def _describe_step(batch: tuple, model: nn.Module, taking: bool, options: tuple) -> dict[str, str]:
     """What a rank's step signature is made of, readable (the second round, on a mismatch)."""
     paths, leaves, spec = optree.tree_flatten_with_path(tuple(batch), none_is_leaf=True)
     tensors = [f"{leaf_name(p)} {tuple(x.shape)} {str(x.dtype).removeprefix('torch.')}"
@@ -116,7 +241,7 @@ def _describe_step(batch: tuple, model: nn.Module, taking: bool) -> dict[str, st
     frozen = [name for name, p in model.named_parameters() if not p.requires_grad]
     params = list(model.named_parameters())
     shapes = repr([(n, tuple(p.shape)) for n, p in params])
-    return {
+    out = {
         "the model's parameters": (f"{len(params)} tensors of {sum(p.numel() for _, p in params):,} elements "
                                    f"(names and shapes {hashlib.sha256(shapes.encode()).hexdigest()[:8]})"),
         "hooks on the model": str(hook_count(model)),
@@ -127,22 +252,38 @@ def _describe_step(batch: tuple, model: nn.Module, taking: bool) -> dict[str, st
         "parameters with requires_grad=False": _listed(frozen),
         "the model's values": ("in the model: this step takes them into its chunks" if taking
                                else "held by a compiled step"),
-        "signature": repr((flatten_batch(batch).signature, [m.training for m in model.modules()],
-                           [p.requires_grad for p in model.parameters()])),
     }
+    if options:
+        name, groups = options
+        out[OPTIMIZER] = name
+        out[f"{OPTIMIZER} parameter groups"] = f"{len(groups)} of {', '.join(str(n) for n, _ in groups)} tensors"
+        for i, (_, group) in enumerate(groups):
+            out.update({f"{OPTIMIZER} param_groups[{i}][{k!r}]": repr(v) for k, v in group})
+    out["signature"] = repr((flatten_batch(batch).signature, [m.training for m in model.modules()],
+                             [p.requires_grad for p in model.parameters()]))
+    return out
 
 
-def _differences(every: list[dict[str, str]]) -> str:
-    """The parts of the ranks' descriptions that differ: `what: rank 0: a; rank 1: b`, joined by ' | '."""
-    keys = [k for k in every[0] if k != "signature" and len({d[k] for d in every}) > 1]
-    keys = keys or ["signature"]     # the digests differ where no readable part does: show all of it
+def _differing(every: list[dict]) -> list[str]:
+    """The keys of the ranks' descriptions whose values differ (one missing on some rank included), in order; the
+    whole signature where the digests differ but no readable part does."""
+    keys = list(dict.fromkeys(k for d in every for k in d if k not in ("signature", CALLED)))
+    differ = [k for k in keys if len({d.get(k, MISSING) for d in every}) > 1]
+    return differ or ["signature"]
+
+
+def _shown(every: list[dict], keys: list[str]) -> str:
+    """`what: rank 0: a; rank 1: b` for each of keys, joined by ' | '."""
     out = []
     for k in keys:
         by_value: dict[str, list[int]] = {}
         for r, d in enumerate(every):
-            by_value.setdefault(d[k], []).append(r)
+            by_value.setdefault(d.get(k, MISSING), []).append(r)
         out.append(f"{k}: " + "; ".join(f"{_ranks(rs)}: {v}" for v, rs in by_value.items()))
     return " | ".join(out)
+
+
+MISSING = "(none)"       # a description's value where a rank has no such key (an optimizer group it lacks)
 
 
 def _groups(values: list) -> str:

@@ -24,7 +24,7 @@ from ..frontend.trace import FlatBatch, flatten_batch, trace_step
 from ..interrupts import DeferredInterrupt
 from ..ir.graph import Settings, TrainGraph
 from ..ir.needs import early_host_bytes, state_layout
-from ..passes import assign_chunks, canonicalize, collectives, liveness, pipeline, run_passes
+from ..passes import assign_chunks, canonicalize, liveness, pipeline, run_passes
 from ..passes.place_optimizer import min_need, place_optimizer
 from ..passes.remat import least_need_graph
 from ..runtime.chunk_store import ChunkStore, host_buffer_specs
@@ -32,6 +32,7 @@ from ..runtime.comm import Comm
 from ..runtime.compiled_regions import RegionCompiler
 from ..runtime.executor import Executor
 from ..runtime.host_memory import HostMemory, local_ranks, spare_host_bytes
+from .agreement import check_same_compile
 from .guarded import GuardVariants, traced_outcomes
 from .trace_cache import DEFAULT_MAX_SIZE, TraceCache
 from .warnings import warn_chunk_padding, warn_host_threads
@@ -223,13 +224,14 @@ class Compiler:
                 passes = pipeline(chunk_size=st.chunk_size, layout=self.layout, prefetch=self.prefetch,
                                   remat=self.remat, world=st.world, fuse=self.fuse)
                 stages = run_passes(traced, passes, after=set_up_early)
+                if self.comm is not None:     # the settings and the plan's collectives, alike on every rank
+                    check_same_compile(self.comm, stages[-1], self.optimizer, prefetch=self.prefetch,
+                                       remat=self.remat, fuse=self.fuse)
         except BaseException:
             if hostmem is not None:
                 hostmem.cancel()
             raise
         final = stages[-1]
-        if self.comm is not None:
-            self.comm.check_same(collectives(final), "the collectives of the compiled step")
         t0 = time.perf_counter()
         if self.store is None:
             warn_chunk_padding(final)

@@ -25,7 +25,7 @@ from ..passes import pipeline, run_passes
 from ..runtime.chunk_store import ChunkStore
 from ..runtime.executor import Executor
 from ..runtime.run import run_forward
-from .agreement import check_same_step
+from .agreement import check_same_compile, check_same_step
 from .compiler import Compiled, Compiler, cycle_collection_paused
 from .guarded import run_guarded, traced_outcomes
 from .model_state import holder, holds_own_values, model_tensors
@@ -94,6 +94,8 @@ class EvalCompiler(Compiler):
                               world=settings.world)
             stages = run_passes(traced, passes, after=lambda stage: interrupts.deliver())
         final = stages[-1]
+        if self.comm is not None:     # the settings and the plan's collectives, alike on every rank
+            check_same_compile(self.comm, final, prefetch=self.prefetch)
         if store is None:
             warn_chunk_padding(final)
             store = ChunkStore(final.chunks, final.params, settings.precision, settings.device, settings.budget,

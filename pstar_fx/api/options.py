@@ -176,18 +176,7 @@ def resolve_budget(device_memory, device: torch.device, world: int) -> tuple[int
 _UNSET = 1 << 62
 
 
-def model_host_bytes(model: nn.Module) -> int:
-    """Bytes of the model's parameters and buffers in host memory now: what the chunks replace once a step holds the
-    model (api/model_state.py), so the default host budget counts them as the step's to use."""
-    seen, total = set(), 0
-    for t in (*model.parameters(), *model.buffers()):
-        if id(t) not in seen and t.device.type == "cpu":
-            seen.add(id(t))
-            total += t.numel() * t.element_size()
-    return total
-
-
-def resolve_tiers(host_memory, offload_dir, disk_memory, comm: Comm | None = None, model_host_bytes: int = 0
+def resolve_tiers(host_memory, offload_dir, disk_memory, comm: Comm | None = None
                   ) -> tuple[int | None, str | None, int | None]:
     """(host budget, offload directory, disk budget) of this rank, from px.compile's host_memory, offload_dir and
     disk_memory.
@@ -198,10 +187,10 @@ def resolve_tiers(host_memory, offload_dir, disk_memory, comm: Comm | None = Non
     and without one the host's whole memory less that margin (host_limit_bytes: what a plan can never exceed, so
     that a plan the host cannot hold raises BudgetError at compile time, not an out-of-memory kill), each shared
     among the node's ranks; not checked where /proc/meminfo cannot say, nor with several ranks and no
-    LOCAL_WORLD_SIZE (launched otherwise than by torchrun: the ranks per node are not known). offload_dir: an existing, writable
-    directory for the disk tier's files (None: no disk tier); ranks may share it, each making a directory of its own
-    there. disk_memory: bytes of it each rank's disk tier may use (per rank, as px.plan's per GPU); None: the free
-    space there now, shared among the node's ranks.
+    LOCAL_WORLD_SIZE (launched otherwise than by torchrun: the ranks per node are not known). offload_dir: an
+    existing, writable directory for the disk tier's files (None: no disk tier); ranks may share it, each making a
+    directory of its own there. disk_memory: bytes of it each rank's disk tier may use (per rank, as px.plan's per
+    GPU); None: the free space there now, shared among the node's ranks.
 
     With several ranks (comm), every rank must plan the same chunks on disk, since the schedule is collective: each
     rank's budgets are made the smallest over the ranks (one all-reduce on the control group), whether given or

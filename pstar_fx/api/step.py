@@ -22,7 +22,7 @@ from ..frontend import torch_compile
 from ..interrupts import DeferredInterrupt
 from ..ir.graph import Precision, Settings, TrainGraph
 from ..optim import OptimizerSpec
-from ..runtime.comm import default_comm
+from ..runtime.comm import collective_call, default_comm
 from ..runtime.run import returned, run_training_step
 from ..runtime.step_runtime import LossScaler, StepStats
 from . import timeline
@@ -31,8 +31,8 @@ from .compiler import Compiler
 from .guarded import run_guarded
 from .live_optimizer import build as build_optimizer
 from .model_state import ModelState, holds_own_values
-from .options import (check_options, check_world, host_is_device, model_host_bytes, resolve_budget, resolve_device,
-                      resolve_fuse, resolve_precision, resolve_tiers)
+from .options import (check_options, check_world, host_is_device, resolve_budget, resolve_device, resolve_fuse,
+                      resolve_precision, resolve_tiers)
 from .summary import Summary, summarize
 from .trace_cache import DEFAULT_MAX_SIZE
 from .warnings import warn_torch_compiled
@@ -97,8 +97,7 @@ class CompiledStep:
         self._comm = default_comm(dev)       # the default process group, when one of 2+ ranks exists
         world = 1 if self._comm is None else self._comm.world
         budget, self._default_budget = resolve_budget(device_memory, dev, world)
-        host_budget, offload, disk_budget = resolve_tiers(host_memory, offload_dir, disk_memory, self._comm,
-                                                          model_host_bytes(model))
+        host_budget, offload, disk_budget = resolve_tiers(host_memory, offload_dir, disk_memory, self._comm)
         fuse = resolve_fuse(fuse, dev, prec, world)
         self.settings = Settings(precision=prec, device=dev, budget=budget,
                                  chunk_size=chunk_size,
@@ -179,7 +178,7 @@ class CompiledStep:
                              "px.compile(model, optimizer=None) for forward-only evaluation")
         if self._comm is not None:
             check_same_step(self._comm, batch, self._model, self._compiler.model_key(portable=True),
-                            holds_own_values(self._model))
+                            holds_own_values(self._model), self._optimizer)
 
     def lower(self, *batch) -> dict[str, TrainGraph]:
         """Compile for this batch's shapes without running a step; returns the stages."""
@@ -266,7 +265,8 @@ class CompiledStep:
         current values wherever they are (this step's chunks, another step's, or the model). With several ranks a
         collective (every rank calls it) that gathers every value on every rank; rank0_only: on rank 0 only (the
         others return {}), chunk by chunk (pstar_fx.runtime.store_values.StoreValues.gather_to_rank0)."""
-        return self._model_state.state_dict(rank0_only)
+        with collective_call(self._comm, "step.state_dict()", "The step's values are as they were."):
+            return self._model_state.state_dict(rank0_only)
 
     @_locked
     def load_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True):

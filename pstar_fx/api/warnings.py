@@ -9,6 +9,7 @@ import torch
 from ..errors import warn
 from ..ir.graph import ChunkGroup, StateHome, TrainGraph
 from ..ir.needs import state_bytes, state_layout
+from ..runtime.host_memory import local_ranks
 from ..units import format_bytes
 
 PADDING_WARN_FRACTION = 0.5        # padding above this share of all model data ...
@@ -44,15 +45,20 @@ def warn_chunk_padding(g: TrainGraph) -> None:
 def warn_host_threads(g: TrainGraph) -> None:
     """Optimizer steps of chunks whose states live on the host run on torch's CPU threads; torchrun sets
     OMP_NUM_THREADS=1 unless it is set, which leaves them one core (measured: a 6.66B step on two H200s took 6.3 s,
-    CPU-bound, with most states on the host)."""
+    CPU-bound, with most states on the host). Warns where torch uses one thread and this process's share of the
+    cores (the cores over the node's ranks, LOCAL_WORLD_SIZE under torchrun) is more: with as many ranks on the node
+    as cores, one thread is each process's share."""
     on_host = sum(c.group is ChunkGroup.TRAINABLE and c.state_home is StateHome.HOST for c in g.chunks)
     cores = os.cpu_count() or 1
-    if on_host and torch.get_num_threads() == 1 and cores > 1:
+    ranks = 1 if g.settings.world == 1 else local_ranks(g.settings.world)
+    share = max(1, cores // ranks)
+    if on_host and torch.get_num_threads() == 1 and share > 1:
+        on_node = f"{cores} cores over the {ranks} ranks on this node" if ranks > 1 else f"{cores} cores"
         warn(
             f"pstar-fx: the optimizer states of {on_host} chunk(s) live on the host and their updates run on torch's "
-            f"CPU threads, but torch uses 1 thread here (torchrun sets OMP_NUM_THREADS=1 unless it is set) of "
-            f"{cores} cores. Set OMP_NUM_THREADS to the cores per process (e.g. {max(1, cores // g.settings.world)}) "
-            "or call torch.set_num_threads.")
+            f"CPU threads, but torch uses 1 thread here (torchrun sets OMP_NUM_THREADS=1 unless it is set), and this "
+            f"process's share of the cores is {share} ({on_node}). Set OMP_NUM_THREADS={share} (the cores per "
+            "process) or call torch.set_num_threads.")
 
 
 class TorchCompileWarning(UserWarning):
@@ -67,7 +73,8 @@ def warn_torch_compiled(modules: list[str], fn_compiled: bool) -> None:
     what = []
     if modules:
         names = ", ".join("the model" if n == "" else repr(n) for n in modules[:3])
-        what.append(f"{names}{' ...' if len(modules) > 3 else ''} (torch.compile'd module{'s' if len(modules) > 1 else ''})")
+        plural = "s" if len(modules) > 1 else ""
+        what.append(f"{names}{' ...' if len(modules) > 3 else ''} (torch.compile'd module{plural})")
     if fn_compiled:
         what.append("the step function (torch.compile'd)")
     warn(f"pstar-fx: {' and '.join(what)}: pstar-fx compiles the whole training step itself (forward, backward and "

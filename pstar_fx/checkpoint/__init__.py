@@ -42,7 +42,8 @@ chunk_size, budget or world size (or, plain files, into eager PyTorch).
 What `load` reads, and how. It takes the format from the manifest alone (manifest.json: plain; else `.metadata`:
 sharded; a stray `.metadata` beside a manifest.json changes nothing), checks the manifest's own checksum, then every
 file it lists: there, of its size, and matching its checksums (with several ranks each rank checks a share of the
-files and they agree before any goes on), before reading anything out of them. Then it reads: JSON (the manifest),
+files and they agree before any goes on, and that they opened the same checkpoint: the same files, by their checksums;
+DistributedError on every rank where not), before reading anything out of them. Then it reads: JSON (the manifest),
 and `torch.load(weights_only=True)` for the plain files, for DCP's tensor pieces and for its byte entries ("pstar_fx",
 "rng.<r>"): nothing else is unpickled, so a checkpoint cannot run code, whoever wrote it. Then it checks everything
 before applying anything (this model's keys, shapes and dtypes; the optimizer state's structure and options; the

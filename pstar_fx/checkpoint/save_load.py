@@ -8,13 +8,14 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import time
 
-import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, DistributedError
 from ..interrupts import DeferredInterrupt
 from ..ir.graph import StateHome
+from ..runtime.comm import collective_call, digest64, raised_by_collective
 from ..runtime.host_memory import local_ranks, spare_host_bytes
 from ..units import format_bytes
 from . import checks, dcp_storage, files, plain
@@ -29,22 +30,25 @@ def _norm(path) -> str:
     return p
 
 
+# what a collective that fails inside a save or a load leaves (Comm.failure says it after what failed)
+AFTER_SAVE = ("The checkpoint under that path is as it was (or the new one, where rank 0 had published it): never "
+              "a half-written one.")
+AFTER_LOAD = ("The step's values are as they were, unless the load had begun writing the checkpoint's into it: the "
+              "step then refuses to run until a load succeeds.")
+
+
 def _agree(comm, value):
-    """Rank 0's value on every rank (a collective); the value itself with one rank."""
+    """Rank 0's value on every rank (a collective on the control group); the value itself with one rank."""
     if comm is None:
         return value
-    box = [value]
-    dist.broadcast_object_list(box, src=dist.get_global_rank(comm.group, 0), group=comm.group)
-    return box[0]
+    return comm.broadcast_object(value, "step.save: taking rank 0's decision", AFTER_SAVE)
 
 
 def _any(comm, flag: bool) -> bool:
-    """Whether any rank passed True (a collective)."""
+    """Whether any rank passed True (a collective on the control group)."""
     if comm is None:
         return flag
-    every: list = [None] * comm.world
-    dist.all_gather_object(every, flag, group=comm.group)
-    return any(every)
+    return any(comm.gather_objects(flag, "step.save: learning whether any rank failed", AFTER_SAVE))
 
 
 def disk_states_fit(state: StepState, doing: str) -> None:
@@ -71,11 +75,10 @@ def disk_states_fit(state: StepState, doing: str) -> None:
 
 
 def _gather(comm, value: dict) -> dict:
-    """Every rank's dict merged (a collective); the dict itself with one rank."""
+    """Every rank's dict merged (a collective on the control group); the dict itself with one rank."""
     if comm is None:
         return value
-    every: list = [None] * comm.world
-    dist.all_gather_object(every, value, group=comm.group)
+    every = comm.gather_objects(value, "step.save: gathering the files' checksums", AFTER_SAVE)
     return {k: v for d in every for k, v in d.items()}
 
 
@@ -126,8 +129,8 @@ def _every_rank(comm, path: str, tmp: str, fn):
             if error is failed:
                 raise failed
             raise error from failed
-        raise RuntimeError(f"step.save({path!r}) failed on another rank (its own error says why); nothing was "
-                           "written under that name")
+        raise DistributedError(f"step.save({path!r}) failed on another rank (its own error says why); nothing was "
+                               "written under that name")
     return out
 
 
@@ -144,8 +147,16 @@ def save(state: StepState, path, *, sharded: bool | None = None, frozen: bool = 
     frozen=False leaves out the parameters the step does not train (plain files only): a load keeps the model's own
     values for them (a fine-tune's base weights, which the base checkpoint holds). Reads values only; the step's state
     is not changed (a model built under px.init_empty() is first taken into the chunks, as step.state_dict() does).
-    With several ranks, every rank calls it with the same path."""
+    With several ranks, every rank calls it with the same path and arguments: DistributedError on every rank where
+    the ranks are in different calls (one saves, another steps), or call it with other arguments, before anything
+    is written; and where a collective fails (another rank failed or exited), with the previous checkpoint in
+    place."""
     path = _norm(path)
+    with collective_call(state.comm, "step.save", AFTER_SAVE, {"sharded": sharded, "frozen": frozen}):
+        _save(state, path, sharded, frozen)
+
+
+def _save(state: StepState, path: str, sharded: bool | None, frozen: bool) -> None:
     state.fill_if_empty()        # a model built under px.init_empty() gets its values in the chunks, if they exist
     if state.model_is_empty():
         raise ValueError("step.save: the model was built under px.init_empty() and has no values until the step's "
@@ -175,6 +186,17 @@ def save(state: StepState, path, *, sharded: bool | None = None, frozen: bool = 
     if isinstance(where, str):
         raise ValueError(f"step.save({path!r}) refused on rank 0: {where}")
     tmp, old = where
+    try:
+        _write(state, path, tmp, old, as_sharded, contents)
+    except BaseException as e:
+        if rank == 0 and raised_by_collective(e):     # another rank failed or exited: its part is not there
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _write(state: StepState, path: str, tmp: str, old: str, as_sharded: bool, contents) -> None:
+    """The files written into `tmp`, checksummed, listed in the manifest, and published at `path` by rank 0."""
+    comm, rank = state.comm, state.rank
 
     def write():
         if as_sharded:
@@ -216,7 +238,11 @@ def save(state: StepState, path, *, sharded: bool | None = None, frozen: bool = 
 
 def _open(comm, path: str) -> files.Manifest:
     """The checkpoint's manifest, with every file it lists verified (with several ranks, each rank checks a share
-    and all agree: every rank raises if any file is bad, the error of the rank that found it)."""
+    and all agree: every rank raises if any file is bad, the error of the rank that found it), and, with several
+    ranks, the same checkpoint on every rank: DistributedError on every rank where they opened different ones
+    (different paths, or copies that differ on disks of their own), before anything is read out of them. The
+    ranks' agreement is the load's first control message (Comm.agree_on), so a rank in another call (a step) is
+    told too."""
     failed, manifest = None, None
     try:
         manifest = files.locate(path)
@@ -227,15 +253,44 @@ def _open(comm, path: str) -> files.Manifest:
         if failed is not None:
             raise failed
         return manifest
-    every: list = [None] * comm.world
-    dist.all_gather_object(every, None if failed is None else (type(failed), failed.args), group=comm.group)
-    first = next((e for e in every if e is not None), None)
+    which = None if manifest is None else _identity(manifest)
+    every = comm.agree_on("step.load", (failed is None, which), lambda: {
+        "failed": None if failed is None else (type(failed), failed.args),
+        "checkpoint": None if manifest is None else _checkpoint_name(path, manifest)}, after=AFTER_LOAD)
     if failed is not None:
         raise failed
+    if every is None:
+        return manifest
+    first = next((d["failed"] for d in every if d["failed"] is not None), None)
     if first is not None:
         kind, args = first
         raise kind(*args)
-    return manifest
+    by: dict[str, list[int]] = {}
+    for r, d in enumerate(every):
+        by.setdefault(d["checkpoint"], []).append(r)
+    shown = "; ".join(f"{'rank' if len(rs) == 1 else 'ranks'} {', '.join(map(str, rs))}: {c}" for c, rs in by.items())
+    raise DistributedError(
+        f"pstar-fx: step.load: the ranks opened different checkpoints ({shown}): each rank would restore its own "
+        "shards from its own, and the step would train a mix of them. Load the same checkpoint on every rank (the "
+        "same path on a file system they share, or identical copies). Nothing was loaded: the step's values are as "
+        "they were.")
+
+
+def _identity(manifest: files.Manifest) -> tuple:
+    """What tells checkpoints apart: the format and every file's size and checksums (identical copies agree)."""
+    return manifest.kind.value, sorted((n, s.size, s.crc32) for n, s in manifest.files.items())
+
+
+def _checkpoint_name(path: str, manifest: files.Manifest) -> str:
+    """A checkpoint as the ranks' disagreement names it: its path, a digest of its identity and its manifest's
+    modification time (an older copy shows as older)."""
+    try:
+        written = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(
+            os.path.getmtime(os.path.join(path, files.MANIFEST_OF[manifest.kind]))))
+    except OSError:
+        written = "?"
+    digest = digest64(_identity(manifest)) & 0xFFFFFFFF
+    return f"{path!r}, {manifest.kind.value} checkpoint {digest:08x} written {written}"
 
 
 def load(state: StepState, path) -> None:
@@ -244,8 +299,15 @@ def load(state: StepState, path) -> None:
     optimizer until the chunks exist) and after a failed step (CommitError): every value is replaced, and the step
     may be called again. Verifies and checks everything first (module docstring): a refused checkpoint raises
     CheckpointError or FileNotFoundError naming the file and changes nothing. With several ranks, every rank calls
-    it with the same path."""
+    it with the same checkpoint: DistributedError on every rank where they opened different ones (see `_open`), or
+    are in different calls (one loads, another steps), before anything is applied; and where a collective fails
+    (another rank failed or exited)."""
     path = _norm(path)
+    with collective_call(state.comm, "step.load", AFTER_LOAD, check=False):     # (_open checks the call)
+        _load(state, path)
+
+
+def _load(state: StepState, path: str) -> None:
     if state.store is None and state.model_is_empty():
         raise ValueError("step.load: the model was built under px.init_empty(), so its values will live in the "
                          "step's chunks, which do not exist yet: call step.lower(*batch) (or run a step) first, "

@@ -17,7 +17,12 @@ CPU-side gloo group of the same ranks (`control`), made once per process group, 
 and shared by the later ones: on NCCL, reading a GPU
 collective's result on the CPU would wait for everything queued on the GPU before it, at the start of every step.
 `agree(digest)` compares a 64-bit digest across the ranks in one all-reduce of 16 bytes; `gather_objects` (a
-second round, only where they disagree) collects what each rank has, to name the difference.
+second round, only where they disagree) collects what each rank has, to name the difference. `agree_on(call, ...)`
+is that pair of rounds for a collective function of the API (a training step, an evaluation, step.save, step.load,
+step.state_dict()): the function's name is in the digest and in what is gathered, so ranks in different functions,
+whose first control messages pair with each other, all raise the same DistributedError naming the functions, before
+any collective of either could pair with the other's. A collective that fails (another rank failed, exited, or never
+came) raises DistributedError naming what this rank was doing, with what that means for the step or checkpoint.
 
 A Comm holds its process groups by weak reference, so `torch.distributed.destroy_process_group()` ends them, and
 gloo's threads, where the user calls it, even while a compiled step is alive (a step is often kept alive by
@@ -31,13 +36,19 @@ from __future__ import annotations
 import contextlib
 import datetime
 import hashlib
+import os
 import re
 import weakref
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from ..errors import DistributedError
+
+CALLED = "the function called"     # the key of the collective function a rank is in, in what `agree_on` gathers
+# what a failed collective leaves, said after what failed
+AFTER_STEP = "The step's values are as they were before this step unless it had committed."
 
 
 class Comm:
@@ -100,30 +111,35 @@ class Comm:
         return t
 
     @contextlib.contextmanager
-    def _failing(self, what: str):
+    def _failing(self, what: str, after: str = AFTER_STEP):
         """A collective that fails (gloo: the peer closed its connection; NCCL: a timeout or an aborted
-        communicator) means another rank failed or exited: say so."""
+        communicator) means another rank failed or exited: say so, and (`after`) what that leaves."""
         try:
             yield
         except RuntimeError as e:
-            raise DistributedError(
-                f"pstar-fx: a collective ({what}) failed on rank {self.rank} of {self.world}: another rank probably "
-                f"failed or exited (its own error says why). The step's values are as they were before this step "
-                f"unless it had committed. ({type(e).__name__}: {e})") from e
+            raise self.failure(what, e, after) from e
+
+    def failure(self, what: str, e: BaseException, after: str = AFTER_STEP) -> DistributedError:
+        """The DistributedError for a collective that failed with `e` while this rank was doing `what`."""
+        return DistributedError(
+            f"pstar-fx: a collective ({what}) failed on rank {self.rank} of {self.world}: another rank probably "
+            f"failed or exited (its own error says why). {after} ({type(e).__name__}: {e})")
 
     def gather_full(self, shard: torch.Tensor, device: torch.device) -> torch.Tensor:
         """Every rank's shard of a flat buffer, concatenated in rank order, on the host (collective)."""
         dev = shard.device if self.backend != "nccl" else device
         full = torch.empty(shard.numel() * self.world, dtype=shard.dtype, device=dev)
         self.shard(full).copy_(shard)
-        dist.all_gather_into_tensor(full, self.shard(full), group=self.group)
+        with self._failing("gathering a chunk's shards"):
+            dist.all_gather_into_tensor(full, self.shard(full), group=self.group)
         return full.cpu()
 
-    def agree(self, digest: int) -> bool:
+    def agree(self, digest: int, what: str = "comparing what the ranks must agree on", after: str = AFTER_STEP
+              ) -> bool:
         """Whether every rank passed the same 64-bit digest (a collective on the control group: one all-reduce of
         two int64, the largest digest and the largest complement, which equal the smallest's complement)."""
         t = torch.tensor([digest, ~digest], dtype=torch.int64)
-        with self._failing("comparing what the ranks must agree on"):
+        with self._failing(what, after):
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.control)
         return int(t[0]) == ~int(t[1])
 
@@ -135,23 +151,83 @@ class Comm:
             dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.control)
         return [int(v) for v in t]
 
-    def gather_objects(self, obj) -> list:
+    def gather_objects(self, obj, what: str = "gathering what the ranks disagree on", after: str = AFTER_STEP
+                       ) -> list:
         """Every rank's `obj` (picklable), in rank order (a collective on the control group)."""
         every: list = [None] * self.world
-        with self._failing("gathering what the ranks disagree on"):
+        with self._failing(what, after):
             dist.all_gather_object(every, obj, group=self.control)
         return every
 
-    def check_same(self, value, what: str) -> None:
-        """Raise DistributedError unless every rank holds the same value, compared by repr (a collective)."""
-        mine = repr(value)
-        if self.agree(digest64(mine)):
-            return
-        every = self.gather_objects(mine)
-        differ = [r for r, v in enumerate(every) if v != mine]
-        raise DistributedError(
-            f"pstar-fx: rank {self.rank} and ranks {differ} disagree on {what}: every rank must call the step "
-            "with batches of the same shapes and dtypes, and compile it with the same settings")
+    def broadcast_object(self, obj, what: str, after: str = AFTER_STEP):
+        """Rank 0's `obj` (picklable) on every rank (a collective on the control group)."""
+        box = [obj]
+        with self._failing(what, after):
+            dist.broadcast_object_list(box, src=dist.get_global_rank(self.control, 0), group=self.control)
+        return box[0]
+
+    def agree_on(self, call: str, parts=(), describe: Callable[[], dict] | None = None, after: str = AFTER_STEP
+                 ) -> list[dict] | None:
+        """Whether every rank is in the same collective function of the API (`call`: "the training step",
+        "step.save", ...) with the same `parts` (anything `digest64` takes): one `agree` on the control group. None
+        where they agree; else every rank's description (a second round: `describe()`, a dict of what the rank
+        has, with its `call` under CALLED), in rank order, for the caller to name what differs. Where the ranks are
+        in different functions, raises DistributedError on every rank naming them instead: every function of the
+        API that is a collective comes to the control group first through here, so the first control messages of
+        two ranks in different functions pair with each other, and each finds out. `after`: what a failed
+        collective leaves (see `failure`)."""
+        if self.agree(digest64(call, parts), f"{call}: comparing what the ranks must agree on", after):
+            return None
+        every = self.gather_objects({CALLED: call, **(describe() if describe is not None else {})},
+                                    f"{call}: gathering what the ranks disagree on", after)
+        calls: dict[str, list[int]] = {}
+        for r, d in enumerate(every):
+            calls.setdefault(d.get(CALLED, "?"), []).append(r)
+        if len(calls) > 1:
+            called = "; ".join(f"{'rank' if len(rs) == 1 else 'ranks'} {', '.join(map(str, rs))}: {c}"
+                               for c, rs in calls.items())
+            raise DistributedError(
+                f"pstar-fx: the ranks called different functions ({called}), so their collectives would pair "
+                "with each other's. Every rank must call the same compiled functions (training steps and "
+                "evaluations alike) and step.save, step.load and step.state_dict() in the same order: each is a "
+                "collective. None of these calls ran: the step's values and the checkpoints are as they were.")
+        return every
+
+
+@contextlib.contextmanager
+def collective_call(comm: Comm | None, call: str, after: str, arguments: dict | None = None, check: bool = True):
+    """A collective function of the API (`call`: "step.save", ...) run inside: with several ranks, first (`check`)
+    every rank is checked to be in it too, with the same `arguments` (name -> value; `Comm.agree_on`), then a
+    collective that fails inside it, a torch.distributed one included, raises DistributedError naming the call and
+    (`after`) what that leaves. Nothing with one rank (comm None)."""
+    if comm is None:
+        yield
+        return
+    args = {k: repr(v) for k, v in (arguments or {}).items()}
+    every = comm.agree_on(call, sorted(args.items()), lambda: args, after=after) if check else None
+    if every is not None:
+        differ = ", ".join(f"{k} ({'; '.join(f'rank {r}: {d.get(k)}' for r, d in enumerate(every))})"
+                           for k in args if len({d.get(k) for d in every}) > 1)
+        raise DistributedError(f"pstar-fx: the ranks called {call} with different arguments: {differ}. Call it "
+                               "alike on every rank. Nothing ran.")
+    try:
+        yield
+    except RuntimeError as e:
+        if not raised_by_collective(e):
+            raise
+        raise comm.failure(call, e, after) from e
+
+
+def raised_by_collective(e: BaseException) -> bool:
+    """A DistributedError, or an exception raised by a torch.distributed collective (its innermost Python frame is
+    in torch's distributed_c10d.py: gloo reports a peer that closed its connection, or a timeout, as a plain
+    RuntimeError)."""
+    if isinstance(e, DistributedError):
+        return True
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and os.path.basename(tb.tb_frame.f_code.co_filename) == "distributed_c10d.py"
 
 
 # a process group -> its control group, made by the first Comm over it and shared by every later one (each group
