@@ -97,6 +97,8 @@ class CompiledStep:
         self._comm = default_comm(dev)       # the default process group, when one of 2+ ranks exists
         world = 1 if self._comm is None else self._comm.world
         budget, self._default_budget = resolve_budget(device_memory, dev, world)
+        if self._comm is not None:           # (resolve_tiers' agreement is a collective: every rank must be here)
+            self._comm.agree_on("px.compile")
         host_budget, offload, disk_budget = resolve_tiers(host_memory, offload_dir, disk_memory, self._comm)
         fuse = resolve_fuse(fuse, dev, prec, world)
         self.settings = Settings(precision=prec, device=dev, budget=budget,

@@ -106,7 +106,8 @@ def test_an_lr_scheduler_stepped_on_one_rank_is_refused_at_the_next_step(ranks):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("what, called", [("evaluate", "an evaluation function"), ("save", "step.save"),
-                                          ("load", "step.load"), ("state_dict", "step.state_dict()")])
+                                          ("load", "step.load"), ("state_dict", "step.state_dict()"),
+                                          ("compile", "px.compile")])
 def test_a_call_on_one_rank_while_the_other_trains_is_refused_on_both(ranks, what, called):
     recs = [res[f"one_rank_{what}"] for res in ranks]
     for r, rec in enumerate(recs):

@@ -136,6 +136,8 @@ def agree(rank: int, tmp: str, result: dict) -> None:
                         step.load(f"{tmp}/a")
                     elif what == "state_dict":
                         step.state_dict()
+                    elif what == "compile":
+                        compiled()             # a training step's construction agrees its host budget: a collective
                 else:
                     train(step, rec, 1)
             except px.DistributedError as e:
@@ -156,7 +158,7 @@ def agree(rank: int, tmp: str, result: dict) -> None:
     scenario("precision", differing({"precision": "bf16"}))
     scenario("chunk_size", differing({"chunk_size": 1024}))
     scenario("device_memory", differing({"device_memory": budget}))
-    for what in ("evaluate", "save", "load", "state_dict"):
+    for what in ("evaluate", "save", "load", "state_dict", "compile"):
         scenario(f"one_rank_{what}", one_rank_calls(what))
 
 
