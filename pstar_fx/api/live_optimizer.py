@@ -291,13 +291,29 @@ class CompiledAdam(_Live, torch.optim.Adam):
 
 
 def build(spec: OptimizerSpec, model: nn.Module) -> torch.optim.Optimizer:
-    """The live optimizer for a model: torch's groups as given (or one group of every parameter)."""
-    params = [dict(g) for g in spec.groups] if spec.groups is not None else list(model.parameters())
+    """The live optimizer for a model: torch's groups as given (or one group of every parameter). torch's constructor
+    sees shape-only stand-ins of the parameters, then its groups get the parameters themselves: a constructor that
+    makes states from them (Adagrad's `full_like` sums) would read a model another step holds, and the chunks hold
+    the states anyway."""
+    groups = [dict(g) for g in spec.groups] if spec.groups is not None else [{"params": list(model.parameters())}]
+    real: dict[int, torch.Tensor] = {}
+
+    def stand_in(p):
+        if isinstance(p, tuple):             # (name, parameter), as named_parameters() gives them
+            return (p[0], stand_in(p[1]))
+        s = torch.empty(p.shape, dtype=p.dtype, device="meta")
+        real[id(s)] = p
+        return s
+    for g in groups:
+        g["params"] = [stand_in(p) for p in (list(g["params"]) if not isinstance(g["params"], torch.Tensor)
+                                             else [g["params"]])]
     if spec.is_adam:
         cls = CompiledAdamW if spec.decoupled else CompiledAdam
     else:
         cls = type(f"Compiled{spec.name}", (_Live, spec.torch_class), {"torch_class": spec.torch_class})
-    opt = cls(params, **spec.defaults)
+    opt = cls(groups, **spec.defaults)
     opt.state.clear()          # states a constructor made (Adagrad's sums): the chunks hold them
+    for g in opt.param_groups:
+        g["params"] = [real[id(s)] for s in g["params"]]
     opt._setup(model, spec.state)
     return opt

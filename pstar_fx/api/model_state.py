@@ -115,6 +115,7 @@ class ModelHold:
                 values = self.values(list(held))
                 copies = {n: values[n].detach().to(device=t.device, dtype=t.dtype, copy=True)
                           for n, t in held.items()}
+                drop_weight_refs(model)
                 release(held, copies)
             finally:
                 self.giving_back = False
@@ -376,6 +377,7 @@ def hold(model: nn.Module, owner: ModelHold) -> None:
         if isinstance(t, nn.Parameter):
             stand_in = nn.Parameter(stand_in, requires_grad=t.requires_grad)
         stand_ins.append((t, stand_in))
+    drop_weight_refs(model)
     _swap_all(stand_ins)
     if not owner.hooks:
         owner.hooks = [m.register_state_dict_post_hook(_state_dict_values) for m in model.modules()
@@ -390,6 +392,25 @@ def release(held: dict[str, torch.Tensor], values: dict[str, torch.Tensor]) -> N
         v = values[name]
         pairs.append((t, nn.Parameter(v, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else v))
     _swap_all(pairs)
+
+
+class _Gone:
+    pass
+
+
+def _dead_ref() -> weakref.ref:
+    return weakref.ref(_Gone())          # (its object is freed at once: the reference is dead)
+
+
+def drop_weight_refs(model: nn.Module) -> None:
+    """Replace the weak references nn.LSTM, nn.GRU and nn.RNN keep to their weights (to notice a weight replaced
+    under them; an eager forward, copy.deepcopy or torch.save makes them again) by dead ones: torch.utils.swap_tensors
+    refuses a tensor that has a weak reference, and a dead one tells the module's next forward that its weights
+    changed, so it takes them anew (a trace leaves fake tensors in its list of them)."""
+    for m in model.modules():
+        refs = m.__dict__.get("_flat_weight_refs")
+        if isinstance(m, nn.RNNBase) and refs:
+            m._flat_weight_refs = [None if r is None else _dead_ref() for r in refs]
 
 
 def _swap_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:

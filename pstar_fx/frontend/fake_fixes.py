@@ -170,18 +170,19 @@ def _set_output(n: torch.fx.Node, index: int, value: torch.Tensor) -> None:
             user.meta["val"] = value
 
 
-def real_allocations(gm: torch.fx.GraphModule) -> None:
+def real_allocations(gm: torch.fx.GraphModule, backward: bool = True) -> None:
     """The traced values of oneDNN's LSTM layer on the CPU allocated as its real kernels allocate, so the plan counts
     what they hold: the forward's workspace (saved for backward: 0 bytes from the fake kernel, tens of KiB and more
     from the real one, whose size depends on the shapes only, so it is measured by running the real kernel once on
-    zeros of the traced shapes) and the backward's two bias gradients (one tensor twice from the fake kernel, two
-    from the real one)."""
+    zeros of the traced shapes, with grad mode as the graph runs: on for a training step, off for a forward-only
+    one, `backward` False, where the kernel makes none) and the backward's two bias gradients (one tensor twice
+    from the fake kernel, two from the real one)."""
     for n in gm.graph.nodes:
         val = n.meta.get("val")
         if not isinstance(val, (tuple, list)):
             continue
         index = next((i for op, i in _WORKSPACES if n.target is op.default), None)
-        if index is not None and val[index].numel() == 0:
+        if index is not None and val[index].numel() == 0 and backward:
             _set_output(n, index, _real_workspace(n, index, val))
         index = next((i for op, i in _SEPARATE if n.target is op.default), None)
         if index is not None and val[index].untyped_storage()._cdata == val[index - 1].untyped_storage()._cdata:
@@ -194,7 +195,7 @@ def _real_workspace(n: torch.fx.Node, index: int, val) -> torch.Tensor:
         v = a.meta.get("val") if isinstance(a, torch.fx.Node) else a
         return torch.zeros(v.shape, dtype=v.dtype) if isinstance(v, torch.Tensor) else v
     args = [[real(x) for x in a] if isinstance(a, (list, tuple)) else real(a) for a in n.args]
-    with torch.enable_grad():      # (under no_grad the kernel makes no workspace)
+    with torch.enable_grad():      # (under no_grad, as a forward-only graph runs, the kernel makes none)
         workspace = n.target(*args, **{k: real(v) for k, v in n.kwargs.items()})[index]
     with val[index].fake_mode:
         return torch.empty(0 if workspace is None else workspace.numel(), dtype=val[index].dtype)

@@ -460,7 +460,7 @@ def _trace_step(fn, model: nn.Module, batch: tuple, settings: Settings, assume: 
         raise error from e
     _reject_unbounded(gm, mode.shape_env)
     _reject_sparse(gm)
-    fake_fixes.real_allocations(gm)
+    fake_fixes.real_allocations(gm, backward=settings.optimizer is not None)
     guard_nodes = set(insert_guards(gm, mode.shape_env))
 
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]

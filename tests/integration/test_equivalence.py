@@ -4,7 +4,9 @@ import dataclasses
 import pytest
 import torch
 
-from harness import compiled_run, eager_run, fetch_counts, host_params, rel_err, small_batches, tight_budget
+import pstar_fx as px
+
+from harness import HYPER, compiled_run, eager_run, fetch_counts, host_params, rel_err, small_batches, tight_budget
 from models import CASES, CASES_BY_NAME, MLP, Case, assert_state_close, tiny_llama
 
 pytestmark = pytest.mark.cuda
@@ -196,3 +198,41 @@ def test_lstm_plans_its_real_workspace_and_matches_eager(tight):
     if step.settings.device.type == "cpu" and torch.backends.mkldnn.is_available():
         workspaces = [n for n in step.graphs["traced"].nodes if "mkldnn_rnn_layer.default" in str(n.target)]
         assert workspaces and all(n.meta["val"][3].numel() > 0 for n in workspaces)
+
+
+def test_lstm_evaluation_plans_what_its_forward_only_run_allocates():
+    """Forward only, under no_grad, oneDNN's LSTM layer makes no workspace: the plan counts none, and debug=True
+    finds measured = predicted at every node."""
+    model = LSTM.build_model()
+    evaluate = px.compile(model, optimizer=None, device="cpu", debug=True)(LSTM.loss_fn)
+    batch = LSTM.batch(0)
+    want = LSTM.loss_fn(LSTM.build_model(), *batch)
+    got = evaluate(*batch)
+    assert torch.equal(got, want.detach())
+    assert evaluate.last_step.measured_peak == evaluate.graphs["scheduled"].plan.predicted_peak
+
+
+def test_an_lstm_used_eagerly_between_steps_is_taken_back_and_trains_as_eager():
+    """nn.LSTM keeps weak references to its weights, which an eager forward, copy.deepcopy or torch.save makes
+    again; torch.utils.swap_tensors refuses a tensor that has one. The model is given back and taken again anyway,
+    and trains as eager code does."""
+    import copy
+    model, ref = LSTM.build_model(), LSTM.build_model()
+    step = px.compile(model, optimizer=px.AdamW(**HYPER), device="cpu")(LSTM.loss_fn)
+    opt = torch.optim.AdamW(ref.parameters(), **HYPER, fused=True)
+    for i in range(3):
+        got = step(*LSTM.batch(i))
+        want = LSTM.loss_fn(ref, *LSTM.batch(i))
+        want.backward()
+        opt.step()
+        opt.zero_grad()
+        assert rel_err([got.item()], [want.item()]) <= 1e-6
+        if i == 0:
+            copy.deepcopy(model)                 # of the held model
+            step.sync_model()
+            with torch.no_grad():
+                model(LSTM.batch(1)[0])          # eager use of the given-back model
+        if i == 1:
+            step.sync_model()
+            copy.deepcopy(model)
+    assert_state_close(step.state_dict(), ref.state_dict(), rtol=1e-5)

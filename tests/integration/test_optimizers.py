@@ -366,3 +366,30 @@ def test_host_update_in_blocks_equals_one_pass(name, mixed):
         buffers[block] = (param, state)
     assert torch.equal(buffers[n][0], buffers[4096][0]) and torch.equal(buffers[n][1], buffers[4096][1])
     assert not torch.equal(buffers[n][0].float(), master)
+
+
+@pytest.mark.parametrize("cls", [torch.optim.Adagrad, torch.optim.SGD])
+def test_a_second_compile_over_a_held_model_takes_it_with_an_optimizer_whose_constructor_reads_parameters(cls):
+    """torch.optim.Adagrad's constructor makes its sums with full_like(p): the live optimizer is built on shape-only
+    stand-ins, so a second px.compile of a model the first step holds takes it (from the trained values) as with
+    any other optimizer, and trains on."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    x, y = torch.randn(8, 4), torch.randn(8, 3)
+
+    def loss(m, x, y):
+        return nn.functional.mse_loss(m(x), y)
+    first = px.compile(model, optimizer=px.AdamW(lr=1e-2), device="cpu")(loss)
+    first(x, y)
+    trained = first.state_dict()
+    second = px.compile(model, optimizer=px.optim_from_torch(cls, lr=1e-2), device="cpu")(loss)
+    ref = nn.Linear(4, 3)
+    ref.load_state_dict(trained)
+    opt = cls(ref.parameters(), lr=1e-2)
+    got = second(x, y)
+    want = loss(ref, x, y)
+    want.backward()
+    opt.step()
+    assert rel_err([got.item()], [want.item()]) <= 1e-6
+    assert_state_close(second.state_dict(), ref.state_dict(), rtol=1e-6)
+    assert all(p.device.type != "meta" for g in second.optimizer.param_groups for p in g["params"])
