@@ -295,7 +295,6 @@ def build(spec: OptimizerSpec, model: nn.Module) -> torch.optim.Optimizer:
     sees shape-only stand-ins of the parameters, then its groups get the parameters themselves: a constructor that
     makes states from them (Adagrad's `full_like` sums) would read a model another step holds, and the chunks hold
     the states anyway."""
-    groups = [dict(g) for g in spec.groups] if spec.groups is not None else [{"params": list(model.parameters())}]
     real: dict[int, torch.Tensor] = {}
 
     def stand_in(p):
@@ -304,9 +303,13 @@ def build(spec: OptimizerSpec, model: nn.Module) -> torch.optim.Optimizer:
         s = torch.empty(p.shape, dtype=p.dtype, device="meta")
         real[id(s)] = p
         return s
-    for g in groups:
-        g["params"] = [stand_in(p) for p in (list(g["params"]) if not isinstance(g["params"], torch.Tensor)
-                                             else [g["params"]])]
+    if spec.groups is None:              # (a flat list: torch refuses an empty one, as for a model without parameters)
+        groups = [stand_in(p) for p in model.parameters()]
+    else:
+        groups = [dict(g) for g in spec.groups]
+        for g in groups:
+            g["params"] = [stand_in(p) for p in (list(g["params"]) if not isinstance(g["params"], torch.Tensor)
+                                                 else [g["params"]])]
     if spec.is_adam:
         cls = CompiledAdamW if spec.decoupled else CompiledAdam
     else:
