@@ -53,11 +53,8 @@ def method_caches(model: nn.Module) -> list:
     spaces += [vars(sys.modules[name]) for name in {cls.__module__ for cls in classes} if name in sys.modules]
     for space in spaces:
         for value in list(space.values()):
-            if callable(value) and not isinstance(value, type):
-                for cache in _caches_of(value):
-                    out.setdefault(id(cache), cache)
-            elif isinstance(value, (classmethod, staticmethod)):
-                for cache in _caches_of(value.__func__):
+            if isinstance(value, (classmethod, staticmethod)) or (callable(value) and not isinstance(value, type)):
+                for cache in _caches_of(value):      # (_caches_of follows a classmethod's __func__)
                     out.setdefault(id(cache), cache)
     return list(out.values())
 

@@ -138,7 +138,7 @@ class _Entry:
         if len(self.scalars) == 1:
             raw = (raw,)
         if len(raw) != len(self.raw) or not all(map(operator.is_, raw, self.raw)):
-            self.raw, self.key = raw, tuple(map(_scalar_or_none, raw))
+            self.raw, self.key = raw, tuple(map(_value_key, raw))
         if not self.containers:
             return self.key
         values = [self.d[k] for k in self.containers]
@@ -146,10 +146,6 @@ class _Entry:
         if items != self.items:      # (NaN never equals itself: then keyed again; True == 1: not told apart here)
             self.items, self.ckey = items, tuple(map(_value_key, values))
         return self.key + self.ckey
-
-
-def _scalar_or_none(v):
-    return None if v is None else _scalar(v)
 
 
 class ModuleScalars:
