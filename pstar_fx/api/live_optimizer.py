@@ -19,6 +19,10 @@ It is a real object of that class over the model's own tensors, so it has torch'
 - pstar-fx steps all parameters of a chunk together, so they share their 0-d states; a loaded state whose
   parameters of one chunk differ in 'step' (or another 0-d state, or of which some have state and others not) is
   rejected.
+- With several ranks, `state_dict()` gathers every chunk's states from every rank and `load_state_dict()` gathers
+  them to write each rank's shard: both are collectives once the store exists (none before the first step, when
+  the states wait in `_pending`), and begin with the ranks' check that every rank calls the same function
+  (`Comm.agree_on`), so a rank that calls one while another trains is refused at once on every rank.
 """
 from __future__ import annotations
 
@@ -30,10 +34,15 @@ import torch.nn as nn
 from ..ir.graph import ChunkGroup
 from ..optim import (ADAM_STATE, OptimizerLayout, OptimizerSpec, StateDtype, StateLayout, TorchConfig, check_group,
                      check_options, is_adam, probe)
+from ..runtime.comm import collective_call
 
 _STEP_EXPLAINED = ("step.optimizer is driven by the compiled step: calling step(*batch) runs forward, backward and "
                    "this optimizer's update. Do not call step.optimizer.step(); change param_groups (or use an "
                    "lr_scheduler) between calls of the compiled step.")
+# what a collective that fails inside state_dict() / load_state_dict() leaves (Comm.failure says it after the call)
+AFTER_READ = "The optimizer's states are as they were."
+AFTER_WRITE = ("The optimizer's options are as they were; some chunks' states may be loaded and others not: load the "
+               "state dict again, on every rank, before the next step.")
 
 
 class _Live:
@@ -242,12 +251,19 @@ class _Live:
                             parts[k][p.offset:p.offset + p.numel].copy_(states[n][k].reshape(-1))
             st.values.put_state_parts(cid, parts)
 
+    def _collective(self, call: str, after: str):
+        """Around a call that, with several ranks, gathers chunks (once the store exists): every rank first checks
+        that every rank is in `call` (collective_call); nothing to check with one rank or before the store."""
+        return collective_call(None if self._store is None else self._store.comm, call, after)
+
     # -- torch's state-dict format ---------------------------------------------------------------------------------
     def state_dict(self):
         """torch's format: {'state': {index: {key: value}}, 'param_groups': [...]} (AdamW: 'step', 'exp_avg',
-        'exp_avg_sq'), with fresh tensors (nothing shared with the store)."""
+        'exp_avg_sq'), with fresh tensors (nothing shared with the store). With several ranks, once the store
+        exists, a collective (every rank calls it)."""
         if self._store is not None:
-            states = self._read()
+            with self._collective("step.optimizer.state_dict()", AFTER_READ):
+                states = self._read()
         else:
             states = {n: {k: v.clone() for k, v in s.items()} for n, s in (self._pending or {}).items()}
         for t, name, _ in self.entries():
@@ -265,7 +281,12 @@ class _Live:
 
     def load_state_dict(self, state_dict) -> None:
         """Load torch's format for this class (from eager PyTorch or from pstar-fx). Options replace the groups'
-        (as in torch); moments go into the store (or wait for it, before the first step)."""
+        (as in torch); moments go into the store (or wait for it, before the first step). With several ranks, once
+        the store exists, a collective (every rank calls it, with the same state dict)."""
+        with self._collective("step.optimizer.load_state_dict()", AFTER_WRITE):
+            self._load(state_dict)
+
+    def _load(self, state_dict) -> None:
         old_groups = self.param_groups
         super().load_state_dict(state_dict)
         loaded = {self._name_of[id(t)]: s for t, s in self.state.items() if isinstance(t, torch.Tensor)}

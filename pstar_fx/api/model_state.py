@@ -48,7 +48,7 @@ from ..errors import ModelHeldError, warn
 from ..frontend.init_empty import fill_chunks, is_empty
 from ..interrupts import DeferredInterrupt
 from ..ir.graph import Role
-from ..runtime.comm import Comm
+from ..runtime.comm import Comm, collective_call
 from ..units import format_bytes
 from .agreement import check_same_values
 
@@ -64,6 +64,10 @@ class IncompatibleKeys(NamedTuple):
 
 
 _METADATA_OPS = {torch.ops.aten.detach.default, torch.ops.aten.alias.default}
+# the function the ranks agree they call (Comm.agree_on): step.sync_model() and px.sync_model(model) alike
+SYNC_MODEL = "sync_model()"
+AFTER_SYNC = ("What was not given back stays in the steps' chunks (the model's tensors still held): call sync_model() "
+              "again, on every rank.")
 _WORKER_THREADS = "pstar-fx"      # the name prefix of pstar-fx's own threads (runtime/host_updates, host_memory)
 
 
@@ -361,10 +365,24 @@ def current_values(model: nn.Module) -> dict[str, torch.Tensor]:
 def sync_model(model: nn.Module) -> nn.Module:
     """Give the model its values back from whatever holds its tensors (one step or several, live or dropped): the
     same as `step.sync_model()` of a step compiled on it, for when that step is out of reach (a training function
-    that was interrupted keeps its step alive in the traceback). Returns the model. With several ranks, a collective."""
-    for h in holders(model):
-        h.give_back()
+    that was interrupted keeps its step alive in the traceback). Returns the model. With several ranks, a collective
+    where a step holds any of the model's tensors: every rank first checks that every rank calls it (see
+    `sync_comm`)."""
+    with collective_call(sync_comm(model), SYNC_MODEL, AFTER_SYNC):
+        for h in holders(model):
+            h.give_back()
     return model
+
+
+def sync_comm(model: nn.Module, comm: Comm | None = None, taking: bool = False) -> Comm | None:
+    """The Comm over which the ranks check that each calls sync_model() (Comm.agree_on, before its first
+    collective), where it runs collectives: a step of several ranks holds some of the model's tensors (giving them
+    back gathers their chunks), or (`taking`) the step, of `comm`, takes a model built under px.init_empty() into
+    its chunks first. None where it runs none (nothing held, or one rank): nothing to check."""
+    for h in holders(model):
+        if h.store.comm is not None:
+            return comm if comm is not None else h.store.comm
+    return comm if taking else None
 
 
 def hold(model: nn.Module, owner: ModelHold) -> None:
@@ -480,10 +498,13 @@ class ModelState:
             self.take()
 
     def give_back(self) -> nn.Module:
-        """sync_model(): the model gets its current values back from whichever step holds each of its tensors."""
-        self.fill_if_empty()
-        for h in holders(self.model):
-            h.give_back()
+        """sync_model(): the model gets its current values back from whichever step holds each of its tensors. With
+        several ranks, where that runs collectives, every rank first checks that every rank calls it (`sync_comm`)."""
+        taking = self.compiler.store is not None and any(is_empty(t) for t in model_tensors(self.model).values())
+        with collective_call(sync_comm(self.model, self.comm, taking), SYNC_MODEL, AFTER_SYNC):
+            self.fill_if_empty()
+            for h in holders(self.model):
+                h.give_back()
         return self.model
 
     def state_dict(self, rank0_only: bool = False) -> dict[str, torch.Tensor]:

@@ -63,7 +63,10 @@ nothing under `path` and both beside it (the load error names them): never a hal
 accepts. `save` replaces only a pstar-fx checkpoint (a directory with a manifest and nothing it does not list) or
 an empty directory; anything else (the user's own model.pt) is refused and left as it is. After publishing, it
 removes what killed saves to the same path left beside it (`<path>.tmp-*`, `<path>.old-*` holding only checkpoint
-files). File system errors name the file and the cause (disk full, read-only, permission denied).
+files). Where `path` is a symbolic link (to a directory, or dangling), all of this happens at the link's target,
+followed link by link (files.save_target): the new checkpoint replaces the target, the link is kept and points at
+it, and nothing is made beside the link; links that loop are refused. File system errors name the file and the
+cause (disk full, read-only, permission denied).
 
 The modules: save_load.py (the atomic save and the verified load, both formats), plain.py and sharded.py (the two
 formats), files.py (manifest, checksums, the layout on disk), checks.py (contents checked before anything is

@@ -240,9 +240,15 @@ def locate(path: str) -> Manifest:
             "checkpoints without manifests, which are not loaded since nothing verifies them). Its .pt files load "
             "with torch.load(f, weights_only=True): pass model.pt to step.load_state_dict and optimizer.pt to "
             "step.optimizer.load_state_dict, then step.save a new checkpoint")
-    aside = _aside(path)
-    hint = (f"; an interrupted save left {aside} beside it: '.old-*' is the previous checkpoint, a '.tmp-*' that "
-            f"holds a manifest the new one; rename the one you want to {os.path.basename(path)!r}") if aside else ""
+    try:
+        target = save_target(path)       # a save through a symbolic link works beside the link's target
+    except (OSError, ValueError):
+        target = path
+    aside = _aside(target)
+    beside = "it" if target == path else f"the link's target {target!r}"
+    hint = (f"; an interrupted save left {aside} beside {beside}: '.old-*' is the previous checkpoint, a '.tmp-*' "
+            f"that holds a manifest the new one; rename the one you want to {os.path.basename(target)!r}"
+            ) if aside else ""
     raise FileNotFoundError(errno.ENOENT, f"step.load: {path!r} is not a pstar-fx checkpoint (it has neither "
                             f"{PLAIN_MANIFEST} nor a sharded checkpoint's {SHARDED_MANIFEST})" + hint, path)
 
@@ -309,31 +315,61 @@ def is_checkpoint(path: str) -> bool:
     return False
 
 
-def prepare(path: str) -> tuple[str, str]:
-    """Before writing (rank 0): check what is at `path`, make the temporary directory; returns (tmp, old)."""
-    if os.path.exists(path):
-        if not os.path.isdir(path):
-            raise ValueError(f"step.save: {path!r} exists and is not a directory; pass a directory name")
-        if os.listdir(path) and not is_checkpoint(path):
-            names = sorted(os.listdir(path))
-            raise ValueError(f"step.save: {path!r} holds files that are not a pstar-fx checkpoint's ({names[:3]}"
+_MAX_LINKS = 40          # symbolic links followed from a save's path before it counts as a loop (as Linux's ELOOP)
+
+
+def save_target(path: str) -> str:
+    """Where a save to `path` publishes its checkpoint: `path` itself, or, where `path` is a symbolic link (to a
+    directory, or dangling), what the link points to, followed link by link (a relative link from the link's own
+    directory). The temporary directory is made beside that target and renamed onto it, so the link is kept and
+    points at the new checkpoint, and nothing is left beside the link. A link whose parent directories are links
+    needs nothing: the file system follows those. ValueError for links that loop, or that lead to a root."""
+    target = path
+    for _ in range(_MAX_LINKS + 1):
+        if not os.path.islink(target):
+            break
+        target = os.path.join(os.path.dirname(target), os.readlink(target)).rstrip(os.sep) or os.sep
+        if os.path.basename(target) in ("", ".", ".."):      # a link to "." or "..": the directory it names
+            target = os.path.realpath(target)
+    else:
+        raise ValueError(f"step.save: {path!r} is a symbolic link that leads to a loop (more than {_MAX_LINKS} "
+                         f"links, the last {target!r}); nothing was changed. Point it at a directory, or pass a "
+                         "directory name")
+    if os.path.dirname(target) == target:
+        raise ValueError(f"step.save: {path!r} is a symbolic link to the root directory {target!r}; nothing was "
+                         "changed. Point it at a checkpoint directory, or pass a directory name")
+    return target
+
+
+def prepare(path: str) -> tuple[str, str, str]:
+    """Before writing (rank 0): find where the checkpoint goes (`save_target`: `path`, or the target of the link
+    `path` is), check what is there, make the temporary directory beside it; returns (target, tmp, old)."""
+    target = save_target(path)
+    shown = repr(path) if target == path else f"{path!r} (a symbolic link to {target!r})"
+    if os.path.exists(target):
+        if not os.path.isdir(target):
+            raise ValueError(f"step.save: {shown} exists and is not a directory; pass a directory name")
+        if os.listdir(target) and not is_checkpoint(target):
+            names = sorted(os.listdir(target))
+            raise ValueError(f"step.save: {shown} holds files that are not a pstar-fx checkpoint's ({names[:3]}"
                              f"{'...' if len(names) > 3 else ''}: a checkpoint has a manifest listing every file); "
                              "nothing was changed. Save into a new directory, an empty one, or a pstar-fx checkpoint, "
                              "which is replaced as a whole")
-    parent = os.path.dirname(os.path.abspath(path))
+    parent = os.path.dirname(os.path.abspath(target))
     tag = uuid.uuid4().hex[:8]
-    tmp, old = f"{path}.tmp-{tag}", f"{path}.old-{tag}"
+    tmp, old = f"{target}.tmp-{tag}", f"{target}.old-{tag}"
     for make, where in ((lambda: os.makedirs(parent, exist_ok=True), parent), (lambda: os.mkdir(tmp), tmp)):
         try:
             make()
         except OSError as e:
             raise described(e, where, "step.save: creating") from e
-    return tmp, old
+    return target, tmp, old
 
 
 def publish(path: str, tmp: str, old: str) -> None:
-    """After every rank has written (rank 0): the temporary directory takes the checkpoint's name; then what
-    earlier, killed saves left beside it goes (never before: an '.old-*' may have been the only whole checkpoint)."""
+    """After every rank has written (rank 0): the temporary directory takes the checkpoint's name (`path`: the target
+    `prepare` returned, never a symbolic link); then what earlier, killed saves left beside it goes (never before: an
+    '.old-*' may have been the only whole checkpoint)."""
     parent = os.path.dirname(os.path.abspath(path))
     fsync_dir(tmp)
     if os.path.exists(path):

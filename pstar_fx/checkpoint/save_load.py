@@ -147,10 +147,11 @@ def save(state: StepState, path, *, sharded: bool | None = None, frozen: bool = 
     frozen=False leaves out the parameters the step does not train (plain files only): a load keeps the model's own
     values for them (a fine-tune's base weights, which the base checkpoint holds). Reads values only; the step's state
     is not changed (a model built under px.init_empty() is first taken into the chunks, as step.state_dict() does).
-    With several ranks, every rank calls it with the same path and arguments: DistributedError on every rank where
-    the ranks are in different calls (one saves, another steps), or call it with other arguments, before anything
-    is written; and where a collective fails (another rank failed or exited), with the previous checkpoint in
-    place."""
+    A `path` that is a symbolic link: the checkpoint replaces the link's target, and the link is kept
+    (files.save_target). With several ranks, every rank calls it with the same path and arguments: DistributedError
+    on every rank where the ranks are in different calls (one saves, another steps), or call it with other
+    arguments, before anything is written; and where a collective fails (another rank failed or exited), with the
+    previous checkpoint in place."""
     path = _norm(path)
     with collective_call(state.comm, "step.save", AFTER_SAVE, {"sharded": sharded, "frozen": frozen}):
         _save(state, path, sharded, frozen)
@@ -185,17 +186,18 @@ def _save(state: StepState, path: str, sharded: bool | None, frozen: bool) -> No
         raise refused
     if isinstance(where, str):
         raise ValueError(f"step.save({path!r}) refused on rank 0: {where}")
-    tmp, old = where
+    target, tmp, old = where
     try:
-        _write(state, path, tmp, old, as_sharded, contents)
+        _write(state, path, target, tmp, old, as_sharded, contents)
     except BaseException as e:
         if rank == 0 and raised_by_collective(e):     # another rank failed or exited: its part is not there
             shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 
-def _write(state: StepState, path: str, tmp: str, old: str, as_sharded: bool, contents) -> None:
-    """The files written into `tmp`, checksummed, listed in the manifest, and published at `path` by rank 0."""
+def _write(state: StepState, path: str, target: str, tmp: str, old: str, as_sharded: bool, contents) -> None:
+    """The files written into `tmp`, checksummed, listed in the manifest, and published at `target` by rank 0
+    (`path`, or the target of the symbolic link `path` is: files.save_target)."""
     comm, rank = state.comm, state.rank
 
     def write():
@@ -226,9 +228,9 @@ def _write(state: StepState, path: str, tmp: str, old: str, as_sharded: bool, co
     error = None
     if rank == 0:
         try:
-            files.publish(path, tmp, old)
+            files.publish(target, tmp, old)
         except OSError as e:
-            error = files.described(e, e.filename or path, f"step.save({path!r}): publishing")
+            error = files.described(e, e.filename or target, f"step.save({path!r}): publishing")
     text = _agree(comm, None if error is None else str(error))
     if error is not None:
         raise error

@@ -8,8 +8,10 @@ dominates), and one launch per rank killed in the middle of a call.
 - Settings: the optimizer's class, its options (lr, also when an lr scheduler is stepped on one rank only),
   state_dtype, max_grad_norm, accumulate and precision are refused by name, at once; where only the plans differ
   (chunk_size, device_memory), the message names the setting.
-- Calls: one rank evaluating, saving, loading or reading state_dict() while the other trains is refused on both,
-  naming both functions; then both train on together.
+- Calls: one rank evaluating, saving, loading, reading state_dict(), compiling, giving the model back
+  (step.sync_model() or px.sync_model) or reading or loading the optimizer's state dict while the other trains is
+  refused on both, at once, naming both functions; then both train on together. Ranks that give the model back
+  through either sync_model agree, and a sync_model() with nothing to give back needs no other rank.
 - A rank that exits during step.save, step.load or before step.state_dict(): the survivor gets px.DistributedError
   naming the call (not gloo's RuntimeError), and a save leaves the previous checkpoint and nothing beside it.
 In one process: the thread warning compares torch's threads with this process's share of the cores.
@@ -105,19 +107,34 @@ def test_an_lr_scheduler_stepped_on_one_rank_is_refused_at_the_next_step(ranks):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("what, called", [("evaluate", "an evaluation function"), ("save", "step.save"),
-                                          ("load", "step.load"), ("state_dict", "step.state_dict()"),
-                                          ("compile", "px.compile")])
+@pytest.mark.parametrize("what, called", [
+    ("evaluate", "an evaluation function"), ("save", "step.save"), ("load", "step.load"),
+    ("state_dict", "step.state_dict()"), ("compile", "px.compile"), ("sync_model", "sync_model()"),
+    ("px_sync_model", "sync_model()"), ("optimizer_state_dict", "step.optimizer.state_dict()"),
+    ("optimizer_load_state_dict", "step.optimizer.load_state_dict()")])
 def test_a_call_on_one_rank_while_the_other_trains_is_refused_on_both(ranks, what, called):
     recs = [res[f"one_rank_{what}"] for res in ranks]
     for r, rec in enumerate(recs):
         assert "error" not in rec, rec.get("traceback")
         assert "refused" in rec, f"rank {r} ran its call"
         name, msg, at = rec["refused"]
+        assert name == "DistributedError"
         assert f"the ranks called different functions (rank 0: {called}; rank 1: the training step)" in msg, msg
         assert at - rec["started"] < 10, "at once, not after the process group's timeout"
         assert rec["unchanged"] and not rec["saved"]
+        assert rec["held"], f"rank {r}: a refused call gave the model back"
         assert len(rec["losses"]) == 2
+    assert recs[0]["losses"] == recs[1]["losses"]
+
+
+@pytest.mark.slow
+def test_ranks_that_sync_and_read_and_load_the_optimizer_together_train_on(ranks):
+    recs = [res["sync_and_optimizer_together"] for res in ranks]
+    for r, rec in enumerate(recs):
+        assert "error" not in rec, rec.get("traceback")
+        assert rec["given_back"], f"rank {r}: sync_model() left the model held"
+        assert same(rec["loaded"]["state"], rec["saved"]["state"]), f"rank {r}: the loaded optimizer state differs"
+        assert len(rec["losses"]) == 3
     assert recs[0]["losses"] == recs[1]["losses"]
 
 

@@ -12,7 +12,8 @@
 - A thread that saves while the main thread trains writes only whole steps (each checkpoint equals the state after
   some step).
 - `save` replaces only its own checkpoints, removes what killed saves left beside the path once a new checkpoint is
-  published, and names the file and the cause of a file system error (disk full, read-only, permission denied).
+  published, saves through a symbolic link into its target (the link kept, nothing left beside it), and names the
+  file and the cause of a file system error (disk full, read-only, permission denied).
 """
 from __future__ import annotations
 
@@ -409,6 +410,30 @@ def test_what_killed_saves_left_goes_after_the_next_save_is_published(tmp_path, 
     step.save(path)
     assert sorted(os.listdir(tmp_path)) == ["c", "c.tmp-fedcba98", "c.tmp-mine"]
     rs.build(dict(RUN))[0].load(path)
+
+
+def test_a_save_through_a_symbolic_link_replaces_its_target_and_keeps_the_link(tmp_path, whole):
+    """A save to a symbolic link to a checkpoint writes the new checkpoint in the link's target, which the link keeps
+    pointing at; a dangling link gets its target made; a save under a parent that is a link is a save under its
+    target. Nothing is left beside the links or their targets."""
+    step = whole
+    real = tmp_path / "real"
+    real.mkdir()
+    step.save(real / "c")                                       # plain files
+    link = tmp_path / "link"
+    link.symlink_to(real / "c")
+    step.save(link, sharded=True)                               # replaces them, through the link
+    assert link.is_symlink() and os.readlink(link) == str(real / "c"), "the link was replaced"
+    assert files.locate(str(real / "c")).kind is files.Kind.SHARDED, "the link's target holds the old checkpoint"
+    (tmp_path / "dangling").symlink_to(os.path.join("real", "new"))     # relative, to nothing yet
+    step.save(tmp_path / "dangling")
+    assert (tmp_path / "dangling").is_symlink() and files.locate(str(real / "new")).kind is files.Kind.PLAIN
+    (tmp_path / "parent").symlink_to(real)
+    step.save(tmp_path / "parent" / "d")
+    step.save(tmp_path / "parent" / "d")
+    assert sorted(os.listdir(tmp_path)) == ["dangling", "link", "parent", "real"]
+    assert sorted(os.listdir(real)) == ["c", "d", "new"]
+    rs.build(dict(RUN))[0].load(link)
 
 
 @pytest.mark.parametrize("fmt,code,call,cause,file", [

@@ -1,5 +1,6 @@
 """One rank of tests/distributed/test_distributed_agreement.py: ranks that differ in what they loaded, in their
-settings, or in which function they call (gloo, CPU).
+settings, or in which function they call (gloo, CPU), and ranks that call sync_model() and the optimizer's
+state_dict() and load_state_dict() together.
 
 `agree` runs every scenario in one launch, each on a model and step of its own, in the same order on every rank, and
 records per scenario the losses of its steps, the error each call raised (type and message) and what the test
@@ -138,14 +139,43 @@ def agree(rank: int, tmp: str, result: dict) -> None:
                         step.state_dict()
                     elif what == "compile":
                         compiled()             # a training step's construction agrees its host budget: a collective
+                    elif what == "sync_model":
+                        step.sync_model()
+                    elif what == "px_sync_model":
+                        px.sync_model(step._model)
+                    elif what == "optimizer_state_dict":
+                        step.optimizer.state_dict()
+                    elif what == "optimizer_load_state_dict":
+                        step.optimizer.load_state_dict(before["optimizer"])
                 else:
                     train(step, rec, 1)
             except px.DistributedError as e:
                 rec["refused"] = error(e)
+            rec["held"] = step.holds_model()
             rec["unchanged"] = all(torch.equal(v, before["model"][k]) for k, v in values(step)["model"].items())
             rec["saved"] = os.path.exists(f"{tmp}/one-rank")
             train(step, rec, 1)      # the ranks are in step again
         return run
+
+    def together(rec):
+        """Every rank gives the model back, rank 0 through step.sync_model() and rank 1 through px.sync_model (the
+        same call); a second sync_model() on rank 0 alone has nothing to give back, so it runs no collective and
+        needs no other rank; every rank reads and loads the optimizer's state; then both train on together."""
+        step = compiled()
+        train(step, rec, 0)
+        saved = step.optimizer.state_dict()
+        train(step, rec, 1)
+        if rank == 0:
+            step.sync_model()
+        else:
+            px.sync_model(step._model)
+        rec["given_back"] = not step.holds_model()
+        if rank == 0:
+            step.sync_model()
+        step.optimizer.load_state_dict(saved)      # the store exists: a collective, on every rank
+        rec["loaded"] = step.optimizer.state_dict()
+        rec["saved"] = saved
+        train(step, rec, 2)
 
     budget = int(compiled().min_device_memory(*rows(0, rank)) * 1.05)
     scenario("mixed_checkpoints", mixed_checkpoints)
@@ -158,8 +188,10 @@ def agree(rank: int, tmp: str, result: dict) -> None:
     scenario("precision", differing({"precision": "bf16"}))
     scenario("chunk_size", differing({"chunk_size": 1024}))
     scenario("device_memory", differing({"device_memory": budget}))
-    for what in ("evaluate", "save", "load", "state_dict", "compile"):
+    for what in ("evaluate", "save", "load", "state_dict", "compile", "sync_model", "px_sync_model",
+                 "optimizer_state_dict", "optimizer_load_state_dict"):
         scenario(f"one_rank_{what}", one_rank_calls(what))
+    scenario("sync_and_optimizer_together", together)
 
 
 def dies(how: str, rank: int, tmp: str, result: dict, out: str) -> None:
