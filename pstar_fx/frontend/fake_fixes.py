@@ -13,6 +13,10 @@ plan holds.
 - They allocate otherwise (oneDNN's LSTM layer on the CPU): `real_allocations` corrects the traced values, so the plan
   counts what the real kernels hold.
 Temporaries inside the kernels are not planned, as for any aten op.
+The first two hold inside the backward too, where autograd's engine runs Python code of the step (an activation
+checkpoint's recompute, hooks, custom backwards): `FakeKernelFixes` runs every call that enters the engine with
+itself in force (where torch has `torch.overrides.redispatch_function`), so a recomputed op is traced as its forward
+was.
 """
 from __future__ import annotations
 
@@ -20,6 +24,8 @@ import operator
 
 import torch
 from torch.overrides import TorchFunctionMode
+
+from .backward_calls import BACKWARD
 
 _GROUPED_MM = tuple(f for f in (getattr(torch, "_grouped_mm", None),
                                 getattr(torch.nn.functional, "grouped_mm", None)) if f is not None)
@@ -137,13 +143,31 @@ def _contiguous_grads(func, args, kwargs):
     return func(*map(fix, args), **{k: fix(v) for k, v in kwargs.items()})
 
 
+# torch's way for a mode's handler to call a function's own implementation while the mode stays in force (torch 2.13
+# has it); without it, a call entering autograd's engine runs with no mode in force, as any mode-handled call does
+_REDISPATCH = getattr(torch.overrides, "redispatch_function", None)
+# whether the fixes reach the Python that autograd's engine runs (a checkpoint's recompute): with this torch, yes
+IN_BACKWARD = _REDISPATCH is not None
+
+
 class FakeKernelFixes(TorchFunctionMode):
     """Active while a step is traced: routes the calls described in the module docstring to their opaque ops, batch
     norm through `_batch_norm` and the losses of `_CONTIGUOUS_GRADS` with contiguous gradients (layouts their fake
-    and real kernels agree on)."""
+    and real kernels agree on).
+
+    The calls that enter autograd's engine (`backward_calls.BACKWARD`: the tracer's own differentiation, a reentrant
+    checkpoint's inner backward) run with this mode in force again, so that the Python the engine runs (a
+    checkpoint's recompute, above all) gets the same fixes as the forward, and a recomputed value has its forward
+    twin's layout. A mode handles a call with itself and every mode entered after it out of force, and the engine
+    keeps the modes in force when it starts: the engine thus runs with the modes entered before this one and this
+    one. Invariant for the tracer: enter this mode before (beneath) any mode that must see those calls itself or
+    must stay out of the backward (the source recorder, which refuses a backward inside the step)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func in BACKWARD and _REDISPATCH is not None:
+            with self:
+                return _REDISPATCH(func, types, args, kwargs)
         if func in _GROUPED_MM and _meta_rejects(args, kwargs):
             return grouped_mm(args[0], args[1], kwargs.get("offs", args[2] if len(args) > 2 else None))
         if func in _BATCH_NORMS and args:

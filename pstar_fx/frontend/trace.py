@@ -441,8 +441,8 @@ def _trace_step(fn, model: nn.Module, batch: tuple, settings: Settings, assume: 
 
     recorder = _SourceRecorder()
     sources = fx_traceback.preserve_node_meta() if _CHEAP_SOURCES else contextlib.nullcontext()
-    try:
-        with (model_restored(model), sources, recorder, fake_fixes.FakeKernelFixes(),
+    try:   # the fixes beneath the recorder: it sees a backward call first, and the engine runs with the fixes alone
+        with (model_restored(model), sources, fake_fixes.FakeKernelFixes(), recorder,
               moe_rewrites.rewritten(model), lazy_modules(), torch_compile.traced_as_original(model),
               torchscript.scripted_as_python(model, fn), method_caches.emptied(model)):
             gm = make_fx(traced if settings.optimizer is not None else forward_only, tracing_mode="fake",

@@ -16,6 +16,7 @@ import torch.nn as nn
 
 import pstar_fx as px
 from pstar_fx.runtime.run import check_measured
+from pstar_fx.frontend import fake_fixes
 from pstar_fx.frontend.fake_fixes import grouped_mm, grouped_mm_backward
 from pstar_fx.ir.fx_utils import bounded_live, data_dependent_sizes
 from pstar_fx.frontend import moe_rewrites
@@ -268,10 +269,13 @@ def test_size_without_a_bound_is_refused_naming_op_and_line():
     assert f"test_moe.py:{_this_line('MARK-repeat')}" in str(e.value)
 
 
+@pytest.mark.skipif(fake_fixes.IN_BACKWARD, reason="this torch lets the routing reach the backward: they train "
+                                                   "(tests/unit/test_checkpoint_layout.py)")
 def test_grouped_mm_experts_under_activation_checkpoints_say_what_to_change():
     """Recomputed inside an activation checkpoint, the default experts meet torch's own kernel check (bf16 only) in
-    the backward, where pstar-fx's routing around it does not reach: refused, saying what trains instead (the eager
-    experts under checkpoints: tests/integration/test_checkpointing.py trains checkpointed models)."""
+    the backward, where pstar-fx's routing around it does not reach (a torch without redispatch_function): refused,
+    saying what trains instead (the eager experts under checkpoints: tests/integration/test_checkpointing.py trains
+    checkpointed models)."""
     case = MOE_CASES[0]
     model = case.build_model()
     model.gradient_checkpointing_enable()
