@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import warn
-from ..frontend.model_tensors import global_hooks_key, hook_key, model_tables, module_key
+from ..frontend.model_tensors import global_hooks_key, model_tables, module_key, params_key
 from ..frontend.python_state import ModuleScalars, changes, closure_key, snapshot
 from ..frontend.trace import FlatBatch, flatten_batch, trace_step
 from ..interrupts import DeferredInterrupt
@@ -140,9 +140,8 @@ class Compiler:
         number, not identity, and no plain values (what the ranks compare: the same on every rank running the same
         code, whose rank number a value may hold without changing the graph)."""
         modules = tuple(self.model.modules())
-        return (tuple(module_key(m, portable) for m in modules),
-                tuple(p.requires_grad if not p._backward_hooks else (p.requires_grad, hook_key(p, portable))
-                      for p in self.model.parameters()), global_hooks_key(portable),
+        return (tuple(module_key(m, portable) for m in modules), params_key(modules, portable),
+                global_hooks_key(portable),
                 () if portable else (self.scalars.read(modules), closure_key(self.fn)))
 
     def get(self, batch, interrupts: DeferredInterrupt, prefix: tuple = ()) -> tuple[Compiled, FlatBatch]:

@@ -463,7 +463,15 @@ class ModelState:
     def holds(self) -> bool:
         """Whether this step's chunks hold every tensor of the model now (it has run, and no sync_model() or other
         step took the model since)."""
-        return self.hold is not None and all(holder(t) is self.hold for t in model_tensors(self.model).values())
+        if self.hold is None:
+            return False
+        hold = self.hold
+        for m in self.model.modules():      # (before every step: no names made, as model_tensors makes them)
+            for slots in (m._parameters, m._buffers):
+                for t in slots.values():
+                    if t is not None and holder(t) is not hold:
+                        return False
+        return True
 
     def take(self) -> None:
         """Make the chunks hold the model's current values. If this step holds the model already, nothing to do;

@@ -164,6 +164,22 @@ def module_key(m: nn.Module, portable: bool = False):
     return (m.training, *(_which(getattr(m, name), portable) for name in MODULE_HOOKS))
 
 
+def params_key(modules: tuple[nn.Module, ...], portable: bool = False) -> tuple:
+    """What of the parameters of `modules` (a model's, in modules() order) a trace depends on: each distinct
+    parameter's requires_grad, with its gradient hooks where it has any (hook_key), in model.parameters() order. Read
+    past the tensors' __torch_function__ (a held parameter's is for the user's code; here it would cost more than the
+    read), and without parameters()'s second walk of the modules: this runs before every step."""
+    out, seen = [], set()
+    with torch._C.DisableTorchFunctionSubclass():
+        for m in modules:
+            for p in m._parameters.values():
+                if p is None or id(p) in seen:
+                    continue
+                seen.add(id(p))
+                out.append(p.requires_grad if not p._backward_hooks else (p.requires_grad, hook_key(p, portable)))
+    return tuple(out)
+
+
 def hook_count(model: nn.Module) -> int:
     """How many module and gradient hooks the model has (what a message says of them)."""
     return (sum(len(getattr(m, name)) for m in model.modules() for name in MODULE_HOOKS)

@@ -129,6 +129,9 @@ class ChunkStore:
         self.host_is_device = host_is_device
         assert not host_is_device or (device.type == "cpu" and self.world == 1), (device, self.world)
         self.lent: set[BufKey] = set()    # resident slots that are their host homes (alias)
+        # parameter views of resident slots (param_view): per buffer, (its slot, {start: view}); dropped when the slot
+        # leaves (no view keeps a slot's memory), except a lent host home's, kept across steps (set_homes drops them)
+        self._views: dict[BufKey, tuple[torch.Tensor, dict[int, torch.Tensor]]] = {}
         self.hostmem = hostmem if hostmem is not None else HostMemory(self.pin)
         # a chunk whose parameters are cast from its device master (ParamHome.MASTER) has no host home
         self.host_param: list[torch.Tensor | None] = [
@@ -283,6 +286,7 @@ class ChunkStore:
         Disk-homed states read into memory outside a step go back to their files first; the staging buffers take
         this plan's size."""
         self.close_states()
+        self._views.clear()
         if any(c.group is ChunkGroup.TRAINABLE and c.state_home is not self.state_home[c.id]
                or c.param_home is not self.chunks[c.id].param_home for c in chunks):
             self.evict_all()
@@ -385,14 +389,28 @@ class ChunkStore:
             written = self._unzeroed.pop(key, None)
             if written is not None:
                 _zero_except(self.slots[key], written)
-        event = self._arriving.pop(key, None)
-        if isinstance(event, Future):
-            event = event.result()   # the fetch hangs on a host-side update: wait for exactly that one
-        if isinstance(event, torch.cuda.Event):
-            torch.cuda.current_stream(self.device).wait_event(event)
-        elif event is not None:
-            event.wait()             # a collective's work handle (CUDA: the compute stream waits for NCCL's)
+        if self._arriving:
+            event = self._arriving.pop(key, None)
+            if isinstance(event, Future):
+                event = event.result()   # the fetch hangs on a host-side update: wait for exactly that one
+            if isinstance(event, torch.cuda.Event):
+                torch.cuda.current_stream(self.device).wait_event(event)
+            elif event is not None:
+                event.wait()             # a collective's work handle (CUDA: the compute stream waits for NCCL's)
         return self.slots[key]
+
+    def param_view(self, key: BufKey, start: int, end: int, shape: tuple[int, ...]) -> torch.Tensor:
+        """A parameter as a view of its resident chunk buffer `key`: elements [start, end) in `shape`. A host home
+        lent as the slot is the same tensor at every step, so its views are made once and kept; another slot's are
+        kept while it is resident."""
+        slot = self.slot(key)
+        made = self._views.get(key)
+        if made is None or made[0] is not slot:
+            made = self._views[key] = (slot, {})
+        view = made[1].get(start)
+        if view is None:
+            view = made[1][start] = slot[start:end].view(shape)
+        return view
 
     def arriving(self, key: BufKey, work) -> None:
         """A collective still writes into a resident slot: its first use waits for `work`."""
@@ -522,6 +540,8 @@ class ChunkStore:
         self._unzeroed.clear()
         for key in list(self.slots):
             self.slot(key)   # a copy still arriving into the slot must finish before its memory is reused
+            if key not in self.lent:
+                self._views.pop(key, None)
             self._give(key, self.slots.pop(key))
         self.stale.clear()
         self.pool.trim(0)    # nothing of the chunks stays on the device, cached slots included
@@ -593,6 +613,8 @@ class ChunkStore:
         # written back while still among the slots: a write-back that fails leaves the slot where rollback finds it
         event = self._write_back(key, slot, wait=not defer) if writeback else None
         del self.slots[key]
+        if key not in self.lent:
+            self._views.pop(key, None)
         self.stale.discard(key)
         if event is not None and defer:
             self.draining.append((event, slot))

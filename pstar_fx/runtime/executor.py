@@ -24,7 +24,7 @@ from ..units import format_bytes, parse_bytes
 from .chunk_store import ChunkStore
 from .codegen import compile_step
 from .compiled_regions import RegionCompiler
-from .step_runtime import Runtime
+from .step_runtime import ParamSites, Runtime
 
 _RUNTIME_OPS = frozenset(ops.RUNTIME_OPS)
 
@@ -141,6 +141,7 @@ class Executor:
         self.planned = [[storage_bytes(t) for t in tensors_of(n)] if n.op == "call_function" else None
                         for n in self.nodes]
         self.mutated_buffers = mutated_buffers(g)
+        self.sites = ParamSites(g)       # where the runtime's operations find each parameter, for every step
         # fused regions: per node position, the compiled callable of a region node
         at = [i for i, r in enumerate(self.roles) if r is Role.REGION]
         fns, self.region_stats = (regions or RegionCompiler()).compile_all([self.nodes[i].kwargs["spec"] for i in at],

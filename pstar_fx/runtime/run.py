@@ -35,7 +35,7 @@ def run_training_step(executor: Executor, tensors: list[torch.Tensor], interrupt
     from it, compile included). `before_node(i, node)`: called before every node (fault injection in tests)."""
     g, store = executor.g, executor.store
     store.set_homes(g.chunks)
-    rt = Runtime(g, store, scaler)
+    rt = Runtime(g, store, scaler, executor.sites)
     inputs = [prepare_input(x, info.dtype, store.device) for x, info in zip(tensors, g.inputs)]
     scale = None
     if scaler is not None:
@@ -79,7 +79,7 @@ def run_forward(executor: Executor, tensors: list[torch.Tensor], interrupts: Def
     """A forward-only graph (evaluation) over the chunks as they are: nothing is updated; a failure or a Ctrl-C
     before the end rolls back what it wrote (module buffers in train mode) like a failed step."""
     g, store = executor.g, executor.store
-    rt = Runtime(g, store, None)
+    rt = Runtime(g, store, None, executor.sites)
     inputs = [prepare_input(x, info.dtype, store.device) for x, info in zip(tensors, g.inputs)]
     per_node: list[int] | None = [] if debug else None
     with torch.no_grad():

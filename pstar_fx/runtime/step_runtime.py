@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..ir.graph import BufKind, StateHome, TrainGraph, UpdateSite
+from ..ir.graph import BufKind, ChunkGroup, StateHome, TrainGraph, UpdateSite
 from ..ir.needs import BufKey, shard_numel
 from .chunk_store import ChunkStore
 from .optimizers import device_step, host_update
@@ -56,28 +56,50 @@ class StepStats:
         return None if self._grad_norm is None else float(self._grad_norm)
 
 
+@dataclass(frozen=True)
+class ParamSite:
+    """Where the runtime's operations find a parameter: its chunk's buffers and its elements there."""
+    key: BufKey              # the chunk's parameter buffer
+    grad_key: BufKey | None  # the chunk's gradient buffer (the parameter buffer where gradients go in place; None:
+                             # a frozen chunk's)
+    start: int               # its elements in the chunk: [start, end)
+    end: int
+    shape: tuple[int, ...]
+    index: int               # its place in the graph's parameters (the order the gradient norms are combined in)
+
+
+class ParamSites:
+    """Every parameter's ParamSite, and per chunk the end of its last parameter (past it the chunk is padding, which
+    host updates skip): a graph's, the same at every step (the executor builds them once)."""
+
+    def __init__(self, g: TrainGraph):
+        self.of: dict[str, ParamSite] = {}
+        self.live_end: dict[int, int] = {}
+        for i, p in enumerate(g.params):
+            c = g.chunks[p.chunk]
+            grad = BufKey(c.id, c.grad_buf()) if c.group is ChunkGroup.TRAINABLE else None
+            self.of[p.name] = ParamSite(BufKey(c.id, BufKind.PARAM), grad, p.offset, p.offset + p.numel, p.shape, i)
+            self.live_end[p.chunk] = max(self.live_end.get(p.chunk, 0), p.offset + p.numel)
+
+
 class Runtime:
     """The state the inserted operations act on during one step (see pstar_fx.ir.ops)."""
 
-    def __init__(self, g: TrainGraph, store: ChunkStore, scaler: LossScaler | None):
+    def __init__(self, g: TrainGraph, store: ChunkStore, scaler: LossScaler | None, sites: ParamSites | None = None):
+        """`sites`: the graph's ParamSites (the executor builds them once per graph); built here when None."""
         self.g = g
         self.store = store
         self.scaler = scaler
         opt = g.settings.optimizer   # each group's options, read and checked at every step (None: no optimizer)
         self.cfg = opt.configs() if opt is not None else ()
         self.precision = g.settings.precision
-        self.params = {p.name: p for p in g.params}
+        self.sites = sites if sites is not None else ParamSites(g)
         self.found_inf: torch.Tensor | None = None
         self.comm = store.comm          # None with one rank
         # the gradient norm, every step, taken on the device where each gradient is complete: one rank, per
         # parameter, its gradient's norm at its final write (the order of torch.nn.utils.clip_grad_norm_, so the
         # norm and the clipped update are eager's bit for bit); sharded, per chunk, its reduced shard's squared norm
         self.norms: dict[int, torch.Tensor] | None = {} if opt is not None else None
-        self.param_index = {p.name: i for i, p in enumerate(g.params)}
-        # per chunk: the end of its last parameter (past it the chunk is padding, which host updates skip)
-        self.live_end: dict[int, int] = {}
-        for p in g.params:
-            self.live_end[p.chunk] = max(self.live_end.get(p.chunk, 0), p.offset + p.numel)
         self._clip = g.settings.max_grad_norm is not None
         self._norm_pending: set[int] = set()    # sharded, no clipping: reduced chunks whose norm is still to take
         self.grad_norm: torch.Tensor | None = None
@@ -90,15 +112,13 @@ class Runtime:
         self.d2h = 0
 
     def param_view(self, name: str) -> torch.Tensor:
-        p = self.params[name]
-        return self.store.slot(BufKey(p.chunk, BufKind.PARAM))[p.offset:p.offset + p.numel].view(p.shape)
+        site = self.sites.of[name]
+        return self.store.param_view(site.key, site.start, site.end, site.shape)
 
     def write_grad(self, name: str, grad: torch.Tensor, accumulate: bool, final: bool) -> None:
-        p = self.params[name]
-        c = self.g.chunks[p.chunk]
-        key = BufKey(c.id, c.grad_buf())
-        dst = self.store.grad_part(key, p.offset, p.numel, accumulate).view(p.shape)
-        self.store.mark_written(key)
+        site = self.sites.of[name]
+        dst = self.store.grad_part(site.grad_key, site.start, site.end - site.start, accumulate).view(site.shape)
+        self.store.mark_written(site.grad_key)
         if accumulate:
             dst.add_(grad)
         else:
@@ -110,7 +130,7 @@ class Runtime:
             bad = ~torch.isfinite(dst.amax()) | ~torch.isfinite(dst.amin())
             self.found_inf |= bad
         if self.comm is None:
-            self.norms[self.param_index[name]] = torch.linalg.vector_norm(dst, dtype=torch.float32)
+            self.norms[site.index] = torch.linalg.vector_norm(dst, dtype=torch.float32)
 
     def reduce_scatter(self, chunk: int) -> None:
         """Sharded: the chunk's final gradient, averaged over ranks, into this rank's shard (in place). Each rank
@@ -248,7 +268,7 @@ class Runtime:
         master = parts["master"] if self.precision.mixed else None
         skip = self.skip
         first = self._first(chunk)
-        live = self.live_end.get(chunk, 0) - first      # this shard's elements that can hold parameters
+        live = self.sites.live_end.get(chunk, 0) - first      # this shard's elements that can hold parameters
 
         waits = events + ([coef_ready] if coef_ready is not None else [])
 
