@@ -27,7 +27,8 @@ class MoveKind(enum.Enum):
     RELEASE = "release"      # the slot is freed (written back to the host first when `writeback`)
 
 
-_MOVES = {ops.fetch: MoveKind.FETCH, ops.all_gather: MoveKind.FETCH, ops.alloc: MoveKind.ALLOC, ops.release: MoveKind.RELEASE}
+_MOVES = {ops.fetch: MoveKind.FETCH, ops.all_gather: MoveKind.FETCH, ops.alloc: MoveKind.ALLOC,
+          ops.release: MoveKind.RELEASE}
 
 
 @dataclass(frozen=True)

@@ -58,8 +58,8 @@ from ..optim import NO_STATE, StateLayout
 from .comm import Comm
 from .device_pool import DevicePool
 from .disk import DiskStates
-from .host_memory import BufferSpec, HostMemory, spare_threads
-from .host_updates import HostUpdates
+from .host_memory import BufferSpec, HostMemory
+from .host_updates import HostUpdates, worker_threads
 from .store_values import StoreValues
 
 
@@ -84,18 +84,6 @@ def host_buffer_specs(chunks: tuple[ChunkInfo, ...], precision: Precision, world
             if c.grad_buf() is BufKind.GRAD and not c.streamed:
                 specs.append(BufferSpec(("grad", c.id), shard_numel(c, world), c.dtype, True))
     return specs
-
-
-def worker_threads(device: torch.device) -> int:
-    """Intra-op threads for the CPU worker's updates beside a GPU: every core but two, which the executor's thread
-    (launching kernels, spinning while the launch queue is full) and the CUDA driver's copies keep busy. An OpenMP
-    team as large as the machine stalls on whichever of its threads those two push off a core: on the H200 machine
-    (16 cores) a 17B step took 5.5 s with 16 threads, 4.6 s with 14 (BENCHMARKS.md). On the CPU, where the executor
-    computes on the same cores, half of them: two teams of every core, each stalling on the threads the other
-    pushes off, took the example's step (2 cores, benchmarks/fuse_cpu.py) from 50 ms to 84 ms."""
-    if device.type != "cuda":
-        return max(1, torch.get_num_threads() // 2)
-    return spare_threads()
 
 
 class ChunkStore:

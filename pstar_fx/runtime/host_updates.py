@@ -28,6 +28,7 @@ from typing import Callable
 import torch
 
 from ..errors import CommitError
+from .host_memory import spare_threads
 
 
 @dataclass
@@ -190,3 +191,15 @@ def _result(fut: Future) -> None:
         raise CommitError(f"pstar-fx: a host-side optimizer update failed after its step committed "
                           f"({type(e).__name__}: {e}); the compiled step's values are no longer consistent. Load a "
                           "checkpoint (step.load(path) or step.load_state_dict(...)) to continue.") from e
+
+
+def worker_threads(device: torch.device) -> int:
+    """Intra-op threads for the CPU worker's updates beside a GPU: every core but two, which the executor's thread
+    (launching kernels, spinning while the launch queue is full) and the CUDA driver's copies keep busy. An OpenMP
+    team as large as the machine stalls on whichever of its threads those two push off a core: on the H200 machine
+    (16 cores) a 17B step took 5.5 s with 16 threads, 4.6 s with 14 (BENCHMARKS.md). On the CPU, where the executor
+    computes on the same cores, half of them: two teams of every core, each stalling on the threads the other
+    pushes off, took the example's step (2 cores, benchmarks/fuse_cpu.py) from 50 ms to 84 ms."""
+    if device.type != "cuda":
+        return max(1, torch.get_num_threads() // 2)
+    return spare_threads()
