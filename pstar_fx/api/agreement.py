@@ -17,6 +17,10 @@ otherwise train wrong values silently, or pair one rank's collective with anothe
 - `check_same_values`, where a step takes the model's values into its chunks: every rank holds the same values. A
   sharded step keeps only this rank's shard of every chunk, so ranks whose models were built from different seeds
   would train a model no rank built, each chunk's shards from different ranks.
+- `compare_contents`, at step.load_state_dict() and step.optimizer.load_state_dict() where they run collectives or
+  write into the chunks (and at the first compile, for optimizer states loaded before it): every rank loads the same
+  state dict. Each rank writes its own shard of every chunk from the dict it was given, so dicts that differ would
+  leave chunks whose shards come from different dicts, with no error.
 
 Each runs on the Comm's CPU-side control group and costs one all-reduce of 16 bytes when the ranks agree (a 64-bit
 digest each, `Comm.agree_on`); only on a mismatch a second round gathers what each rank has, so that every rank
@@ -35,6 +39,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 from concurrent.futures import ThreadPoolExecutor
 
 import optree
@@ -204,6 +209,42 @@ def check_same_values(comm: Comm, tensors: dict[str, torch.Tensor]) -> None:
         "shard of every chunk, so it would train a mix of the ranks' models. Build the model from the same seed on "
         "every rank (torch.manual_seed(seed) before building it, under px.init_empty() too), or load the same "
         "state_dict on every rank before the first step.")
+
+
+def compare_contents(comm: Comm, call: str, options: dict[str, object], values: dict[str, object], noun: str,
+                     after: str) -> str | None:
+    """Whether every rank is in `call` (a load: step.load_state_dict(), step.optimizer.load_state_dict()) with the
+    same `options` (name -> a plain value, a group's lr; compared by its exact repr) and `values` (name -> a tensor,
+    compared by a digest of its bytes, shape and dtype as `check_same_values` compares them, or a plain value): one
+    agree on the control group where they are (Comm.agree_on; DistributedError on every rank where the ranks are in
+    different functions). None where every rank has the same; else, on every rank, what differs, readable: the
+    options with each rank's value, then the `noun` ("state dict entries") whose values differ, grouping the ranks
+    that hold the same (a second round). A collective: every rank calls it."""
+    shown = {k: _exact(v) for k, v in options.items()}
+    digests = _value_digests({k: v for k, v in values.items() if isinstance(v, torch.Tensor)})
+    digests.update({k: hashlib.sha256(_exact(v).encode()).digest()[:16] for k, v in values.items()
+                    if not isinstance(v, torch.Tensor)})
+    every = comm.agree_on(call, (sorted(shown.items()), sorted(digests.items())),
+                          lambda: {"options": shown, "values": digests}, after=after)
+    if every is None:
+        return None
+    opts = [d["options"] for d in every]
+    vals = [d["values"] for d in every]
+    differ = [k for k in dict.fromkeys(k for d in opts for k in d) if len({d.get(k, MISSING) for d in opts}) > 1]
+    names = list(dict.fromkeys(k for d in vals for k in d))
+    differ_values = [n for n in names if len({d.get(n) for d in vals}) > 1]
+    out = [_shown(opts, differ)] if differ else []
+    if differ_values:
+        listed = ", ".join(f"{n} ({_groups([d.get(n) for d in vals])})" for n in differ_values[:SHOWN])
+        more = f" and {len(differ_values) - SHOWN} more" if len(differ_values) > SHOWN else ""
+        out.append(f"the values of {len(differ_values)} of {len(names)} {noun}: {listed}{more} (ranks separated by "
+                   "| hold different values, or one has none)")
+    return " | ".join(out) or "the digests of what they load"
+
+
+def _exact(v) -> str:
+    """A plain value's exact repr, the same in every process (no object addresses)."""
+    return re.sub(r" at 0x[0-9a-fA-F]+", "", repr(_plain(v)))
 
 
 def _value_digests(tensors: dict[str, torch.Tensor]) -> dict[str, bytes]:

@@ -23,6 +23,11 @@ It is a real object of that class over the model's own tensors, so it has torch'
   them to write each rank's shard: both are collectives once the store exists (none before the first step, when
   the states wait in `_pending`), and begin with the ranks' check that every rank calls the same function
   (`Comm.agree_on`), so a rank that calls one while another trains is refused at once on every rank.
+  `load_state_dict()` also compares a digest of what each rank loads (every group's options, every state's value):
+  each rank writes its own shard from its own dict, so dicts that differ are refused on every rank, naming the
+  option or the parameter's state, before anything is written. States loaded before the first step are compared
+  likewise when the store is made (`attach`), and dropped on every rank where they differ. Inside step.load, which
+  compared the checkpoint's files, only the call is checked.
 """
 from __future__ import annotations
 
@@ -31,10 +36,12 @@ import copy
 import torch
 import torch.nn as nn
 
+from ..errors import DistributedError
 from ..ir.graph import ChunkGroup
 from ..optim import (ADAM_STATE, OptimizerLayout, OptimizerSpec, StateDtype, StateLayout, TorchConfig, check_group,
                      check_options, is_adam, probe)
 from ..runtime.comm import collective_call
+from .agreement import compare_contents
 
 _STEP_EXPLAINED = ("step.optimizer is driven by the compiled step: calling step(*batch) runs forward, backward and "
                    "this optimizer's update. Do not call step.optimizer.step(); change param_groups (or use an "
@@ -43,6 +50,7 @@ _STEP_EXPLAINED = ("step.optimizer is driven by the compiled step: calling step(
 AFTER_READ = "The optimizer's states are as they were."
 AFTER_WRITE = ("The optimizer's options are as they were; some chunks' states may be loaded and others not: load the "
                "state dict again, on every rank, before the next step.")
+LOAD = "step.optimizer.load_state_dict()"
 
 
 class _Live:
@@ -140,10 +148,23 @@ class _Live:
 
     # -- the store ------------------------------------------------------------------------------------------------
     def attach(self, store) -> None:
-        """The ChunkStore now exists (first compile): write a state loaded before it into it."""
+        """The ChunkStore now exists (first compile): write a state loaded before it into it. With several ranks,
+        every rank first compares what it loaded before (nothing, or a state dict's states): each writes its own
+        shard of every chunk from its own, so states that differ are refused on every rank (DistributedError), and
+        dropped, before anything is written."""
         self._store = store
-        if self._pending is not None:
-            pending, self._pending = self._pending, None
+        pending, self._pending = self._pending, None
+        if store.comm is not None:
+            differ = compare_contents(store.comm, "the training step", {}, self._named(pending or {}),
+                                      "optimizer states", AFTER_READ)
+            if differ is not None:
+                raise DistributedError(
+                    f"pstar-fx: the ranks loaded different optimizer states before the first step ({differ}). Each "
+                    "rank writes its own shard of every chunk's states from the states it loaded, so the ranks' "
+                    "shards would hold different optimizers' states, with no error. The states loaded before the "
+                    "first step were dropped on every rank (the options loaded stay): load the same state dict on "
+                    f"every rank ({LOAD}), then call the step again.")
+        if pending is not None:
             self._write(pending)
 
     def entries(self) -> list[tuple[torch.Tensor, str, dict]]:
@@ -282,9 +303,48 @@ class _Live:
     def load_state_dict(self, state_dict) -> None:
         """Load torch's format for this class (from eager PyTorch or from pstar-fx). Options replace the groups'
         (as in torch); moments go into the store (or wait for it, before the first step). With several ranks, once
-        the store exists, a collective (every rank calls it, with the same state dict)."""
-        with self._collective("step.optimizer.load_state_dict()", AFTER_WRITE):
+        the store exists, a collective: every rank calls it with the same state dict, which the ranks first compare
+        (`_check_same`)."""
+        self.load_compared(state_dict, compared=False)
+
+    def load_compared(self, state_dict, compared: bool) -> None:
+        """load_state_dict; `compared`: the ranks compared what it comes from already (step.load, the checkpoint's
+        files), so with several ranks they check only that each is in it."""
+        comm = None if self._store is None else self._store.comm
+        if comm is not None and not compared:
+            self._check_same(comm, state_dict)
+        with collective_call(comm, LOAD, AFTER_WRITE, check=compared):
             self._load(state_dict)
+
+    def _check_same(self, comm, state_dict) -> None:
+        """DistributedError on every rank, before anything is loaded, unless every rank is in load_state_dict with
+        the same state dict: its groups' options and its states' values (agreement.compare_contents: one agree of
+        a digest where they are). Each rank would write its own shard of every chunk's states from its own."""
+        if isinstance(state_dict, dict):
+            groups = state_dict.get("param_groups", [])
+            options = {f"param_groups[{i}][{k!r}]": v for i, g in enumerate(groups)
+                       for k, v in (g.items() if isinstance(g, dict) else [("?", g)])}
+            names = {}          # a state's index -> its parameter's name, matched as torch matches them
+            for saved, g in zip(groups, self.param_groups):
+                if isinstance(saved, dict):
+                    names.update(zip(saved.get("params", ()), (self._name_of[id(t)] for t in g["params"])))
+            states = {names.get(i, f"state[{i!r}]"): s for i, s in state_dict.get("state", {}).items()}
+        else:
+            options, states = {"the state dict": type(state_dict).__name__}, {}
+        differ = compare_contents(comm, LOAD, options, self._named(states), "optimizer states", AFTER_READ)
+        if differ is not None:
+            raise DistributedError(
+                f"pstar-fx: the ranks called {LOAD} with different state dicts ({differ}). Each rank writes its own "
+                "shard of every chunk's states from the state dict it was given (and takes its options), so the "
+                "ranks' shards would hold different optimizers' states, with no error. Give every rank the same "
+                "state dict (read from the same file on every rank, or broadcast from one rank). Nothing was "
+                "loaded: the optimizer's options and states are as they were.")
+
+    @staticmethod
+    def _named(states: dict) -> dict[str, object]:
+        """Per-parameter states ({name: {key: value}}) as one value per "name key" (what compare_contents
+        compares)."""
+        return {f"{n} {k}": v for n, s in states.items() for k, v in (s.items() if isinstance(s, dict) else [("", s)])}
 
     def _load(self, state_dict) -> None:
         old_groups = self.param_groups

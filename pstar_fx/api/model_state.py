@@ -44,13 +44,13 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 import torch.nn as nn
 
-from ..errors import ModelHeldError, warn
+from ..errors import DistributedError, ModelHeldError, warn
 from ..frontend.init_empty import fill_chunks, is_empty
 from ..interrupts import DeferredInterrupt
 from ..ir.graph import Role
 from ..runtime.comm import Comm, collective_call
 from ..units import format_bytes
-from .agreement import check_same_values
+from .agreement import check_same_values, compare_contents
 
 if TYPE_CHECKING:
     from .compiler import Compiler
@@ -68,6 +68,9 @@ _METADATA_OPS = {torch.ops.aten.detach.default, torch.ops.aten.alias.default}
 SYNC_MODEL = "sync_model()"
 AFTER_SYNC = ("What was not given back stays in the steps' chunks (the model's tensors still held): call sync_model() "
               "again, on every rank.")
+LOAD_STATE_DICT = "step.load_state_dict()"
+AFTER_LOAD = ("Nothing was loaded (where other steps held the model, some of them may have given it back): load the "
+              "state dict again, on every rank.")
 _WORKER_THREADS = "pstar-fx"      # the name prefix of pstar-fx's own threads (runtime/host_updates, host_memory)
 
 
@@ -508,12 +511,17 @@ class ModelState:
     def give_back(self) -> nn.Module:
         """sync_model(): the model gets its current values back from whichever step holds each of its tensors. With
         several ranks, where that runs collectives, every rank first checks that every rank calls it (`sync_comm`)."""
-        taking = self.compiler.store is not None and any(is_empty(t) for t in model_tensors(self.model).values())
-        with collective_call(sync_comm(self.model, self.comm, taking), SYNC_MODEL, AFTER_SYNC):
+        with collective_call(self._sync_comm(), SYNC_MODEL, AFTER_SYNC):
             self.fill_if_empty()
             for h in holders(self.model):
                 h.give_back()
         return self.model
+
+    def _sync_comm(self) -> Comm | None:
+        """The Comm where giving the model back (or filling a model built under px.init_empty() first) runs
+        collectives, else None (`sync_comm`)."""
+        taking = self.compiler.store is not None and any(is_empty(t) for t in model_tensors(self.model).values())
+        return sync_comm(self.model, self.comm, taking)
 
     def state_dict(self, rank0_only: bool = False) -> dict[str, torch.Tensor]:
         """The model's state dict at full precision, from wherever each value is now (see CompiledStep.state_dict).
@@ -533,10 +541,40 @@ class ModelState:
         return {key: values[first[id(like)]].to(device=like.device, dtype=like.dtype, copy=True)
                 for key, like in self.model.state_dict(keep_vars=True).items()}
 
-    def load_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True) -> IncompatibleKeys:
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True,
+                        compared: bool = False) -> IncompatibleKeys:
         """Parameter and buffer values into the chunks when this step holds the model, else into the model itself
         (see CompiledStep.load_state_dict). As nn.Module's: missing or unexpected keys (with strict) and wrong shapes
-        raise RuntimeError before anything is written; returns the missing and unexpected keys."""
+        raise RuntimeError before anything is written; returns the missing and unexpected keys.
+
+        With several ranks, where it runs collectives (giving the model back from the steps that hold it, taking a
+        model built under px.init_empty() into the chunks first) or writes into this step's chunks (each rank its
+        own shard, from the dict it was given), every rank first checks that every rank calls it with the same
+        state dict and `strict` (`_check_same`), before anything else. Where the model holds its own values it
+        involves no other rank: they go into each rank's model, and the next step compares the values it takes.
+        `compared`: the ranks compared what it comes from already (step.load, the checkpoint's files): nothing more is
+        checked."""
+        comm = None if compared else self._sync_comm()
+        if comm is not None:
+            self._check_same(comm, state_dict, strict)
+        with collective_call(comm, LOAD_STATE_DICT, AFTER_LOAD, check=False):
+            return self._load(state_dict, strict)
+
+    def _check_same(self, comm: Comm, state_dict: dict[str, torch.Tensor], strict: bool) -> None:
+        """DistributedError on every rank unless every rank is in load_state_dict (Comm.agree_on) with the same
+        `strict` and the same state dict: its keys, and a digest of each value (agreement.compare_contents)."""
+        values = dict(state_dict.items()) if hasattr(state_dict, "items") else {"the state dict": state_dict}
+        differ = compare_contents(comm, LOAD_STATE_DICT, {"strict": strict}, {str(k): v for k, v in values.items()},
+                                  "state dict entries", AFTER_LOAD)
+        if differ is not None:
+            raise DistributedError(
+                f"pstar-fx: the ranks called {LOAD_STATE_DICT} with different state dicts ({differ}). A sharded step "
+                "keeps each rank's shard of every chunk, written from the state dict that rank was given, so it "
+                "would hold a mix of the ranks' values, with no error. Give every rank the same state dict (read "
+                "from the same file on every rank, or broadcast from one rank). Nothing was loaded: the step's "
+                "values and the model are as they were.")
+
+    def _load(self, state_dict: dict[str, torch.Tensor], strict: bool) -> IncompatibleKeys:
         self.fill_if_empty()
         ref = self.model.state_dict(keep_vars=True)      # keys and shapes (no values copied out of the chunks)
         missing = [k for k in ref if k not in state_dict]

@@ -303,7 +303,9 @@ class CompiledStep:
         return StepState(model=self._model, settings=self.settings, names=ms.names, comm=self._comm,
                          store=self._compiler.store, optimizer=self._optimizer, scaler=self._scaler,
                          holds_model=ms.holds, take_model=ms.take, fill_if_empty=ms.fill_if_empty,
-                         model_values=self.state_dict, load_model_values=self.load_state_dict,
+                         model_values=self.state_dict,
+                         load_model_values=lambda values, strict: ms.load_state_dict(values, strict, compared=True),
+                         load_optimizer=lambda state: self._optimizer.load_compared(state, compared=True),
                          mark_broken=self._mark_broken, clear_broken=self._clear_broken)
 
     def _mark_broken(self, why: str) -> None:

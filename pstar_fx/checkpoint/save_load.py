@@ -340,7 +340,7 @@ def _apply(state: StepState, model_sd: dict, opt_sd: dict, meta: dict, path: str
     with DeferredInterrupt():
         # optimizer first: it checks everything before it changes anything, so a refused checkpoint changes nothing
         try:
-            state.optimizer.load_state_dict(opt_sd)
+            state.load_optimizer(opt_sd)
         except (ValueError, KeyError) as e:     # (a CheckpointError is a ValueError too)
             raise CheckpointError(f"step.load: {path!r}: its optimizer state does not fit this step: {e}") from e
         # model values: into the chunks when this step holds the model, else into the model, which the next step

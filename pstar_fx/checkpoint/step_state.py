@@ -41,7 +41,10 @@ class StepState:
     fill_if_empty: Callable[[], None]        # a model built under px.init_empty() gets its values in the chunks,
     #                                          once they exist
     model_values: Callable[[], dict[str, torch.Tensor]]   # step.state_dict(): what the next step trains on
-    load_model_values: Callable[[dict[str, torch.Tensor], bool], None]   # step.load_state_dict(values, strict)
+    # step.load_state_dict(values, strict) and step.optimizer.load_state_dict(state), for a checkpoint whose files the
+    # ranks compared already (they check only that each is in the call)
+    load_model_values: Callable[[dict[str, torch.Tensor], bool], None]
+    load_optimizer: Callable[[dict], None]
     mark_broken: Callable[[str], None]       # the step refuses to run (CommitError with this message) until ...
     clear_broken: Callable[[], None]         # ... a load has written every value
 

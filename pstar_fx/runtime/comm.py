@@ -19,11 +19,12 @@ collective's result on the CPU would wait for everything queued on the GPU befor
 `agree(digest)` compares a 64-bit digest across the ranks in one all-reduce of 16 bytes; `gather_objects` (a
 second round, only where they disagree) collects what each rank has, to name the difference. `agree_on(call, ...)`
 is that pair of rounds for a collective function of the API (a training step, an evaluation, step.save, step.load,
-step.state_dict(), px.compile, and, where they run collectives, sync_model() and step.optimizer's state_dict() and
-load_state_dict()): the function's name is in the digest and in what is gathered, so ranks in different functions,
-whose first control messages pair with each other, all raise the same DistributedError naming the functions, before
-any collective of either could pair with the other's. A collective that fails (another rank failed, exited, or never
-came) raises DistributedError naming what this rank was doing, with what that means for the step or checkpoint.
+step.state_dict(), px.compile, and, where they run collectives, step.load_state_dict(), sync_model() and
+step.optimizer's state_dict() and load_state_dict(), the two loads with a digest of what they load): the function's
+name is in the digest and in what is gathered, so ranks in different functions, whose first control messages pair
+with each other, all raise the same DistributedError naming the functions, before any collective of either could
+pair with the other's. A collective that fails (another rank failed, exited, or never came) raises DistributedError
+naming what this rank was doing, with what that means for the step or checkpoint.
 
 A Comm holds its process groups by weak reference, so `torch.distributed.destroy_process_group()` ends them, and
 gloo's threads, where the user calls it, even while a compiled step is alive (a step is often kept alive by
@@ -190,10 +191,10 @@ class Comm:
             raise DistributedError(
                 f"pstar-fx: the ranks called different functions ({called}), so their collectives would pair "
                 "with each other's. Every rank must call the same compiled functions (training steps and "
-                "evaluations alike) and step.save, step.load, step.state_dict(), sync_model(), "
-                "step.optimizer.state_dict() and step.optimizer.load_state_dict() in the same order: each is a "
-                "collective. None of these calls ran: the step's values, the model and the checkpoints are as they "
-                "were.")
+                "evaluations alike) and step.save, step.load, step.state_dict(), step.load_state_dict(), "
+                "sync_model(), step.optimizer.state_dict() and step.optimizer.load_state_dict() in the same order: "
+                "each is a collective. None of these calls ran: the step's values, the model and the checkpoints "
+                "are as they were.")
         return every
 
 

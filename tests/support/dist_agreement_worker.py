@@ -1,5 +1,6 @@
 """One rank of tests/distributed/test_distributed_agreement.py: ranks that differ in what they loaded, in their
-settings, or in which function they call (gloo, CPU), and ranks that call sync_model() and the optimizer's
+settings, in which function they call, or in the state dict they give step.load_state_dict() or the optimizer's
+load_state_dict() (gloo, CPU), and ranks that call sync_model(), step.load_state_dict() and the optimizer's
 state_dict() and load_state_dict() together.
 
 `agree` runs every scenario in one launch, each on a model and step of its own, in the same order on every rank, and
@@ -11,6 +12,7 @@ middle of the call (os._exit, as a killed process), and rank 0 records what it g
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
 import glob
 import os
@@ -147,6 +149,10 @@ def agree(rank: int, tmp: str, result: dict) -> None:
                         step.optimizer.state_dict()
                     elif what == "optimizer_load_state_dict":
                         step.optimizer.load_state_dict(before["optimizer"])
+                    elif what == "load_state_dict":
+                        step.load_state_dict(before["model"])      # into the chunks: each rank its own shard
+                    elif what == "load_state_dict_given_back":
+                        evaluate.load_state_dict(before["model"])  # gives the model back from `step` first
                 else:
                     train(step, rec, 1)
             except px.DistributedError as e:
@@ -177,6 +183,63 @@ def agree(rank: int, tmp: str, result: dict) -> None:
         rec["saved"] = saved
         train(step, rec, 2)
 
+    def load_together(rec):
+        """Every rank loads the same state dict into a step that holds the model (into its chunks), then through an
+        evaluation function compiled on the same model (which gives it back from the step first), and the
+        optimizer's; then both train on together."""
+        step = compiled()
+        evaluate = px.compile(step._model, optimizer=None, device="cpu")(loss_fn)
+        train(step, rec, 0)
+        saved = values(step)
+        train(step, rec, 1)
+        step.load_state_dict(saved["model"])
+        rec["loaded"] = step.state_dict()
+        evaluate.load_state_dict(saved["model"])
+        rec["given_back"] = not step.holds_model()
+        step.optimizer.load_state_dict(saved["optimizer"])
+        rec["saved"] = saved
+        train(step, rec, 2)
+
+    def different_dicts(what):
+        """Both ranks train a step; then each loads a state dict, rank 1's with one value changed (`what`): both
+        refuse, and the step keeps its values; then both train on together. `optimizer_before_the_first_step`:
+        a fresh step's optimizer loads them before its store exists, so the first step is refused (the states are
+        compared as the store is made); the same state dict loaded on both after that trains."""
+        def run(rec):
+            step = compiled()
+            train(step, rec, 0)
+            before = values(step)
+            rec["first_param"] = next(n for n, _ in step._model.named_parameters())
+            sd = copy.deepcopy(before["model"] if what == "model" else before["optimizer"])
+            if rank == 1:
+                if what == "model":
+                    sd[rec["first_param"]] += 1
+                elif what == "optimizer_options":
+                    sd["param_groups"][0]["lr"] = 2e-3
+                else:
+                    sd["state"][0]["exp_avg"] += 1
+            rec["started"] = time.monotonic()
+            try:
+                if what == "model":
+                    step.load_state_dict(sd)
+                elif what == "optimizer_before_the_first_step":
+                    step = compiled()
+                    step.optimizer.load_state_dict(sd)      # no store yet: waits in the optimizer
+                    train(step, rec, 0)
+                else:
+                    step.optimizer.load_state_dict(sd)
+            except px.DistributedError as e:
+                rec["refused"] = error(e)
+            if what == "optimizer_before_the_first_step":
+                step.optimizer.load_state_dict(before["optimizer"])     # the same on both: loads
+                rec["loaded"], rec["saved"] = step.optimizer.state_dict(), before["optimizer"]
+            else:
+                rec["unchanged"] = values(step)
+                rec["before"] = before
+                rec["lr"] = step.optimizer.param_groups[0]["lr"]
+            train(step, rec, 1)      # the ranks are in step again
+        return run
+
     budget = int(compiled().min_device_memory(*rows(0, rank)) * 1.05)
     scenario("mixed_checkpoints", mixed_checkpoints)
     scenario("lr", differing({"optimizer": px.AdamW(**dict(HYPER, lr=2e-3))}))
@@ -192,6 +255,12 @@ def agree(rank: int, tmp: str, result: dict) -> None:
                  "optimizer_state_dict", "optimizer_load_state_dict"):
         scenario(f"one_rank_{what}", one_rank_calls(what))
     scenario("sync_and_optimizer_together", together)
+    # (last: without the ranks' checks these would leave the ranks out of step for whatever came after)
+    scenario("load_state_dict_together", load_together)
+    for what in ("load_state_dict", "load_state_dict_given_back"):
+        scenario(f"one_rank_{what}", one_rank_calls(what))
+    for what in ("model", "optimizer_options", "optimizer_states", "optimizer_before_the_first_step"):
+        scenario(f"different_{what}", different_dicts(what))
 
 
 def dies(how: str, rank: int, tmp: str, result: dict, out: str) -> None:
