@@ -127,9 +127,16 @@ class CompiledEval(CompiledStep):
 
             def attempt(compiled, flat):
                 interrupts.deliver()
-                if self._compiler.trainer() is None:
+                trainer = self._compiler.trainer()
+                if trainer is None:
                     self._compiler.store, self._compiler.layout = self._compiler.own
                     self._model_state.take()
+                elif not trainer._model_state.holds():
+                    # a tensor of the model changed hands since the trainer's last step (a parameter replaced, a
+                    # value loaded into the model): the trainer takes the model's values now, as its next step would,
+                    # so that its chunks, which this function reads, hold them
+                    with trainer._lock:
+                        trainer._model_state.take()
                 return run_forward(compiled.executor, flat.tensors, interrupts, debug=self.debug)
             # again on another trace where a guard sees another outcome than its trace took (guarded.py)
             compiled, flat, run = run_guarded(self._compiler, batch, interrupts, attempt)

@@ -153,3 +153,28 @@ def test_an_evaluation_asked_for_another_precision_than_the_holding_step_is_refu
         evaluate(torch.randn(3, 4))
     same = px.compile(model, optimizer=None, device="cpu", precision="fp32")(lambda m, x: m(x))
     assert same(torch.randn(3, 4)).shape == (3, 2)
+
+
+@pytest.mark.parametrize("tight", [False, True], ids=["unlimited", "tight"])
+def test_an_evaluation_after_a_parameter_is_replaced_reads_the_new_value(tight):
+    """A parameter replaced on the model between steps (model.x.weight = nn.Parameter(...)): the evaluation over the
+    training step's chunks computes with the new value, as the next training step would, not the chunks' old one."""
+    model, train, evaluate = _trained(tight_budget(CASE, chunk_size=512) if tight else None)
+    name, old = next((n, p) for n, p in model.named_parameters() if p.dim() == 2 and "wte" not in n)
+    owner, attr = model.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2]
+    torch.manual_seed(5)
+    new = torch.randn(old.shape) * 0.05
+    setattr(owner, attr, torch.nn.Parameter(new.clone()))
+    ref = CASE.build_model()
+    ref.load_state_dict({**train.state_dict(), name: new})      # the trained values, the replaced one new
+    x, y = CASE.batch(10)
+    model.eval()
+    ref.eval()
+    loss, logits = evaluate(x, y)
+    with torch.no_grad():
+        want_loss, want_logits = _eval_loss(ref, x, y)
+    model.train()
+    torch.testing.assert_close(logits, want_logits, rtol=1e-5, atol=1e-6)
+    assert abs(loss.item() - want_loss.item()) <= 1e-6 * abs(want_loss.item())
+    assert train._model_state.holds()                # the training step took the model, the new value with it
+    train(*CASE.batch(3))
