@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
+import torch
 import torch.nn as nn
 
 from ..frontend.trace import FlatBatch, flatten_batch, trace_step
@@ -120,7 +121,10 @@ class CompiledEval(CompiledStep):
         taken there rolls the evaluation back like a failed step (module buffers it writes in train mode too)."""
         refuse_keywords(kwargs)
         refuse_torch_compile()
-        with DeferredInterrupt() as interrupts:
+        # under torch.inference_mode() too, what the call makes and keeps (chunk slots, host homes, the values a
+        # training step takes in again) must stay normal tensors, which a later training step writes in place: the
+        # call runs outside inference mode, without autograd (run_forward's no_grad)
+        with torch.inference_mode(False), DeferredInterrupt() as interrupts:
             if self._comm is not None:     # before its first collective (a compile's own included)
                 check_same_step(self._comm, batch, self._model, self._compiler.model_key(portable=True),
                                 holds_own_values(self._model))

@@ -178,3 +178,49 @@ def test_an_evaluation_after_a_parameter_is_replaced_reads_the_new_value(tight):
     assert abs(loss.item() - want_loss.item()) <= 1e-6 * abs(want_loss.item())
     assert train._model_state.holds()                # the training step took the model, the new value with it
     train(*CASE.batch(3))
+
+
+@pytest.mark.parametrize("order", ["evaluate_first", "between_steps"])
+def test_an_evaluation_under_inference_mode_leaves_the_steps_trainable(order):
+    """torch.inference_mode() around an evaluation: what it makes and keeps (its own chunks, slots from the training
+    step's pool) stays writable, so training goes on after it, equal to eager."""
+    def build():
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16),
+                                torch.nn.Linear(16, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+        m[0].requires_grad_(False)
+        m[2].requires_grad_(False)
+        return m
+    model, ref = build(), build()
+    fn = lambda m, x, y: F.mse_loss(m(x), y)      # noqa: E731
+    kw = dict(device="cpu", chunk_size=512, device_memory=9141)
+    step = px.compile(model, optimizer=px.SGD(lr=0.1), **kw)(fn)
+    evaluate = px.compile(model, optimizer=None, **kw)(lambda m, x: m(x))
+    opt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.1)
+    torch.manual_seed(1)
+    data = [(torch.randn(8, 8), torch.randn(8, 4)) for _ in range(3)]
+
+    def eager_step(x, y):
+        opt.zero_grad()
+        fn(ref, x, y).backward()
+        opt.step()
+    if order == "evaluate_first":
+        with torch.inference_mode():
+            evaluate(data[0][0])      # the model in the evaluation's own chunks, made inside inference mode
+    for x, y in data[:2]:
+        step(x, y)
+        eager_step(x, y)
+        with torch.inference_mode():
+            got = evaluate(x)         # slots from the training step's pool, taken inside inference mode
+        with torch.no_grad():
+            torch.testing.assert_close(got, ref(x), rtol=1e-5, atol=1e-6)
+    step.sync_model()
+    with torch.no_grad():
+        evaluate(data[2][0])          # takes the model back into its own chunks
+    loss = step(*data[2])
+    with torch.no_grad():
+        want = fn(ref, *data[2])
+    eager_step(*data[2])
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
+    for (n, p), q in zip(step.sync_model().named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6, msg=n)
