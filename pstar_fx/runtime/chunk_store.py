@@ -118,7 +118,8 @@ class ChunkStore:
         assert not host_is_device or (device.type == "cpu" and self.world == 1), (device, self.world)
         self.lent: set[BufKey] = set()    # resident slots that are their host homes (alias)
         # parameter views of resident slots (param_view): per buffer, (its slot, {start: view}); dropped when the slot
-        # leaves (no view keeps a slot's memory), except a lent host home's, kept across steps (set_homes drops them)
+        # leaves (no view keeps a slot's memory), except a lent host home's, kept across steps (dropped where set_homes
+        # replaces the home)
         self._views: dict[BufKey, tuple[torch.Tensor, dict[int, torch.Tensor]]] = {}
         self.hostmem = hostmem if hostmem is not None else HostMemory(self.pin)
         # a chunk whose parameters are cast from its device master (ParamHome.MASTER) has no host home
@@ -274,7 +275,6 @@ class ChunkStore:
         Disk-homed states read into memory outside a step go back to their files first; the staging buffers take
         this plan's size."""
         self.close_states()
-        self._views.clear()
         if any(c.group is ChunkGroup.TRAINABLE and c.state_home is not self.state_home[c.id]
                or c.param_home is not self.chunks[c.id].param_home for c in chunks):
             self.evict_all()
@@ -318,6 +318,7 @@ class ChunkStore:
         for c in chunks:      # after the states: a host home made again is filled from the master, where it is now
             if c.param_home is self.chunks[c.id].param_home:
                 continue
+            self._views.pop(BufKey(c.id, BufKind.PARAM), None)    # views of the home it replaces
             if c.param_home is ParamHome.MASTER:
                 self.hostmem.free(self.host_param[c.id])
                 self.host_param[c.id] = None
