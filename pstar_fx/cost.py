@@ -2,14 +2,14 @@
 
 The model, in three parts.
 
-1. What each node costs on its own (`node_seconds`, per-op tables). Matmuls, convolutions and attention by their
-   FLOPs, from the fake shapes in `node.meta["val"]`, at the machine's matmul rate (attention at a fraction of it);
-   every other op by the bytes it reads and writes at the device's memory rate; views cost nothing. Each kernel adds
-   a fixed overhead. Inserted operations: a fetch is the chunk's bytes (a rank's shard, when sharded) at the
-   host->device rate, a write-back the same at device->host (a streamed update's states: their fp32 bytes each way),
-   an all-gather / reduce-scatter (w-1)/w of the chunk at
-   the collective bus rate plus a latency, a device-side Adam update the shard's elements at the GPU Adam rate, a
-   host-side one at the CPU Adam rate; a disk-homed chunk's states are read and written at the disk's rates.
+1. What each node costs on its own (`node_seconds`; the FLOP rules per op are in ir/flops.py). Matmuls, convolutions
+   and attention by their FLOPs, from the fake shapes in `node.meta["val"]`, at the machine's matmul rate (attention
+   at a fraction of it); every other op by the bytes it reads and writes at the device's memory rate; views cost
+   nothing. Each kernel adds a fixed overhead. Inserted operations: a fetch is the chunk's bytes (a rank's shard,
+   when sharded) at the host->device rate, a write-back the same at device->host (a streamed update's states: their
+   fp32 bytes each way), an all-gather / reduce-scatter (w-1)/w of the chunk at the collective bus rate plus a
+   latency, a device-side Adam update the shard's elements at the GPU Adam rate, a host-side one at the CPU Adam
+   rate; a disk-homed chunk's states are read and written at the disk's rates.
 
 2. Where it runs: seven lanes, each doing one thing at a time: the compute stream, the host->device and device->host
    copy streams, the NCCL stream, the CPU thread that runs host-side updates, the disk of the disk tier, and the
@@ -53,7 +53,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import enum
-import math
+import functools
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Callable, Mapping
@@ -62,6 +62,8 @@ import torch
 import torch.fx as fx
 
 from .ir import ops
+from .ir.flops import (ATTENTION_FLOPS, FORWARD_ATTENTION, MATMUL_FLOPS, aten_ops, bounded, flops, numel,  # noqa: F401
+                       op_of, val)
 from .ir.fx_utils import mutated_args, storage_key, tensors_of
 from .ir.graph import BufKind, Role, TrainGraph, UpdateSite
 from .ir.needs import BufKey, all_needs, buf_bytes, from_master, shard_numel, state_bytes, state_layout
@@ -254,137 +256,34 @@ class StepCost:
 
 # -- 1. per node -------------------------------------------------------------------------------------------------------
 
-def _val(a):
-    return a.meta.get("val") if isinstance(a, fx.Node) else None
-
-
-def _arg(n: fx.Node, name: str, position: int):
-    """An argument by schema name (or position when the op has no schema)."""
-    schema = getattr(n.target, "_schema", None)
-    if schema is not None:
-        for i, a in enumerate(schema.arguments):
-            if a.name == name:
-                if i < len(n.args):
-                    return n.args[i]
-                return n.kwargs.get(name, a.default_value)
-    return n.args[position] if position < len(n.args) else n.kwargs.get(name)
-
-
-def _numel(shape) -> int:
-    return math.prod(int(s) for s in shape)
-
-
-def _mm(n):          # (M, K) @ (K, N)
-    a, b = _val(n.args[0]), _val(n.args[1])
-    return 2.0 * a.shape[0] * a.shape[1] * b.shape[1]
-
-
-def _addmm(n):       # bias + (M, K) @ (K, N)
-    a, b = _val(n.args[1]), _val(n.args[2])
-    return 2.0 * a.shape[0] * a.shape[1] * b.shape[1]
-
-
-def _bmm(n):         # (b, M, K) @ (b, K, N)
-    a, b = _val(n.args[0]), _val(n.args[1])
-    return 2.0 * a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2]
-
-
-def _baddbmm(n):
-    a, b = _val(n.args[1]), _val(n.args[2])
-    return 2.0 * a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2]
-
-
-def _conv(n):        # 2 x output elements x (input channels / groups) x kernel elements
-    out, w = _val(n), _val(n.args[1])
-    return 2.0 * out.numel() * w.shape[1] * _numel(w.shape[2:])
-
-
-def _conv_backward(n):   # grad_input and grad_weight each cost a forward, as output_mask asks
-    grad_out, w = _val(n.args[0]), _val(n.args[2])
-    mask = _arg(n, "output_mask", 10) or (True, True, False)
-    return 2.0 * grad_out.numel() * w.shape[1] * _numel(w.shape[2:]) * (int(mask[0]) + int(mask[1]))
-
-
-def _attention(n, factor: float = 1.0):
-    """Q K^T and P V: 4 B H Tq Tk D FLOPs forward, half of it with a causal mask (the kernels skip masked blocks)."""
-    q, k = _val(_arg(n, "query", 0)), _val(_arg(n, "key", 1))
-    flops = 4.0 * _numel(q.shape[:-1]) * k.shape[-2] * q.shape[-1]
-    return flops * factor * (0.5 if _arg(n, "is_causal", -1) else 1.0)
-
-
-def _attention_backward(n):   # flash backward: five matmuls of the forward's two (recomputes Q K^T)
-    return _attention(n, 2.5)
-
-
-def _ops(*names: str) -> list:
-    """The aten overloads that exist in this torch (names vary across versions and builds)."""
-    out = []
-    for name in names:
-        packet, _, overload = name.partition(".")
-        op = getattr(getattr(torch.ops.aten, packet, None), overload or "default", None)
-        if op is not None:
-            out.append(op)
-    return out
-
-
-# FLOPs of the compute-bound ops, keyed by op; attention ops are charged at attention_efficiency
-MATMUL_FLOPS: dict[object, Callable[[fx.Node], float]] = {
-    **{op: _mm for op in _ops("mm")},
-    **{op: _addmm for op in _ops("addmm")},
-    **{op: _bmm for op in _ops("bmm")},
-    **{op: _baddbmm for op in _ops("baddbmm")},
-    **{op: _conv for op in _ops("convolution", "_convolution")},
-    **{op: _conv_backward for op in _ops("convolution_backward")},
-}
-ATTENTION_FLOPS: dict[object, Callable[[fx.Node], float]] = {
-    **{op: _attention for op in _ops(
-        "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
-        "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
-        "_flash_attention_forward", "_efficient_attention_forward")},
-    **{op: _attention_backward for op in _ops(
-        "_scaled_dot_product_flash_attention_backward", "_scaled_dot_product_flash_attention_for_cpu_backward",
-        "_scaled_dot_product_efficient_attention_backward", "_scaled_dot_product_cudnn_attention_backward",
-        "_flash_attention_backward", "_efficient_attention_backward")},
-}
-FORWARD_ATTENTION = frozenset(op for op, rule in ATTENTION_FLOPS.items() if rule is _attention)
 # attention kernels timed at a rate of their own (cost.Machine); the rest at attention_efficiency
-_ATTENTION_RATE = {**{op: "flash_attention_efficiency" for op in _ops(
-    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
-    "_flash_attention_forward", "_flash_attention_backward")}, **{op: "efficient_attention_efficiency" for op in _ops(
-    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward",
-    "_efficient_attention_forward", "_efficient_attention_backward")}}
+_ATTENTION_RATE = {
+    **{op: "flash_attention_efficiency" for op in aten_ops(
+        "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
+        "_flash_attention_forward", "_flash_attention_backward")},
+    **{op: "efficient_attention_efficiency" for op in aten_ops(
+        "_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward",
+        "_efficient_attention_forward", "_efficient_attention_backward")}}
 
 
 def _attention_efficiency(n: fx.Node, m: "Machine") -> float:
     return getattr(m, _ATTENTION_RATE.get(n.target, "attention_efficiency"))
 
 
-def _bounded(x) -> float:
-    """A number; a data-dependent one (a SymInt or SymFloat of a size only known when the step runs): its upper
-    bound, as the memory plan takes it (0 when unbounded: the tracer refuses those)."""
-    if isinstance(x, (torch.SymInt, torch.SymFloat)):
-        up = x.node.shape_env.bound_sympy(x.node.expr).upper
-        return float(up) if up.is_finite else 0.0
-    return float(x)
-
-
 def _tensor_bytes(t) -> int:
-    return int(_bounded(t.numel())) * t.element_size() if isinstance(t, torch.Tensor) else 0
+    return int(bounded(t.numel())) * t.element_size() if isinstance(t, torch.Tensor) else 0
 
 
 def _moved_bytes(n: fx.Node) -> int:
     """Bytes an op reads and writes; 0 for a view (every output shares an input's storage and nothing is written)."""
-    outs = tensors_of(n)
     ins = [t for a in n.all_input_nodes for t in tensors_of(a)]
+    if n.target is ops.compute_grad:       # its output is the gradient, written into the chunk
+        dtype = n.kwargs.get("dtype") or functools.reduce(torch.promote_types, (t.dtype for t in ins))
+        return sum(map(_tensor_bytes, ins)) + numel(n.kwargs["shape"]) * dtype.itemsize
+    outs = tensors_of(n)
     if not mutated_args(n) and outs and {storage_key(t) for t in outs} <= {storage_key(t) for t in ins}:
         return 0
     return sum(map(_tensor_bytes, ins)) + sum(map(_tensor_bytes, outs))
-
-
-def flops(n: fx.Node) -> float:
-    """FLOPs of a matmul, convolution or attention node (0 for any other)."""
-    rule = MATMUL_FLOPS.get(n.target) or ATTENTION_FLOPS.get(n.target)
-    return _bounded(rule(n)) if rule is not None else 0.0
 
 
 def node_seconds(n: fx.Node, m: Machine = H200) -> float:
@@ -394,11 +293,12 @@ def node_seconds(n: fx.Node, m: Machine = H200) -> float:
         return 0.0
     moved = _moved_bytes(n)
     memory = moved / m.hbm_bytes
-    if n.target in MATMUL_FLOPS:
-        half = any(getattr(_val(a), "dtype", None) in (torch.bfloat16, torch.float16) for a in n.all_input_nodes)
+    op = op_of(n)
+    if op in MATMUL_FLOPS:
+        half = any(getattr(val(a), "dtype", None) in (torch.bfloat16, torch.float16) for a in n.all_input_nodes)
         rate = m.matmul_flops if half else m.fp32_matmul_flops
         return max(flops(n) / rate, memory) + m.kernel_s
-    if n.target in ATTENTION_FLOPS:
+    if op in ATTENTION_FLOPS:
         return max(flops(n) / (m.matmul_flops * _attention_efficiency(n, m)), memory) + m.kernel_s
     return memory + m.kernel_s if moved else 0.0
 
@@ -551,8 +451,8 @@ def _simulate(g: TrainGraph, m: Machine, node_s: list[float], background, steps:
                 # a chunk buffer's first use waits for what brings it (fetch, gather, reduce)
                 t = max([issue] + [ready.get(k, 0.0) for k in needs[i].resident])
                 seconds = node_s[i]
-                if a.role is Role.WRITE_GRAD:
-                    grad = _val(n.args[0])
+                if a.role is Role.WRITE_GRAD and n.target is not ops.compute_grad:   # a copy, or an addition
+                    grad = val(n.args[0])
                     seconds = _tensor_bytes(grad) * (3 if n.kwargs.get("accumulate") else 2) / m.hbm_bytes + m.kernel_s
                 if seconds > 0:
                     launched.append(sim._fixed(Lane.COMPUTE, t, seconds))
@@ -645,13 +545,18 @@ def _simulate(g: TrainGraph, m: Machine, node_s: list[float], background, steps:
 _PROGRAM = (Role.COMPUTE, Role.REGION, Role.PARAM_VIEW, Role.WRITE_GRAD)
 
 
+def _computes(n: fx.Node, role: Role) -> bool:
+    """An aten operation of the program: a compute node, or a gradient write that runs its folded operation."""
+    return role is Role.COMPUTE or n.target is ops.compute_grad
+
+
 def _program_seconds(n: fx.Node, role: Role, machine: Machine) -> float:
-    return (node_seconds(n, machine) if role is Role.COMPUTE else
+    return (node_seconds(n, machine) if _computes(n, role) else
             region_seconds(n, machine) if role is Role.REGION else 0.0)
 
 
 def _program_flops(n: fx.Node, role: Role) -> float:
-    return flops(n) if role is Role.COMPUTE else region_flops(n) if role is Role.REGION else 0.0
+    return flops(n) if _computes(n, role) else region_flops(n) if role is Role.REGION else 0.0
 
 
 def compute_seconds(g: TrainGraph, machine: Machine = H200) -> list[float]:

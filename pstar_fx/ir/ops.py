@@ -25,6 +25,23 @@ def write_grad(rt, grad: torch.Tensor, *, param: str, accumulate: bool = False, 
     rt.write_grad(param, grad, accumulate, final)
 
 
+_aten = torch.ops.aten
+# a functional aten operation -> its out= overload (structured kernels: one implementation writes either output)
+OUT_FORMS = {_aten.mm.default: _aten.mm.out, _aten.add.Tensor: _aten.add.out,
+             _aten.sum.dim_IntList: _aten.sum.IntList_out}
+FUNCTIONAL_OF = {out: op for op, out in OUT_FORMS.items()}
+
+
+def compute_grad(rt, *args, op, shape: tuple[int, ...], param: str, accumulate: bool = False, final: bool = True,
+                 **kwargs) -> None:
+    """A first gradient write (`accumulate` is always False) with the operation that makes the gradient folded in
+    (passes/grad_into.py): `op`, an aten out= overload, writes the gradient straight into its chunk range viewed as
+    `shape` (its output's shape), where `write_grad` would copy a transient; `args` and `kwargs` are the
+    operation's own."""
+    assert not accumulate, "compute_grad writes a first micro-batch's gradient"
+    rt.compute_grad(param, op, shape, args, kwargs, final)
+
+
 def fetch(rt, *, chunk: int, buf: BufKind) -> None:
     """Bring a chunk buffer onto the device: host -> device copy into a free slot (buf=states: a streamed update's
     optimizer states, from their host home)."""
@@ -104,5 +121,5 @@ def region(rt, *inputs, spec: RegionSpec) -> tuple:
     return tuple(spec.gm(*inputs))
 
 
-RUNTIME_OPS = (guard, param_view, write_grad, fetch, all_gather, alloc, release, reduce_scatter, commit, optimizer_step,
-               disk_read, disk_write)
+RUNTIME_OPS = (guard, param_view, write_grad, compute_grad, fetch, all_gather, alloc, release, reduce_scatter, commit,
+               optimizer_step, disk_read, disk_write)

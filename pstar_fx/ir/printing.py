@@ -21,7 +21,13 @@ def _arg(a) -> str:
         return a.value   # enums print as their value: buf=param
     if isinstance(a, torch.dtype):
         return str(a).replace("torch.", "")
+    if isinstance(a, torch._ops.OpOverload):    # compute_grad's op=aten.mm.out
+        return _op_name(a)
     return repr(a)
+
+
+def _op_name(t: torch._ops.OpOverload) -> str:
+    return f"aten.{t.overloadpacket.__name__}" + ("" if t._overloadname == "default" else f".{t._overloadname}")
 
 
 def _target(n: fx.Node) -> str:
@@ -29,7 +35,7 @@ def _target(n: fx.Node) -> str:
     if n.op == "placeholder":
         return "placeholder"
     if isinstance(t, torch._ops.OpOverload):
-        return f"aten.{t.overloadpacket.__name__}" + ("" if t._overloadname == "default" else f".{t._overloadname}")
+        return _op_name(t)
     return getattr(t, "__name__", str(t))
 
 

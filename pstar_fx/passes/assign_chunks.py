@@ -6,10 +6,11 @@ parameter the loss reaches but no optimizer group holds is frozen (torch.optim n
 parameter remains: each use of a parameter (or of a view of one) is fed by its own `param_view(param=...)` node,
 placed, with the chain of views it needs, right before that use, so no value aliasing a chunk lives across two uses
 (the chunk may move in between); every gradient output became `write_grad(grad, param=...)` right after the node
-that made it, and the graph returns the loss and the aux outputs only (ir/outputs.py). In mixed precision a chunk's
-gradients overwrite its parameters (`grad_inplace`) iff no parameter of the chunk is read after its own gradient is
-written. With `world` ranks every chunk's capacity is a multiple of ALIGN * world, so each rank's shard is a whole,
-aligned 1/world of it.
+that made it (a first write whose gradient an operation with an out= form makes whole: `compute_grad(...)` in that
+operation's place, passes/grad_into.py), and the graph returns the loss and the aux outputs only (ir/outputs.py).
+In mixed precision a chunk's gradients overwrite its parameters (`grad_inplace`) iff no parameter of the chunk is
+read after its own gradient is written. With `world` ranks every chunk's capacity is a multiple of ALIGN * world,
+so each rank's shard is a whole, aligned 1/world of it.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from ..ir import ops
 from ..ir.fx_utils import mutated_args, node_copy, output_node, storage_key, tensors_of
 from ..ir.outputs import split_outputs
 from ..ir.graph import ChunkGroup, ChunkInfo, NodeAnn, ParamInfo, Phase, Role, TrainGraph, copy_graph, to_module
+from .grad_into import fold_grad_producers
 
 ALIGN = 32                  # element alignment of every parameter inside a chunk (vectorised kernels like it)
 MAX_AUTO_CHUNK = 1 << 26    # largest chunk chosen automatically (elements)
@@ -185,9 +187,11 @@ def assign_chunks(g: TrainGraph, *, chunk_size: int | None = None,
             w = graph.call_function(ops.write_grad, (gnode,), kwargs)
         ann[w.name] = NodeAnn(role=Role.WRITE_GRAD, phase=Phase.BACKWARD, param=name)
     out.args = (returned,)
+    root = _alias_roots(graph, param_of)
+    # a first write of a gradient that an operation with an out= form makes whole computes it in the chunk
+    fold_grad_producers(graph, ann, g.settings.precision.dtype, root, g.settings.device)
 
     # 3. Parameter reads: a fresh param_view (plus the view chain) right before every use.
-    root = _alias_roots(graph, param_of)
     for user in list(graph.nodes):
         if user in root or user.op == "placeholder":
             continue

@@ -123,8 +123,20 @@ class Runtime:
             dst.add_(grad)
         else:
             dst.copy_(grad)
-        if not final:
-            return
+        if final:
+            self._completed(site, dst)
+
+    def compute_grad(self, name: str, op, shape: tuple[int, ...], args: tuple, kwargs: dict, final: bool) -> None:
+        """A first gradient write with its operation folded in: `op` (an out= overload) writes into the chunk."""
+        site = self.sites.of[name]
+        dst = self.store.grad_part(site.grad_key, site.start, site.end - site.start, False)
+        self.store.mark_written(site.grad_key)
+        op(*args, **kwargs, out=dst.view(shape))
+        if final:
+            self._completed(site, dst.view(site.shape))
+
+    def _completed(self, site: ParamSite, dst: torch.Tensor) -> None:
+        """A parameter's gradient is complete in `dst`: fp16's overflow check and, on one rank, its norm."""
         if self.found_inf is not None:
             # max and min propagate NaN and show inf: two reductions, no temporary the size of the gradient
             bad = ~torch.isfinite(dst.amax()) | ~torch.isfinite(dst.amin())

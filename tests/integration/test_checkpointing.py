@@ -11,6 +11,7 @@ from torch.utils.checkpoint import checkpoint
 import pstar_fx as px
 from pstar_fx.frontend.user_checkpoint import checkpoint_regions
 from pstar_fx.ir import USER_CHECKPOINT
+from pstar_fx.ir.flops import op_of
 from harness import HYPER, check_tight_budget_matches_eager, compiled_run, compiled_step, eager_run, rel_err
 from models import (CASES, CASES_BY_NAME, CHECKPOINT_CASES, GPT, MODEL_SEED, CheckpointedGPT, assert_state_close,
                     gpt_loss)
@@ -56,7 +57,7 @@ def test_graph_holds_the_recompute_and_plans_less_memory(case):
     auto(*case.batch(0))
     g, g0 = steps[case.name].graphs["canonical"], steps[plain.name].graphs["canonical"]
     mm = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
-    count = lambda gr: sum(n.target in mm for n in gr.nodes)
+    count = lambda gr: sum(op_of(n) in mm for n in gr.nodes)     # a gradient write's folded mm too (grad_into)
     assert count(g) > count(g0)
     assert (steps[case.name].graphs["scheduled"].plan.predicted_peak
             < steps[plain.name].graphs["scheduled"].plan.predicted_peak)

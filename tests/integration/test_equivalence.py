@@ -6,7 +6,7 @@ import torch
 
 import pstar_fx as px
 
-from harness import HYPER, compiled_run, eager_run, fetch_counts, host_params, rel_err, small_batches, tight_budget
+from harness import DEVICE, HYPER, compiled_run, eager_run, fetch_counts, host_params, rel_err, small_batches, tight_budget
 from models import CASES, CASES_BY_NAME, MLP, Case, assert_state_close, tiny_llama
 
 pytestmark = pytest.mark.cuda
@@ -187,7 +187,12 @@ LSTM = Case("lstm", _Lstm, lambda m, x, y: torch.nn.functional.cross_entropy(m(x
 @pytest.mark.parametrize("tight", [False, True], ids=["unlimited", "tight"])
 def test_lstm_plans_its_real_workspace_and_matches_eager(tight):
     """On the CPU nn.LSTM runs oneDNN's layer kernel, whose workspace (saved for backward) the fake kernel gives 0
-    bytes: the trace measures the real one, so a budget that forces eviction holds and the plan is exact."""
+    bytes: the trace measures the real one, so a budget that forces eviction holds and the plan is exact. On CUDA
+    (cuDNN's RNN kernel) the trace is refused, naming why."""
+    if DEVICE == "cuda" and torch.backends.cudnn.is_available():
+        with pytest.raises(px.UntraceableError, match="cuDNN's RNN kernel"):
+            compiled_run(LSTM, 1)
+        return
     ref_losses, ref_sd = eager_run(LSTM, STEPS)
     budget = tight_budget(LSTM, chunk_size=512) if tight else None
     losses, sd, step = compiled_run(LSTM, STEPS, budget=budget, chunk_size=512 if tight else None)

@@ -341,15 +341,17 @@ def test_step_time_grows_when_moving_bytes_gets_slower(world, h2d, d2h, cpu, com
 
 
 def test_fewer_bytes_moved_take_less_time():
-    """Budgets from tight to unlimited: the plan moves fewer bytes and updates fewer chunks on the CPU, and the
-    estimated step never gets slower; a step is never shorter than its compute or its issuing thread."""
+    """Budgets from tight to unlimited: the estimated step never gets slower (what the planner minimises; the bytes
+    moved need not fall with it: streamed states and device-state chunks may move more bytes for a shorter step),
+    the tightest plan moves the most bytes and the unlimited one none; a step is never shorter than its compute or
+    its issuing thread."""
     case = _case("gpt_tied", 4)
     batch = case.batch(0)
     need = _plan(case, batch, device_memory=1).device_needed
     reports = [_plan(case, batch, device_memory=b) for b in (need, int(need * 1.3), int(need * 2), None)]
     moved = [r.h2d_bytes + r.d2h_bytes for r in reports]
     seconds = [r.cost.seconds for r in reports]
-    assert moved == sorted(moved, reverse=True) and moved[0] > moved[-1] == 0
+    assert moved[0] == max(moved) > moved[-1] == 0
     assert seconds == sorted(seconds, reverse=True) and seconds[0] > seconds[-1]
     for r in reports:
         slack = 1 + 1e-9      # sums of the same times in another order differ in the last bit

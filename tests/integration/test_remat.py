@@ -183,8 +183,9 @@ def test_remat_option_is_checked():
 def test_remat_lowers_the_peak_the_optimizer_states_share():
     """Where the optimizer states cannot all stay on the device (no choice makes comfort fit), they share it with
     the activations at the peak, where backward starts and every block's forward values are live: every block whose
-    recompute lowers that peak is recomputed (all but the last, whose recompute runs at the peak), not only the
-    first ones, which lowered the sum over nodes most (the choice before the peak was a figure: h.0 and h.1 here,
+    recompute lowers that peak is recomputed (all but the last at least; the last too here, since the loss's
+    gradient, not a block's, is the peak's largest value and the last block's recompute comes after it), not only
+    the first ones, which lowered the sum over nodes most (the choice before the peak was a figure: h.0 and h.1 here,
     as at 17B, where it left 16 of 54 blocks' activations and 37 fewer chunks' states on the device), and more
     chunks' states fit on the device than with those two."""
     import pstar_fx.api.plan as planning
@@ -201,7 +202,10 @@ def test_remat_lowers_the_peak_the_optimizer_states_share():
     segments = find_segments(g)
     out = remat(g)
     recomputed = {segments[n.meta[REMAT].segment].block for n in out.nodes if REMAT in n.meta}
-    assert recomputed == {f"h.{i}" for i in range(5)}
+    assert recomputed >= {f"h.{i}" for i in range(5)}
+    if "h.5" in recomputed:        # the last block too only where that lowers the activation peak further
+        without_last = apply(g, [s for s in segments if s.block != "h.5"])
+        assert max(analyze(out.nodes, out.ann).live) < max(analyze(without_last.nodes, without_last.ann).live)
 
     def on_device(x):
         return sum(c.state_home is StateHome.DEVICE for c in place_optimizer(x).chunks

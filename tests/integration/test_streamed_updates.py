@@ -257,3 +257,12 @@ def test_streamed_step_of_other_optimizers_equals_the_cpu_updated_step(make_opt)
     sd_cpu, sd_streamed = cpu.state_dict(), streamed.state_dict()
     assert all(torch.equal(sd_cpu[k], sd_streamed[k]) for k in sd_cpu)
     assert all(torch.equal(a, b) for a, b in zip(_states(cpu), _states(streamed)))
+
+
+def test_a_tie_in_the_estimate_goes_to_fewer_streamed_chunks():
+    """Candidates whose estimates differ only in the last bits (the same times summed in another order) tie; the
+    one that streams fewer chunks, moving fewer bytes, is kept."""
+    from pstar_fx.passes.update_sites import _fastest
+    step = 0.0036899999999998488
+    assert _fastest({0: (step * (1 + 1e-15),), 2: (step,), 5: (step * 0.999,)}) == 5
+    assert _fastest({0: (step * (1 + 1e-15),), 2: (step,), 5: (step * 1.01,)}) == 0

@@ -102,7 +102,7 @@ def test_the_verifier_rejects_a_plain_fetch_in_a_sharded_graph():
 
 def test_the_verifier_rejects_collectives_in_an_unsharded_graph():
     g = stages_for("mlp_ce", 1, budget=60_000, chunk_size=256)[-1]
-    fetch = next(n for n in g.nodes if n.target is ops.fetch)
+    fetch = next(n for n in g.nodes if n.target is ops.fetch and g.ann[n.name].buf is BufKind.PARAM)
     fetch.target = ops.all_gather
     with pytest.raises(VerificationError, match="collective"):
         verify(g)
