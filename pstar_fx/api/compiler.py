@@ -243,7 +243,13 @@ class Compiler:
                                     hostmem=hostmem, state=state_layout(st), offload_dir=self.offload_dir,
                                     host_is_device=st.host_is_device)
             if self.optimizer is not None:
-                self.optimizer.attach(self.store)
+                try:
+                    self.optimizer.attach(self.store)
+                except BaseException:
+                    # refused (an optimizer state loaded before the first step that this step cannot take): the
+                    # compile keeps nothing, so the next call lays the chunks out from its own trace
+                    self.store = self.layout = None
+                    raise
         executor = Executor(final, self.store, self.regions, between=interrupts.deliver)   # (Ctrl-C: between regions)
         now = time.perf_counter()
         return Compiled(stages={s.stage: s for s in stages}, executor=executor, setup_seconds=now - t0,

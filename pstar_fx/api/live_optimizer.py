@@ -165,7 +165,11 @@ class _Live:
                     "first step were dropped on every rank (the options loaded stay): load the same state dict on "
                     f"every rank ({LOAD}), then call the step again.")
         if pending is not None:
-            self._write(pending)
+            try:
+                self._write(pending)
+            except BaseException:       # refused before writing anything: the state stays loaded, for the next try
+                self._store, self._pending = None, pending
+                raise
 
     def entries(self) -> list[tuple[torch.Tensor, str, dict]]:
         """(tensor, name, group) for every entry of every group, in torch's state-dict index order."""

@@ -200,7 +200,9 @@ def real_allocations(gm: torch.fx.GraphModule, backward: bool = True) -> None:
     from the real one, whose size depends on the shapes only, so it is measured by running the real kernel once on
     zeros of the traced shapes, with grad mode as the graph runs: on for a training step, off for a forward-only
     one, `backward` False, where the kernel makes none) and the backward's two bias gradients (one tensor twice
-    from the fake kernel, two from the real one)."""
+    from the fake kernel, two from the real one); and a CPU convolution's backward that returns the weight's
+    gradient it was not asked for (`_unasked_weight_grad`), and a CPU batch norm's backward that returns no input
+    gradient where it was not asked for one (`_unasked_input_grad`)."""
     for n in gm.graph.nodes:
         val = n.meta.get("val")
         if not isinstance(val, (tuple, list)):
@@ -212,14 +214,45 @@ def real_allocations(gm: torch.fx.GraphModule, backward: bool = True) -> None:
         if index is not None and val[index].untyped_storage()._cdata == val[index - 1].untyped_storage()._cdata:
             with val[index].fake_mode:
                 _set_output(n, index, torch.empty_like(val[index]))
+        if n.target is torch.ops.aten.native_batch_norm_backward.default and _unasked_input_grad(n, val):
+            if _run_real(n)[0] is None:
+                _set_output(n, 0, None)
+        if n.target is torch.ops.aten.convolution_backward.default and _unasked_weight_grad(n, val):
+            weight_grad = _run_real(n)[1]
+            if weight_grad is not None:
+                with val[0].fake_mode:
+                    _set_output(n, 1, torch.empty_strided(weight_grad.shape, weight_grad.stride(),
+                                                          dtype=weight_grad.dtype))
 
 
-def _real_workspace(n: torch.fx.Node, index: int, val) -> torch.Tensor:
+def _run_real(n: torch.fx.Node):
+    """The node's real kernel run once on zeros of its traced shapes (on the CPU), grad mode on."""
     def real(a):
         v = a.meta.get("val") if isinstance(a, torch.fx.Node) else a
         return torch.zeros(v.shape, dtype=v.dtype) if isinstance(v, torch.Tensor) else v
     args = [[real(x) for x in a] if isinstance(a, (list, tuple)) else real(a) for a in n.args]
     with torch.enable_grad():      # (under no_grad, as a forward-only graph runs, the kernel makes none)
-        workspace = n.target(*args, **{k: real(v) for k, v in n.kwargs.items()})[index]
+        return n.target(*args, **{k: real(v) for k, v in n.kwargs.items()})
+
+
+def _real_workspace(n: torch.fx.Node, index: int, val) -> torch.Tensor:
+    workspace = _run_real(n)[index]
     with val[index].fake_mode:
         return torch.empty(0 if workspace is None else workspace.numel(), dtype=val[index].dtype)
+
+
+def _unasked_input_grad(n: torch.fx.Node, val) -> bool:
+    """A CPU batch norm's backward not asked for the input's gradient (nothing before it trains): the fake kernel
+    returns one anyway, the real one None (run once to say so)."""
+    mask = n.args[9] if len(n.args) > 9 else n.kwargs.get("output_mask")
+    return (isinstance(val[0], torch.Tensor) and val[0].device.type == "cpu" and mask is not None and not mask[0]
+            and not any(u.target is operator.getitem and u.args[1] == 0 and u.users for u in n.users))
+
+
+def _unasked_weight_grad(n: torch.fx.Node, val) -> bool:
+    """A CPU convolution's backward that asks for the input's and the bias's gradients and not the weight's (a
+    frozen weight, a trained bias): oneDNN's kernel computes the weight's anyway, with the bias's, and returns it,
+    where the fake kernel returns None; the real kernel, run once, says (such nodes are few)."""
+    mask = n.args[10] if len(n.args) > 10 else n.kwargs.get("output_mask")
+    return (val[1] is None and isinstance(val[0], torch.Tensor) and val[0].device.type == "cpu"
+            and mask is not None and tuple(mask) == (True, False, True))

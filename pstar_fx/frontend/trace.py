@@ -3,7 +3,7 @@
 `torch.func.functional_call` runs the step with the model's tensors swapped for graph inputs, `torch.autograd.grad`
 differentiates the loss with respect to the trainable parameters, and `make_fx` records both over fake tensors, so
 nothing real is allocated. Placeholders come in this order: trainable parameters, frozen parameters, buffers, the fp16
-loss scale (fp16 only), then the batch tensors. The output is `[loss, aux..., grad_0, ..., grad_k]`: the tensors the
+loss scale (fp16 training steps only), then the batch tensors. The output is `[loss, aux..., grad_0, ..., grad_k]`: the tensors the
 step returned beside the loss (aux_outputs.py, ir/outputs.py), then one gradient per trainable parameter in table
 order (None for a parameter the loss does not reach).
 
@@ -351,7 +351,8 @@ def _trace_step(fn, model: nn.Module, batch: tuple, settings: Settings, assume: 
     # batch tensors keep their dtype, as in eager code (autocast casts where it would; float64 stays float64)
     inputs = [InputInfo(i, tuple(x.shape), x.dtype) for i, x in enumerate(flat.tensors)]
     fake_batch = [_fake_like(mode, x.shape, x.dtype, device) for x in flat.tensors]
-    scale = [_fake_like(mode, (), torch.float32, device)] if fp16 else []
+    # the loss scale, an input of fp16 training steps (a forward-only graph has no backward to scale)
+    scale = [_fake_like(mode, (), torch.float32, device)] if fp16 and settings.optimizer is not None else []
     # one functional_call key per distinct slot, mapped to its tensor's table name (tied tensors: one placeholder)
     table_name: dict[int, str] = {}       # tensor -> its first name, the one the tables use
     hooks = gradient_hooks(model, list(trainable))

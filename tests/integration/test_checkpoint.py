@@ -205,6 +205,26 @@ def test_load_before_the_first_step(tmp_path):
     assert fresh(*rs.batch(run, K)).item() == want
 
 
+def test_a_first_call_refused_after_a_load_keeps_nothing_and_the_next_call_resumes(tmp_path):
+    """A step loaded before its first call, whose first call is refused (its checkpoint has moments for a parameter
+    the user froze since): the refused call lays nothing out and drops nothing loaded, so with the flag restored the
+    next call resumes the saved run bit for bit."""
+    step, _, run = _trained()
+    step.save(tmp_path / "c")
+    want = step(*rs.batch(run, K)).item()
+    want_sd = step.state_dict()
+    fresh = rs.build(run)[0]
+    fresh.load(tmp_path / "c")
+    frozen = next(p for p in fresh._compiler.model.parameters() if p.dim() == 2)
+    frozen.requires_grad_(False)
+    with pytest.raises(ValueError, match="does not train"):
+        fresh(*rs.batch(run, K))
+    assert fresh._compiler.store is None and fresh._compiler.layout is None
+    frozen.requires_grad_(True)
+    assert fresh(*rs.batch(run, K)).item() == want
+    _assert_equal_state(fresh.state_dict(), want_sd, "after the refused first call")
+
+
 def test_an_interrupted_save_never_leaves_a_checkpoint_that_load_accepts(tmp_path, monkeypatch):
     step, _, run = _trained(steps=1)
     path = tmp_path / "c"

@@ -241,3 +241,68 @@ def test_an_lstm_used_eagerly_between_steps_is_taken_back_and_trains_as_eager():
             step.sync_model()
             copy.deepcopy(model)
     assert_state_close(step.state_dict(), ref.state_dict(), rtol=1e-5)
+
+
+class _FrozenConv(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.c1 = torch.nn.Conv2d(2, 8, 3, padding=1)
+        self.c2 = torch.nn.Conv2d(8, 8, 3, padding=1)
+        self.fc = torch.nn.Linear(8, 4)
+        self.c2.weight.requires_grad_(False)
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.c2(torch.relu(self.c1(x)))).mean((2, 3)))
+
+
+def test_a_frozen_conv_weight_beside_a_trained_bias_plans_the_gradient_the_cpu_kernel_makes():
+    """A convolution whose weight is frozen and whose bias trains: its backward asks for the input's and the bias's
+    gradients only, and oneDNN's CPU kernel returns the weight's too (the fake kernel: None). The trace gives the
+    node that output, so debug=True finds measured = predicted at every node; training equals eager's."""
+    loss_fn = lambda m, x, y: torch.nn.functional.mse_loss(m(x), y)
+    gen = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(4, 2, 6, 6, generator=gen), torch.randn(4, 4, generator=gen)) for _ in range(3)]
+    step = px.compile(_FrozenConv(), optimizer=px.SGD(lr=0.1), device="cpu", debug=True)(loss_fn)
+    ref = _FrozenConv()
+    opt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.1)
+    for x, y in batches:
+        got = step(x, y)
+        want = loss_fn(ref, x, y)
+        want.backward()
+        opt.step()
+        opt.zero_grad()
+        assert rel_err([got.item()], [want.item()]) <= 1e-6
+    conv_backward = [n for n in step.graphs["traced"].nodes
+                     if n.target is torch.ops.aten.convolution_backward.default and n.args[10] == [True, False, True]]
+    assert conv_backward and all(n.meta["val"][1] is not None for n in conv_backward)
+    assert step.last_step.measured_peak == step.graphs["scheduled"].plan.predicted_peak
+
+
+def test_a_batch_norm_after_frozen_layers_plans_no_input_gradient():
+    """Batch norm right after a frozen Linear: its backward is not asked for the input's gradient, which the CPU
+    kernel then does not make (the fake kernel makes one): the trace leaves it out, so debug=True finds measured =
+    predicted at every node; training equals eager's."""
+    def build():
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(8, 16, bias=False), torch.nn.BatchNorm1d(16), torch.nn.ReLU(),
+                                torch.nn.Linear(16, 4))
+        m[0].weight.requires_grad_(False)
+        return m
+    loss_fn = lambda m, x, y: torch.nn.functional.mse_loss(m(x), y)
+    gen = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(16, 8, generator=gen), torch.randn(16, 4, generator=gen)) for _ in range(3)]
+    step = px.compile(build(), optimizer=px.SGD(lr=0.1), device="cpu", debug=True)(loss_fn)
+    ref = build()
+    opt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.1)
+    for x, y in batches:
+        got = step(x, y)
+        want = loss_fn(ref, x, y)
+        want.backward()
+        opt.step()
+        opt.zero_grad()
+        assert rel_err([got.item()], [want.item()]) <= 1e-6
+    bn_backward = [n for n in step.graphs["traced"].nodes
+                   if n.target is torch.ops.aten.native_batch_norm_backward.default]
+    assert bn_backward and all(n.meta["val"][0] is None for n in bn_backward)
+    assert_state_close(step.state_dict(), ref.state_dict(), rtol=1e-6)

@@ -61,6 +61,27 @@ def test_evaluation_reads_the_training_steps_chunks(tight):
     train(*CASE.batch(3))                            # training goes on, undisturbed
 
 
+def test_an_evaluation_over_an_fp16_steps_chunks_takes_no_loss_scale():
+    """An fp16 training step's graph takes the loss scale as an input; an evaluation over its chunks has no backward
+    to scale and takes none, so debug=True finds its plan exact (it counted the scale's 4 bytes, which no call
+    passes)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    loss_fn = lambda m, x, y: F.mse_loss(m(x), y)
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(16, 8, generator=gen), torch.randn(16, 4, generator=gen)
+    train = px.compile(model, optimizer=px.Adam(lr=1e-2), device="cpu", precision="fp16", debug=True)(loss_fn)
+    evaluate = px.compile(model, optimizer=None, device="cpu", debug=True)(loss_fn)
+    train(x, y)
+    with torch.no_grad():
+        evaluate(x, y)
+    roles = [train.final_graph.ann[n.name].role for n in train.final_graph.nodes]
+    assert Role.SCALE in roles
+    g = evaluate.graphs["scheduled"]
+    assert Role.SCALE not in {g.ann[n.name].role for n in g.nodes}
+    assert evaluate.last_step.measured_peak == g.plan.predicted_peak
+
+
 def test_evaluation_after_a_step_that_streams_its_updates():
     """A training step whose plan updates host-state chunks on the device (states streamed): an evaluation over its
     chunks updates none, so none streams there; it runs, matches eager, and training goes on streaming."""
