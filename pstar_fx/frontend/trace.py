@@ -3,9 +3,9 @@
 `torch.func.functional_call` runs the step with the model's tensors swapped for graph inputs, `torch.autograd.grad`
 differentiates the loss with respect to the trainable parameters, and `make_fx` records both over fake tensors, so
 nothing real is allocated. Placeholders come in this order: trainable parameters, frozen parameters, buffers, the fp16
-loss scale (fp16 training steps only), then the batch tensors. The output is `[loss, aux..., grad_0, ..., grad_k]`: the tensors the
-step returned beside the loss (aux_outputs.py, ir/outputs.py), then one gradient per trainable parameter in table
-order (None for a parameter the loss does not reach).
+loss scale (fp16 training steps only), then the batch tensors. The output is `[loss, aux..., grad_0, ..., grad_k]`:
+the tensors the step returned beside the loss (aux_outputs.py, ir/outputs.py), then one gradient per trainable
+parameter in table order (None for a parameter the loss does not reach).
 
 Buffers are passed in as inputs (not closed over), so in-place buffer updates such as BatchNorm's running statistics
 stay in the graph as in-place aten ops on the buffer placeholders; the runtime applies them to the real buffers.

@@ -6,7 +6,8 @@ import torch
 
 import pstar_fx as px
 
-from harness import DEVICE, HYPER, compiled_run, eager_run, fetch_counts, host_params, rel_err, small_batches, tight_budget
+from harness import (DEVICE, HYPER, compiled_run, eager_run, fetch_counts, host_params, rel_err, small_batches,
+                     tight_budget)
 from models import CASES, CASES_BY_NAME, MLP, Case, assert_state_close, tiny_llama
 
 pytestmark = pytest.mark.cuda
