@@ -257,42 +257,20 @@ class _FrozenConv(torch.nn.Module):
         return self.fc(torch.relu(self.c2(torch.relu(self.c1(x)))).mean((2, 3)))
 
 
-def test_a_frozen_conv_weight_beside_a_trained_bias_plans_the_gradient_the_cpu_kernel_makes():
-    """A convolution whose weight is frozen and whose bias trains: its backward asks for the input's and the bias's
-    gradients only, and oneDNN's CPU kernel returns the weight's too (the fake kernel: None). The trace gives the
-    node that output, so debug=True finds measured = predicted at every node; training equals eager's."""
-    loss_fn = lambda m, x, y: torch.nn.functional.mse_loss(m(x), y)
-    gen = torch.Generator().manual_seed(0)
-    batches = [(torch.randn(4, 2, 6, 6, generator=gen), torch.randn(4, 4, generator=gen)) for _ in range(3)]
-    step = px.compile(_FrozenConv(), optimizer=px.SGD(lr=0.1), device="cpu", debug=True)(loss_fn)
-    ref = _FrozenConv()
-    opt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.1)
-    for x, y in batches:
-        got = step(x, y)
-        want = loss_fn(ref, x, y)
-        want.backward()
-        opt.step()
-        opt.zero_grad()
-        assert rel_err([got.item()], [want.item()]) <= 1e-6
-    conv_backward = [n for n in step.graphs["traced"].nodes
-                     if n.target is torch.ops.aten.convolution_backward.default and n.args[10] == [True, False, True]]
-    assert conv_backward and all(n.meta["val"][1] is not None for n in conv_backward)
-    assert step.last_step.measured_peak == step.graphs["scheduled"].plan.predicted_peak
+def _bn_after_frozen_linear():
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 16, bias=False), torch.nn.BatchNorm1d(16), torch.nn.ReLU(),
+                            torch.nn.Linear(16, 4))
+    m[0].weight.requires_grad_(False)
+    return m
 
 
-def test_a_batch_norm_after_frozen_layers_plans_no_input_gradient():
-    """Batch norm right after a frozen Linear: its backward is not asked for the input's gradient, which the CPU
-    kernel then does not make (the fake kernel makes one): the trace leaves it out, so debug=True finds measured =
-    predicted at every node; training equals eager's."""
-    def build():
-        torch.manual_seed(0)
-        m = torch.nn.Sequential(torch.nn.Linear(8, 16, bias=False), torch.nn.BatchNorm1d(16), torch.nn.ReLU(),
-                                torch.nn.Linear(16, 4))
-        m[0].weight.requires_grad_(False)
-        return m
+def _trained_on_the_cpu_as_eager(build, x_shape, y_shape):
+    """3 SGD steps of pstar-fx with debug=True (measured = predicted at every node) and of eager on the same random
+    batches: equal losses and state; the step."""
     loss_fn = lambda m, x, y: torch.nn.functional.mse_loss(m(x), y)
     gen = torch.Generator().manual_seed(0)
-    batches = [(torch.randn(16, 8, generator=gen), torch.randn(16, 4, generator=gen)) for _ in range(3)]
+    batches = [(torch.randn(x_shape, generator=gen), torch.randn(y_shape, generator=gen)) for _ in range(3)]
     step = px.compile(build(), optimizer=px.SGD(lr=0.1), device="cpu", debug=True)(loss_fn)
     ref = build()
     opt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.1)
@@ -303,7 +281,26 @@ def test_a_batch_norm_after_frozen_layers_plans_no_input_gradient():
         opt.step()
         opt.zero_grad()
         assert rel_err([got.item()], [want.item()]) <= 1e-6
+    assert_state_close(step.state_dict(), ref.state_dict(), rtol=1e-6)
+    assert step.last_step.measured_peak == step.graphs["scheduled"].plan.predicted_peak
+    return step
+
+
+def test_a_frozen_conv_weight_beside_a_trained_bias_plans_the_gradient_the_cpu_kernel_makes():
+    """A convolution whose weight is frozen and whose bias trains: its backward asks for the input's and the bias's
+    gradients only, and oneDNN's CPU kernel returns the weight's too (the fake kernel: None). The trace gives the
+    node that output, so debug=True finds measured = predicted at every node; training equals eager's."""
+    step = _trained_on_the_cpu_as_eager(_FrozenConv, (4, 2, 6, 6), (4, 4))
+    conv_backward = [n for n in step.graphs["traced"].nodes
+                     if n.target is torch.ops.aten.convolution_backward.default and n.args[10] == [True, False, True]]
+    assert conv_backward and all(n.meta["val"][1] is not None for n in conv_backward)
+
+
+def test_a_batch_norm_after_frozen_layers_plans_no_input_gradient():
+    """Batch norm right after a frozen Linear: its backward is not asked for the input's gradient, which the CPU
+    kernel then does not make (the fake kernel makes one): the trace leaves it out, so debug=True finds measured =
+    predicted at every node; training equals eager's."""
+    step = _trained_on_the_cpu_as_eager(_bn_after_frozen_linear, (16, 8), (16, 4))
     bn_backward = [n for n in step.graphs["traced"].nodes
                    if n.target is torch.ops.aten.native_batch_norm_backward.default]
     assert bn_backward and all(n.meta["val"][0] is None for n in bn_backward)
-    assert_state_close(step.state_dict(), ref.state_dict(), rtol=1e-6)
