@@ -215,24 +215,37 @@ def real_allocations(gm: torch.fx.GraphModule, backward: bool = True) -> None:
             with val[index].fake_mode:
                 _set_output(n, index, torch.empty_like(val[index]))
         if n.target is torch.ops.aten.native_batch_norm_backward.default and _unasked_input_grad(n, val):
-            if _run_real(n)[0] is None:
+            # (in fp32: in half precision the fake kernel's saved statistics are half, the real ones fp32)
+            if _outputs_or_none(n, torch.float32)[0] is None:
                 _set_output(n, 0, None)
         if n.target is torch.ops.aten.convolution_backward.default and _unasked_weight_grad(n, val):
-            weight_grad = _run_real(n)[1]
+            weight_grad = _outputs_or_none(n)[1]
             if weight_grad is not None:
                 with val[0].fake_mode:
                     _set_output(n, 1, torch.empty_strided(weight_grad.shape, weight_grad.stride(),
                                                           dtype=weight_grad.dtype))
 
 
-def _run_real(n: torch.fx.Node):
-    """The node's real kernel run once on zeros of its traced shapes (on the CPU), grad mode on."""
+def _run_real(n: torch.fx.Node, floating: torch.dtype | None = None):
+    """The node's real kernel run once on zeros of its traced shapes (on the CPU), grad mode on; `floating`: every
+    floating-point input in that dtype instead of its traced one."""
     def real(a):
         v = a.meta.get("val") if isinstance(a, torch.fx.Node) else a
-        return torch.zeros(v.shape, dtype=v.dtype) if isinstance(v, torch.Tensor) else v
+        if not isinstance(v, torch.Tensor):
+            return v
+        return torch.zeros(v.shape, dtype=floating if floating is not None and v.is_floating_point() else v.dtype)
     args = [[real(x) for x in a] if isinstance(a, (list, tuple)) else real(a) for a in n.args]
     with torch.enable_grad():      # (under no_grad, as a forward-only graph runs, the kernel makes none)
         return n.target(*args, **{k: real(v) for k, v in n.kwargs.items()})
+
+
+def _outputs_or_none(n: torch.fx.Node, floating: torch.dtype | None = None) -> tuple:
+    """The real kernel's outputs (_run_real), or, where it refuses the zeros (a layout or dtype its fake kernel
+    traced otherwise), the traced ones: the plan then counts what the fake kernel said, as without the check."""
+    try:
+        return tuple(_run_real(n, floating))
+    except Exception:
+        return tuple(n.meta["val"])
 
 
 def _real_workspace(n: torch.fx.Node, index: int, val) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """fp32: a compiled step trains exactly what eager PyTorch + torch.optim.AdamW trains, at any budget."""
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -304,3 +305,19 @@ def test_a_batch_norm_after_frozen_layers_plans_no_input_gradient():
     bn_backward = [n for n in step.graphs["traced"].nodes
                    if n.target is torch.ops.aten.native_batch_norm_backward.default]
     assert bn_backward and all(n.meta["val"][0] is None for n in bn_backward)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_a_batch_norm_after_frozen_layers_in_half_precision_plans_no_input_gradient(precision):
+    """The same in mixed precision, where the fake kernel's saved statistics are half and the real kernel's fp32:
+    the trace still finds that no input gradient is made, and the plan is exact (debug=True) over 3 steps."""
+    loss_fn = lambda m, x, y: torch.nn.functional.mse_loss(m(x), y)
+    step = px.compile(_bn_after_frozen_linear(), optimizer=px.SGD(lr=0.1), device="cpu", precision=precision,
+                      debug=True)(loss_fn)
+    gen = torch.Generator().manual_seed(0)
+    losses = [step(torch.randn(16, 8, generator=gen), torch.randn(16, 4, generator=gen)).item() for _ in range(3)]
+    assert all(math.isfinite(v) for v in losses) and losses[-1] != losses[0]
+    bn_backward = [n for n in step.graphs["traced"].nodes
+                   if n.target is torch.ops.aten.native_batch_norm_backward.default]
+    assert bn_backward and all(n.meta["val"][0] is None for n in bn_backward)
+    assert step.last_step.measured_peak == step.graphs["scheduled"].plan.predicted_peak
