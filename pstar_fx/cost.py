@@ -62,8 +62,7 @@ import torch
 import torch.fx as fx
 
 from .ir import ops
-from .ir.flops import (ATTENTION_FLOPS, FORWARD_ATTENTION, MATMUL_FLOPS, aten_ops, bounded, flops, numel,  # noqa: F401
-                       op_of, val)
+from .ir.flops import ATTENTION_FLOPS, MATMUL_FLOPS, aten_ops, bounded, flops, numel, op_of, val
 from .ir.fx_utils import mutated_args, storage_key, tensors_of
 from .ir.graph import BufKind, Role, TrainGraph, UpdateSite
 from .ir.needs import BufKey, all_needs, buf_bytes, from_master, shard_numel, state_bytes, state_layout

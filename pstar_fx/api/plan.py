@@ -29,10 +29,11 @@ import optree
 import torch
 import torch.nn as nn
 
-from ..cost import FORWARD_ATTENTION, GPU, H200, Bound, Machine, StepCost, estimate, preset
+from ..cost import GPU, H200, Bound, Machine, StepCost, estimate, preset
 from ..errors import BudgetError
 from ..frontend.model_tensors import model_tables
 from ..frontend.trace import trace_step
+from ..ir.flops import FORWARD_ATTENTION
 from ..ir.graph import (REMAT, USER_CHECKPOINT, BufKind, ChunkGroup, ParamHome, Precision, Role, Settings, StateHome,
                         TrainGraph)
 from ..ir.needs import disk_bytes, shard_numel, staging, state_bytes, state_layout

@@ -22,7 +22,6 @@ from ..ir import ops
 from ..ir.fx_utils import storage_key
 
 aten = torch.ops.aten
-OUT_FORMS = ops.OUT_FORMS
 _VIEWS = frozenset({aten.t.default, aten.view.default, aten._unsafe_view.default, aten.transpose.int,
                     aten.permute.default, aten.squeeze.dim, aten.unsqueeze.default, aten.alias.default})
 
@@ -39,7 +38,7 @@ def _producer(grad: fx.Node, dtype: torch.dtype, param_alias) -> tuple[fx.Node, 
     while n.op == "call_function" and n.target in _VIEWS:
         chain.append(n)
         n = n.args[0]
-    if n.op != "call_function" or n.target not in OUT_FORMS or n.kwargs.get("out") is not None:
+    if n.op != "call_function" or n.target not in ops.OUT_FORMS or n.kwargs.get("out") is not None:
         return None
     out, g = _val(n), _val(grad)
     if out is None or g is None or out.dtype != dtype or g.dtype != dtype:
@@ -75,7 +74,7 @@ def fold_grad_producers(graph: fx.Graph, ann: dict, dtype: torch.dtype, param_al
         op, chain = found
         with graph.inserting_before(w):
             c = graph.call_function(ops.compute_grad, op.args, {
-                **op.kwargs, "op": OUT_FORMS[op.target], "shape": tuple(_val(op).shape),
+                **op.kwargs, "op": ops.OUT_FORMS[op.target], "shape": tuple(_val(op).shape),
                 "param": w.kwargs["param"], "accumulate": False, "final": w.kwargs.get("final", True)})
         c.meta["stack_trace"] = op.meta.get("stack_trace")
         ann[c.name] = ann.pop(w.name)
