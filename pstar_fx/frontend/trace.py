@@ -52,7 +52,8 @@ from ..ir.fx_utils import (data_dependent_sizes, is_user_file, loss_seed, mutate
 from ..ir.graph import (InputInfo, NodeAnn, Phase, Role, Settings, TrainGraph, lazy_modules,
                         to_module)
 from ..ir.outputs import split_outputs
-from . import backward_calls, fake_fixes, method_caches, moe_rewrites, torch_compile, torchscript, user_checkpoint
+from . import (backward_calls, fake_fixes, method_caches, moe_rewrites, rnn_kernels, torch_compile, torchscript,
+               user_checkpoint)
 from .aux_outputs import AuxCollector, describe_aux, own_aux_storage, split_returned
 from .batch import BatchSignature, FlatBatch, flatten_batch, leaf_name  # noqa: F401 (re-exported)
 from .guards import GuardingShapeEnv, insert_guards, tried_both_ways
@@ -175,11 +176,6 @@ def _explain(exc: BaseException, flat: "FlatBatch | None" = None, shape_env: Sha
                 "pack_padded_sequence computes its batch_sizes from the lengths' values, which a static graph does "
                 "not have; feed the RNN the padded batch instead and leave the padded positions out of the loss, "
                 "e.g. cross_entropy(..., ignore_index=...) or a mask)")
-    elif "UntypedStorage" in str(exc) and any(f.filename.endswith(os.path.join("nn", "modules", "rnn.py"))
-                                              for f in traceback.extract_tb(exc.__traceback__)):
-        what = ("nn.LSTM / nn.GRU / nn.RNN on CUDA runs cuDNN's RNN kernel, which takes the weights as one buffer "
-                "made from a storage, an operation the tracer cannot record; pstar-fx does not train cuDNN's RNNs "
-                "yet (on the CPU they train)")
     elif "convert all Tensors to FakeTensors" in str(exc):
         what = ("the step uses a real tensor that is neither a parameter, a buffer nor an input (a plain tensor "
                 "attribute or a global); register it with module.register_buffer(...) or pass it in the batch")
@@ -450,7 +446,8 @@ def _trace_step(fn, model: nn.Module, batch: tuple, settings: Settings, assume: 
     try:   # the fixes beneath the recorder: it sees a backward call first, and the engine runs with the fixes alone
         with (model_restored(model), sources, fake_fixes.FakeKernelFixes(), recorder,
               moe_rewrites.rewritten(model), lazy_modules(), torch_compile.traced_as_original(model),
-              torchscript.scripted_as_python(model, fn), method_caches.emptied(model)):
+              torchscript.scripted_as_python(model, fn), method_caches.emptied(model),
+              rnn_kernels.without_cudnn(model, device)):
             gm = make_fx(traced if settings.optimizer is not None else forward_only, tracing_mode="fake",
                          record_stack_traces=not _CHEAP_SOURCES)(trainable, frozen, buffers, scale, *fake_batch)
     except UntraceableError:
