@@ -297,7 +297,7 @@ def run_pstar(cfg, args, device, batch, budget: str) -> dict:
         updates.wait_all()                   # the last step's updates may still be pending
         now, then = updates.time, start[0]
         done = max(now.updates - then.updates, 1)
-        per_step = s.trainable_chunks - s.states_on_device
+        per_step = s.trainable_chunks - s.states_on_device - s.states_streamed     # the CPU's updates a step
         worker = dict(updating_s=round((now.updating - then.updating) / done * per_step, 3),
                       waiting_s=round((now.waiting - then.waiting) / done * per_step, 3), updates=per_step)
     out = dict(n=n, warm=warm, times=times, h2d=st.h2d_bytes, d2h=st.d2h_bytes, compile_s=compile_s,
@@ -306,6 +306,7 @@ def run_pstar(cfg, args, device, batch, budget: str) -> dict:
                prefetch=args.prefetch, device_updates=args.device_updates,
                predicted_peak=s.predicted_peak, measured_peak=st.measured_peak, chunks=s.chunks,
                states_on_device=f"{s.states_on_device}/{s.trainable_chunks}", states_on_disk=s.states_on_disk,
+               states_streamed=s.states_streamed,
                nodes=s.nodes, fused=s.fused or None,
                budget=s.default_budget or fmt_bytes(s.budget), alloc_retries=st.alloc_retries,
                estimated_s=None if s.estimated_seconds is None else round(s.estimated_seconds, 3))
@@ -514,7 +515,8 @@ def row(label, cfg, args, r) -> dict:
         out.update(compile_s=round(r["compile_s"], 2), first_step_s=round(r["warm"][0], 2),
                    first_minus_steady_s=round(r["warm"][0] - med, 2),
                    predicted_peak=fmt_bytes(r["predicted_peak"]), measured_peak=fmt_bytes(r["measured_peak"]),
-                   states_on_device=r["states_on_device"], chunks=r["chunks"], nodes=r["nodes"],
+                   states_on_device=r["states_on_device"], states_streamed=r.get("states_streamed"),
+                   chunks=r["chunks"], nodes=r["nodes"],
                    cpu_worker_per_step=r.get("cpu_worker_per_step"), budget=r.get("budget"),
                    estimated_s=r.get("estimated_s"), alloc_retries=r.get("alloc_retries"),
                    peak_reserved=fmt_bytes(r.get("peak_reserved")), outside_torch=fmt_bytes(r.get("outside_torch")))

@@ -40,12 +40,13 @@ The model, in three parts.
 
 3. Contention: copies and the CPU update share host memory (docs/measurements.md). A copy runs at its rate alone, at
    half the both-ways rate while the other direction copies, and slower again while the CPU updates; a CPU update runs
-   slower while any copy runs. A rate depends on what the other lanes do at that moment, so the simulation runs twice:
+   slower while any copy runs, and with atomic=False slower throughout (beside backward: `cpu_adam_beside_backward`). A rate depends on what the other lanes do at that moment, so the simulation runs twice:
    the first pass charges overlap with what is already placed, the second with the whole first pass.
 
 Constants (`Machine`; `H200` is the default): measured on one H200 (docs/measurements.md, 2026-11-30) except those
-marked ASSUMED below, which wait for a measurement. One constant, the per-kernel overhead, was fitted to measured
-steps (`Machine.kernel_s`); nothing else was. A Machine also holds the sizes `px.plan` checks a plan against (device
+marked ASSUMED below, which wait for a measurement. Three were fitted to measured steps: the per-kernel overhead
+(`Machine.kernel_s`), the fused regions' share of their unfused bytes (`fused_fraction`) and the CPU's rate beside
+backward (`cpu_adam_beside_backward`); nothing else was. A Machine also holds the sizes `px.plan` checks a plan against (device
 memory per GPU, host memory per node, GPUs per node): `preset("h200" or "h100", ...)` (docs/planning.md).
 """
 from __future__ import annotations
@@ -64,7 +65,7 @@ import torch.fx as fx
 from .ir import ops
 from .ir.flops import ATTENTION_FLOPS, MATMUL_FLOPS, aten_ops, bounded, flops, numel, op_of, val
 from .ir.fx_utils import mutated_args, storage_key, tensors_of
-from .ir.graph import BufKind, Role, TrainGraph, UpdateSite
+from .ir.graph import BufKind, Role, Settings, TrainGraph, UpdateSite
 from .ir.needs import BufKey, all_needs, buf_bytes, from_master, shard_numel, state_bytes, state_layout
 from .units import format_bytes, parse_bytes
 
@@ -72,7 +73,7 @@ INF = float("inf")
 GiB = 1 << 30
 
 
-_FRACTIONS = ("cpu_adam_under_copies", "fused_fraction", "attention_efficiency", "flash_attention_efficiency",
+_FRACTIONS = ("cpu_adam_under_copies", "cpu_adam_beside_backward", "fused_fraction", "attention_efficiency", "flash_attention_efficiency",
               "efficient_attention_efficiency")    # Machine fields that are fractions of 1
 
 
@@ -89,6 +90,11 @@ class Machine:
     cpu_adam: float = 4.1e9              # parameters per second, torch's fused CPU AdamW, fp32 (3.85-4.40 measured)
     cpu_adam_mixed: float = 2.48e9       # the same with the bf16 gradient converted in, the bf16 parameter out
     cpu_adam_under_copies: float = 2.7 / 4.1   # CPU AdamW's rate while copies run, as a fraction of its rate alone
+    # fitted to the 17.26B GPT's atomic=False step at the default budget (BENCHMARKS.md: 4.183 s measured, the CPU
+    # worker 46 ms an update; modelled 3.785 s without it, 4.195 s with it): the CPU's updates during backward, beside
+    # the executor issuing the step, run at this fraction of the rates above (an atomic step's updates after the
+    # commit ran as modelled: 54.5 ms an update under copies measured, 56 ms modelled)
+    cpu_adam_beside_backward: float = 0.9
     gpu_adam: float = 123e9              # parameters per second, torch's fused AdamW on the GPU
     # fitted (least squares) to the three compute-bound steps measured on the H200 (BENCHMARKS.md):
     # GPT 1.3B at 8 x 2048 tokens (pstar-fx unlimited 0.2997 s; model 0.290 s), 1.3B at 4 x 2048 (eager
@@ -401,8 +407,7 @@ class _Sim:
 
     def cpu_update(self, start: float, params: int) -> float:
         m = self.m
-        alone = ((m.cpu_adam_mixed if self.g.settings.precision.mixed else m.cpu_adam)
-                 / state_layout(self.g.settings).update_cost)
+        alone = cpu_update_rate(self.g.settings, m)
 
         def rate(busy):
             return alone * (m.cpu_adam_under_copies if busy[Lane.H2D] or busy[Lane.D2H] else 1.0)
@@ -412,6 +417,15 @@ class _Sim:
         m = self.m
         seconds = m.collective_latency_s + (self.world - 1) / self.world * nbytes / m.bus_bytes(self.world)
         return self._fixed(Lane.COMM, start, seconds)
+
+
+def cpu_update_rate(settings: Settings, m: Machine) -> float:
+    """Elements per second the CPU worker updates while no copy runs: torch's fused CPU Adam's rate in the step's
+    precision, over the optimizer's relative cost, beside backward where atomic=False updates there."""
+    rate = m.cpu_adam_mixed if settings.precision.mixed else m.cpu_adam
+    if settings.early_updates:
+        rate *= m.cpu_adam_beside_backward
+    return rate / state_layout(settings).update_cost
 
 
 def _shard_bytes(c, world: int) -> int:

@@ -23,9 +23,10 @@ and written home and the executor has issued its step (with atomic=False right a
 after the commit, which the cost model has it issue when the device reaches the commit: every update released at
 once, so the order is the next forward's) and should end before the next forward reads the chunk; the order is the
 earliest-deadline-first list schedule of those windows.
-Where the updates wait for the commit (one rank), the first chunks of that order may instead update on the device,
-their states streamed over and back (`ChunkInfo.streamed`, chosen with the cost model by update_sites.py): their
-steps come last, after the commit, in that order.
+On one rank some of the CPU's chunks may instead update on the device, their states streamed over and back
+(`ChunkInfo.streamed`, chosen with the cost model by update_sites.py). Where the updates wait for the commit, the
+first chunks of the CPU's order, their steps last, after the commit, in that order; with atomic=False every other
+chunk of that order first, each step right after its chunk's last use, as the CPU's are.
 With a host budget (Settings.host_budget) that the host-placed states overflow, the last chunks of the CPU's order
 get a third home, the disk (StateHome.DISK, chosen by offload.py), their states read into a host staging buffer
 before their update and written back after it (`disk_read` / `disk_write` nodes).
@@ -36,7 +37,7 @@ import dataclasses
 
 import torch.fx as fx
 
-from ..cost import H200, Lane, Machine, compute_seconds, estimate, most_copy_seconds
+from ..cost import H200, Lane, Machine, compute_seconds, cpu_update_rate, estimate, most_copy_seconds
 from ..errors import BudgetError
 from ..ir import ops
 from ..ir.graph import (BufKind, Choice, ChunkGroup, NodeAnn, Phase, Role, Scheduled, StateHome, TrainGraph,
@@ -154,10 +155,12 @@ def _why_not_fewer(most: TrainGraph, fewer: list, fullest, node_s: list[float], 
 
 def _stream(g: TrainGraph, best: TrainGraph, best_scheduled: TrainGraph | None, machine: Machine, program_s
             ) -> tuple[TrainGraph, TrainGraph | None, str | None]:
-    """best (states placed, steps arranged) with the chunks update_sites chooses streamed: their steps after the
-    CPU's, in the CPU's order (the next forward's first needs first), the CPU keeping the rest in its order. A chunk
-    whose streamed step alone would not fit the budget stays with the CPU. With it: why (None where no chunk's
-    states are on the host)."""
+    """best (states placed, steps arranged) with the chunks update_sites chooses streamed, the CPU keeping the rest
+    in its order. Atomic: the first of the CPU's order (the next forward's first needs first), their steps after
+    the CPU's in that order. atomic=False (the CPU's steps right after their chunk's last use, during backward):
+    every other chunk of the CPU's order first, each step right after its chunk's last use too, so that the
+    device's updates thin the CPU's queue evenly along backward. A chunk whose streamed step alone would not fit the
+    budget stays with the CPU. With it: why (None where no chunk's states are on the host)."""
     reason = no_stream_reason(g.settings)
     if reason is not None and g.settings.device_updates:
         raise ValueError(f"_device_updates={g.settings.device_updates}: {reason}")
@@ -183,13 +186,16 @@ def _stream(g: TrainGraph, best: TrainGraph, best_scheduled: TrainGraph | None, 
              and best.chunks[best.ann[n.name].chunk].update_site is UpdateSite.CPU]
     cpu_only = [cid for i, cid in steps if not fits(i, cid)]
     order = [cid for i, cid in steps if cid not in cpu_only]       # those that may stream, in the CPU's order
+    early = g.settings.early_updates
+    if early:
+        order = order[::2] + order[1::2]
     device = [c.id for c in best.chunks if c.update_site is UpdateSite.DEVICE]
 
     def build(k: int) -> TrainGraph:
         streamed = set(order[:k])
         homes = tuple(dataclasses.replace(c, streamed=True) if c.id in streamed else c for c in best.chunks)
         cpu = [cid for _, cid in steps if cid not in streamed]
-        return with_steps(g, device, cpu, streamed=order[:k]).evolve(chunks=homes)
+        return with_steps(g, device, cpu, early=early, streamed=order[:k]).evolve(chunks=homes)
 
     return choose_streamed(best, order, build, machine, program_s, (best, best_scheduled))
 
@@ -258,8 +264,8 @@ def with_steps(g: TrainGraph, order: list[int], host: list[int] = (), early: boo
     """g with a commit after its program and one optimizer_step per chunk: those of `order` after the commit, then
     those of `host`, then those of `streamed`, in that order; with `early`, each of `host` instead right after the
     last node that uses its chunk and after the previous one of `host` (so the CPU worker, which takes them in graph
-    order, gets each as soon as the step is done with its chunk)."""
-    assert not (early and streamed), "streamed updates come after the commit"
+    order, gets each as soon as the step is done with its chunk), and each of `streamed` right after the last node
+    that uses its chunk (the device updates it there, in graph order)."""
     graph, _ = copy_graph(g)
     ann = dict(g.ann)
     program = [n for n in graph.nodes if ann[n.name].role in (Role.COMPUTE, Role.WRITE_GRAD, Role.GUARD)]
@@ -273,24 +279,34 @@ def with_steps(g: TrainGraph, order: list[int], host: list[int] = (), early: boo
         with graph.inserting_after(after):
             after = steps[cid] = graph.call_function(ops.optimizer_step, (), {"chunk": cid})
         ann[after.name] = NodeAnn(role=Role.OPTIMIZER_STEP, phase=Phase.OPTIMIZER, chunk=cid)
-    if early and host:
-        _move_early(g, graph, steps, host)
+    if early and (host or streamed):
+        _move_early(g, graph, steps, host, streamed)
     return g.evolve(gm=to_module(graph, g.gm), ann=ann)
 
 
-def _move_early(g: TrainGraph, graph: fx.Graph, steps: dict[int, fx.Node], host: list[int]) -> None:
+def _move_early(g: TrainGraph, graph: fx.Graph, steps: dict[int, fx.Node], host: list[int],
+                alone: list[int] = ()) -> None:
     """Move each of `host`'s step nodes (`steps`, in `graph`, which holds g's nodes under their names) right after
-    the last node that uses its chunk, after the previous one of `host` and after every guard."""
+    the last node that uses its chunk, after the previous one of `host` and after every guard; then each of
+    `alone`'s right after the last node that uses its chunk and after every guard."""
     last_use = _last_use(all_needs(g))
     by_name = {n.name: n for n in graph.nodes}
     original = g.nodes
     at: dict[int, fx.Node] = {}       # original position -> the last step moved after it
     # after every guard too: a failed guard reruns the step, which must not have updated anything yet
-    pos = max((i for i, n in enumerate(original) if g.ann[n.name].role is Role.GUARD), default=0)
-    for cid in host:
-        pos = max(pos, last_use[cid])
+    guards = max((i for i, n in enumerate(original) if g.ann[n.name].role is Role.GUARD), default=0)
+
+    def place(cid: int, after: int) -> int:
+        pos = max(after, last_use[cid])
         at.get(pos, by_name[original[pos].name]).append(steps[cid])
         at[pos] = steps[cid]
+        return pos
+
+    pos = guards
+    for cid in host:
+        pos = place(cid, pos)
+    for cid in alone:
+        place(cid, guards)
 
 
 def _last_use(nd) -> dict[int, int]:
@@ -331,9 +347,8 @@ def _windows(g: TrainGraph, host: list[int], machine: Machine, node_s: list[floa
 
 
 def _cpu_rate(g: TrainGraph, machine: Machine) -> float:
-    """Elements per second the CPU updates: torch's fused CPU Adam's rate, over the optimizer's relative cost."""
-    rate = machine.cpu_adam_mixed if g.settings.precision.mixed else machine.cpu_adam
-    return rate / state_layout(g.settings).update_cost
+    """Elements per second the CPU updates (cost.cpu_update_rate)."""
+    return cpu_update_rate(g.settings, machine)
 
 
 def device_priority(g: TrainGraph, machine: Machine = H200, node_s: list[float] | None = None) -> list[int]:

@@ -175,9 +175,9 @@ def _check_steps(g: TrainGraph) -> None:
         if a.role is Role.COMMIT:
             committed = True
         elif a.role is Role.OPTIMIZER_STEP and not committed and not (
-                g.settings.early_updates and g.chunks[a.chunk].update_site is UpdateSite.CPU):
+                g.settings.early_updates and _host_placed(g.chunks[a.chunk])):
             _fail(g, i, f"optimizer_step of chunk {a.chunk} before the commit (a failure there could not be undone; "
-                        "only host-side steps with atomic=False may come early)")
+                        "only the steps of chunks whose states live on the host, with atomic=False, may come early)")
         if a.role in (Role.PARAM_VIEW, Role.WRITE_GRAD):
             c = g.param(a.param).chunk
             if c in step_at:
@@ -294,6 +294,11 @@ def _check_schedule(g: TrainGraph) -> None:
     if g.plan.predicted_peak != peak:
         _fail(g, None, f"plan's predicted peak {g.plan.predicted_peak} != replayed peak {peak}")
     _check_streamed(g)
+
+
+def _host_placed(c) -> bool:
+    """A chunk whose optimizer states live on the host or disk: updated by the CPU, or streamed to the device."""
+    return c.update_site is UpdateSite.CPU or c.streamed
 
 
 def _check_streamed(g: TrainGraph) -> None:

@@ -3,8 +3,10 @@
 Bit for bit the atomic step's training (losses, parameters, optimizer states), in bf16 and fp32 at a tight budget
 that puts states on the host; the graph puts each host-side step right after its chunk's last use, before the commit,
 and the verifier allows that only there; clipping and fp16 keep every step after the commit; a failure before the
-first early update changes nothing, one after it is a CommitError. With PSTAR_TEST_DEVICE=cuda the steps run on the
-GPU (copy streams, events, the CPU worker taking updates while backward runs).
+first early update changes nothing, one after it is a CommitError. Chunks streamed to the device (their states
+fetched over the link) update there right after their last use too, as the atomic step's streamed chunks do after
+the commit. With PSTAR_TEST_DEVICE=cuda the steps run on the GPU (copy streams, events, the CPU worker taking
+updates while backward runs).
 """
 import dataclasses
 
@@ -13,23 +15,27 @@ import torch
 
 import pstar_fx as px
 from pstar_fx.ir import Role, StateHome
+from pstar_fx.ir.graph import BufKind
 from pstar_fx.ir.needs import all_needs
 from pstar_fx.passes import verify
 from pstar_fx.passes.verify import VerificationError
 
-from harness import DEVICE, HYPER, small_batches, tight_budget
-from models import CASES_BY_NAME
+from harness import DEVICE, HYPER, eager_run, host_params, rel_err, small_batches, tight_budget
+from models import CASES_BY_NAME, assert_state_close
 
 pytestmark = pytest.mark.cuda
 
 CASE = small_batches(CASES_BY_NAME["gpt_tied"])
 
 
-def _make(atomic, precision="bf16", clip=None, fuse=None):
+ALL = 1000          # _device_updates: more chunks than the case has, so every host-placed one that fits streams
+
+
+def _make(atomic, precision="bf16", clip=None, fuse=None, device_updates=None):
     budget = tight_budget(CASE, 1024, 1.3)
     return px.compile(CASE.build_model(), optimizer=px.AdamW(**HYPER), device_memory=budget, chunk_size=1024,
                       precision=precision, device=DEVICE, atomic=atomic, max_grad_norm=clip,
-                      debug=True, fuse=fuse)(CASE.loss_fn)
+                      debug=True, fuse=fuse, _device_updates=device_updates)(CASE.loss_fn)
 
 
 def _everything(step) -> dict:
@@ -97,8 +103,32 @@ def test_when_the_commit_decides_every_step_waits_for_it(precision, clip):
     assert _steps(g) and all(i > commit for i, _ in _steps(g))
 
 
-def test_a_failure_before_the_first_update_changes_nothing_and_after_it_is_a_commit_error():
-    step = _make(False)
+def test_streamed_early_updates_match_eager_right_after_their_chunks_last_use():
+    """atomic=False with chunks streamed: each streamed step right after its chunk's last use, before the commit,
+    its states fetched and written back around it (the verifier's order); training equals eager AdamW (on a GPU the
+    CPU-updated chunks' reference update also runs on the CPU, whose kernel rounds otherwise) and the plan's peak is
+    measured at every node (debug=True)."""
+    step = _make(False, "fp32", fuse=False, device_updates=ALL)
+    losses = [step(*CASE.batch(i)).item() for i in range(3)]
+    g = step.final_graph
+    assert step.last_step.measured_peak == g.plan.predicted_peak
+    ref_losses, ref_sd = eager_run(CASE, 3, host_params=host_params(step))
+    assert rel_err(losses, ref_losses) <= 1e-6, (losses, ref_losses)
+    assert_state_close(step.state_dict(), ref_sd, rtol=1e-6)
+    streamed = [c.id for c in g.chunks if c.streamed]
+    commit = next(i for i, n in enumerate(g.nodes) if g.ann[n.name].role is Role.COMMIT)
+    early = {a.chunk: i for i, a in _steps(g) if i < commit}
+    assert streamed and set(streamed) <= set(early), (streamed, early)
+    nd = all_needs(g)
+    for c in streamed:          # right after the chunk's last use: no computation between them
+        last = max(i for i, x in enumerate(nd[:early[c]])
+                   if any(k.chunk == c and k.buf is not BufKind.STATES for k in x.resident))
+        assert all(g.ann[n.name].role is not Role.COMPUTE for n in g.nodes[last + 1:early[c]]), c
+
+
+@pytest.mark.parametrize("device_updates", [None, ALL], ids=["cpu", "streamed"])
+def test_a_failure_before_the_first_update_changes_nothing_and_after_it_is_a_commit_error(device_updates):
+    step = _make(False, device_updates=device_updates)
     step(*CASE.batch(0))
     g = step.final_graph                    # node positions index the graph the step runs
     first = _steps(g)[0][0]

@@ -209,9 +209,19 @@ def test_the_cost_model_streams_when_the_cpu_bounds_the_step_and_not_when_it_doe
     assert any(re.match(rf"{k} of \d+ host-placed chunks updated on the device", w) and f"{k}: " in w
                for w in why), why
     assert sum(c.streamed for c in place_optimizer(g, fast).chunks) == 0
-    early = place_optimizer(g.evolve(settings=dataclasses.replace(g.settings, atomic=False)), slow)
-    assert sum(c.streamed for c in early.chunks) == 0      # atomic=False: not needed
-    assert any("with atomic=False the CPU updates during backward already" in c.why for c in early.choices)
+    # atomic=False: the CPU updates during backward, and the cost model streams there too when the CPU bounds the
+    # step, each streamed step right after its chunk's last use, before the commit
+    early_settings = dataclasses.replace(g.settings, atomic=False)
+    early = place_optimizer(g.evolve(settings=early_settings), slow)
+    assert sum(c.streamed for c in early.chunks) > 0
+    roles = [early.ann[n.name].role for n in early.nodes]
+    commit = roles.index(Role.COMMIT)
+    assert all(i < commit for i, n in enumerate(early.nodes)
+               if roles[i] is Role.OPTIMIZER_STEP and early.chunks[early.ann[n.name].chunk].streamed)
+    verify(schedule(early))
+    none_early = place_optimizer(g.evolve(settings=dataclasses.replace(early_settings, device_updates=0)), slow)
+    assert estimate(schedule(early), slow).seconds < estimate(schedule(none_early), slow).seconds
+    assert sum(c.streamed for c in place_optimizer(g.evolve(settings=early_settings), fast).chunks) == 0
 
 
 def test_several_ranks_do_not_stream_and_say_why():
