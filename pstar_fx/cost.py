@@ -91,9 +91,9 @@ class Machine:
     cpu_adam_mixed: float = 2.48e9       # the same with the bf16 gradient converted in, the bf16 parameter out
     cpu_adam_under_copies: float = 2.7 / 4.1   # CPU AdamW's rate while copies run, as a fraction of its rate alone
     # fitted to the 17.26B GPT's atomic=False step at the default budget (BENCHMARKS.md: 4.183 s measured, the CPU
-    # worker 46 ms an update; modelled 3.785 s without it, 4.195 s with it): the CPU's updates during backward, beside
-    # the executor issuing the step, run at this fraction of the rates above (an atomic step's updates after the
-    # commit ran as modelled: 54.5 ms an update under copies measured, 56 ms modelled)
+    # worker 47 ms an update; planned on the CPU: 3.785 s without it, 4.195 s with it): the CPU's updates during
+    # backward, beside the executor issuing the step, run at this fraction of the rates above (an atomic step's
+    # updates after the commit ran as modelled: 55 ms an update under copies measured, 56 ms modelled)
     cpu_adam_beside_backward: float = 0.9
     gpu_adam: float = 123e9              # parameters per second, torch's fused AdamW on the GPU
     # fitted (least squares) to the three compute-bound steps measured on the H200 (BENCHMARKS.md):

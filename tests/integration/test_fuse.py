@@ -275,6 +275,27 @@ def test_a_region_called_with_inputs_in_another_layout_is_compiled_for_it():
     assert "1 again for another input layout at run time" in str(stats)
 
 
+def test_inductors_compile_workers_are_shut_down_after_regions_compile(monkeypatch):
+    """Inductor's pool of compile worker processes is shut down once a graph's regions are compiled, and after a
+    variant compiled at run time for another input layout (compiled_regions.py says why); not before the compile."""
+    from torch._inductor import async_compile
+    from pstar_fx.runtime.compiled_regions import RegionCompiler
+    import torch._inductor.compile_fx as compile_fx
+
+    events = []
+    inner = compile_fx.compile_fx_inner
+    monkeypatch.setattr(async_compile, "shutdown_compile_workers", lambda: events.append("shutdown"), raising=False)
+    monkeypatch.setattr(compile_fx, "compile_fx_inner", lambda *a, **k: (events.append("compile"), inner(*a, **k))[1])
+    spec, f = _rotary_region()
+    (fn,), stats = RegionCompiler().compile_all([spec])
+    assert events == ["compile", "shutdown"]
+    x, y = torch.randn(3, 5, 32), torch.randn(3, 5, 16)
+    fn([x, y])
+    assert events == ["compile", "shutdown"]                      # the traced layout: nothing compiled
+    fn([x, torch.randn(3, 5, 2, 16)[:, :, 1]])                    # another layout: compiled, then shut down
+    assert events == ["compile", "shutdown", "compile", "shutdown"] and stats.relaid == 1
+
+
 def test_regions_compile_in_inductors_deterministic_mode(monkeypatch):
     """Inductor would pick a reduction's configuration by timing it at the first call (on a GPU: two compiles of one
     region could sum in different orders); regions compile with torch._inductor.config.deterministic set, which the
