@@ -40,14 +40,16 @@ The model, in three parts.
 
 3. Contention: copies and the CPU update share host memory (docs/measurements.md). A copy runs at its rate alone, at
    half the both-ways rate while the other direction copies, and slower again while the CPU updates; a CPU update runs
-   slower while any copy runs, and with atomic=False slower throughout (beside backward: `cpu_adam_beside_backward`). A rate depends on what the other lanes do at that moment, so the simulation runs twice:
-   the first pass charges overlap with what is already placed, the second with the whole first pass.
+   slower while any copy runs, and with atomic=False slower throughout (beside backward: `cpu_adam_beside_backward`).
+   A rate depends on what the other lanes do at that moment, so the simulation runs twice: the first pass charges
+   overlap with what is already placed, the second with the whole first pass.
 
 Constants (`Machine`; `H200` is the default): measured on one H200 (docs/measurements.md, 2026-11-30) except those
 marked ASSUMED below, which wait for a measurement. Three were fitted to measured steps: the per-kernel overhead
 (`Machine.kernel_s`), the fused regions' share of their unfused bytes (`fused_fraction`) and the CPU's rate beside
-backward (`cpu_adam_beside_backward`); nothing else was. A Machine also holds the sizes `px.plan` checks a plan against (device
-memory per GPU, host memory per node, GPUs per node): `preset("h200" or "h100", ...)` (docs/planning.md).
+backward (`cpu_adam_beside_backward`); nothing else was. A Machine also holds the sizes `px.plan` checks a plan
+against (device memory per GPU, host memory per node, GPUs per node): `preset("h200" or "h100", ...)`
+(docs/planning.md).
 """
 from __future__ import annotations
 
@@ -73,8 +75,9 @@ INF = float("inf")
 GiB = 1 << 30
 
 
-_FRACTIONS = ("cpu_adam_under_copies", "cpu_adam_beside_backward", "fused_fraction", "attention_efficiency", "flash_attention_efficiency",
-              "efficient_attention_efficiency")    # Machine fields that are fractions of 1
+# Machine fields that are fractions of 1
+_FRACTIONS = ("cpu_adam_under_copies", "cpu_adam_beside_backward", "fused_fraction", "attention_efficiency",
+              "flash_attention_efficiency", "efficient_attention_efficiency")
 
 
 @dataclass(frozen=True)

@@ -143,7 +143,7 @@ def _why_not_fewer(most: TrainGraph, fewer: list, fullest, node_s: list[float], 
     if not any(c.state_home is StateHome.DEVICE for c in most.chunks):
         return "no fewer device states tried: none is on the device"
     if not fewer:
-        cpu = sum(shard_numel(c, most.settings.world) for c in host) / _cpu_rate(most, machine)
+        cpu = sum(shard_numel(c, most.settings.world) for c in host) / cpu_update_rate(most.settings, machine)
         return (f"no fewer device states tried: the CPU's updates ({cpu:.4g} s estimated) would take at least the "
                 f"device's compute ({sum(node_s):.4g} s), and fewer would only add to them")
     if fullest is None:
@@ -248,7 +248,7 @@ def _fewer_states(most: TrainGraph, ranked: list[int], machine: Machine, node_s:
     if not on_device or host_elems == 0:
         return []
     compute = sum(compute_seconds(most, machine) if node_s is None else node_s)
-    if host_elems / _cpu_rate(most, machine) >= compute:
+    if host_elems / cpu_update_rate(most.settings, machine) >= compute:
         return []
     out = []
     for back in sorted({min(b, len(on_device)) for b in (1, 2, 4)}):
@@ -340,15 +340,10 @@ def _windows(g: TrainGraph, host: list[int], machine: Machine, node_s: list[floa
         release = {cid: at[last_use[cid]] if cid in last_use else step_s for cid in host}
     else:
         release = dict.fromkeys(host, step_s)
-    rate = _cpu_rate(g, machine)
+    rate = cpu_update_rate(g.settings, machine)
     world = g.settings.world
     return {cid: (release[cid], step_s + first_read.get(cid, step_s), shard_numel(g.chunks[cid], world) / rate)
             for cid in host}
-
-
-def _cpu_rate(g: TrainGraph, machine: Machine) -> float:
-    """Elements per second the CPU updates (cost.cpu_update_rate)."""
-    return cpu_update_rate(g.settings, machine)
 
 
 def device_priority(g: TrainGraph, machine: Machine = H200, node_s: list[float] | None = None) -> list[int]:
