@@ -33,10 +33,11 @@ A region Inductor fails to compile runs eagerly (ops.region, the nodes as traced
 either way, since a region's inputs and outputs are the same values.
 
 Compile workers: on a GPU Inductor compiles Triton kernels in a pool of worker processes (one per core, each a
-forked torch process), which Dynamo winds down after its own compiles but nothing does after `compile_fx_inner`'s:
-left alone, the 16 of the H200 machine stay for the life of the process beside the step, on a host whose memory
-the plan fills (about 112 of 125 GiB at the 17.26B GPT), where the fused step's CPU updates ran 1.2-1.8x slower
-than the unfused step's. Once a graph's regions (or a region's new layout) are compiled, the pool is shut down
+forked torch process), which Dynamo winds down after its own compiles; after `compile_fx_inner`'s, in the torch of
+the H200 machine (2.11), nothing does, and the 16 workers would stay for the life of the process beside the step,
+on a host whose memory the plan fills (about 112 of 125 GiB at the 17.26B GPT). There the fused steps' CPU updates
+ran 1.2-1.8x slower than the unfused steps' in the same calls; the workers are the suspect, not established. Once a
+graph's regions (or a region's new layout) are compiled, the pool is shut down
 (`torch._inductor.async_compile.shutdown_compile_workers`); a later compile, pstar-fx's or the user's
 torch.compile, starts it again.
 """
