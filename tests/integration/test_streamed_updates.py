@@ -75,6 +75,27 @@ def test_streamed_step_equals_the_cpu_updated_step_bit_for_bit(precision):
     assert moved == {(c, op) for c in _streamed(streamed) for op in ("fetch", "release")}
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_atomic_false_streamed_steps_equal_its_cpu_updated_steps_bit_for_bit(precision):
+    """atomic=False: the streamed chunks' steps come right after their last use, before the commit, the CPU's too;
+    on the CPU (one kernel for both sites) training equals the step whose CPU updates every host-placed chunk, bit
+    for bit, with the plan's peak measured at every node (debug=True) under a budget that evicts."""
+    case = _case(precision)
+    budget = _budget(case, precision)
+    cpu = _step(case, precision, budget, 0, atomic=False)
+    streamed = _step(case, precision, budget, ALL, atomic=False)
+    for i in range(3):
+        assert torch.equal(cpu(*case.batch(i)), streamed(*case.batch(i))), f"loss of step {i}"
+        assert streamed.last_step.measured_peak == streamed.graphs["scheduled"].plan.predicted_peak <= budget
+    g = streamed.graphs["scheduled"]
+    commit = next(i for i, n in enumerate(g.nodes) if g.ann[n.name].role is Role.COMMIT)
+    early = [g.ann[n.name].chunk for n in g.nodes[:commit] if g.ann[n.name].role is Role.OPTIMIZER_STEP]
+    assert _streamed(streamed) and set(_streamed(streamed)) <= set(early)
+    sd_cpu, sd_streamed = cpu.state_dict(), streamed.state_dict()
+    assert all(torch.equal(sd_cpu[k], sd_streamed[k]) for k in sd_cpu)
+    assert all(torch.equal(a, b) for a, b in zip(_states(cpu), _states(streamed)))
+
+
 def test_streamed_training_under_eviction_equals_eager():
     budget = _budget(CNN, "fp32", slack=1.05)
     step = _step(CNN, "fp32", budget, ALL)
