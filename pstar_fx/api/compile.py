@@ -33,7 +33,8 @@ def compile(model: nn.Module, *, optimizer: OptimizerSpec | None, device_memory:
     raises px.CommitError and leaves the values half-updated (load a checkpoint to continue). Only where the commit
     decides nothing the updates need (no max_grad_norm, not fp16; otherwise it changes nothing); one rank only.
     `_device_updates` (private, for tests): stream this many chunks the CPU would update to the device and update
-    them there (the first in the CPU's order; more than there are: all) instead of the cost model's choice.
+    them there (the first in the CPU's order, with atomic=False every other one first; more than there are: all)
+    instead of the cost model's choice.
     `cache_size` compiled batch signatures are kept (least recently used dropped); `step.reserve(*batch)` compiles
     one up front and keeps it.
     `fuse=True` compiles the compute between chunk operations: each maximal run of compute nodes between two chunk

@@ -176,6 +176,11 @@ def _explain(exc: BaseException, flat: "FlatBatch | None" = None, shape_env: Sha
                 "pack_padded_sequence computes its batch_sizes from the lengths' values, which a static graph does "
                 "not have; feed the RNN the padded batch instead and leave the padded positions out of the loss, "
                 "e.g. cross_entropy(..., ignore_index=...) or a mask)")
+    elif "UntypedStorage" in str(exc) and any(f.filename.endswith(os.path.join("nn", "modules", "rnn.py"))
+                                              for f in traceback.extract_tb(exc.__traceback__)):
+        what = ("an nn.LSTM / nn.GRU / nn.RNN that is not a submodule of the model ran cuDNN's RNN kernel, which takes "
+                "the weights as one buffer made from a storage, an operation the tracer cannot record (pstar-fx turns "
+                "cuDNN off around the model's own recurrent modules only): make it a submodule of the model")
     elif "convert all Tensors to FakeTensors" in str(exc):
         what = ("the step uses a real tensor that is neither a parameter, a buffer nor an input (a plain tensor "
                 "attribute or a global); register it with module.register_buffer(...) or pass it in the batch")

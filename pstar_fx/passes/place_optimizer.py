@@ -173,20 +173,27 @@ def _stream(g: TrainGraph, best: TrainGraph, best_scheduled: TrainGraph | None, 
     static = static_bytes(best)
     budget = best.settings.budget
 
+    early = g.settings.early_updates
+    last: dict[int, int] = {}          # atomic=False: where a streamed step will sit, right after its chunk's last use
+    if early:
+        guards = max((j for j, n in enumerate(nodes) if best.ann[n.name].role is Role.GUARD), default=0)
+        for j, x in enumerate(all_needs(best)):
+            if best.ann[nodes[j].name].role is not Role.OPTIMIZER_STEP:
+                last.update((k.chunk, max(guards, j)) for k in x.resident)
+
     def fits(i: int, cid: int) -> bool:
-        """The chunk's streamed step fits beside what is always on the device (its states, params, gradient,
-        workspace and the live activations)."""
+        """The chunk's streamed step (node i, the CPU's step of it) fits beside what is always on the device (its
+        states, params, gradient, workspace and the activations live where it will run)."""
         trial = best.evolve(chunks=tuple(dataclasses.replace(c, streamed=True) if c.id == cid else c
                                          for c in best.chunks))
         nd = needs(trial, best.ann[nodes[i].name])
-        need = static + lv.live[i] + nd.workspace + sum(buf_bytes(trial, k) for k in nd.resident)
+        need = static + lv.live[last.get(cid, i)] + nd.workspace + sum(buf_bytes(trial, k) for k in nd.resident)
         return budget is None or need <= budget
 
     steps = [(i, best.ann[n.name].chunk) for i, n in enumerate(nodes) if best.ann[n.name].role is Role.OPTIMIZER_STEP
              and best.chunks[best.ann[n.name].chunk].update_site is UpdateSite.CPU]
     cpu_only = [cid for i, cid in steps if not fits(i, cid)]
     order = [cid for i, cid in steps if cid not in cpu_only]       # those that may stream, in the CPU's order
-    early = g.settings.early_updates
     if early:
         order = order[::2] + order[1::2]
     device = [c.id for c in best.chunks if c.update_site is UpdateSite.DEVICE]

@@ -8,8 +8,9 @@ the device's Adam on them (the kernel of device-state chunks) and copies them ba
 each way at PCIe speed for a chunk of 91M parameters against 37-46 ms of CPU update on the H200 machine. The state
 home stays the host (between steps the states live there; checkpoints and the store see no difference); what
 changes is where the update runs. Streaming every chunk would make the copy lanes the bottleneck instead (the next
-forward's parameter fetches share them), so the cost model chooses how many: the first k of the CPU's update order
-(the chunks the next forward needs first), k chosen by estimating a few candidate schedules.
+forward's parameter fetches share them), so the cost model chooses how many: the first k of an order of the CPU's
+chunks (in an atomic step the CPU's update order, the chunks the next forward needs first; with atomic=False every
+other chunk of it first, below), k chosen by estimating a few candidate schedules.
 
 In an atomic step streamed updates come after the commit, so the atomic contract is unchanged. With atomic=False the
 CPU updates during backward, each chunk as soon as the step is done with it, and can still bound the step: the
@@ -56,10 +57,10 @@ def _fastest(tried: dict) -> int:
 def choose_streamed(g: TrainGraph, order: list[int], build: Callable[[int], TrainGraph], machine: Machine,
                     program_s, base: tuple[TrainGraph, TrainGraph | None]
                     ) -> tuple[TrainGraph, TrainGraph | None, str]:
-    """The placed graph with the first k of `order` (the CPU's update order) streamed, for the k whose schedule
-    the cost model finds fastest, that schedule (None: not scheduled here), and why, in a sentence. `build(k)` makes
-    the placed graph for k; `base` is the one for k = 0 and its schedule if known. A candidate whose schedule does
-    not fit the budget is skipped; a tie goes to fewer streamed chunks."""
+    """The placed graph with the first k of `order` (the CPU's chunks in the order they stream) streamed, for the k
+    whose schedule the cost model finds fastest, that schedule (None: not scheduled here), and why, in a sentence.
+    `build(k)` makes the placed graph for k; `base` is the one for k = 0 and its schedule if known. A candidate whose
+    schedule does not fit the budget is skipped; a tie goes to fewer streamed chunks."""
     forced = g.settings.device_updates
     if forced is not None:
         k = min(forced, len(order))

@@ -145,6 +145,29 @@ def test_a_failure_before_the_first_update_changes_nothing_and_after_it_is_a_com
         step(*CASE.batch(1))
 
 
+def test_a_failure_right_after_a_streamed_first_update_is_a_commit_error():
+    """A streamed step counts as an update: where the step's first update is a streamed chunk's (the MLP at this
+    budget), a failure at it changes nothing and one right after it is a CommitError."""
+    mlp = small_batches(CASES_BY_NAME["mlp_mse"])
+    step = px.compile(mlp.build_model(), optimizer=px.AdamW(**HYPER), device_memory=tight_budget(mlp, 256, 1.3),
+                      chunk_size=256, device=DEVICE, atomic=False, debug=True, _device_updates=ALL)(mlp.loss_fn)
+    step(*mlp.batch(0))
+    g = step.final_graph
+    first, a = _steps(g)[0]
+    assert g.chunks[a.chunk].streamed, "the first update should be a streamed chunk's at this budget"
+    before = _everything(step)
+    step._before_node = lambda i, n: (_ for _ in ()).throw(RuntimeError("injected")) if i == first else None
+    with pytest.raises(RuntimeError, match="injected"):
+        step(*mlp.batch(1))
+    step._before_node = None
+    after = _everything(step)
+    for k, v in before.items():
+        assert torch.equal(v, after[k]), k
+    step._before_node = lambda i, n: (_ for _ in ()).throw(RuntimeError("injected")) if i == first + 1 else None
+    with pytest.raises(px.CommitError, match="after its first update"):
+        step(*mlp.batch(1))
+
+
 def test_bad_atomic_arguments_say_what_to_change():
     with pytest.raises(ValueError, match="atomic must be True or False"):
         px.compile(CASE.build_model(), optimizer=px.AdamW(**HYPER), device="cpu", atomic="no")(CASE.loss_fn)

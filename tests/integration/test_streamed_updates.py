@@ -1,5 +1,6 @@
-"""Streamed updates: a chunk whose optimizer states live on the host is updated on the device after the commit, its
-states copied into a device slot before its step and back to their host home after it (ChunkInfo.streamed).
+"""Streamed updates: a chunk whose optimizer states live on the host is updated on the device (after the commit; with
+atomic=False right after its last use), its states copied into a device slot before its step and back to their host
+home after it (ChunkInfo.streamed).
 
 On the CPU the "device" is the CPU too, so the copies are real copies between buffers and the device Adam is the
 same kernel as the CPU worker's: a streamed step must equal the CPU-updated step bit for bit (fp32, bf16, fp16) and
