@@ -126,23 +126,29 @@ def test_streamed_early_updates_match_eager_right_after_their_chunks_last_use():
         assert all(g.ann[n.name].role is not Role.COMPUTE for n in g.nodes[last + 1:early[c]]), c
 
 
-@pytest.mark.parametrize("device_updates", [None, ALL], ids=["cpu", "streamed"])
-def test_a_failure_before_the_first_update_changes_nothing_and_after_it_is_a_commit_error(device_updates):
-    step = _make(False, device_updates=device_updates)
-    step(*CASE.batch(0))
+def _first_update_failures(step, case):
+    """A failure at the step's first update changes nothing; one right after it is a CommitError. Returns the chunk
+    that update is of."""
+    step(*case.batch(0))
     g = step.final_graph                    # node positions index the graph the step runs
-    first = _steps(g)[0][0]
+    first, a = _steps(g)[0]
     before = _everything(step)
     step._before_node = lambda i, n: (_ for _ in ()).throw(RuntimeError("injected")) if i == first else None
     with pytest.raises(RuntimeError, match="injected"):
-        step(*CASE.batch(1))
+        step(*case.batch(1))
     step._before_node = None
     after = _everything(step)
     for k, v in before.items():
         assert torch.equal(v, after[k]), k
     step._before_node = lambda i, n: (_ for _ in ()).throw(RuntimeError("injected")) if i == first + 1 else None
     with pytest.raises(px.CommitError, match="after its first update"):
-        step(*CASE.batch(1))
+        step(*case.batch(1))
+    return g.chunks[a.chunk]
+
+
+@pytest.mark.parametrize("device_updates", [None, ALL], ids=["cpu", "streamed"])
+def test_a_failure_before_the_first_update_changes_nothing_and_after_it_is_a_commit_error(device_updates):
+    _first_update_failures(_make(False, device_updates=device_updates), CASE)
 
 
 def test_a_failure_right_after_a_streamed_first_update_is_a_commit_error():
@@ -151,21 +157,7 @@ def test_a_failure_right_after_a_streamed_first_update_is_a_commit_error():
     mlp = small_batches(CASES_BY_NAME["mlp_mse"])
     step = px.compile(mlp.build_model(), optimizer=px.AdamW(**HYPER), device_memory=tight_budget(mlp, 256, 1.3),
                       chunk_size=256, device=DEVICE, atomic=False, debug=True, _device_updates=ALL)(mlp.loss_fn)
-    step(*mlp.batch(0))
-    g = step.final_graph
-    first, a = _steps(g)[0]
-    assert g.chunks[a.chunk].streamed, "the first update should be a streamed chunk's at this budget"
-    before = _everything(step)
-    step._before_node = lambda i, n: (_ for _ in ()).throw(RuntimeError("injected")) if i == first else None
-    with pytest.raises(RuntimeError, match="injected"):
-        step(*mlp.batch(1))
-    step._before_node = None
-    after = _everything(step)
-    for k, v in before.items():
-        assert torch.equal(v, after[k]), k
-    step._before_node = lambda i, n: (_ for _ in ()).throw(RuntimeError("injected")) if i == first + 1 else None
-    with pytest.raises(px.CommitError, match="after its first update"):
-        step(*mlp.batch(1))
+    assert _first_update_failures(step, mlp).streamed, "the first update should be a streamed chunk's at this budget"
 
 
 def test_bad_atomic_arguments_say_what_to_change():
