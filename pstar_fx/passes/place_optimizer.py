@@ -175,11 +175,9 @@ def _stream(g: TrainGraph, best: TrainGraph, best_scheduled: TrainGraph | None, 
 
     early = g.settings.early_updates
     last: dict[int, int] = {}          # atomic=False: where a streamed step will sit, right after its chunk's last use
-    if early:
-        guards = max((j for j, n in enumerate(nodes) if best.ann[n.name].role is Role.GUARD), default=0)
-        for j, x in enumerate(all_needs(best)):
-            if best.ann[nodes[j].name].role is not Role.OPTIMIZER_STEP:
-                last.update((k.chunk, max(guards, j)) for k in x.resident)
+    if early:                          # (a host-placed chunk's step has no device needs: its last use is the program's)
+        guards = _last_guard(best)
+        last = {cid: max(guards, i) for cid, i in _last_use(all_needs(best)).items()}
 
     def fits(i: int, cid: int) -> bool:
         """The chunk's streamed step (node i, the CPU's step of it) fits beside what is always on the device (its
@@ -301,7 +299,7 @@ def _move_early(g: TrainGraph, graph: fx.Graph, steps: dict[int, fx.Node], host:
     original = g.nodes
     at: dict[int, fx.Node] = {}       # original position -> the last step moved after it
     # after every guard too: a failed guard reruns the step, which must not have updated anything yet
-    guards = max((i for i, n in enumerate(original) if g.ann[n.name].role is Role.GUARD), default=0)
+    guards = _last_guard(g)
 
     def place(cid: int, after: int) -> int:
         pos = max(after, last_use[cid])
@@ -314,6 +312,11 @@ def _move_early(g: TrainGraph, graph: fx.Graph, steps: dict[int, fx.Node], host:
         pos = place(cid, pos)
     for cid in alone:
         place(cid, guards)
+
+
+def _last_guard(g: TrainGraph) -> int:
+    """The position of g's last guard node (0 where it has none)."""
+    return max((i for i, n in enumerate(g.nodes) if g.ann[n.name].role is Role.GUARD), default=0)
 
 
 def _last_use(nd) -> dict[int, int]:
