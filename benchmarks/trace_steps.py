@@ -25,6 +25,10 @@ queue the host update of chunk c', 'pstar-fx wait for the copies of chunk c'), i
                              (the next update not queued yet)
   held_after_commit          the executor thread's longest CUDA calls of 5 ms or more after the commit (at, call,
                              ms), and their sum
+  in_ops / between_ops       inside the updates, the worker thread's time in its operators (outermost aten calls)
+                             and between them: Python, and waits for the GIL the operators released (a thread that
+                             asks for the GIL back while another runs Python waits up to the interpreter's switch
+                             interval, 5 ms); ops, and the longest stretch between two of them
 """
 from __future__ import annotations
 
@@ -180,6 +184,41 @@ def _chunk_of(name: str) -> int:
     return int(name.rsplit(" ", 1)[1])
 
 
+def _outermost(ops: list[dict]) -> list[tuple[float, float]]:
+    """The (start, end) of the operators not inside another one (events of one thread)."""
+    out: list[tuple[float, float]] = []
+    for e in sorted(ops, key=lambda e: (e["ts"], -e["dur"])):
+        if out and e["ts"] + e["dur"] <= out[-1][1]:
+            continue
+        out.append((e["ts"], e["ts"] + e["dur"]))
+    return out
+
+
+def between_ops(runs: list[dict], xs: list[dict]) -> dict:
+    """Inside the given update markers: the time in their thread's outermost aten operators and between them."""
+    threads = {(r["pid"], r["tid"]) for r in runs}
+    ops = defaultdict(list)
+    for e in xs:
+        if e.get("cat") == "cpu_op" and (e["pid"], e["tid"]) in threads and str(e["name"]).startswith("aten::"):
+            ops[(e["pid"], e["tid"])].append(e)
+    spans = {k: _outermost(v) for k, v in ops.items()}
+    starts = {k: [a for a, _ in v] for k, v in spans.items()}
+    inside = between = longest = 0.0
+    count = 0
+    for r in runs:
+        k, lo, hi = (r["pid"], r["tid"]), r["ts"], r["ts"] + r["dur"]
+        at = starts.get(k, [])
+        mine = [(a, b) for a, b in spans.get(k, [])[bisect.bisect_left(at, lo):bisect.bisect_left(at, hi)] if b <= hi]
+        busy = sum(b - a for a, b in mine)
+        inside += busy
+        between += r["dur"] - busy
+        count += len(mine)
+        edges = [lo] + [x for ab in mine for x in ab] + [hi]
+        longest = max([longest] + [edges[i + 1] - edges[i] for i in range(0, len(edges) - 1, 2)])
+    return dict(in_ops_ms=round(inside / 1e3, 1), between_ops_ms=round(between / 1e3, 1), ops=count,
+                longest_between_ms=round(longest / 1e3, 2))
+
+
 def updates(events: list[dict], blocked: int = 12) -> list[dict]:
     """Per step, the chain of host-side updates it queued (the figures the module docstring lists for --updates)."""
     xs = [e for e in events if e.get("ph") == "X" and "dur" in e]
@@ -233,7 +272,8 @@ def updates(events: list[dict], blocked: int = 12) -> list[dict]:
             row.update(first_update_ms=ms(chain[0][2]["ts"]), last_end_ms=ms(chain[-1][2]["ts"] + chain[-1][2]["dur"]),
                        updating_ms=round(updating / 1e3, 1), waiting_ms=round(waiting / 1e3, 1),
                        idle_ms=round((span - updating - waiting + (chain[0][1]["dur"] if chain[0][1] else 0)) / 1e3, 1),
-                       first_wait_ms=round(chain[0][1]["dur"] / 1e3, 1) if chain[0][1] else 0.0)
+                       first_wait_ms=round(chain[0][1]["dur"] / 1e3, 1) if chain[0][1] else 0.0,
+                       **between_ops([r for _, _, r in chain], xs))
         out.append(row)
     return out
 

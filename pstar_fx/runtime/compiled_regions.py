@@ -32,14 +32,19 @@ the torch in use has it.
 A region Inductor fails to compile runs eagerly (ops.region, the nodes as traced) and is counted: the plan holds
 either way, since a region's inputs and outputs are the same values.
 
+The launcher: Inductor launches a region's Triton kernels through its own static launcher by default, which holds
+the GIL while it launches; Triton's launcher lets it go. On a GPU the executor runs ahead of the device until CUDA's
+launch queue is full (about a thousand kernels), and then waits inside a launch: inside the static launcher it waits
+holding the GIL, and the CPU worker's host-side updates, which take the GIL back between their operators, wait with
+it. The fused 17.26B GPT's CPU updates ran 1.2-1.8x slower than the unfused step's (whose aten launches let the GIL
+go). Regions compile with Triton's launcher (`use_static_cuda_launcher` off over the compile).
+
 Compile workers: on a GPU Inductor compiles Triton kernels in a pool of worker processes (one per core, each a
 forked torch process), which Dynamo winds down after its own compiles; after `compile_fx_inner`'s, in the torch of
 the H200 machine (2.11), nothing does, and the 16 workers would stay for the life of the process beside the step,
-on a host whose memory the plan fills (about 112 of 125 GiB at the 17.26B GPT). There the fused steps' CPU updates
-ran 1.2-1.8x slower than the unfused steps' in the same calls; the workers are the suspect, not established. Once a
-graph's regions (or a region's new layout) are compiled, the pool is shut down
-(`torch._inductor.async_compile.shutdown_compile_workers`); a later compile, pstar-fx's or the user's
-torch.compile, starts it again.
+on a host whose memory the plan fills (about 112 of 125 GiB at the 17.26B GPT). Once a graph's regions (or a
+region's new layout) are compiled, the pool is shut down (`torch._inductor.async_compile.shutdown_compile_workers`);
+a later compile, pstar-fx's or the user's torch.compile, starts it again.
 """
 from __future__ import annotations
 
@@ -184,21 +189,21 @@ def _compile(gm: torch.fx.GraphModule, vals: list[torch.Tensor]) -> Callable[[li
                  .as_strided(v.shape, v.stride(), v.storage_offset()) for v in vals]
         decomposed = make_fx(gm, decomposition_table=select_decomp_table())(*fakes)
     _keep_output_strides(decomposed, gm)
-    with tracing(TracingContext(mode)), _repeatable():
+    with tracing(TracingContext(mode)), _compile_config():
         compiled = compile_fx_inner(decomposed, fakes)
     if getattr(compiled, "_boxed_call", False):
         return compiled
     return lambda args: compiled(*args)
 
 
-def _repeatable():
-    """Inductor's deterministic mode over a compile (the kernels carry it: their reductions keep one configuration)."""
-    import contextlib
-
+def _compile_config():
+    """Inductor's settings over a region's compile (the module docstring says why), each where this torch has it:
+    its deterministic mode (the kernels carry it: their reductions keep one configuration), and Triton's own kernel
+    launcher rather than Inductor's static one (the compiled module keeps the launcher it was built with)."""
     import torch._inductor.config as inductor_config
-    if not hasattr(inductor_config, "deterministic"):
-        return contextlib.nullcontext()
-    return inductor_config.patch(deterministic=True)
+    settings = {name: value for name, value in (("deterministic", True), ("use_static_cuda_launcher", False))
+                if hasattr(inductor_config, name)}
+    return inductor_config.patch(settings)
 
 
 def _keep_output_strides(compiled: torch.fx.GraphModule, traced: torch.fx.GraphModule) -> None:

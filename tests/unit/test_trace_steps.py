@@ -36,3 +36,19 @@ def test_idle_compute_inside_a_synchronising_operator_is_the_allocators():
     assert step["allocator_idle_ms"] == 190.0
     assert step["allocator_ops"] == 1
     assert step["gaps"][0]["ms"] == 200.0 and step["gaps"][0]["main"][0][0] == "aten::mul"
+
+
+def test_time_between_the_workers_operators_inside_its_updates():
+    ts = _trace_steps()
+    ms = 1000.0
+    run = _x("pstar-fx host update of chunk 3", "user_annotation", 100 * ms, 50 * ms, tid=2)
+    events = [
+        _x("aten::to", "cpu_op", 100 * ms, 10 * ms, tid=2),
+        _x("aten::copy_", "cpu_op", 101 * ms, 8 * ms, tid=2),                    # nested: counted once
+        _x("aten::_fused_adamw_", "cpu_op", 115 * ms, 20 * ms, tid=2),            # 5 ms between
+        _x("aten::copy_", "cpu_op", 135 * ms, 5 * ms, tid=2),
+        _x("aten::add", "cpu_op", 120 * ms, 30 * ms, tid=1),                      # another thread's
+        _x("aten::copy_", "cpu_op", 160 * ms, 5 * ms, tid=2),                     # after the update
+    ]
+    got = ts.between_ops([run], events)
+    assert got == dict(in_ops_ms=35.0, between_ops_ms=15.0, ops=3, longest_between_ms=10.0)
