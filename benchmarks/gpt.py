@@ -510,7 +510,7 @@ def row(label, cfg, args, r) -> dict:
             out["system"] += f"+{r['host_threads']}threads"
         if r.get("prefetch"):
             out["system"] += f"+prefetch={r['prefetch']}"
-        if r.get("fused"):
+        if r.get("fused") and not str(r["fused"]).startswith("none"):    # (fuse=None may leave the step unfused)
             out["system"] += "+fuse"
         out.update(compile_s=round(r["compile_s"], 2), first_step_s=round(r["warm"][0], 2),
                    first_minus_steady_s=round(r["warm"][0] - med, 2),

@@ -77,8 +77,8 @@ GiB = 1 << 30
 
 
 # Machine fields that are fractions of 1
-_FRACTIONS = ("cpu_adam_under_copies", "cpu_adam_beside_backward", "fused_fraction", "attention_efficiency",
-              "flash_attention_efficiency", "efficient_attention_efficiency")
+_FRACTIONS = ("cpu_adam_under_copies", "cpu_adam_beside_backward", "cpu_adam_beside_fused", "fused_fraction",
+              "attention_efficiency", "flash_attention_efficiency", "efficient_attention_efficiency")
 
 
 @dataclass(frozen=True)
@@ -99,6 +99,13 @@ class Machine:
     # backward, beside the executor issuing the step, run at this fraction of the rates above (an atomic step's
     # updates after the commit ran as modelled: 55 ms an update under copies measured, 56 ms modelled)
     cpu_adam_beside_backward: float = 0.9
+    # fitted to the 10.34B GPT's atomic=False step on two H100 machines, fused against unfused in one call each
+    # (benchmarks/results/fused_cpu_updates_h100_2026-12-05.md: the CPU worker 35.2 against 27.6 ms an update, and
+    # 56.5 against 42.3; the 17.26B GPT's on the H200, 56 against 47, with Inductor's static launcher): beside a
+    # fused step's backward (atomic=False) the CPU's updates run at this fraction of the rates above, for a cause
+    # not established (not Inductor's compile workers, none of which ran during the steps). After the commit (the
+    # atomic step) they ran as modelled: the fused 17.26B GPT's 55 ms an update, 56 modelled
+    cpu_adam_beside_fused: float = 0.77
     gpu_adam: float = 123e9              # parameters per second, torch's fused AdamW on the GPU
     # fitted (least squares) to the three compute-bound steps measured on the H200 (BENCHMARKS.md):
     # GPT 1.3B at 8 x 2048 tokens (pstar-fx unlimited 0.2997 s; model 0.290 s), 1.3B at 4 x 2048 (eager
@@ -425,10 +432,13 @@ class _Sim:
 
 def cpu_update_rate(settings: Settings, m: Machine) -> float:
     """Elements per second the CPU worker updates while no copy runs: torch's fused CPU Adam's rate in the step's
-    precision, over the optimizer's relative cost, beside backward where atomic=False updates there."""
+    precision, over the optimizer's relative cost, beside backward where atomic=False updates there (slower still
+    beside a fused step's backward)."""
     rate = m.cpu_adam_mixed if settings.precision.mixed else m.cpu_adam
     if settings.early_updates:
         rate *= m.cpu_adam_beside_backward
+        if settings.fused:
+            rate *= m.cpu_adam_beside_fused
     return rate / state_layout(settings).update_cost
 
 

@@ -52,3 +52,4 @@ def _fuse_default(monkeypatch):
         from pstar_fx.ir.graph import Precision
         for precision in Precision:
             monkeypatch.setitem(options.DEFAULT_FUSE, (DEVICE_TYPE, precision), value == "1")
+        monkeypatch.setattr(options, "FUSE_IF_FASTER", False)   # fused means fused, whatever the estimate

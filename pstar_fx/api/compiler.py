@@ -110,9 +110,10 @@ class Compiler:
 
     def __init__(self, fn: Callable, model: nn.Module, settings: Settings, comm: Comm | None, optimizer, *,
                  remat: bool, prefetch: int | None, cache_size: int = DEFAULT_MAX_SIZE, fuse: bool = False,
-                 offload_dir: str | None = None):
+                 fuse_auto: bool = False, offload_dir: str | None = None):
         self.fn = fn
         self.fuse = fuse
+        self.fuse_auto = fuse_auto       # fuse=None: the regions kept only where the cost model estimates them faster
         self.regions = RegionCompiler()  # fused regions compiled for any signature, shared by the next
         self.model = model
         self.settings = settings
@@ -221,7 +222,7 @@ class Compiler:
                 outcomes = traced_outcomes(traced)
                 interrupts.deliver()    # a safe point after the trace
                 passes = pipeline(chunk_size=st.chunk_size, layout=self.layout, prefetch=self.prefetch,
-                                  remat=self.remat, world=st.world, fuse=self.fuse)
+                                  remat=self.remat, world=st.world, fuse=self.fuse, fuse_auto=self.fuse_auto)
                 stages = run_passes(traced, passes, after=set_up_early)
                 if self.comm is not None:     # the settings and the plan's collectives, alike on every rank
                     check_same_compile(self.comm, stages[-1], self.optimizer, prefetch=self.prefetch,

@@ -33,6 +33,11 @@ from .device_budget import (
 # (resolve_fuse) until fused steps have run on several GPUs.
 DEFAULT_FUSE: dict[tuple[str, Precision], bool] = {("cuda", Precision.BF16): True, ("cuda", Precision.FP16): True}
 
+# fuse=None where DEFAULT_FUSE fuses: the regions are kept only where the cost model estimates the step faster with
+# them (passes/regions.py fuse_if_faster): a step bound by the CPU worker's updates beside backward ran slower fused.
+# The tests set it False to fuse every such step (tests/conftest.py, PSTAR_TEST_FUSE=1).
+FUSE_IF_FASTER = True
+
 
 # A CPU device of one rank is the host itself: its chunk slots are their host homes (nothing is copied), host-side
 # updates run on the step's thread, and the planner streams no update to it (Settings.host_is_device). The tests set
@@ -55,6 +60,11 @@ def resolve_fuse(fuse, device: torch.device, precision: Precision, world: int = 
     if not isinstance(fuse, bool):
         raise ValueError(f"fuse must be True, False or None (the default for the device), got {fuse!r}")
     return fuse
+
+
+def fuse_by_estimate(fuse, resolved: bool) -> bool:
+    """Whether px.compile's `fuse` (as given) leaves the choice to the cost model: None resolved to fused."""
+    return fuse is None and resolved and FUSE_IF_FASTER
 
 
 def _has_triton() -> bool:

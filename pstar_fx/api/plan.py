@@ -338,7 +338,7 @@ def plan(model: nn.Module, loss_fn, *batch, world_size: int = 1, device_memory=N
          max_grad_norm: float | None = None, optimizer: OptimizerSpec | None = None,
          gpus_per_node: int | None = None, machine: Machine | str | None = None, tokens: int | None = None,
          device=None, prefetch: int | None = None, atomic: bool = True, disk_memory=None,
-         fuse: bool = False) -> PlanReport:
+         fuse: bool | None = False) -> PlanReport:
     """Plan `loss_fn(model, *batch)` for `world_size` GPUs without running it (see the module docstring).
 
     batch: what ONE rank passes to the step (tensors, meta tensors, or (shape, dtype) pairs). machine: a
@@ -357,11 +357,14 @@ def plan(model: nn.Module, loss_fn, *batch, world_size: int = 1, device_memory=N
     offload_dir): with host_memory, the optimizer states that do not fit a GPU's share of it (host_memory over the
     GPUs of a node) are planned on disk, each GPU's shard of them in its own files; the report gives the disk bytes
     per GPU and per node. fuse: as px.compile's fuse=True, the compute between chunk operations grouped into
-    regions (the fuse pass; nothing is compiled) and the step estimated with them (cost.region_seconds)."""
+    regions (the fuse pass; nothing is compiled) and the step estimated with them (cost.region_seconds); None, as
+    px.compile's default for a GPU's bf16 or fp16 step: the regions kept only where the step is estimated faster
+    with them (passes.fuse_if_faster; the report's `why` says which)."""
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size must be a number of GPUs >= 1, got {world_size!r}")
-    if not isinstance(fuse, bool):
-        raise ValueError(f"fuse must be True or False, got {fuse!r}")
+    if fuse is not None and not isinstance(fuse, bool):
+        raise ValueError(f"fuse must be True, False or None, got {fuse!r}")
+    fuse_auto, fuse = fuse is None, fuse is not False
     check_options(model, optimizer, chunk_size=chunk_size, prefetch=prefetch, max_grad_norm=max_grad_norm,
                   accumulate=accumulate, remat="auto", atomic=atomic)      # px.compile's checks of the same
     if not isinstance(atomic, bool) or (not atomic and world_size > 1):
@@ -404,14 +407,15 @@ def plan(model: nn.Module, loss_fn, *batch, world_size: int = 1, device_memory=N
                         max_grad_norm=None if max_grad_norm is None else float(max_grad_norm),
                         accumulate=accumulate, world=world_size, atomic=atomic,
                         host_budget=None if disk is None else host // per_node, disk_budget=disk,
-                        host_is_device=False)    # (the plan is for the preset GPU, whatever device traces it)
+                        host_is_device=False,    # (the plan is for the preset GPU, whatever device traces it)
+                        fused=fuse and not fuse_auto)
     with cycle_collection_paused(), one_intra_op_thread():
         traced = trace_step(loss_fn, model, meta_batch, settings)
         t0 = time.perf_counter()
         needed = None
         try:
             final = run_passes(traced, pipeline(chunk_size=chunk_size, prefetch=prefetch, world=world_size,
-                                                machine=machine, fuse=fuse))[-1]
+                                                machine=machine, fuse=fuse, fuse_auto=fuse_auto))[-1]
         except BudgetError as e:
             if e.tier is not None:      # host_memory or the disk tier, not the device, is too small
                 raise
@@ -446,7 +450,7 @@ def plan(model: nn.Module, loss_fn, *batch, world_size: int = 1, device_memory=N
                       cost=estimate(final, machine), graph=final, disk_bytes=disk_bytes(final),
                       disk_per_node=disk_bytes(final) * per_node,
                       states_on_disk=sum(c.state_home is StateHome.DISK for c in trainable),
-                      fused=_fused(final) if fuse else None, **common)
+                      fused=_fused(final) if final.settings.fused else None, **common)
 
 
 def _fused(g: TrainGraph) -> tuple[int, int]:

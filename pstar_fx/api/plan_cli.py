@@ -71,6 +71,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--fuse", action="store_true",
                     help="px.compile's fuse=True: the step estimated with its compute between chunk operations "
                          "fused into regions")
+    ap.add_argument("--fuse-if-faster", action="store_true",
+                    help="px.compile's default on a GPU (fuse=None): fused only where the step is estimated faster so")
     ap.add_argument("--no-atomic", action="store_true",
                     help="px.compile(atomic=False): host-side updates may start during backward (one GPU)")
     ap.add_argument("--network-gbps", type=float, default=None,
@@ -112,7 +114,8 @@ def main(argv=None) -> PlanReport:
         report = plan(model, gpt_loss, tokens, tokens, world_size=args.world_size, device_memory=args.device_memory,
                       precision=args.precision, chunk_size=args.chunk_size, accumulate=args.accumulate,
                       max_grad_norm=args.max_grad_norm, machine=machine, atomic=not args.no_atomic,
-                      optimizer=optimizer, disk_memory=args.disk_memory, fuse=args.fuse)
+                      optimizer=optimizer, disk_memory=args.disk_memory,
+                      fuse=None if args.fuse_if_faster else args.fuse)
     except (ValueError, TypeError) as e:     # an option out of its range (px.compile's checks): a usage error
         parser.error(str(e))
     print(f"GPT {args.layers} layers x d={args.d_model}, {args.heads} heads, seq {args.seq}, vocab {args.vocab}"

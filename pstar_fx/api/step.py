@@ -31,8 +31,8 @@ from .compiler import Compiler
 from .guarded import run_guarded
 from .live_optimizer import build as build_optimizer
 from .model_state import ModelState, holds_own_values
-from .options import (check_options, check_world, host_is_device, resolve_budget, resolve_device, resolve_fuse,
-                      resolve_precision, resolve_tiers)
+from .options import (check_options, check_world, fuse_by_estimate, host_is_device, resolve_budget, resolve_device,
+                      resolve_fuse, resolve_precision, resolve_tiers)
 from .summary import Summary, summarize
 from .trace_cache import DEFAULT_MAX_SIZE
 from .warnings import warn_torch_compiled
@@ -100,7 +100,9 @@ class CompiledStep:
         if self._comm is not None:           # (resolve_tiers' agreement is a collective: every rank must be here)
             self._comm.agree_on("px.compile")
         host_budget, offload, disk_budget = resolve_tiers(host_memory, offload_dir, disk_memory, self._comm)
-        fuse = resolve_fuse(fuse, dev, prec, world)
+        asked, fuse = fuse, resolve_fuse(fuse, dev, prec, world)
+        # fused by default: kept where the cost model estimates it faster, the optimizer placed for an unfused step
+        fuse_auto = fuse_by_estimate(asked, fuse)
         self.settings = Settings(precision=prec, device=dev, budget=budget,
                                  chunk_size=chunk_size,
                                  optimizer=self._optimizer.layout if self._optimizer is not None else None,
@@ -108,13 +110,14 @@ class CompiledStep:
                                  accumulate=accumulate, world=world,
                                  atomic=atomic, device_updates=device_updates, host_budget=host_budget,
                                  disk_budget=disk_budget, host_is_device=host_is_device(dev, world),
-                                 host_default=host_memory is None and offload is None and host_budget is not None)
+                                 host_default=host_memory is None and offload is None and host_budget is not None,
+                                 fused=fuse and not fuse_auto)
         check_world(atomic, self.settings.world)
         self.debug = debug
         self._lock = threading.RLock()       # held by a step, save and load: another thread never sees half a step
         self._compiler = self._compiler_class(traced_fn, model, self.settings, self._comm, self._optimizer,
                                               remat=remat is not False, prefetch=prefetch, cache_size=cache_size,
-                                              fuse=fuse, offload_dir=offload)
+                                              fuse=fuse, fuse_auto=fuse_auto, offload_dir=offload)
         self._model_state = ModelState(self, model, self._compiler, self._comm, self._lock)
         self._scaler = LossScaler() if prec is Precision.FP16 else None
         self._last_stats: StepStats | None = None

@@ -106,11 +106,21 @@ def summarize(g: TrainGraph, compiled: Compiled, last: StepStats | None, prec: P
         estimated_seconds=_estimated(g, compiled),
         measured_seconds=None if last is None else last.seconds,
         alloc_retries=None if last is None else last.alloc_retries,
-        fused=str(compiled.executor.region_stats) if "fused" in compiled.stages else None,
+        fused=_fused(compiled),
         states_on_disk=len(disk), host_bytes=host_bytes(g), host_budget=g.settings.host_budget,
         disk_bytes=disk_bytes(g), disk_budget=g.settings.disk_budget, disk_moved=(moved, moved),
         disk_io=None if store.disk is None else store.disk.mode,
         choices=tuple(map(str, g.choices)), host_is_device=g.settings.host_is_device)
+
+
+def _fused(compiled: Compiled) -> str | None:
+    """The fused line: the regions and their compile; "none" where fuse=None's choice left the step unfused."""
+    stage = compiled.stages.get("fused")
+    if stage is None:
+        return None
+    if stage.made_by == "fuse_if_faster":
+        return "none: the cost model estimates the step faster unfused (see why)"
+    return str(compiled.executor.region_stats)
 
 
 def _estimated(g: TrainGraph, compiled: Compiled) -> float | None:

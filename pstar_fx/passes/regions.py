@@ -28,9 +28,10 @@ import operator
 import torch
 import torch.fx as fx
 
+from ..cost import H200, Machine, estimate
 from ..ir import ops
 from ..ir.fx_utils import draws_random, mutated_args, storage_bytes, storage_key, tensors_in, tensors_of
-from ..ir.graph import NodeAnn, Role, TrainGraph, to_module
+from ..ir.graph import Choice, NodeAnn, Role, TrainGraph, to_module
 from .schedule import annotate
 
 _IN_RUN = (Role.COMPUTE, Role.PARAM_VIEW, Role.WRITE_GRAD)   # roles that do not end a run (no chunk moves)
@@ -46,6 +47,27 @@ def fuse_regions(g: TrainGraph) -> TrainGraph:
         if not over:
             return fused
         runs = [half for r in runs for half in (_halve(r) if r in over else (r,))]
+
+
+def fuse_if_faster(g: TrainGraph, machine: Machine = H200) -> TrainGraph:
+    """fuse=None where fusing is the default: fuse_regions' graph where the cost model estimates its step no slower
+    than g's unfused (g: the scheduled graph, its optimizer placed for an unfused step), else g itself. Fused regions
+    make the device's compute shorter, but the CPU worker's host-side updates run slower beside them
+    (cost.Machine.cpu_adam_beside_fused), so a step those updates bound is faster unfused. (The fused step is
+    estimated on g's placement, made for the CPU's unslowed rate: where the choice is close it leans unfused.)
+
+    Invariant after: either fuse_regions' graph (its settings marked fused) or g's nodes and plan unchanged, stage
+    "fused" with no region and its settings marked unfused; a Choice says which and the two estimates."""
+    fused = fuse_regions(g.evolve(settings=dataclasses.replace(g.settings, fused=True)))
+    plain = g.evolve(settings=dataclasses.replace(g.settings, fused=False))
+    with_regions, without = estimate(fused, machine).seconds, estimate(plain, machine).seconds
+    if with_regions <= without:
+        why = f"fused: the step estimated {with_regions:.3f} s with its regions, {without:.3f} s without"
+        return fused.evolve(choices=fused.choices + (Choice("fuse_if_faster", why),))
+    why = (f"not fused (fuse=None): the step estimated {without:.3f} s unfused against {with_regions:.3f} s fused, "
+           "whose CPU updates run slower beside the regions; fuse=True fuses it anyway")
+    return plain.evolve(stage="fused", made_by="fuse_if_faster",
+                        choices=plain.choices + (Choice("fuse_if_faster", why),))
 
 
 # -- which nodes may join a region --------------------------------------------------------------------------------

@@ -36,15 +36,20 @@ The launcher: Inductor launches a region's Triton kernels through its own static
 the GIL while it launches; Triton's launcher lets it go. On a GPU the executor runs ahead of the device until CUDA's
 launch queue is full (about a thousand kernels), and then waits inside a launch: inside the static launcher it waits
 holding the GIL, and the CPU worker's host-side updates, which take the GIL back between their operators, wait with
-it. The fused 17.26B GPT's CPU updates ran 1.2-1.8x slower than the unfused step's (whose aten launches let the GIL
-go). Regions compile with Triton's launcher (`use_static_cuda_launcher` off over the compile).
+it. On an H100 (a 10.34B GPT whose step the CPU worker bounds) the worker spent 702 of 1,363 ms between its
+operators with the static launcher, 39 ms with Triton's, and the step ran 5.4% faster
+(benchmarks/results/fused_cpu_updates_h100_2026-12-05.md). Regions compile with Triton's launcher
+(`use_static_cuda_launcher` off over the compile). Beside a fused step the worker's updates are still about 1.3x
+slower than beside an unfused one, inside their operators, for a cause not established; the cost model charges it
+(`cost.Machine.cpu_adam_beside_fused`).
 
 Compile workers: on a GPU Inductor compiles Triton kernels in a pool of worker processes (one per core, each a
 forked torch process), which Dynamo winds down after its own compiles; after `compile_fx_inner`'s, in the torch of
 the H200 machine (2.11), nothing does, and the 16 workers would stay for the life of the process beside the step,
 on a host whose memory the plan fills (about 112 of 125 GiB at the 17.26B GPT). Once a graph's regions (or a
 region's new layout) are compiled, the pool is shut down (`torch._inductor.async_compile.shutdown_compile_workers`);
-a later compile, pstar-fx's or the user's torch.compile, starts it again.
+a later compile, pstar-fx's or the user's torch.compile, starts it again. (They were not what slowed the CPU worker:
+none ran during the fused steps that were slowed.)
 """
 from __future__ import annotations
 

@@ -187,6 +187,11 @@ def test_the_default_is_per_device_and_precision(monkeypatch):
     assert options.resolve_fuse(True, cuda, Precision.FP16, world=2) is True
     monkeypatch.setattr(options, "_has_triton", lambda: False)
     assert options.resolve_fuse(None, cuda, Precision.FP16) is False
+    # fuse=None resolved to fused leaves the choice to the cost model (fuse_if_faster); an explicit True does not
+    assert options.fuse_by_estimate(None, True) and not options.fuse_by_estimate(True, True)
+    assert not options.fuse_by_estimate(None, False)
+    monkeypatch.setattr(options, "FUSE_IF_FASTER", False)
+    assert not options.fuse_by_estimate(None, True)
 
 
 def test_attention_kernels_timed_at_their_measured_rates():
@@ -364,6 +369,69 @@ def test_the_cost_model_charges_a_region_part_of_its_elementwise_time():
         assert default == pytest.approx(heavy + min(light, max(io, 0.9 * light)) + cost.H200.kernel_s)
     with pytest.raises(ValueError, match="Machine.fused_fraction must be a positive finite number at most 1"):
         cost.Machine(fused_fraction=1.5)
+
+
+def test_fuse_if_faster_keeps_the_regions_only_where_the_estimate_is_faster():
+    """fuse=None's pass: where the CPU worker's updates, slowed beside a fused backward, bound the step, the scheduled
+    graph unfused (stage "fused", no region, settings unfused); where they are not slowed, the regions. Both verify,
+    and a Choice gives the two estimates."""
+    from pstar_fx.ir.graph import UpdateSite
+    from pstar_fx.passes import fuse_if_faster, verify
+
+    case = CASES_BY_NAME["mlp_mse"]
+    step = _step(case, budget=tight_budget(case, CHUNK, 1.3), fuse=False, atomic=False)
+    step(*case.batch(0))
+    sched = step.graphs["scheduled"]
+    assert any(c.update_site is UpdateSite.CPU for c in sched.chunks), "the plan should update chunks on the CPU"
+    slow = fuse_if_faster(sched, cost.Machine(cpu_adam_beside_fused=1e-3))
+    verify(slow)
+    assert slow.stage == "fused" and not _regions(slow) and not slow.settings.fused
+    assert [n.name for n in slow.nodes] == [n.name for n in sched.nodes]
+    assert str(slow.choices[-1]).startswith("fuse_if_faster: not fused (fuse=None)")
+    fast = fuse_if_faster(sched, cost.Machine(cpu_adam_beside_fused=1.0))
+    verify(fast)
+    assert _regions(fast) and fast.settings.fused
+    assert str(fast.choices[-1]).startswith("fuse_if_faster: fused: the step estimated")
+
+
+def test_the_default_fusion_goes_through_fuse_if_faster(monkeypatch):
+    """fuse=None where DEFAULT_FUSE fuses: the optimizer is placed for an unfused step and the step's "fused" stage
+    comes from fuse_if_faster, whose choice the summary prints; fuse=True fuses without asking."""
+    from pstar_fx.api import options
+    from pstar_fx.ir.graph import Precision
+
+    case = CASES_BY_NAME["mlp_mse"]
+    monkeypatch.setitem(options.DEFAULT_FUSE, ("cpu", Precision.FP32), True)
+    monkeypatch.setattr(options, "FUSE_IF_FASTER", True)          # (PSTAR_TEST_FUSE=1 turns it off)
+    auto = _step(case, budget=tight_budget(case, CHUNK, 1.3), fuse=None)
+    auto(*case.batch(0))
+    assert not auto.settings.fused                      # the optimizer placed for an unfused step
+    assert auto.graphs["fused"].settings.fused == bool(_regions(auto.graphs["fused"]))
+    assert any(str(c).startswith("fuse_if_faster: ") for c in auto.graphs["fused"].choices)
+    assert "fuse_if_faster: " in str(auto.summary())
+    forced = _step(case, budget=tight_budget(case, CHUNK, 1.3), fuse=True)
+    forced(*case.batch(0))
+    assert _regions(forced.graphs["fused"])
+    assert not any(str(c).startswith("fuse_if_faster") for c in forced.graphs["fused"].choices)
+
+
+def test_the_cost_model_slows_the_cpu_worker_beside_a_fused_steps_backward():
+    """Beside a fused step's backward (atomic=False) the CPU worker's updates ran slower (Machine.cpu_adam_beside_fused,
+    fitted on H100s); after the commit (atomic) they did not. A step compiled with fuse=True carries it in its
+    settings, and the CPU's rate is that fraction of the unfused one where it updates beside backward."""
+    import dataclasses
+
+    case = CASES_BY_NAME["mlp_mse"]
+    fused, unfused = _step(case, fuse=True, atomic=False), _step(case, fuse=False, atomic=False)
+    assert fused.settings.fused and not unfused.settings.fused and fused.settings.early_updates
+    m = cost.Machine(cpu_adam_beside_fused=0.5)
+    assert cost.cpu_update_rate(fused.settings, m) == pytest.approx(0.5 * cost.cpu_update_rate(unfused.settings, m))
+    assert cost.cpu_update_rate(dataclasses.replace(unfused.settings, fused=True), cost.H200) == pytest.approx(
+        cost.H200.cpu_adam_beside_fused * cost.cpu_update_rate(unfused.settings, cost.H200))
+    atomic = _step(case, fuse=True).settings
+    assert cost.cpu_update_rate(atomic, m) == cost.cpu_update_rate(dataclasses.replace(atomic, fused=False), m)
+    with pytest.raises(ValueError, match="Machine.cpu_adam_beside_fused must be a positive finite number at most 1"):
+        cost.Machine(cpu_adam_beside_fused=0.0)
 
 
 @pytest.mark.parametrize("slack", [1.02, 1.2])

@@ -207,7 +207,8 @@ def test_a_large_meta_gpt_plans_on_the_preset_h200_with_a_large_host():
 def test_a_fused_plan_times_its_regions():
     """px.plan(fuse=True) runs the fuse pass (nothing compiled): the same chunk traffic, regions in the graph (their
     internal storages counted as workspace, within the budget), the report says how many, and the estimate charges
-    them as regions; pstar-fx-plan --fuse passes it on."""
+    them as regions; pstar-fx-plan --fuse passes it on. fuse=None (--fuse-if-faster) keeps them only where the
+    estimate is faster, and says so."""
     plain, fused = _plan(device_memory="1GB"), _plan(device_memory="1GB", fuse=True)
     assert fused.fused is not None and plain.fused is None
     regions, nodes = fused.fused
@@ -223,5 +224,10 @@ def test_a_fused_plan_times_its_regions():
     assert two.fused is not None and two.fused[0] > 0 and two.gathered_bytes > 0
     rep = main([*GPT_ARGS, "--device-memory", "1GB", "--fuse"])
     assert rep.fused is not None and rep.fused[0] > 0
-    with pytest.raises(ValueError, match="fuse must be True or False"):
+    auto = _plan(device_memory="1GB", fuse=None)                     # px.compile's default on a GPU
+    assert any(str(c).startswith("fuse_if_faster: ") for c in auto.graph.choices)
+    assert (auto.fused is not None) == auto.graph.settings.fused
+    rep = main([*GPT_ARGS, "--device-memory", "1GB", "--fuse-if-faster"])
+    assert any(str(c).startswith("fuse_if_faster: ") for c in rep.graph.choices)
+    with pytest.raises(ValueError, match="fuse must be True, False or None"):
         _plan(fuse="yes")
