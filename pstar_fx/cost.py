@@ -46,9 +46,10 @@ The model, in three parts.
    overlap with what is already placed, the second with the whole first pass.
 
 Constants (`Machine`; `H200` is the default): measured on one H200 (docs/measurements.md, 2026-11-30) except those
-marked ASSUMED below, which wait for a measurement. Three were fitted to measured steps: the per-kernel overhead
-(`Machine.kernel_s`), the fused regions' share of their unfused bytes (`fused_fraction`) and the CPU's rate beside
-backward (`cpu_adam_beside_backward`); nothing else was. A Machine also holds the sizes `px.plan` checks a plan
+marked ASSUMED below, which wait for a measurement. Four were fitted to measured steps: the per-kernel overhead
+(`Machine.kernel_s`), the fused regions' share of their unfused bytes (`fused_fraction`), the CPU's rate beside
+backward (`cpu_adam_beside_backward`) and beside a fused step's backward (`cpu_adam_beside_fused`, fitted on two
+H100 machines); nothing else was. A Machine also holds the sizes `px.plan` checks a plan
 against (device memory per GPU, host memory per node, GPUs per node): `preset("h200" or "h100", ...)`
 (docs/planning.md).
 """

@@ -43,7 +43,7 @@ from ..units import format_bytes, parse_bytes
 from .compiler import cycle_collection_paused, one_intra_op_thread
 from .device_budget import ALLOCATOR_EXPANDABLE, KERNELS, NCCL
 from .live_optimizer import build
-from .options import check_options
+from .options import DEFAULT_FUSE, check_options
 
 # What the process holds on the device outside torch's allocator (the CUDA context, cuBLAS workspaces): 0.70 GiB on
 # the H200 (docs/memory.md). With the allowances of px.compile's default budget (device_budget.py) it is what a
@@ -358,13 +358,13 @@ def plan(model: nn.Module, loss_fn, *batch, world_size: int = 1, device_memory=N
     GPUs of a node) are planned on disk, each GPU's shard of them in its own files; the report gives the disk bytes
     per GPU and per node. fuse: as px.compile's fuse=True, the compute between chunk operations grouped into
     regions (the fuse pass; nothing is compiled) and the step estimated with them (cost.region_seconds); None, as
-    px.compile's default for a GPU's bf16 or fp16 step: the regions kept only where the step is estimated faster
-    with them (passes.fuse_if_faster; the report's `why` says which)."""
+    px.compile's default on a GPU: for bf16 and fp16 on one GPU the regions kept only where the step is estimated no
+    slower with them (passes.fuse_if_faster; the report's `why` says which), else unfused."""
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size must be a number of GPUs >= 1, got {world_size!r}")
     if fuse is not None and not isinstance(fuse, bool):
         raise ValueError(f"fuse must be True, False or None, got {fuse!r}")
-    fuse_auto, fuse = fuse is None, fuse is not False
+    fuse_auto = fuse is None
     check_options(model, optimizer, chunk_size=chunk_size, prefetch=prefetch, max_grad_norm=max_grad_norm,
                   accumulate=accumulate, remat="auto", atomic=atomic)      # px.compile's checks of the same
     if not isinstance(atomic, bool) or (not atomic and world_size > 1):
@@ -374,6 +374,8 @@ def plan(model: nn.Module, loss_fn, *batch, world_size: int = 1, device_memory=N
         prec = Precision(precision)
     except ValueError:
         raise ValueError(f"precision must be one of 'fp32', 'bf16', 'fp16', got {precision!r}") from None
+    if fuse_auto:     # px.compile's default on a GPU: DEFAULT_FUSE for CUDA and the precision, with one rank
+        fuse = fuse_auto = world_size == 1 and DEFAULT_FUSE.get(("cuda", prec), False)
     machine = resolve_machine(machine, gpus_per_node, host_memory)
     headroom = 0
     if device_memory is not None:

@@ -68,11 +68,13 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--disk-memory", default=None,
                     help="a disk tier per GPU, e.g. 500GB: the optimizer states that do not fit --host-memory go "
                          "to disk (px.compile's offload_dir); needs --host-memory")
-    ap.add_argument("--fuse", action="store_true",
-                    help="px.compile's fuse=True: the step estimated with its compute between chunk operations "
-                         "fused into regions")
-    ap.add_argument("--fuse-if-faster", action="store_true",
-                    help="px.compile's default on a GPU (fuse=None): fused only where the step is estimated faster so")
+    fusion = ap.add_mutually_exclusive_group()
+    fusion.add_argument("--fuse", action="store_true",
+                        help="px.compile's fuse=True: the step estimated with its compute between chunk operations "
+                             "fused into regions")
+    fusion.add_argument("--fuse-if-faster", action="store_true",
+                        help="px.compile's default on a GPU (fuse=None): bf16 and fp16 on one GPU fused only where "
+                             "the step is estimated no slower so")
     ap.add_argument("--no-atomic", action="store_true",
                     help="px.compile(atomic=False): host-side updates may start during backward (one GPU)")
     ap.add_argument("--network-gbps", type=float, default=None,

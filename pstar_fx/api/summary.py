@@ -34,7 +34,8 @@ class Summary:
     measured_seconds: float | None = None   # the last step's wall time, call to return
     alloc_retries: int | None = None        # the last step's caching-allocator retries (CUDA)
     states_streamed: int = 0                # of the chunks whose states live on the host: updated on the device
-    fused: str | None = None                # fuse=True: the regions, the nodes they replace, the seconds compiling
+    fused: str | None = None                # a "fused" stage: its regions, the nodes they replace, the seconds
+    #                                         compiling ("none: ..." where fuse=None's choice left the step unfused)
     states_on_disk: int = 0                 # trainable chunks whose optimizer states live in offload_dir
     host_bytes: int = 0                     # host memory the plan keeps (ir.needs.host_bytes)
     host_budget: int | None = None

@@ -220,8 +220,9 @@ class Settings:
     # a CPU device of one rank, whose memory is the host's (api/options.py host_is_device): slots are host homes
     # (runtime/chunk_store.py), and no update is streamed to the device, which is the host's cores
     host_is_device: bool = False
-    # the compute between chunk operations runs as compiled regions (px.compile's fuse=True resolved): the cost
-    # model's CPU worker updates slower beside such a step (cost.Machine.cpu_adam_beside_fused)
+    # the compute between chunk operations runs as compiled regions (fuse=True; with fuse=None the step's settings say
+    # False, as the optimizer is placed for the unfused step, and fuse_if_faster marks its graph True where it keeps
+    # the regions): the cost model's CPU worker updates slower beside such a step's backward (cpu_adam_beside_fused)
     fused: bool = False
 
     @property

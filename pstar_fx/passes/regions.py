@@ -62,9 +62,9 @@ def fuse_if_faster(g: TrainGraph, machine: Machine = H200) -> TrainGraph:
     plain = g.evolve(settings=dataclasses.replace(g.settings, fused=False))
     with_regions, without = estimate(fused, machine).seconds, estimate(plain, machine).seconds
     if with_regions <= without:
-        why = f"fused: the step estimated {with_regions:.3f} s with its regions, {without:.3f} s without"
+        why = f"fused: the step estimated {with_regions:.5f} s with its regions, {without:.5f} s without"
         return fused.evolve(choices=fused.choices + (Choice("fuse_if_faster", why),))
-    why = (f"not fused (fuse=None): the step estimated {without:.3f} s unfused against {with_regions:.3f} s fused, "
+    why = (f"not fused (fuse=None): the step estimated {without:.5f} s unfused against {with_regions:.5f} s fused, "
            "whose CPU updates run slower beside the regions; fuse=True fuses it anyway")
     return plain.evolve(stage="fused", made_by="fuse_if_faster",
                         choices=plain.choices + (Choice("fuse_if_faster", why),))

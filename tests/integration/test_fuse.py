@@ -396,7 +396,10 @@ def test_fuse_if_faster_keeps_the_regions_only_where_the_estimate_is_faster():
 
 def test_the_default_fusion_goes_through_fuse_if_faster(monkeypatch):
     """fuse=None where DEFAULT_FUSE fuses: the optimizer is placed for an unfused step and the step's "fused" stage
-    comes from fuse_if_faster, whose choice the summary prints; fuse=True fuses without asking."""
+    comes from fuse_if_faster, whose choice the summary prints; fuse=True fuses without asking. Where the estimate
+    says unfused, the step trains as fuse=False does, bit for bit, and the summary's fused line says none ran."""
+    import dataclasses
+
     from pstar_fx.api import options
     from pstar_fx.ir.graph import Precision
 
@@ -413,6 +416,21 @@ def test_the_default_fusion_goes_through_fuse_if_faster(monkeypatch):
     forced(*case.batch(0))
     assert _regions(forced.graphs["fused"])
     assert not any(str(c).startswith("fuse_if_faster") for c in forced.graphs["fused"].choices)
+    # where the estimate goes the other way (forced here), the step runs unfused and the summary says so
+    from pstar_fx.passes import regions
+
+    def slower_fused(g, machine=cost.H200):
+        return dataclasses.replace(cost.estimate(g, machine), seconds=2.0 if g.settings.fused else 1.0)
+    monkeypatch.setattr(regions, "estimate", slower_fused)
+    plain = _step(case, budget=tight_budget(case, CHUNK, 1.3), fuse=None)
+    unfused = _step(case, budget=tight_budget(case, CHUNK, 1.3), fuse=False)
+    for i in range(2):
+        assert torch.equal(plain(*case.batch(i)), unfused(*case.batch(i)))
+    g = plain.graphs["fused"]
+    assert not _regions(g) and not g.settings.fused and g.plan is plain.graphs["scheduled"].plan
+    assert plain.summary().fused.startswith("none: ")
+    assert "fuse_if_faster: not fused (fuse=None): the step estimated 1.00000 s unfused against 2.00000 s" in \
+        str(plain.summary())
 
 
 def test_the_cost_model_slows_the_cpu_worker_beside_a_fused_steps_backward():

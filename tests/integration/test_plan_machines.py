@@ -224,10 +224,16 @@ def test_a_fused_plan_times_its_regions():
     assert two.fused is not None and two.fused[0] > 0 and two.gathered_bytes > 0
     rep = main([*GPT_ARGS, "--device-memory", "1GB", "--fuse"])
     assert rep.fused is not None and rep.fused[0] > 0
-    auto = _plan(device_memory="1GB", fuse=None)                     # px.compile's default on a GPU
+    auto = _plan(device_memory="1GB", fuse=None, precision="bf16")   # px.compile's default on a GPU
     assert any(str(c).startswith("fuse_if_faster: ") for c in auto.graph.choices)
-    assert (auto.fused is not None) == auto.graph.settings.fused
-    rep = main([*GPT_ARGS, "--device-memory", "1GB", "--fuse-if-faster"])
+    kept = sum(1 for n in auto.graph.nodes if auto.graph.ann[n.name].role.value == "region")
+    assert (auto.fused is not None) == (kept > 0) == auto.graph.settings.fused
+    for unfused in (_plan(device_memory="1GB", fuse=None, precision="bf16", world_size=2),   # as px.compile: one
+                    _plan(device_memory="1GB", fuse=None)):                                  # rank, bf16 or fp16
+        assert unfused.fused is None and not any(str(c).startswith("fuse_if_faster") for c in unfused.graph.choices)
+    rep = main([*GPT_ARGS, "--device-memory", "1GB", "--fuse-if-faster"])          # (the command plans bf16)
     assert any(str(c).startswith("fuse_if_faster: ") for c in rep.graph.choices)
+    with pytest.raises(SystemExit):                                                  # one or the other
+        main([*GPT_ARGS, "--fuse", "--fuse-if-faster"])
     with pytest.raises(ValueError, match="fuse must be True, False or None"):
         _plan(fuse="yes")
