@@ -40,8 +40,9 @@ def compile(model: nn.Module, *, optimizer: OptimizerSpec | None, device_memory:
     `fuse=True` compiles the compute between chunk operations: each maximal run of compute nodes between two chunk
     moves becomes one region, compiled by Inductor (passes/regions.py; random ops such as dropout and in-place
     writes stay eager). Compiling takes seconds per distinct region on a first run and is cached across processes;
-    `fuse=None` takes the default for the device type and precision (api/options.py DEFAULT_FUSE: fused for bf16 and
-    fp16 on CUDA with one rank where Triton is installed, unfused otherwise). Training steps only.
+    `fuse=None` takes the default for the device type and precision (api/options.py DEFAULT_FUSE: for bf16 and fp16
+    on CUDA with one rank where Triton is installed, fused where the cost model estimates the step no slower so,
+    passes/regions.py fuse_if_faster; unfused otherwise). Training steps only.
     `host_memory` bounds what pstar-fx keeps in host memory (None: the host's memory less a margin, or with a disk
     tier what it has available at compile time less that margin), per node: each of several ranks gets its
     share; `offload_dir`, a directory on a local disk, gives a third home to the optimizer states that do not fit

@@ -28,9 +28,10 @@ from .device_budget import (
 # type and precision; a pair not named is unfused. Fused regions change the last bits (Inductor sums in its own
 # order), so only mixed precision, held to autocast's tolerance (docs/design.md, "Numerics"), can take them by
 # default, and only on CUDA (on the CPU Inductor's C++ kernels need a compiler and did not pay for their compile time
-# on the example). CUDA bf16 and fp16 are fused: the GPU test subset passes whole both ways, and fused steps ran
-# faster on the H200 where compute decides the step (BENCHMARKS.md, "Fused regions"); several ranks stay unfused
-# (resolve_fuse) until fused steps have run on several GPUs.
+# on the example). CUDA bf16 and fp16 are fused (where the estimate agrees: FUSE_IF_FASTER below): the GPU test
+# subset passes whole both ways, and fused steps ran faster on the H200 where compute decides the step
+# (BENCHMARKS.md, "Fused regions"); several ranks stay unfused (resolve_fuse) until fused steps have run on several
+# GPUs.
 DEFAULT_FUSE: dict[tuple[str, Precision], bool] = {("cuda", Precision.BF16): True, ("cuda", Precision.FP16): True}
 
 # fuse=None where DEFAULT_FUSE fuses: the regions are kept only where the cost model estimates the step faster with
