@@ -209,12 +209,11 @@ def between_ops(runs: list[dict], xs: list[dict]) -> dict:
         k, lo, hi = (r["pid"], r["tid"]), r["ts"], r["ts"] + r["dur"]
         at = starts.get(k, [])
         mine = [(a, b) for a, b in spans.get(k, [])[bisect.bisect_left(at, lo):bisect.bisect_left(at, hi)] if b <= hi]
-        busy = sum(b - a for a, b in mine)
-        inside += busy
-        between += r["dur"] - busy
+        idle = _gaps(mine, lo, hi)
+        inside += length(mine)
+        between += length(idle)
         count += len(mine)
-        edges = [lo] + [x for ab in mine for x in ab] + [hi]
-        longest = max([longest] + [edges[i + 1] - edges[i] for i in range(0, len(edges) - 1, 2)])
+        longest = max([longest] + [b - a for a, b in idle])
     return dict(in_ops_ms=round(inside / 1e3, 1), between_ops_ms=round(between / 1e3, 1), ops=count,
                 longest_between_ms=round(longest / 1e3, 2))
 

@@ -55,12 +55,16 @@ def resolve_fuse(fuse, device: torch.device, precision: Precision, world: int = 
     several ranks until fused steps have run on several GPUs, and on CUDA where Triton, which Inductor needs there, is
     not installed)."""
     if fuse is None:
-        if (device.type == "cuda" and not _has_triton()) or world > 1:
-            return False
-        return DEFAULT_FUSE.get((device.type, precision), False)
+        return default_fuse(device.type, precision, world) and (device.type != "cuda" or _has_triton())
     if not isinstance(fuse, bool):
         raise ValueError(f"fuse must be True, False or None (the default for the device), got {fuse!r}")
     return fuse
+
+
+def default_fuse(device_type: str, precision: Precision, world: int) -> bool:
+    """DEFAULT_FUSE's entry for the device type and the precision, with one rank (px.plan's fuse=None reads it for
+    CUDA, whether or not this machine has Triton)."""
+    return world == 1 and DEFAULT_FUSE.get((device_type, precision), False)
 
 
 def fuse_by_estimate(fuse, resolved: bool) -> bool:

@@ -43,7 +43,7 @@ from ..units import format_bytes, parse_bytes
 from .compiler import cycle_collection_paused, one_intra_op_thread
 from .device_budget import ALLOCATOR_EXPANDABLE, KERNELS, NCCL
 from .live_optimizer import build
-from .options import DEFAULT_FUSE, check_options
+from .options import check_options, default_fuse
 
 # What the process holds on the device outside torch's allocator (the CUDA context, cuBLAS workspaces): 0.70 GiB on
 # the H200 (docs/memory.md). With the allowances of px.compile's default budget (device_budget.py) it is what a
@@ -375,7 +375,7 @@ def plan(model: nn.Module, loss_fn, *batch, world_size: int = 1, device_memory=N
     except ValueError:
         raise ValueError(f"precision must be one of 'fp32', 'bf16', 'fp16', got {precision!r}") from None
     if fuse_auto:     # px.compile's default on a GPU: DEFAULT_FUSE for CUDA and the precision, with one rank
-        fuse = fuse_auto = world_size == 1 and DEFAULT_FUSE.get(("cuda", prec), False)
+        fuse = fuse_auto = default_fuse("cuda", prec, world_size)
     machine = resolve_machine(machine, gpus_per_node, host_memory)
     headroom = 0
     if device_memory is not None:

@@ -174,10 +174,9 @@ def _stream(g: TrainGraph, best: TrainGraph, best_scheduled: TrainGraph | None, 
     budget = best.settings.budget
 
     early = g.settings.early_updates
-    last: dict[int, int] = {}          # atomic=False: where a streamed step will sit, right after its chunk's last use
-    if early:                          # (a host-placed chunk's step has no device needs: its last use is the program's)
-        guards = _last_guard(best)
-        last = {cid: max(guards, i) for cid, i in _last_use(all_needs(best)).items()}
+    # atomic=False: where a streamed step will sit (a host-placed chunk's step has no device needs: its last use is
+    # the program's)
+    last = _earliest_steps(best) if early else {}
 
     def fits(i: int, cid: int) -> bool:
         """The chunk's streamed step (node i, the CPU's step of it) fits beside what is always on the device (its
@@ -294,29 +293,29 @@ def _move_early(g: TrainGraph, graph: fx.Graph, steps: dict[int, fx.Node], host:
     """Move each of `host`'s step nodes (`steps`, in `graph`, which holds g's nodes under their names) right after
     the last node that uses its chunk, after the previous one of `host` and after every guard; then each of
     `alone`'s right after the last node that uses its chunk and after every guard."""
-    last_use = _last_use(all_needs(g))
+    earliest = _earliest_steps(g)
     by_name = {n.name: n for n in graph.nodes}
     original = g.nodes
     at: dict[int, fx.Node] = {}       # original position -> the last step moved after it
-    # after every guard too: a failed guard reruns the step, which must not have updated anything yet
-    guards = _last_guard(g)
 
     def place(cid: int, after: int) -> int:
-        pos = max(after, last_use[cid])
+        pos = max(after, earliest[cid])
         at.get(pos, by_name[original[pos].name]).append(steps[cid])
         at[pos] = steps[cid]
         return pos
 
-    pos = guards
+    pos = 0
     for cid in host:
         pos = place(cid, pos)
     for cid in alone:
-        place(cid, guards)
+        place(cid, 0)
 
 
-def _last_guard(g: TrainGraph) -> int:
-    """The position of g's last guard node (0 where it has none)."""
-    return max((i for i, n in enumerate(g.nodes) if g.ann[n.name].role is Role.GUARD), default=0)
+def _earliest_steps(g: TrainGraph) -> dict[int, int]:
+    """Each chunk's earliest position for a step before the commit (atomic=False): right after the last node that
+    uses the chunk, and after every guard (a failed guard reruns the step, which must not have updated anything)."""
+    guards = max((i for i, n in enumerate(g.nodes) if g.ann[n.name].role is Role.GUARD), default=0)
+    return {cid: max(guards, i) for cid, i in _last_use(all_needs(g)).items()}
 
 
 def _last_use(nd) -> dict[int, int]:
