@@ -26,7 +26,8 @@ The model, in three parts.
      its write for its update, and the step's end for every write (the disk lane: one drive, reads and writes in
      turn);
    - a host-side update waits for its gradient's write-back and for the copies reading its host buffers, and, unless
-     it comes before the commit (atomic=False), for the compute stream to reach the commit: with clipping or fp16
+     it comes before the commit (atomic=False, or a chunk keeping an undo buffer, whose update first copies its
+     states there at `host_copy_bytes`), for the compute stream to reach the commit: with clipping or fp16
      the commit decides something it needs (the clip coefficient, the overflow flag); in an atomic step the executor
      issues it only after the commit, and the model has the executor's thread, which in principle runs up to
      `launch_queue` kernels ahead, reach the commit when the device does. Measured on the H200: a profiled 17.26B
@@ -40,8 +41,8 @@ The model, in three parts.
 
 3. Contention: copies and the CPU update share host memory (docs/measurements.md). A copy runs at its rate alone, at
    half the both-ways rate while the other direction copies, and slower again while the CPU updates; a CPU update runs
-   slower while any copy runs, and slower throughout where atomic=False updates during backward (one rank, no
-   clipping, not fp16: `cpu_adam_beside_backward`).
+   slower while any copy runs, and slower throughout where it runs during backward (atomic=False, one rank, no
+   clipping, not fp16; an undo chunk's: `cpu_adam_beside_backward`).
    A rate depends on what the other lanes do at that moment, so the simulation runs twice: the first pass charges
    overlap with what is already placed, the second with the whole first pass.
 
@@ -70,7 +71,8 @@ from .ir import ops
 from .ir.flops import ATTENTION_FLOPS, MATMUL_FLOPS, aten_ops, bounded, flops, numel, op_of, val
 from .ir.fx_utils import mutated_args, storage_key, tensors_of
 from .ir.graph import BufKind, Role, Settings, TrainGraph, UpdateSite
-from .ir.needs import BufKey, all_needs, buf_bytes, from_master, shard_numel, state_bytes, state_layout
+from .ir.needs import (BufKey, all_needs, buf_bytes, from_master, shard_numel, state_bytes, state_layout,
+                       undo_bytes)
 from .units import format_bytes, parse_bytes
 
 INF = float("inf")
@@ -108,6 +110,10 @@ class Machine:
     # atomic step) they ran as modelled: the fused 17.26B GPT's 55 ms an update, 56 modelled
     cpu_adam_beside_fused: float = 0.77
     gpu_adam: float = 123e9              # parameters per second, torch's fused AdamW on the GPU
+    # ASSUMED: bytes per second the CPU worker copies in host memory (an undo buffer's copy of a chunk's states), the
+    # rate cpu_adam_mixed would give at the ratio measured on a 2-core CI machine (a 402 MB state buffer copied in
+    # 58.9 ms, a 33.6M-element mixed update in 64.5 ms, one thread: 13 bytes copied per element updated)
+    host_copy_bytes: float = 32e9
     # fitted (least squares) to the three compute-bound steps measured on the H200 (BENCHMARKS.md):
     # GPT 1.3B at 8 x 2048 tokens (pstar-fx unlimited 0.2997 s; model 0.290 s), 1.3B at 4 x 2048 (eager
     # 0.149-0.154 s; model 0.169 s), 4.24B at 4 x 2048 (eager 0.417-0.426 s; model 0.412 s)
@@ -179,12 +185,13 @@ class Machine:
                                    duplex_bytes=self.duplex_bytes * f, duplex_cpu_bytes=self.duplex_cpu_bytes * f)
 
     def with_cpu_adam(self, params_per_s: float) -> Machine:
-        """This machine with the host's fp32 AdamW at `params_per_s` per GPU; the mixed-precision rate scaled by the
-        same factor."""
+        """This machine with the host's fp32 AdamW at `params_per_s` per GPU; the mixed-precision rate and the host's
+        copy rate scaled by the same factor."""
         if not isinstance(params_per_s, (int, float)) or isinstance(params_per_s, bool) or not 0 < params_per_s < INF:
             raise ValueError(f"a CPU update rate must be positive parameters per second, got {params_per_s!r}")
         f = params_per_s / self.cpu_adam
-        return dataclasses.replace(self, cpu_adam=float(params_per_s), cpu_adam_mixed=self.cpu_adam_mixed * f)
+        return dataclasses.replace(self, cpu_adam=float(params_per_s), cpu_adam_mixed=self.cpu_adam_mixed * f,
+                                   host_copy_bytes=self.host_copy_bytes * f)
 
     def describe(self) -> str:
         """One line: the GPU, how many per node, their memory and the node's host memory."""
@@ -417,13 +424,17 @@ class _Sim:
             return r * (m.duplex_cpu_bytes / m.duplex_bytes) if busy[Lane.CPU] else r
         return self._run(lane, start, nbytes, rate, (other, Lane.CPU))
 
-    def cpu_update(self, start: float, params: int) -> float:
+    def cpu_update(self, start: float, params: int, undo: int = 0) -> float:
+        """A host-side update of `params` elements from `start`; with `undo`, the bytes it first copies into its
+        undo buffer (a chunk updated before the commit, during backward). Its end."""
         m = self.m
-        alone = cpu_update_rate(self.g.settings, m)
+        alone = cpu_update_rate(self.g.settings, m, beside_backward=True if undo else None)
+        # the copy, counted in elements of update at the update's rate: both slow alike under copies
+        work = params + undo / m.host_copy_bytes * alone
 
         def rate(busy):
             return alone * (m.cpu_adam_under_copies if busy[Lane.H2D] or busy[Lane.D2H] else 1.0)
-        return self._run(Lane.CPU, start, params, rate, (Lane.H2D, Lane.D2H))
+        return self._run(Lane.CPU, start, work, rate, (Lane.H2D, Lane.D2H))
 
     def collective(self, start: float, nbytes: int) -> float:
         m = self.m
@@ -431,12 +442,12 @@ class _Sim:
         return self._fixed(Lane.COMM, start, seconds)
 
 
-def cpu_update_rate(settings: Settings, m: Machine) -> float:
+def cpu_update_rate(settings: Settings, m: Machine, beside_backward: bool | None = None) -> float:
     """Elements per second the CPU worker updates while no copy runs: torch's fused CPU Adam's rate in the step's
-    precision, over the optimizer's relative cost, beside backward where atomic=False updates there (slower still
-    beside a fused step's backward)."""
+    precision, over the optimizer's relative cost, beside backward (slower still beside a fused step's backward).
+    beside_backward: whether the update runs during backward (None: where atomic=False updates there)."""
     rate = m.cpu_adam_mixed if settings.precision.mixed else m.cpu_adam
-    if settings.early_updates:
+    if settings.early_updates if beside_backward is None else beside_backward:
         rate *= m.cpu_adam_beside_backward
         if settings.fused:
             rate *= m.cpu_adam_beside_fused
@@ -550,8 +561,9 @@ def _simulate(g: TrainGraph, m: Machine, node_s: list[float], background, steps:
                 t = max(issue, reading.get(c.id, 0.0), states_read.get(c.id, 0.0),
                         *(home.get(BufKey(c.id, b), 0.0) for b in BufKind))
                 if waits_commit or not early:      # (atomic: from the device's commit on, see the docstring)
-                    t = max(t, commit_at)
-                updated[c.id] = sim.cpu_update(t, shard_numel(c, world))
+                    t = max(t, commit_at)          # (an undo chunk's step, before the commit: 0, no wait)
+                undo = undo_bytes(c, g.settings.precision, world, state_layout(g.settings)) if c.undo else 0
+                updated[c.id] = sim.cpu_update(t, shard_numel(c, world), undo)
             elif a.role is Role.DISK_READ:
                 nbytes = state_bytes(c, g.settings.precision, world, state_layout(g.settings))
                 start = max(issue, slot_free.get(n.kwargs["slot"], 0.0))

@@ -15,6 +15,7 @@ def compile(model: nn.Module, *, optimizer: OptimizerSpec | None, device_memory:
             prefetch: int | None = None, max_grad_norm: float | None = None,
             accumulate: int = 1, remat="auto", atomic: bool = True,
             _device_updates: int | None = None, cache_size: int = 8, fuse: bool | None = None,
+            _undo_updates: int | None = None,
             host_memory: int | str | None = None, offload_dir=None,
             disk_memory: int | str | None = None) -> Callable[[Callable], CompiledStep]:
     """Compile `step(model, *batch) -> loss` into one training step that fits `device_memory`.
@@ -34,7 +35,9 @@ def compile(model: nn.Module, *, optimizer: OptimizerSpec | None, device_memory:
     decides nothing the updates need (no max_grad_norm, not fp16; otherwise it changes nothing); one rank only.
     `_device_updates` (private, for tests): stream this many chunks the CPU would update to the device and update
     them there (the first in the CPU's order, with atomic=False every other one first; more than there are: all)
-    instead of the cost model's choice.
+    instead of the cost model's choice. `_undo_updates` (private, for tests): in an atomic step, update this many of
+    the chunks the CPU would update (the last in its order) before the commit, their previous values kept in undo
+    buffers (0: none) instead of the cost model's choice.
     `cache_size` compiled batch signatures are kept (least recently used dropped); `step.reserve(*batch)` compiles
     one up front and keeps it.
     `fuse=True` compiles the compute between chunk operations: each maximal run of compute nodes between two chunk
@@ -49,12 +52,13 @@ def compile(model: nn.Module, *, optimizer: OptimizerSpec | None, device_memory:
     it, up to `disk_memory` bytes per rank (None: the free space there), each rank in files of its own. See
     docs/memory.md, "The disk tier".
     """
-    if _device_updates is not None and (not isinstance(_device_updates, int) or isinstance(_device_updates, bool)
-                                        or _device_updates < 0):
-        raise ValueError(f"_device_updates must be a number of chunks >= 0 (or None), got {_device_updates!r}")
+    for name, value in (("_device_updates", _device_updates), ("_undo_updates", _undo_updates)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+            raise ValueError(f"{name} must be a number of chunks >= 0 (or None), got {value!r}")
     def wrap(fn: Callable) -> CompiledStep:
         if optimizer is None:
-            if max_grad_norm is not None or accumulate != 1 or not atomic or _device_updates is not None or fuse:
+            if (max_grad_norm is not None or accumulate != 1 or not atomic or _device_updates is not None or fuse
+                    or _undo_updates is not None):
                 raise ValueError("max_grad_norm, accumulate, atomic and fuse belong to training steps; a "
                                  "forward-only function (optimizer=None) takes none of them")
             if host_memory is not None or offload_dir is not None or disk_memory is not None:
@@ -65,6 +69,7 @@ def compile(model: nn.Module, *, optimizer: OptimizerSpec | None, device_memory:
         return CompiledStep(fn, model, optimizer, device_memory=device_memory, precision=precision,
                             chunk_size=chunk_size, device=device, debug=debug, prefetch=prefetch,
                             max_grad_norm=max_grad_norm, accumulate=accumulate, remat=remat, atomic=atomic,
-                            device_updates=_device_updates, cache_size=cache_size, fuse=fuse,
+                            device_updates=_device_updates, undo_updates=_undo_updates, cache_size=cache_size,
+                            fuse=fuse,
                             host_memory=host_memory, offload_dir=offload_dir, disk_memory=disk_memory)
     return wrap

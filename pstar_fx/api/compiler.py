@@ -27,7 +27,8 @@ from ..ir.needs import early_host_bytes, state_layout
 from ..passes import assign_chunks, canonicalize, liveness, pipeline, run_passes
 from ..passes.place_optimizer import min_need, place_optimizer
 from ..passes.remat import least_need_graph
-from ..runtime.chunk_store import ChunkStore, host_buffer_specs
+from ..runtime.chunk_store import ChunkStore
+from ..runtime.host_buffers import host_buffer_specs
 from ..runtime.comm import Comm
 from ..runtime.compiled_regions import RegionCompiler
 from ..runtime.executor import Executor

@@ -36,7 +36,7 @@ from ..frontend.trace import trace_step
 from ..ir.flops import FORWARD_ATTENTION
 from ..ir.graph import (REMAT, USER_CHECKPOINT, BufKind, ChunkGroup, ParamHome, Precision, Role, Settings, StateHome,
                         TrainGraph)
-from ..ir.needs import disk_bytes, shard_numel, staging, state_bytes, state_layout
+from ..ir.needs import disk_bytes, shard_numel, staging, state_bytes, state_layout, undo_bytes
 from ..optim import ADAM_STATE, OptimizerLayout, OptimizerSpec
 from ..passes import pipeline, run_passes
 from ..units import format_bytes, parse_bytes
@@ -110,6 +110,7 @@ class PlanReport:
     traced_on: str                   # the device type the step was traced for ("cpu" where torch has no CUDA)
     graph: TrainGraph | None = field(default=None, repr=False, compare=False)   # the final stage
     states_streamed: int = 0         # chunks whose states live on the host, updated on the GPU (streamed over and back)
+    states_undo: int = 0             # chunks the CPU updates before the commit, their previous values in undo buffers
     machine: Machine = H200          # the rates the step time is estimated at, the sizes checked
     disk_bytes: int = 0              # one rank's bytes on disk: the disk tier's files of its shards (disk_memory)
     disk_per_node: int = 0           # bytes a node keeps on disk: disk_bytes times the ranks of a node
@@ -204,7 +205,8 @@ class PlanReport:
         if self.fits_device:
             rows += [
                 ("chunks", f"{self.chunks}, optimizer states of {self.states_on_device} of {self.trainable_chunks} "
-                           f"on the GPU, {self.states_streamed} of the others updated on the GPU (states streamed)"),
+                           f"on the GPU, {self.states_streamed} of the others updated on the GPU (states streamed)"
+                           + (f", {self.states_undo} before the commit (undo buffers)" if self.states_undo else "")),
                 ("moved per step", f"{format_bytes(self.h2d_bytes)} host->device, {format_bytes(self.d2h_bytes)} "
                                    "device->host, per GPU"),
                 ("communicated", f"{format_bytes(self.communicated_bytes)} sent per GPU per step "
@@ -271,7 +273,8 @@ def host_bytes(g: TrainGraph) -> tuple[int, int]:
     """One rank's host memory for g's chunks, as the ChunkStore allocates it: (steady state, during set-up).
     Parameter homes (its shard of each chunk whose home is on the host, not cast from a device master), gradient
     homes of the buffers the plan writes back (a shard after the reduce-scatter, the whole chunk before it),
-    optimizer states placed on the host, and in mixed precision the frozen parameters at full precision. At set-up
+    optimizer states placed on the host, undo buffers, and in mixed precision the frozen parameters at full
+    precision. At set-up
     each chunk's states start where the plan puts them (gradient homes come later, at the first write-back)."""
     w, prec = g.settings.world, g.settings.precision
     params = sum(shard_numel(c, w) * c.dtype.itemsize for c in g.chunks if c.param_home is ParamHome.HOST)
@@ -288,6 +291,7 @@ def host_bytes(g: TrainGraph) -> tuple[int, int]:
     trainable = [c for c in g.chunks if c.group is ChunkGroup.TRAINABLE]
     layout = state_layout(g.settings)
     on_host = sum(state_bytes(c, prec, w, layout) for c in trainable if c.state_home is StateHome.HOST)
+    on_host += sum(undo_bytes(c, prec, w, layout) for c in trainable if c.undo)     # made at set-up too
     frozen = sum(p.numel * p.dtype.itemsize for p in g.params if not p.trainable) if prec.mixed else 0
     return params + grad + on_host + frozen, params + on_host + frozen
 
@@ -408,18 +412,27 @@ def plan(model: nn.Module, loss_fn, *batch, world_size: int = 1, device_memory=N
                         optimizer=_layout(model, optimizer),
                         max_grad_norm=None if max_grad_norm is None else float(max_grad_norm),
                         accumulate=accumulate, world=world_size, atomic=atomic,
-                        host_budget=None if disk is None else host // per_node, disk_budget=disk,
+                        host_budget=None if host is None else host // per_node, disk_budget=disk,
                         host_is_device=False,    # (the plan is for the preset GPU, whatever device traces it)
                         fused=fuse and not fuse_auto)
     with cycle_collection_paused(), one_intra_op_thread():
         traced = trace_step(loss_fn, model, meta_batch, settings)
         t0 = time.perf_counter()
         needed = None
+        passes = pipeline(chunk_size=chunk_size, prefetch=prefetch, world=world_size, machine=machine, fuse=fuse,
+                          fuse_auto=fuse_auto)
         try:
-            final = run_passes(traced, pipeline(chunk_size=chunk_size, prefetch=prefetch, world=world_size,
-                                                machine=machine, fuse=fuse, fuse_auto=fuse_auto))[-1]
+            try:
+                final = run_passes(traced, passes)[-1]
+            except BudgetError as e:
+                if e.tier is not StateHome.HOST or disk is not None:
+                    raise
+                # no disk tier: the plan that does not fit host_memory is reported as such (host_memory then
+                # bounds nothing else: it sizes the undo buffers of a plan that fits)
+                traced = traced.evolve(settings=dataclasses.replace(settings, host_budget=None))
+                final = run_passes(traced, passes)[-1]
         except BudgetError as e:
-            if e.tier is not None:      # host_memory or the disk tier, not the device, is too small
+            if e.tier is not None:      # the disk tier, not the device, is too small
                 raise
             needed, final = e.needed, None
         passes_s = time.perf_counter() - t0      # the collection at the end is not counted
@@ -447,7 +460,7 @@ def plan(model: nn.Module, loss_fn, *batch, world_size: int = 1, device_memory=N
                       h2d_bytes=p.h2d_bytes, d2h_bytes=p.d2h_bytes, gathered_bytes=p.gathered_bytes,
                       reduced_bytes=p.reduced_bytes, chunks=len(final.chunks),
                       states_on_device=sum(c.state_home is StateHome.DEVICE for c in trainable),
-                      states_streamed=sum(c.streamed for c in trainable),
+                      states_streamed=sum(c.streamed for c in trainable), states_undo=sum(c.undo for c in trainable),
                       trainable_chunks=len(trainable), model_flops=model_flops(final, n_tokens),
                       cost=estimate(final, machine), graph=final, disk_bytes=disk_bytes(final),
                       disk_per_node=disk_bytes(final) * per_node,

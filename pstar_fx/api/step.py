@@ -79,7 +79,8 @@ class CompiledStep:
     def __init__(self, fn: Callable, model: nn.Module, optimizer: OptimizerSpec, *, device_memory=None,
                  precision: str | None = None, chunk_size: int | None = None, device=None, debug: bool = False,
                  prefetch: int | None = None, max_grad_norm: float | None = None, accumulate: int = 1, remat="auto",
-                 atomic: bool = True, device_updates: int | None = None, cache_size: int = DEFAULT_MAX_SIZE,
+                 atomic: bool = True, device_updates: int | None = None, undo_updates: int | None = None,
+                 cache_size: int = DEFAULT_MAX_SIZE,
                  fuse: bool | None = None, host_memory=None, offload_dir=None, disk_memory=None):
         check_options(model, optimizer, chunk_size=chunk_size, prefetch=prefetch, max_grad_norm=max_grad_norm,
                       accumulate=accumulate, remat=remat, atomic=atomic, cache_size=cache_size, debug=debug)
@@ -108,7 +109,8 @@ class CompiledStep:
                                  optimizer=self._optimizer.layout if self._optimizer is not None else None,
                                  max_grad_norm=None if max_grad_norm is None else float(max_grad_norm),
                                  accumulate=accumulate, world=world,
-                                 atomic=atomic, device_updates=device_updates, host_budget=host_budget,
+                                 atomic=atomic, device_updates=device_updates, undo_updates=undo_updates,
+                                 host_budget=host_budget,
                                  disk_budget=disk_budget, host_is_device=host_is_device(dev, world),
                                  host_default=host_memory is None and offload is None and host_budget is not None,
                                  fused=fuse and not fuse_auto)

@@ -34,6 +34,7 @@ class Summary:
     measured_seconds: float | None = None   # the last step's wall time, call to return
     alloc_retries: int | None = None        # the last step's caching-allocator retries (CUDA)
     states_streamed: int = 0                # of the chunks whose states live on the host: updated on the device
+    states_undo: int = 0                    # of them: updated by the CPU before the commit, with undo buffers
     fused: str | None = None                # a "fused" stage: its regions, the nodes they replace, the seconds
     #                                         compiling ("none: ..." where fuse=None's choice left the step unfused)
     states_on_disk: int = 0                 # trainable chunks whose optimizer states live in offload_dir
@@ -55,6 +56,8 @@ class Summary:
                        self.default_budget if self.default_budget is not None else format_bytes(self.budget)),
             ("optimizer states", f"{self.states_on_device} of {self.trainable_chunks} chunks on the device; of the "
                                  f"others {self.states_streamed} updated on the device (states streamed)"
+                                 + (f", {self.states_undo} before the commit (undo buffers)" if self.states_undo
+                                    else "")
                                  + (f", {self.states_on_disk} on disk" if self.states_on_disk else "")),
             ("tiers", f"device {format_bytes(self.predicted_peak)} peak, host {format_bytes(self.host_bytes)}"
                       + ("" if self.host_budget is None else f" of {format_bytes(self.host_budget)}")
@@ -97,7 +100,7 @@ def summarize(g: TrainGraph, compiled: Compiled, last: StepStats | None, prec: P
         chunks=len(g.chunks), chunk_size=g.chunk_size, chunk_bytes=g.chunk_size * prec.dtype.itemsize,
         own_chunks=own, model_data_bytes=model_data, budget=g.settings.budget,
         states_on_device=sum(c.state_home is StateHome.DEVICE for c in trainable), trainable_chunks=len(trainable),
-        states_streamed=sum(c.streamed for c in trainable),
+        states_streamed=sum(c.streamed for c in trainable), states_undo=sum(c.undo for c in trainable),
         predicted_peak=g.plan.predicted_peak, measured_peak=None if last is None else last.measured_peak,
         h2d_bytes=g.plan.h2d_bytes, d2h_bytes=g.plan.d2h_bytes, nodes=len(g.nodes),
         compile_seconds=(compiled.stages["traced"].seconds,

@@ -160,6 +160,10 @@ class ChunkInfo:
     # TRAINABLE, states on the host (set by place_optimizer): updated on the device, its states fetched into a device
     # slot (BufKind.STATES) before its step and written back to their host home after it
     streamed: bool = False
+    # TRAINABLE, states on the host, updated by the CPU in an atomic step (set by place_optimizer): its update runs
+    # before the commit, right after the chunk's last use, its previous states (and fp32 parameters) first copied
+    # into an undo buffer of its own in host memory, which puts them back if the step fails before its commit
+    undo: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -210,6 +214,9 @@ class Settings:
     # tests (px.compile's private `_device_updates`): this many chunks the CPU would update, the first in its order,
     # are streamed to the device and updated there instead (more than there are: all); None: the cost model chooses
     device_updates: int | None = None
+    # tests (px.compile's private `_undo_updates`): this many chunks the CPU would update, the last in its order, update
+    # before the commit with an undo buffer (more than there are: all; 0: none); None: the cost model chooses
+    undo_updates: int | None = None
     # forward only over a trainer's chunks (optimizer None): the trainer's chunk state layout, whose device-placed
     # states the plan counts (ir.needs.state_layout)
     states: StateLayout | None = None
@@ -229,6 +236,13 @@ class Settings:
     def commit_decides(self) -> bool:
         """Every update needs something only the commit knows: the clip coefficient, the fp16 overflow flag."""
         return self.max_grad_norm is not None or self.precision.dtype is torch.float16
+
+    @property
+    def undo_possible(self) -> bool:
+        """An atomic step may update host-placed chunks before its commit, keeping their previous values to put back
+        (ChunkInfo.undo): one rank, nothing decided at the commit, the updates on the store's worker thread (not a
+        CPU device that is the host, whose updates run inline on the executor's cores)."""
+        return self.atomic and not self.commit_decides and self.world == 1 and not self.host_is_device
 
     @property
     def early_updates(self) -> bool:

@@ -63,6 +63,13 @@ def state_bytes(chunk: ChunkInfo, precision: Precision, world: int, state: State
     return state_floats(chunk, precision, world, state) * 4
 
 
+def undo_bytes(chunk: ChunkInfo, precision: Precision, world: int, state: StateLayout) -> int:
+    """Bytes of a chunk's undo buffers (ChunkInfo.undo): a copy of its state buffer, and in full precision of its
+    parameters too (in mixed precision they are the master rounded, made again from it)."""
+    params = 0 if precision.mixed else shard_numel(chunk, world) * chunk.dtype.itemsize
+    return state_bytes(chunk, precision, world, state) + params
+
+
 def early_host_bytes(params, precision: Precision, world: int, budget: int | None, state: StateLayout) -> int:
     """Before tracing, from the parameters alone: the most host memory a first compile's buffers could take, or 0
     when the device budget could hold every optimizer state (the plan may then keep all of them there). When it
@@ -202,8 +209,9 @@ def disk_bytes(g: TrainGraph) -> int:
 def host_bytes(g: TrainGraph) -> int:
     """One rank's host memory for g's chunks, as the ChunkStore holds it during a step: parameter homes (of chunks
     whose home is the host), gradient homes of the chunks the CPU updates and of the gradient buffers the schedule
-    writes back, the optimizer states placed on the host, the staging buffers of disk-homed states (made at set-up
-    and kept, so counted at every node), and in mixed precision the frozen parameters at full precision."""
+    writes back, the optimizer states placed on the host, the undo buffers of chunks updated before the commit, the
+    staging buffers of disk-homed states (made at set-up and kept, so counted at every node), and in mixed precision
+    the frozen parameters at full precision."""
     w, prec = g.settings.world, g.settings.precision
     params = sum(shard_numel(c, w) * c.dtype.itemsize for c in g.chunks if c.param_home is ParamHome.HOST)
     grads = {c.id for c in g.chunks if c.update_site is UpdateSite.CPU and c.grad_buf() is BufKind.GRAD}
@@ -214,9 +222,10 @@ def host_bytes(g: TrainGraph) -> int:
     grad = sum(shard_numel(g.chunks[c], w) * g.chunks[c].dtype.itemsize for c in grads)
     layout = state_layout(g.settings)
     on_host = sum(state_bytes(c, prec, w, layout) for c in g.chunks if c.state_home is StateHome.HOST)
+    undo = sum(undo_bytes(c, prec, w, layout) for c in g.chunks if c.undo)
     slots, size = staging(g)
     frozen = sum(p.numel * p.dtype.itemsize for p in g.params if not p.trainable) if prec.mixed else 0
-    return params + grad + on_host + slots * size + frozen
+    return params + grad + on_host + undo + slots * size + frozen
 
 
 def constants(g: TrainGraph) -> dict[str, torch.Tensor]:

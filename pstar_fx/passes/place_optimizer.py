@@ -27,6 +27,13 @@ On one rank some of the CPU's chunks may instead update on the device, their sta
 (`ChunkInfo.streamed`, chosen with the cost model by update_sites.py). Where the updates wait for the commit, the
 first chunks of the CPU's order, their steps last, after the commit, in that order; with atomic=False every other
 chunk of that order first, each step right after its chunk's last use, as the CPU's are.
+In an atomic step of one rank whose commit decides nothing, where the host budget has room, some of the last chunks
+of the CPU's order (`ChunkInfo.undo`) update before the commit instead, each step right after its chunk's last use:
+the CPU worker first copies the chunk's states into an undo buffer that puts them back if the step fails before its
+commit (runtime/undo.py), so the step stays atomic. As many as the CPU can update before the device reaches the
+commit, by the cost model's node times, within the host budget's room; kept, with the streamed chunks chosen again
+beside them, only where the step is estimated faster so. The exception to the invariant above: their steps come
+before the commit, after every guard.
 With a host budget (Settings.host_budget) that the host-placed states overflow, the last chunks of the CPU's order
 get a third home, the disk (StateHome.DISK, chosen by offload.py), their states read into a host staging buffer
 before their update and written back after it (`disk_read` / `disk_write` nodes).
@@ -43,11 +50,12 @@ from ..ir import ops
 from ..ir.graph import (BufKind, Choice, ChunkGroup, NodeAnn, Phase, Role, Scheduled, StateHome, TrainGraph,
                         UpdateSite, copy_graph, to_module)
 from ..ir.needs import (NO_NEEDS, all_needs, buf_bytes, host_bytes, needs, shard_numel, state_bytes, state_layout,
-                        static_bytes)
+                        static_bytes, undo_bytes)
+from ..units import format_bytes
 from .liveness import analyze
 from .schedule import schedule
 from .offload import host_memory, offload_states
-from .update_sites import choose_streamed, no_stream_reason
+from .update_sites import choose_streamed, no_stream_reason, no_undo_reason, undo_room
 
 
 def min_need(g: TrainGraph) -> int:
@@ -103,9 +111,8 @@ def place_optimizer(g: TrainGraph, machine: Machine = H200) -> TrainGraph:
                    f"instead (device states: estimated step) {'; '.join(tried)}: {kept} kept ({best_s:.4g} s)")
     else:
         why.append(_why_not_fewer(most, fewer, fullest, node_s, machine))
-    best, best_scheduled, streamed = _stream(g, best, best_scheduled, machine, program_s)
-    if streamed is not None:
-        why.append(streamed)
+    best, best_scheduled, where = _stream(g, best, best_scheduled, machine, program_s)
+    why.extend(where)
     offloaded = offload_states(best, machine)
     if offloaded is not best:
         best, best_scheduled = offloaded, offloaded.scheduled.result
@@ -154,20 +161,28 @@ def _why_not_fewer(most: TrainGraph, fewer: list, fullest, node_s: list[float], 
 
 
 def _stream(g: TrainGraph, best: TrainGraph, best_scheduled: TrainGraph | None, machine: Machine, program_s
-            ) -> tuple[TrainGraph, TrainGraph | None, str | None]:
+            ) -> tuple[TrainGraph, TrainGraph | None, list[str]]:
     """best (states placed, steps arranged) with the chunks update_sites chooses streamed, the CPU keeping the rest
     in its order. Atomic: the first of the CPU's order (the next forward's first needs first), their steps after
     the CPU's in that order. atomic=False (the CPU's steps right after their chunk's last use, during backward):
     every other chunk of the CPU's order first, each step right after its chunk's last use too, so that the
     device's updates thin the CPU's queue evenly along backward. A chunk whose streamed step alone would not fit the
-    budget stays with the CPU. With it: why (None where no chunk's states are on the host)."""
+    budget stays with the CPU. Atomic, where the host budget has room for undo buffers (update_sites.undo_room):
+    the last of the CPU's chunks (the next forward needs them last; backward is done with them first) as many as fit
+    update before the commit, right after their last use, keeping their previous values (ChunkInfo.undo), where the
+    cost model estimates the step faster so, the streamed ones chosen again beside them. With it: why, in sentences
+    (none where no chunk's states are on the host)."""
     reason = no_stream_reason(g.settings)
     if reason is not None and g.settings.device_updates:
         raise ValueError(f"_device_updates={g.settings.device_updates}: {reason}")
+    undo_reason = no_undo_reason(g.settings)
+    if undo_reason is not None and g.settings.undo_updates:
+        raise ValueError(f"_undo_updates={g.settings.undo_updates}: no chunk updates before the commit with an undo "
+                         f"buffer: {undo_reason}")
     if not any(c.update_site is UpdateSite.CPU for c in best.chunks):
-        return best, best_scheduled, None
+        return best, best_scheduled, []
     if reason is not None:
-        return best, best_scheduled, f"no host-placed chunk updated on the device: {reason}"
+        return best, best_scheduled, [f"no host-placed chunk updated on the device: {reason}"]
     nodes = best.nodes
     lv = analyze(nodes, best.ann)
     static = static_bytes(best)
@@ -195,13 +210,83 @@ def _stream(g: TrainGraph, best: TrainGraph, best_scheduled: TrainGraph | None, 
         order = order[::2] + order[1::2]
     device = [c.id for c in best.chunks if c.update_site is UpdateSite.DEVICE]
 
-    def build(k: int) -> TrainGraph:
-        streamed = set(order[:k])
-        homes = tuple(dataclasses.replace(c, streamed=True) if c.id in streamed else c for c in best.chunks)
+    def build(k: int, undo: list[int] = ()) -> TrainGraph:
+        undo = set(undo)
+        streamed = set([cid for cid in order if cid not in undo][:k])
         cpu = [cid for _, cid in steps if cid not in streamed]
-        return with_steps(g, device, cpu, early=early, streamed=order[:k]).evolve(chunks=homes)
+        homes = tuple(dataclasses.replace(c, streamed=True) if c.id in streamed else
+                      dataclasses.replace(c, undo=True) if c.id in undo else c for c in best.chunks)
+        placed = with_steps(g, device, [cid for cid in cpu if cid not in undo], early=early,
+                            streamed=[cid for cid in order if cid in streamed], undo=sorted(undo))
+        return placed.evolve(chunks=homes)
 
-    return choose_streamed(best, order, build, machine, program_s, (best, best_scheduled))
+    if undo_reason is not None:
+        chosen = choose_streamed(best, order, build, machine, program_s, (best, best_scheduled))
+        return chosen.placed, chosen.scheduled, [chosen.why, f"no chunk updated before the commit: {undo_reason}"]
+    if best_scheduled is None:
+        best_scheduled = schedule(best)
+    cpu = [cid for _, cid in steps]
+    room, each = undo_room(best_scheduled, cpu)
+    forced = g.settings.undo_updates
+    undo = _undo_fit(best, cpu, room, machine, program_s) if forced is None else cpu[len(cpu) - min(forced, len(cpu)):]
+    u = len(undo)
+    plain = None
+    if forced is None or not u:
+        plain = choose_streamed(best, order, build, machine, program_s, (best, best_scheduled))
+    if not u:
+        why = ("_undo_updates=0" if forced == 0 else
+               f"the host budget has no room for an undo buffer ({format_bytes(each)} each)" if not room else
+               "the CPU could update none of them, undo copy included, before the device reaches the commit")
+        return plain.placed, plain.scheduled, [plain.why, f"no chunk updated before the commit: {why}"]
+    kept = choose_streamed(best, [c for c in order if c not in undo], lambda k: build(k, undo), machine, program_s,
+                           (build(0, undo), None))
+    what = (f"{u} of the CPU's {len(cpu)} chunks updated before the commit, right after backward is done with "
+            f"each, their previous values kept in undo buffers ({format_bytes(u * each)} of host memory) to put back "
+            "if the step fails before the commit")
+    if plain is None:
+        return kept.placed, kept.scheduled, [kept.why, f"{what}, as _undo_updates asks"]
+    plain, kept = plain.timed(machine, program_s), kept.timed(machine, program_s)
+    if kept.seconds < plain.seconds:
+        return kept.placed, kept.scheduled, [kept.why, (
+            f"{what}: those of the last in the CPU's order (the next forward needs them last) the CPU can update, "
+            f"undo copies included, before the device reaches the commit, up to the {room} the host budget has room "
+            f"for; the step estimated {kept.seconds:.4g} s against {plain.seconds:.4g} s without")]
+    return plain.placed, plain.scheduled, [plain.why, (
+        f"no chunk updated before the commit: with {u} undo buffers (as many as the CPU could update before the "
+        f"device reaches the commit, within the host budget's room for {room}) the step is estimated "
+        f"{kept.seconds:.4g} s against {plain.seconds:.4g} s without")]
+
+
+def _undo_fit(g: TrainGraph, cpu: list[int], room: int, machine: Machine, program_s) -> list[int]:
+    """Up to `room` of the CPU's chunks (`cpu`, in its order) whose updates, undo copies included, the CPU worker
+    can do before the device reaches the commit, taken from the end of the CPU's order (the next forward needs
+    them last; backward is done with them first), each from the end of its chunk's last use (program_s: the cost
+    model's node times by name) at the rate beside backward and under copies (the gradients' write-backs); a chunk
+    that would end past the commit is passed over."""
+    st = g.settings
+    nodes = g.nodes
+    at, t = [], 0.0
+    for n in nodes:
+        t += program_s.get(n.name, 0.0)
+        at.append(t)
+    commit = next(at[i] for i, n in enumerate(nodes) if g.ann[n.name].role is Role.COMMIT)
+    last = _last_use(all_needs(g))
+    release = {cid: at[last[cid]] if cid in last else 0.0 for cid in cpu}
+    rate = cpu_update_rate(st, machine, beside_backward=True)
+    layout = state_layout(st)
+    seconds = {cid: (shard_numel(g.chunks[cid], st.world) / rate + undo_bytes(g.chunks[cid], st.precision, st.world,
+                                                                               layout) / machine.host_copy_bytes)
+               / machine.cpu_adam_under_copies for cid in cpu}
+    chosen: list[int] = []
+    for cid in reversed(cpu):
+        if len(chosen) == room:
+            break
+        clock = 0.0
+        for c in sorted(chosen + [cid], key=lambda c: (release[c], c)):
+            clock = max(clock, release[c]) + seconds[c]
+        if clock <= commit:
+            chosen.append(cid)
+    return chosen
 
 
 def _placed(g: TrainGraph, all_host: TrainGraph, homes: tuple, machine: Machine,
@@ -264,12 +349,14 @@ def _fewer_states(most: TrainGraph, ranked: list[int], machine: Machine, node_s:
 
 
 def with_steps(g: TrainGraph, order: list[int], host: list[int] = (), early: bool = False,
-               streamed: list[int] = ()) -> TrainGraph:
+               streamed: list[int] = (), undo: list[int] = ()) -> TrainGraph:
     """g with a commit after its program and one optimizer_step per chunk: those of `order` after the commit, then
     those of `host`, then those of `streamed`, in that order; with `early`, each of `host` instead right after the
     last node that uses its chunk and after the previous one of `host` (so the CPU worker, which takes them in graph
     order, gets each as soon as the step is done with its chunk), and each of `streamed` right after the last node
-    that uses its chunk (the device updates it there, in graph order)."""
+    that uses its chunk (the device updates it there, in graph order). Each of `undo` (atomic: chunks of `host`
+    whose previous values are kept until the commit) right after the last node that uses its chunk, in the order
+    backward is done with them."""
     graph, _ = copy_graph(g)
     ann = dict(g.ann)
     program = [n for n in graph.nodes if ann[n.name].role in (Role.COMPUTE, Role.WRITE_GRAD, Role.GUARD)]
@@ -279,12 +366,15 @@ def with_steps(g: TrainGraph, order: list[int], host: list[int] = (), early: boo
     ann[commit.name] = NodeAnn(role=Role.COMMIT, phase=Phase.OPTIMIZER)
     steps: dict[int, fx.Node] = {}
     after = commit
-    for cid in list(order) + list(host) + list(streamed):
+    for cid in list(order) + list(host) + list(streamed) + list(undo):
         with graph.inserting_after(after):
             after = steps[cid] = graph.call_function(ops.optimizer_step, (), {"chunk": cid})
         ann[after.name] = NodeAnn(role=Role.OPTIMIZER_STEP, phase=Phase.OPTIMIZER, chunk=cid)
     if early and (host or streamed):
         _move_early(g, graph, steps, host, streamed)
+    if undo:
+        earliest = _earliest_steps(g)
+        _move_early(g, graph, steps, sorted(undo, key=lambda c: (earliest[c], c)))
     return g.evolve(gm=to_module(graph, g.gm), ann=ann)
 
 

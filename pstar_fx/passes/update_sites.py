@@ -1,5 +1,7 @@
 """Where the updates of chunks whose optimizer states live on the host run: on the CPU worker, or on the device with
-their states streamed over and back (`ChunkInfo.streamed`). A helper of place_optimizer, which builds the graphs.
+their states streamed over and back (`ChunkInfo.streamed`); and whether an atomic step's CPU updates may run before
+its commit with undo buffers (`ChunkInfo.undo`: `no_undo_reason`, `undo_room`). A helper of place_optimizer, which
+builds the graphs.
 
 An atomic step can start its CPU updates only at the commit, at the end of backward; the next forward then waits
 for them, chunk by chunk, while the device and the PCIe link sit mostly idle. A streamed chunk's update instead
@@ -22,12 +24,12 @@ its update).
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from ..cost import Machine, cpu_update_rate, estimate
 from ..errors import BudgetError
 from ..ir.graph import Settings, TrainGraph
-from ..ir.needs import shard_numel, state_bytes, state_layout
+from ..ir.needs import host_bytes, shard_numel, state_bytes, state_layout, undo_bytes
 from .schedule import schedule
 
 
@@ -37,6 +39,35 @@ def no_stream_reason(settings: Settings) -> str | None:
         return ("streamed updates are not built for several ranks (the updated shard would also need its chunk "
                 "gathered again)")
     return None
+
+
+def no_undo_reason(settings: Settings) -> str | None:
+    """Why no chunk may update before the commit with an undo buffer under these settings (None: they may)."""
+    if not settings.atomic:
+        return "atomic=False updates every host-placed chunk during backward already"
+    if settings.commit_decides:
+        return "its updates need what the commit decides (the clip coefficient or fp16's overflow flag)"
+    if settings.world > 1:
+        return "not built for several ranks"
+    if settings.host_is_device:
+        return "a CPU device is the host, whose updates run inline on the executor's cores"
+    if settings.disk_budget is not None:
+        return "host memory is short enough for a disk tier"
+    if settings.host_budget is None:
+        return "no host budget to size undo buffers against"
+    return None
+
+
+def undo_room(scheduled: TrainGraph, cpu: list[int]) -> tuple[int, int]:
+    """How many of the CPU's chunks (`cpu`) could keep an undo buffer within the host budget beside what `scheduled`
+    (a schedule without undo buffers) keeps in host memory, and the bytes of each (the largest chunk's)."""
+    st = scheduled.settings
+    layout = state_layout(st)
+    each = max((undo_bytes(scheduled.chunks[c], st.precision, st.world, layout) for c in cpu), default=0)
+    if not each or st.host_budget is None:
+        return 0, each
+    spare = st.host_budget - host_bytes(scheduled)
+    return max(0, min(len(cpu), spare // each)), each
 
 
 def candidates(n: int, cpu_s: float, copy_s: float) -> list[int]:
@@ -54,25 +85,42 @@ def _fastest(tried: dict) -> int:
     return min(k for k, t in tried.items() if t[0] <= low * (1 + 1e-9))
 
 
+class Placement(NamedTuple):
+    """A placed graph, its schedule (None: not scheduled yet), why it was chosen, and its estimated step (None: not
+    estimated)."""
+    placed: TrainGraph
+    scheduled: TrainGraph | None
+    why: str
+    seconds: float | None = None
+
+    def timed(self, machine: Machine, program_s) -> "Placement":
+        """This placement scheduled and estimated (BudgetError where its schedule does not fit)."""
+        scheduled = self.scheduled if self.scheduled is not None else schedule(self.placed)
+        seconds = self.seconds if self.seconds is not None else \
+            estimate(scheduled, machine, program_s=program_s).seconds
+        return self._replace(scheduled=scheduled, seconds=seconds)
+
+
 def choose_streamed(g: TrainGraph, order: list[int], build: Callable[[int], TrainGraph], machine: Machine,
-                    program_s, base: tuple[TrainGraph, TrainGraph | None]
-                    ) -> tuple[TrainGraph, TrainGraph | None, str]:
+                    program_s, base: tuple[TrainGraph, TrainGraph | None]) -> Placement:
     """The placed graph with the first k of `order` (the CPU's chunks in the order they stream) streamed, for the k
-    whose schedule the cost model finds fastest, that schedule (None: not scheduled here), and why, in a sentence.
-    `build(k)` makes the placed graph for k; `base` is the one for k = 0 and its schedule if known. A candidate whose
-    schedule does not fit the budget is skipped; a tie goes to fewer streamed chunks."""
+    whose schedule the cost model finds fastest, that schedule (None: not scheduled here), why, in a sentence, and
+    its estimate (None where none was made). `build(k)` makes the placed graph for k; `base` is the one for k = 0
+    and its schedule if known. A candidate whose schedule does not fit the budget is skipped; a tie goes to fewer
+    streamed chunks."""
     forced = g.settings.device_updates
     if forced is not None:
         k = min(forced, len(order))
         why = f"{k} host-placed chunks updated on the device (states streamed), as _device_updates asks"
-        return (*((build(k), None) if k else base), why)
+        return Placement(*((build(k), None) if k else base), why)
     if not order:
-        return (*base, "no host-placed chunk updated on the device: none has room for its states beside its step")
+        return Placement(*base, "no host-placed chunk updated on the device: none has room for its states beside "
+                                "its step")
     if g.settings.budget is None:
-        return (*base, "no host-placed chunk updated on the device: no budget")
+        return Placement(*base, "no host-placed chunk updated on the device: no budget")
     if g.settings.host_is_device:
-        return (*base, "no host-placed chunk updated on the device: a CPU device is the host, so a streamed update "
-                       "would run on the same cores after two copies")
+        return Placement(*base, "no host-placed chunk updated on the device: a CPU device is the host, so a streamed "
+                                "update would run on the same cores after two copies")
     world, prec = g.settings.world, g.settings.precision
     elems = sum(shard_numel(g.chunks[c], world) for c in order) / len(order)
     cpu_s = elems / cpu_update_rate(g.settings, machine)
@@ -93,17 +141,17 @@ def choose_streamed(g: TrainGraph, order: list[int], build: Callable[[int], Trai
     for k in candidates(len(order), cpu_s, copy_s):
         attempt(k)
     if not tried:
-        return (*base, "no host-placed chunk updated on the device: no candidate's schedule fits the budget")
+        return Placement(*base, "no host-placed chunk updated on the device: no candidate's schedule fits the budget")
     best = _fastest(tried)
     done = sorted(tried)
     at = done.index(best)
     for other in done[max(0, at - 1):at] + done[at + 1:at + 2]:      # halve the gaps to the best's neighbours
         attempt((best + other) // 2)
     best = _fastest(tried)
-    _, placed, scheduled = tried[best]
+    seconds, placed, scheduled = tried[best]
     figures = ", ".join(f"{k}: {tried[k][0]:.4g} s" for k in sorted(tried))
     why = (f"{best} of {len(order)} host-placed chunks updated on the device, their states streamed over and "
            f"back (steps estimated with k streamed: {figures}); the CPU updates the rest" if best else
            f"none of {len(order)} host-placed chunks streamed: the CPU updating them all is estimated fastest "
            f"(steps estimated with k streamed: {figures})")
-    return placed, scheduled, why
+    return Placement(placed, scheduled, why, seconds)

@@ -7,7 +7,10 @@ Checked at every stage (each check applies once the stage has what it is about):
   one write_grad per micro-batch, the first copying, the later ones adding, the last marked final; in a chunk whose gradients overwrite its parameters, no parameter is read after that;
 - guards: every guard node (ir/guards.py) is a `guard` op, after the nodes it reads, and comes before the commit and
   before every optimizer_step (a failed guard reruns the step, which must have changed nothing);
-- optimizer: one optimizer_step per trainable chunk, after every read and gradient write of its parameters;
+- optimizer: one optimizer_step per trainable chunk, after every read and gradient write of its parameters, and
+  after the commit except where atomic=False updates a host-placed chunk early or a chunk keeps an undo buffer
+  (ChunkInfo.undo: the CPU updates its host states, in an atomic step of one rank whose commit decides nothing),
+  whose step comes before the commit;
 - schedule: every chunk buffer a node reads or writes is resident on the device; a fetch copies only data the host
   holds, and a buffer whose host copy holds data is fetched, never allocated zeroed; nothing written on the device
   is dropped while still needed; the cycle closes: the buffers resident at the end are exactly the plan's carried
@@ -174,10 +177,13 @@ def _check_steps(g: TrainGraph) -> None:
         a = g.ann[n.name]
         if a.role is Role.COMMIT:
             committed = True
-        elif a.role is Role.OPTIMIZER_STEP and not committed and not (
+        elif a.role is Role.OPTIMIZER_STEP and not committed and not g.chunks[a.chunk].undo and not (
                 g.settings.early_updates and _host_placed(g.chunks[a.chunk])):
             _fail(g, i, f"optimizer_step of chunk {a.chunk} before the commit (a failure there could not be undone; "
-                        "only the steps of chunks whose states live on the host, with atomic=False, may come early)")
+                        "only the steps of chunks whose states live on the host, with atomic=False, or of chunks "
+                        "keeping an undo buffer may come early)")
+        elif a.role is Role.OPTIMIZER_STEP and committed and g.chunks[a.chunk].undo:
+            _fail(g, i, f"chunk {a.chunk} keeps an undo buffer, but its optimizer_step comes after the commit")
         if a.role in (Role.PARAM_VIEW, Role.WRITE_GRAD):
             c = g.param(a.param).chunk
             if c in step_at:
@@ -199,6 +205,10 @@ def _check_steps(g: TrainGraph) -> None:
         if c.streamed and (c.state_home is not StateHome.HOST or g.settings.world > 1):
             _fail(g, None, f"chunk {c.id} streams its update, but only a chunk whose states live on the host, with "
                            "one rank, may")
+        if c.undo and (c.update_site is not UpdateSite.CPU or c.state_home is not StateHome.HOST
+                       or not g.settings.undo_possible):
+            _fail(g, None, f"chunk {c.id} keeps an undo buffer, but only a chunk the CPU updates from host states, in "
+                           "an atomic step of one rank whose commit decides nothing, may")
 
 
 def _check_schedule(g: TrainGraph) -> None:

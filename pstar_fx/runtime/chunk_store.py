@@ -58,32 +58,10 @@ from ..optim import NO_STATE, StateLayout
 from .comm import Comm
 from .device_pool import DevicePool
 from .disk import DiskStates
-from .host_memory import BufferSpec, HostMemory
+from .host_memory import HostMemory
 from .host_updates import HostUpdates, worker_threads
 from .store_values import StoreValues
-
-
-def host_buffer_specs(chunks: tuple[ChunkInfo, ...], precision: Precision, world: int, state: StateLayout
-                      ) -> list[BufferSpec]:
-    """The host buffers a ChunkStore over these (optimizer-placed) chunks will make whatever the schedule decides:
-    every chunk's parameter home except those of chunks whose states live on the device (whose home the schedule
-    chooses), the optimizer states placed on the host, and the gradient homes of chunks the CPU updates (a streamed
-    chunk's gradient stays on the device for its update)."""
-    specs = []
-    for c in chunks:
-        host_stepped = c.group is ChunkGroup.TRAINABLE and c.state_home is not StateHome.DEVICE
-        if c.group is not ChunkGroup.TRAINABLE or host_stepped:
-            specs.append(BufferSpec(("param", c.id), shard_numel(c, world), c.dtype, True))
-        if host_stepped and c.state_home is StateHome.DISK:      # its states are in a file (runtime/disk.py)
-            if c.grad_buf() is BufKind.GRAD:
-                specs.append(BufferSpec(("grad", c.id), shard_numel(c, world), c.dtype, True))
-        elif host_stepped:
-            # pinned only for a streamed update, whose states the device copies (pageable copies are much slower)
-            specs.append(BufferSpec(("states", c.id), state_floats(c, precision, world, state), torch.float32,
-                                    c.streamed))
-            if c.grad_buf() is BufKind.GRAD and not c.streamed:
-                specs.append(BufferSpec(("grad", c.id), shard_numel(c, world), c.dtype, True))
-    return specs
+from .undo import UndoBuffers
 
 
 class ChunkStore:
@@ -93,8 +71,8 @@ class ChunkStore:
                  device: torch.device, budget: int | None, comm: Comm | None = None,
                  hostmem: HostMemory | None = None, state: StateLayout = NO_STATE, offload_dir: str | None = None,
                  host_is_device: bool = False):
-        """hostmem: host memory with buffers already reserved (host_buffer_specs), or None to make them here.
-        state: the optimizer's chunk state layout (NO_STATE without an optimizer: no trainable chunk).
+        """hostmem: host memory with buffers already reserved (host_buffers.host_buffer_specs), or None to make them
+        here. state: the optimizer's chunk state layout (NO_STATE without an optimizer: no trainable chunk).
         offload_dir: where the disk tier's files go (a directory of the store's own is made there when a plan
         first puts states on disk). host_is_device: a CPU device of one rank, whose slots are host homes."""
         self.comm = comm
@@ -156,6 +134,8 @@ class ChunkStore:
                         self.host_grad[c.id] = self.hostmem.zeros(shard_numel(c, self.world), c.dtype,
                                                                   key=("grad", c.id))
                 self.state_home[c.id] = c.state_home or StateHome.HOST
+        self.undo = UndoBuffers(self.hostmem, precision, self.world, state)    # of chunks updated before the commit
+        self.undo.mark(chunks)
         self.buffers: dict[str, torch.Tensor] = {}       # module buffers (always on the device)
         self._reading: dict[int, "torch.cuda.Event"] = {}  # chunk -> event after the last copy from its host buffers
         self._writing: dict[BufKey, "torch.cuda.Event"] = {}  # host buffer -> event after the write-back into it
@@ -326,6 +306,7 @@ class ChunkStore:
                 home = self.hostmem.zeros(shard_numel(c, self.world), c.dtype)
                 home.copy_(self.master(c.id))
                 self.host_param[c.id] = home
+        self.undo.mark(chunks)
         self.chunks = chunks
         disk = [c for c in chunks if c.state_home is StateHome.DISK]
         if disk:

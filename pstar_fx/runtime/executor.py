@@ -165,10 +165,10 @@ class Executor:
         self.arg_recipes = [_template(n.args, pos) if k in (_RUNTIME, _ATEN) else None
                             for n, k in zip(self.nodes, self.kinds)]
         self.const_kwargs = [None if has_node(n.kwargs) else n.kwargs for n in self.nodes]
-        # the first value written (the commit, or an earlier host-side step): from after its delivery check on, Ctrl-C
-        # waits for the step's end
-        self.holds_from = next((i for i, r in enumerate(self.roles) if r is Role.COMMIT or r is Role.OPTIMIZER_STEP),
-                               len(self.nodes))
+        # the first value written that cannot be put back (the commit, or an earlier host-side step with
+        # atomic=False; an undo chunk's can): from after its delivery check on, Ctrl-C waits for the step's end
+        self.holds_from = next((i for i, (n, r) in enumerate(zip(self.nodes, self.roles)) if r is Role.COMMIT or
+                                r is Role.OPTIMIZER_STEP and not g.chunks[g.ann[n.name].chunk].undo), len(self.nodes))
         # the generated loop (runtime/codegen.py), once a measured run has matched the plan: the nodes whose value
         # that run copied into a storage of the planned size, and the peak it measured
         self.compact_at: set[int] = set()
@@ -179,8 +179,9 @@ class Executor:
             trace_peaks: list[int] | None = None, before_node=None) -> tuple[list[torch.Tensor], int]:
         """One step; returns the graph's outputs (a training step's: [loss]) and the measured peak. Atomic: if any
         node before the commit point fails, every value is put back as it was before the step and the error
-        propagates. With atomic=False a host-side step may come before the commit: the step is then atomic up to
-        the first step node only.
+        propagates (the values of chunks updated ahead of the commit from their undo buffers, runtime/undo.py). With
+        atomic=False a host-side step may come before the commit: the step is then atomic up to the first step node
+        only.
 
         Ctrl-C: the caller holds SIGINT in `interrupts` (active over its whole call, see pstar_fx/interrupts.py), so no
         KeyboardInterrupt lands inside the store's bookkeeping. Before the commit point (or the first step node),
@@ -201,6 +202,9 @@ class Executor:
             self.store.finish_disk()    # the disk tier's writes of this step (after its commit)
         except BaseException as e:
             self.store.abandon_disk()   # reads in flight finish (into staging buffers only) before anything else
+            undone = [] if rt.committed else list(rt.undoable)
+            if undone and self.store.updates is not None:
+                self.store.updates.settle(undone)     # updates ahead of the commit end (a failure is this step's)
             self.store.reclaim()        # slots still being written back
             # before the commit no parameter slot was written except by in-place gradients (mixed precision, whose
             # host homes are rebuilt from the masters below): what goes home is what the step started from
@@ -214,6 +218,7 @@ class Executor:
                     f"{len(rt.stepped)} of {sum(1 for r in self.roles if r is Role.OPTIMIZER_STEP)} chunks "
                     "begun (the last possibly unfinished); the compiled step's values are no longer consistent. "
                     "Load a checkpoint with step.load(path) to continue.") from e
+            self.store.undo.put_back(undone, self.store.states, self.store.host_param)
             for name, value in saved.items():
                 self.store.buffers[name].copy_(value)
             self.store.values.restore_params_from_masters()

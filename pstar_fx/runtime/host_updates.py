@@ -9,7 +9,9 @@ Per chunk: `submit(c, fn, after=events)` queues chunk c's update, which the work
 are done; `then(c, fn)` runs fn right after chunk c's pending update (on
 the worker) or at once (on the caller) when none is pending: a fetch of c's parameters hangs on it, so it waits for
 exactly that update; `wait(c)` / `wait_all()` block until c's (every) pending update is done. An update that fails
-is re-raised, as a CommitError (the step it belongs to had committed), by the next wait on it. `time` adds up
+is re-raised, as a CommitError (the step it belongs to had committed), by the next wait on it; `settle(chunks)`
+waits for those chunks' updates and forgets them, failed or not (updates ahead of the commit of a step that failed
+before it, whose values are put back: runtime/undo.py). `time` adds up
 where the worker's time went: waiting for the updates' events, and updating.
 
 The thread holds no reference to the ChunkStore (nor to this object): when this object is garbage-collected, a
@@ -174,6 +176,22 @@ class HostUpdates:
             fut = self._shared.pending.get(chunk)
         if fut is not None:
             _result(fut)
+
+    def settle(self, chunks) -> None:
+        """Wait for these chunks' pending updates to end, and forget them whether they succeeded or failed (a step
+        that failed before its commit puts their values back: their failures are that step's)."""
+        with self._shared.lock:
+            futs = [(c, self._shared.pending.get(c)) for c in chunks]
+        for c, fut in futs:
+            if fut is None:
+                continue
+            try:
+                fut.result()
+            except BaseException:  # noqa: BLE001 - the step's own failure is being raised
+                pass
+            with self._shared.lock:
+                if self._shared.pending.get(c) is fut:
+                    del self._shared.pending[c]
 
     def wait_all(self) -> None:
         with self._shared.lock:

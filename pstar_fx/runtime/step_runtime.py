@@ -107,7 +107,10 @@ class Runtime:
         self._clip_coef_host: torch.Tensor | None = None
         self.skip = False
         self.committed = False
-        self.stepped: list[int] = []         # chunks updated so far in this step
+        self.stepped: list[int] = []         # chunks updated so far in this step (after the commit, or atomic=False)
+        # chunks updated before the commit with their previous values kept (ChunkInfo.undo) -> the update's Future
+        # (None where it ran inline): put back if the step fails before its commit (runtime/undo.py)
+        self.undoable: dict[int, object] = {}
         self.h2d = 0
         self.d2h = 0
 
@@ -197,7 +200,13 @@ class Runtime:
             norms = [self.norms[i] for i in sorted(self.norms)]
             self._set_grad_norm(torch.linalg.vector_norm(torch.stack(norms)) if norms
                                 else torch.zeros((), device=self.store.device))
+        for chunk, done in self.undoable.items():     # an update ahead of the commit that failed fails the step
+            if done is not None and done.done() and done.exception() is not None:
+                raise RuntimeError(f"pstar-fx: the host-side update of chunk {chunk}, run before the commit, failed "
+                                   f"({type(done.exception()).__name__}: {done.exception()}); the step is undone"
+                                   ) from done.exception()
         self.committed = True
+        self.stepped.extend(self.undoable)   # from here on they are the step's updates like any other
 
     def _squared_sum(self) -> torch.Tensor:
         """Sharded: the sum of the squared shard norms taken so far, in chunk order (fp32, on the device)."""
@@ -284,12 +293,21 @@ class Runtime:
 
         waits = events + ([coef_ready] if coef_ready is not None else [])
 
+        undo = c.undo and not self.committed       # (a plan's undo chunk steps before the commit: verify.py)
+        states = st.states[chunk]
+
         def update() -> None:
+            if undo:
+                st.undo.keep(chunk, states, param)
             host_update(cfg, param, grad, parts, master=master, inv_scale=inv_scale, coef=coef, skip=skip,
                         chunk=chunk, first=first, live=live)
 
-        self.stepped.append(chunk)
+        if not undo:
+            self.stepped.append(chunk)
+        done = None
         if st.updates is None:
+            if undo:
+                self.undoable[chunk] = None
             for e in waits:
                 e.synchronize()
             update()
@@ -298,6 +316,8 @@ class Runtime:
                 done = st.updates.submit(chunk, update, after=waits)
             if c.state_home is StateHome.DISK:
                 st.gate_disk_write(chunk, done)       # its disk write waits for it
+        if undo:
+            self.undoable[chunk] = done
 
     def optimizer_step(self, chunk: int, gather: bool = False) -> None:
         c = self.g.chunks[chunk]

@@ -478,7 +478,10 @@ def test_state_placement_is_not_slower_than_chunk_order(cpu_slower, copies_slowe
         assert fewer and fullest.bound in (Lane.H2D, Lane.D2H)
         compared = [fullest.seconds] + [cost.estimate(schedule(_placed(before, all_host, homes, m)), m).seconds
                                         for homes in fewer]
-        assert cost.estimate(chosen, m).seconds == min(compared)
+        # the fastest placement compared, then the streamed and undo updates chosen on it (none: it as compared)
+        assert cost.estimate(chosen, m).seconds <= min(compared) * (1 + 1e-9)
+        if not any(c.streamed or c.undo for c in chosen.chunks):
+            assert cost.estimate(chosen, m).seconds == min(compared)
         kept = sum(c.state_home is StateHome.DEVICE for c in chosen.chunks)
         assert why[1].startswith("copies bound that placement's step") and f"{kept} kept" in why[1], why
     elif fullest.bound not in (Lane.H2D, Lane.D2H):

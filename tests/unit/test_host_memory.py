@@ -5,7 +5,7 @@ import torch
 import pstar_fx as px
 from pstar_fx.ir import StateHome
 from pstar_fx.optim import ADAM_STATE
-from pstar_fx.runtime.chunk_store import host_buffer_specs
+from pstar_fx.runtime.host_buffers import host_buffer_specs
 from pstar_fx.runtime.host_memory import MAPPED_MIN_BYTES, BufferSpec, HostMemory, zeroed
 
 from harness import HYPER, tight_budget

@@ -1,0 +1,59 @@
+"""Undo buffers: what lets an atomic step update some chunks on the CPU before its commit.
+
+A chunk marked `ChunkInfo.undo` (chosen by place_optimizer where the host budget has room and the cost model finds
+the step faster so) has its host-side update queued right after backward is done with it, not at the commit. Just
+before that update the CPU worker copies the chunk's state buffer (m, v, the step counter and in mixed precision the
+fp32 master), and in full precision its parameters, into buffers of its own here. If the step then fails before its
+commit (an error, an injected fault, Ctrl-C), the executor waits for those updates to end and copies the values
+back: the step changed nothing, as with every update after the commit. In mixed precision the half-precision
+parameters are the masters rounded, and are made again from them as after any failed step. After the commit the
+copies are simply overwritten by the next step's.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..ir.graph import ChunkInfo, Precision
+from ..optim import StateLayout
+from .host_buffers import undo_specs
+from .host_memory import HostMemory
+
+
+class UndoBuffers:
+    """The undo buffers of the chunks a plan marks, in host memory (HostMemory: reserved with the store's other
+    buffers where the compiler reserved them)."""
+
+    def __init__(self, hostmem: HostMemory, precision: Precision, world: int, state: StateLayout):
+        self.hostmem = hostmem
+        self.precision = precision
+        self.world = world
+        self.state = state
+        self.of: dict[int, list[torch.Tensor]] = {}      # chunk -> [states, parameters (full precision only)]
+
+    def mark(self, chunks: tuple[ChunkInfo, ...]) -> None:
+        """Buffers for the chunks these mark: made where missing, freed where no longer marked (a plan of another
+        signature, ChunkStore.set_homes)."""
+        marked = {c.id for c in chunks if c.undo}
+        for cid in [c for c in self.of if c not in marked]:
+            for t in self.of.pop(cid):
+                self.hostmem.free(t)
+        for c in chunks:
+            if c.undo and c.id not in self.of:
+                self.of[c.id] = [self.hostmem.zeros(s.numel, s.dtype, copied=False, key=s.key)
+                                 for s in undo_specs(c, self.precision, self.world, self.state)]
+
+    def keep(self, cid: int, states: torch.Tensor, params: torch.Tensor) -> None:
+        """Before chunk cid's update ahead of the commit: its states (and full-precision parameters) copied here."""
+        bufs = self.of[cid]
+        bufs[0].copy_(states)
+        if len(bufs) > 1:
+            bufs[1].copy_(params)
+
+    def put_back(self, chunks, states: list, params: list) -> None:
+        """After a step failed before its commit, once these chunks' updates are over (HostUpdates.settle): their
+        values as `keep` found them. states, params: the store's state buffers and parameter homes, by chunk."""
+        for cid in chunks:
+            bufs = self.of[cid]
+            states[cid].copy_(bufs[0])
+            if len(bufs) > 1:
+                params[cid].copy_(bufs[1])

@@ -1,0 +1,255 @@
+"""Atomic steps that update host-placed chunks before their commit, keeping the previous values in undo buffers.
+
+The CPU worker updates such a chunk (ChunkInfo.undo) right after backward is done with it, first copying its states
+(and in fp32 its parameters) into an undo buffer; a step that fails anywhere before its commit (an error, a failed
+update, Ctrl-C) puts them back and changes nothing. Checked: training is bit for bit the atomic step's without undo
+buffers (bf16 and fp32, at a tight budget that puts every state on the host); the graph puts the undo chunks' steps
+right after their chunk's last use; failures injected before the commit at every node from the first undo step on,
+a failure inside an update ahead of the commit and a Ctrl-C all leave every value as it was, and the step then trains
+on exactly as one that never failed; the verifier refuses undo where it is not allowed; the cost model chooses undo
+buffers within the host budget only; px.compile refuses bad `_undo_updates`.
+"""
+import dataclasses
+import signal
+import time
+
+import pytest
+import torch
+
+import pstar_fx as px
+from pstar_fx.ir import Role, StateHome
+from pstar_fx.ir.needs import all_needs, host_bytes, state_layout, undo_bytes
+from pstar_fx.passes import verify
+from pstar_fx.passes.verify import VerificationError
+from pstar_fx.runtime import step_runtime
+
+from harness import DEVICE, HYPER, eager_run, host_params, rel_err, small_batches, tight_budget
+from models import CASES_BY_NAME, assert_state_close
+
+pytestmark = pytest.mark.cuda
+
+CASE = small_batches(CASES_BY_NAME["gpt_tied"])
+ALL = 1000          # _undo_updates: more chunks than the case has: every chunk the CPU updates
+
+
+def _make(undo, precision="bf16", clip=None, atomic=True):
+    budget = tight_budget(CASE, 1024, 1.3)
+    return px.compile(CASE.build_model(), optimizer=px.AdamW(**HYPER), device_memory=budget, chunk_size=1024,
+                      precision=precision, device=DEVICE, max_grad_norm=clip, atomic=atomic, debug=True, fuse=False,
+                      _undo_updates=undo)(CASE.loss_fn)
+
+
+def _everything(step) -> dict:
+    step._compiler.store.flush()
+    out = {f"sd.{k}": v.clone() for k, v in step.state_dict().items()}
+    for i, s in step.optimizer.state_dict()["state"].items():
+        out.update({f"opt.{i}.{k}": v.clone() for k, v in s.items()})
+    return out
+
+
+def _assert_same(a: dict, b: dict, where: str) -> None:
+    assert a.keys() == b.keys(), where
+    for k, v in a.items():
+        assert torch.equal(v, b[k]), f"{where}: {k}"
+
+
+def _commit(g) -> int:
+    return next(i for i, n in enumerate(g.nodes) if g.ann[n.name].role is Role.COMMIT)
+
+
+def _steps(g):
+    return [(i, g.ann[n.name].chunk) for i, n in enumerate(g.nodes) if g.ann[n.name].role is Role.OPTIMIZER_STEP]
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_undo_updates_train_bit_for_bit_as_the_atomic_step(precision):
+    runs = {}
+    for undo in (0, ALL):
+        step = _make(undo, precision)
+        losses = torch.stack([step(*CASE.batch(i)) for i in range(3)])
+        runs[undo] = (losses, _everything(step), step.final_graph, step)
+    assert torch.equal(runs[0][0], runs[ALL][0])
+    _assert_same(runs[0][1], runs[ALL][1], "after three steps")
+    g = runs[ALL][2]
+    commit = _commit(g)
+    host = [c.id for c in g.chunks if c.state_home is StateHome.HOST]
+    assert len(host) >= 2 and sorted(c.id for c in g.chunks if c.undo) == sorted(host)
+    early = {c: i for i, c in _steps(g) if i < commit}
+    assert sorted(early) == sorted(host)              # every undo chunk's step before the commit, no other
+    nd = all_needs(g)
+    for c, i in early.items():      # right after the chunk's last use: nothing after it uses the chunk in this step
+        assert not any(k.chunk == c for x in nd[i + 1:] for k in x.resident), c
+    assert not any(c.undo for c in runs[0][2].chunks)
+    assert all(i > _commit(runs[0][2]) for i, _ in _steps(runs[0][2]))
+    assert "before the commit (undo buffers)" in str(runs[ALL][3].summary())
+
+
+def test_undo_updates_match_eager():
+    step = _make(ALL, "fp32")
+    losses = [step(*CASE.batch(i)).item() for i in range(3)]
+    assert step.last_step.measured_peak == step.final_graph.plan.predicted_peak
+    ref_losses, ref_sd = eager_run(CASE, 3, host_params=host_params(step))
+    assert rel_err(losses, ref_losses) <= 1e-6, (losses, ref_losses)
+    assert_state_close(step.state_dict(), ref_sd, rtol=1e-6)
+
+
+def _fail_at(step, i, error=RuntimeError("injected")):
+    def before(j, n):
+        if j == i:
+            raise error
+    step._before_node = before
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_a_failure_anywhere_before_the_commit_puts_the_updates_back(precision):
+    """From the first undo step to the commit (the commit itself: before it runs), a failure changes nothing, and
+    the step then trains on as one that never failed."""
+    step, ref = _make(ALL, precision), _make(ALL, precision)
+    step(*CASE.batch(0))
+    ref(*CASE.batch(0))
+    g = step.final_graph
+    first = min(i for i, _ in _steps(g))
+    commit = _commit(g)
+    assert first < commit
+    at = sorted({first, first + 1, (first + commit) // 2, commit - 1, commit})
+    for n, i in enumerate(at):
+        before = _everything(step)
+        _fail_at(step, i)
+        with pytest.raises(RuntimeError, match="injected"):
+            step(*CASE.batch(1 + n))
+        step._before_node = None
+        _assert_same(before, _everything(step), f"after a failure at node {i} of {len(g.nodes)}")
+        loss, ref_loss = step(*CASE.batch(1 + n)), ref(*CASE.batch(1 + n))
+        assert torch.equal(loss, ref_loss), i
+        _assert_same(_everything(ref), _everything(step), f"the step after a failure at node {i}")
+
+
+def test_a_failed_update_ahead_of_the_commit_fails_the_step_and_changes_nothing(monkeypatch):
+    """An update ahead of the commit that fails half-way (its states partly written) fails the step at the commit;
+    its values are put back, and the next step trains as if the failed one never ran."""
+    step, ref = _make(ALL), _make(ALL)
+    step(*CASE.batch(0))
+    ref(*CASE.batch(0))
+    g = step.final_graph
+    victim = next(c for i, c in _steps(g) if i < _commit(g))
+    store = step._compiler.store
+    real = step_runtime.host_update
+
+    def broken(cfg, param, grad, parts, **kw):
+        if kw.get("chunk") == victim:
+            parts["exp_avg"].add_(1.0)          # half-way: something written, then the failure
+            raise MemoryError("injected")
+        return real(cfg, param, grad, parts, **kw)
+
+    def wait_at_commit(i, n):             # the failed update is over when the device reaches the commit
+        if g.ann[n.name].role is Role.COMMIT:
+            deadline = time.monotonic() + 30
+            while store.updates is not None and store.updates.busy(victim) and time.monotonic() < deadline:
+                time.sleep(0.001)
+
+    before = _everything(step)
+    monkeypatch.setattr(step_runtime, "host_update", broken)
+    step._before_node = wait_at_commit
+    with pytest.raises(RuntimeError, match=f"update of chunk {victim}, run before the commit, failed"):
+        step(*CASE.batch(1))
+    monkeypatch.setattr(step_runtime, "host_update", real)
+    step._before_node = None
+    _assert_same(before, _everything(step), "after the failed update")
+    assert torch.equal(step(*CASE.batch(1)), ref(*CASE.batch(1)))
+    _assert_same(_everything(ref), _everything(step), "the step after the failed update")
+
+
+def test_ctrl_c_after_an_update_ahead_of_the_commit_undoes_the_step():
+    step, ref = _make(ALL), _make(ALL)
+    step(*CASE.batch(0))
+    ref(*CASE.batch(0))
+    g = step.final_graph
+    at = min(i for i, _ in _steps(g)) + 1
+    assert at < _commit(g)
+    before = _everything(step)
+    step._before_node = lambda i, n: signal.raise_signal(signal.SIGINT) if i == at else None
+    with pytest.raises(KeyboardInterrupt):
+        step(*CASE.batch(1))
+    step._before_node = None
+    _assert_same(before, _everything(step), "after Ctrl-C before the commit")
+    assert torch.equal(step(*CASE.batch(1)), ref(*CASE.batch(1)))
+
+
+def test_the_verifier_allows_undo_only_where_a_failure_can_be_put_back():
+    step = _make(ALL)
+    step.lower(*CASE.batch(0))
+    placed = step.graphs["optimizer_placed"]
+    verify(placed)
+    undo = next(c for c in placed.chunks if c.undo)
+    for settings, what in ((dataclasses.replace(placed.settings, max_grad_norm=1.0), "clipping"),
+                           (dataclasses.replace(placed.settings, atomic=False), "atomic=False")):
+        with pytest.raises(VerificationError, match="keeps an undo buffer"):
+            verify(placed.evolve(settings=settings))
+    chunks = list(placed.chunks)           # an undo chunk's states on the device: its step may not come early
+    chunks[undo.id] = dataclasses.replace(undo, state_home=StateHome.DEVICE)
+    with pytest.raises(VerificationError, match="keeps an undo buffer"):
+        verify(placed.evolve(chunks=tuple(chunks)))
+    chunks = list(placed.chunks)           # a step before the commit without an undo buffer
+    chunks[undo.id] = dataclasses.replace(undo, undo=False)
+    with pytest.raises(VerificationError, match="before the commit"):
+        verify(placed.evolve(chunks=tuple(chunks)))
+
+
+def test_undo_buffers_are_counted_in_host_memory_and_kept_within_its_budget():
+    step = _make(ALL)
+    step(*CASE.batch(0))
+    g = step.final_graph
+    st = g.settings
+    plain = g.evolve(chunks=tuple(dataclasses.replace(c, undo=False) for c in g.chunks))
+    extra = sum(undo_bytes(c, st.precision, st.world, state_layout(st)) for c in g.chunks if c.undo)
+    assert extra > 0 and host_bytes(g) == host_bytes(plain) + extra
+    made = step._compiler.store.undo.of
+    assert sum(t.numel() * t.element_size() for bufs in made.values() for t in bufs) == extra
+    # a host budget with room for the other host bytes and less than one undo buffer: the cost model keeps none
+    each = max(undo_bytes(c, st.precision, st.world, state_layout(st)) for c in g.chunks if c.undo)
+    tight = px.compile(CASE.build_model(), optimizer=px.AdamW(**HYPER), device_memory=st.budget, chunk_size=1024,
+                       precision="bf16", device=DEVICE, fuse=False,
+                       host_memory=host_bytes(plain) + each // 2)(CASE.loss_fn)
+    tight(*CASE.batch(0))
+    assert not any(c.undo for c in tight.final_graph.chunks)
+    assert any("no room for an undo buffer" in c.why for c in tight.final_graph.choices)
+
+
+@pytest.mark.parametrize("precision,clip,atomic", [("bf16", 1.0, True), ("bf16", None, False)])
+def test_undo_is_refused_where_the_commit_decides_or_updates_are_early_anyway(precision, clip, atomic):
+    with pytest.raises(ValueError, match="_undo_updates=1000: no chunk updates before the commit"):
+        _make(ALL, precision, clip, atomic)(*CASE.batch(0))
+    step = _make(None, precision, clip, atomic)
+    step(*CASE.batch(0))
+    assert not any(c.undo for c in step.final_graph.chunks)
+
+
+def test_bad_undo_updates_say_what_to_change():
+    for bad in (-1, 1.5, True, "all"):
+        with pytest.raises(ValueError, match="_undo_updates must be a number of chunks"):
+            px.compile(CASE.build_model(), optimizer=px.AdamW(**HYPER), device="cpu", _undo_updates=bad)
+
+
+def test_the_cost_model_chooses_undo_buffers_where_the_host_has_room():
+    """px.plan of a 510M GPT on the H200's rates at an 8 GiB budget (most states on the host): with 64 GiB of host
+    memory the cost model updates some of the CPU's chunks before the commit, estimating the step faster so; with
+    room for less than one undo buffer it updates none, and says why."""
+    from pstar_fx.models.gpt import GPT, GPTConfig, gpt_loss
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab=50304, seq=2048, layers=8, hidden=2048, heads=16))
+    tokens = ((4, 2048), torch.long)
+
+    def plan(host):
+        return px.plan(model, gpt_loss, tokens, tokens, machine="h200", gpus_per_node=1, host_memory=host,
+                       device_memory="8GiB", device="cpu")
+    roomy = plan("64GiB")
+    g = roomy.graph
+    assert roomy.states_undo > 0 and roomy.states_undo == sum(c.undo for c in g.chunks)
+    why = next(c.why for c in g.choices if "updated before the commit" in c.why)
+    kept, without = (float(x) for x in why.split("the step estimated ")[1].split(" s without")[0].split(" s against "))
+    assert kept < without and roomy.cost.seconds == pytest.approx(kept, rel=1e-3)
+    st = g.settings
+    each = [undo_bytes(c, st.precision, st.world, state_layout(st)) for c in g.chunks if c.undo]
+    tight = plan(roomy.host_bytes - sum(each) + min(each) // 2)
+    assert tight.states_undo == 0
+    assert any("no room for an undo buffer" in c.why for c in tight.graph.choices)
