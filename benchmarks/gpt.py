@@ -303,10 +303,10 @@ def run_pstar(cfg, args, device, batch, budget: str) -> dict:
     out = dict(n=n, warm=warm, times=times, h2d=st.h2d_bytes, d2h=st.d2h_bytes, compile_s=compile_s,
                cpu_worker_per_step=worker, per_step=steps_log, compile_parts=compile_parts,
                init_empty=args.init_empty, atomic=not args.no_atomic, host_threads=args.host_threads,
-               prefetch=args.prefetch, device_updates=args.device_updates,
+               prefetch=args.prefetch, device_updates=args.device_updates, undo_updates=args.undo_updates,
                predicted_peak=s.predicted_peak, measured_peak=st.measured_peak, chunks=s.chunks,
                states_on_device=f"{s.states_on_device}/{s.trainable_chunks}", states_on_disk=s.states_on_disk,
-               states_streamed=s.states_streamed,
+               states_streamed=s.states_streamed, states_undo=s.states_undo,
                nodes=s.nodes, fused=s.fused or None,
                budget=s.default_budget or fmt_bytes(s.budget), alloc_retries=st.alloc_retries,
                estimated_s=None if s.estimated_seconds is None else round(s.estimated_seconds, 3))
@@ -324,8 +324,10 @@ def prefetch_kw(args) -> dict:
 
 
 def device_updates_kw(args) -> dict:
-    """px.compile's private _device_updates from --device-updates K (the cost model chooses without it)."""
-    return {} if args.device_updates is None else dict(_device_updates=args.device_updates)
+    """px.compile's private _device_updates and _undo_updates from --device-updates K and --undo-updates K (the cost
+    model chooses without them)."""
+    kw = {} if args.device_updates is None else dict(_device_updates=args.device_updates)
+    return kw if args.undo_updates is None else dict(kw, _undo_updates=args.undo_updates)
 
 
 def watch(every: float) -> None:
@@ -516,6 +518,7 @@ def row(label, cfg, args, r) -> dict:
                    first_minus_steady_s=round(r["warm"][0] - med, 2),
                    predicted_peak=fmt_bytes(r["predicted_peak"]), measured_peak=fmt_bytes(r["measured_peak"]),
                    states_on_device=r["states_on_device"], states_streamed=r.get("states_streamed"),
+                   states_undo=r.get("states_undo"),
                    chunks=r["chunks"], nodes=r["nodes"],
                    cpu_worker_per_step=r.get("cpu_worker_per_step"), budget=r.get("budget"),
                    estimated_s=r.get("estimated_s"), alloc_retries=r.get("alloc_retries"),
@@ -545,6 +548,9 @@ def main():
     ap.add_argument("--device-updates", type=int, default=None, metavar="K",
                     help="pstar, atomic: stream the updates of K host-placed chunks to the device (px.compile's "
                          "private _device_updates, for measuring the cost model's choice); default: the model's")
+    ap.add_argument("--undo-updates", type=int, default=None, metavar="K",
+                    help="pstar, atomic: update K of the CPU's chunks before the commit with undo buffers (px.compile's "
+                         "private _undo_updates; 0: none); default: the model's")
     ap.add_argument("--host-threads", type=int, default=0,
                     help="pstar: intra-op threads of the CPU worker that runs host-side updates (default: pstar-fx's)")
     ap.add_argument("--fuse", action="store_true", help="pstar-fx fuse=True: the compute between chunk operations "
@@ -627,6 +633,8 @@ def main():
         passthrough += ["--prefetch", args.prefetch]
     if args.device_updates is not None:
         passthrough += ["--device-updates", str(args.device_updates)]
+    if args.undo_updates is not None:
+        passthrough += ["--undo-updates", str(args.undo_updates)]
     print(f"{cfg}, batch {args.batch} x {args.seq} tokens"
           f"{f' in {args.accumulate} micro-batches' if args.accumulate > 1 else ''}"
           f"{f', pstar-fx moments {args.state_dtype}' if args.state_dtype != 'fp32' else ''}, device {args.device}"

@@ -27,7 +27,8 @@ The model, in three parts.
      turn);
    - a host-side update waits for its gradient's write-back and for the copies reading its host buffers, and, unless
      it comes before the commit (atomic=False, or a chunk keeping an undo buffer, whose update first copies its
-     states there at `host_copy_bytes`), for the compute stream to reach the commit: with clipping or fp16
+     states there at `host_copy_bytes`, and which the executor's thread waits for at the commit), for the compute
+     stream to reach the commit: with clipping or fp16
      the commit decides something it needs (the clip coefficient, the overflow flag); in an atomic step the executor
      issues it only after the commit, and the model has the executor's thread, which in principle runs up to
      `launch_queue` kernels ahead, reach the commit when the device does. Measured on the H200: a profiled 17.26B
@@ -465,6 +466,7 @@ def _simulate(g: TrainGraph, m: Machine, node_s: list[float], background, steps:
     world = g.settings.world
     waits_commit = g.settings.commit_decides
     early = g.settings.early_updates
+    undo = [c.id for c in g.chunks if c.undo]      # updates ahead of the commit, which the executor waits for there
     ready: dict[BufKey, float] = {k: 0.0 for k, _ in (g.plan.carried if g.plan else ())}   # device contents
     home: dict[BufKey, float] = {}       # host home written (a write-back done)
     reading: dict[int, float] = {}       # the last copy that reads a chunk's host buffers done
@@ -540,6 +542,8 @@ def _simulate(g: TrainGraph, m: Machine, node_s: list[float], background, steps:
                 if g.settings.max_grad_norm is not None:   # the shard's norm: the compute stream waits for it
                     free[Lane.COMPUTE] = max(free[Lane.COMPUTE], ready[gkey])
             elif a.role is Role.COMMIT:
+                if undo:
+                    free[Lane.HOST] = max([free[Lane.HOST]] + [updated.get(c, 0.0) for c in undo])
                 t = sim._fixed(Lane.COMPUTE, compute_at, m.kernel_s)
                 if world > 1:
                     t = sim.collective(t, 8)
@@ -562,8 +566,8 @@ def _simulate(g: TrainGraph, m: Machine, node_s: list[float], background, steps:
                         *(home.get(BufKey(c.id, b), 0.0) for b in BufKind))
                 if waits_commit or not early:      # (atomic: from the device's commit on, see the docstring)
                     t = max(t, commit_at)          # (an undo chunk's step, before the commit: 0, no wait)
-                undo = undo_bytes(c, g.settings.precision, world, state_layout(g.settings)) if c.undo else 0
-                updated[c.id] = sim.cpu_update(t, shard_numel(c, world), undo)
+                copied = undo_bytes(c, g.settings.precision, world, state_layout(g.settings)) if c.undo else 0
+                updated[c.id] = sim.cpu_update(t, shard_numel(c, world), copied)
             elif a.role is Role.DISK_READ:
                 nbytes = state_bytes(c, g.settings.precision, world, state_layout(g.settings))
                 start = max(issue, slot_free.get(n.kwargs["slot"], 0.0))

@@ -165,8 +165,8 @@ def assign_chunks(g: TrainGraph, *, chunk_size: int | None = None,
                     "or set requires_grad=False on those that never train.")
         param_table = tuple(old[p.name] for p in all_params)
         # where each chunk updates is the placement's to decide for this graph (an evaluation graph updates none):
-        # a chunk the first step streamed is not streamed here until place_optimizer says so
-        chunks = [dataclasses.replace(c, grad_inplace=False, streamed=False) for c in chunk_table]
+        # a chunk the first step streamed, or updated before its commit, is not here until place_optimizer says so
+        chunks = [dataclasses.replace(c, grad_inplace=False, streamed=False, undo=False) for c in chunk_table]
 
     # 2. Gradients: write_grad right after the node that makes each one; the graph returns the loss and the aux.
     out = output_node(graph)

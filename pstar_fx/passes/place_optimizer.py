@@ -220,6 +220,8 @@ def _stream(g: TrainGraph, best: TrainGraph, best_scheduled: TrainGraph | None, 
                             streamed=[cid for cid in order if cid in streamed], undo=sorted(undo))
         return placed.evolve(chunks=homes)
 
+    if undo_reason is None and g.settings.device_updates is not None and g.settings.undo_updates is None:
+        undo_reason = "_device_updates sets the streamed chunks, and none is chosen beside them"
     if undo_reason is not None:
         chosen = choose_streamed(best, order, build, machine, program_s, (best, best_scheduled))
         return chosen.placed, chosen.scheduled, [chosen.why, f"no chunk updated before the commit: {undo_reason}"]
@@ -240,8 +242,10 @@ def _stream(g: TrainGraph, best: TrainGraph, best_scheduled: TrainGraph | None, 
         return plain.placed, plain.scheduled, [plain.why, f"no chunk updated before the commit: {why}"]
     kept = choose_streamed(best, [c for c in order if c not in undo], lambda k: build(k, undo), machine, program_s,
                            (build(0, undo), None))
+    layout = state_layout(g.settings)
+    held = sum(undo_bytes(best.chunks[c], g.settings.precision, g.settings.world, layout) for c in undo)
     what = (f"{u} of the CPU's {len(cpu)} chunks updated before the commit, right after backward is done with "
-            f"each, their previous values kept in undo buffers ({format_bytes(u * each)} of host memory) to put back "
+            f"each, their previous values kept in undo buffers ({format_bytes(held)} of host memory) to put back "
             "if the step fails before the commit")
     if plain is None:
         return kept.placed, kept.scheduled, [kept.why, f"{what}, as _undo_updates asks"]

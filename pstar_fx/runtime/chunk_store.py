@@ -468,6 +468,22 @@ class ChunkStore:
         if arriving is not None:
             self._arriving[key] = arriving
 
+    def settle(self, chunks) -> None:
+        """After a step failed before its commit: these chunks' updates ahead of it end, and so do the fetches that
+        hang on them (a copy issued is waited for, so its slot can be given back); their failures are the step's,
+        and nothing of them is left to raise."""
+        if self.updates is not None:
+            self.updates.settle(chunks)
+        for key in [k for k in self._arriving if k.chunk in chunks]:
+            arriving = self._arriving.pop(key)
+            if isinstance(arriving, Future):
+                try:
+                    arriving = arriving.result()
+                except BaseException:  # noqa: BLE001 - the update it hung on failed: no copy was issued
+                    continue
+            if isinstance(arriving, torch.cuda.Event):
+                arriving.synchronize()
+
     def before_host_write(self, chunk: int | None = None) -> None:
         """Before the CPU reads or writes chunk's host buffers (all chunks' when None): wait for the host->device
         copies still reading them and the device->host write-backs still writing them, and for nothing else."""

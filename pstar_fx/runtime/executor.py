@@ -203,14 +203,18 @@ class Executor:
         except BaseException as e:
             self.store.abandon_disk()   # reads in flight finish (into staging buffers only) before anything else
             undone = [] if rt.committed else list(rt.undoable)
-            if undone and self.store.updates is not None:
-                self.store.updates.settle(undone)     # updates ahead of the commit end (a failure is this step's)
-            self.store.reclaim()        # slots still being written back
-            # before the commit no parameter slot was written except by in-place gradients (mixed precision, whose
-            # host homes are rebuilt from the masters below): what goes home is what the step started from
-            self.store.evict_all()
-            self.store.recount()        # an allocation that failed half-way leaves no count behind
-            self.store.pool.trim(0)
+            if undone:
+                self.store.settle(undone)     # updates ahead of the commit end (a failure is this step's)
+            try:
+                self.store.reclaim()        # slots still being written back
+                # before the commit no parameter slot was written except by in-place gradients (mixed precision,
+                # whose host homes are rebuilt from the masters below): what goes home is what the step started from
+                self.store.evict_all()
+                self.store.recount()        # an allocation that failed half-way leaves no count behind
+                self.store.pool.trim(0)
+            finally:
+                if not (rt.committed or rt.stepped):
+                    self._put_back(undone, saved)
             if rt.committed or rt.stepped:        # (stepped before the commit: host-side steps with atomic=False)
                 raise CommitError(
                     f"pstar-fx: the step failed after {'its commit point' if rt.committed else 'its first update'} "
@@ -218,10 +222,6 @@ class Executor:
                     f"{len(rt.stepped)} of {sum(1 for r in self.roles if r is Role.OPTIMIZER_STEP)} chunks "
                     "begun (the last possibly unfinished); the compiled step's values are no longer consistent. "
                     "Load a checkpoint with step.load(path) to continue.") from e
-            self.store.undo.put_back(undone, self.store.states, self.store.host_param)
-            for name, value in saved.items():
-                self.store.buffers[name].copy_(value)
-            self.store.values.restore_params_from_masters()
             oom = out_of_memory(e)
             if oom is not None:
                 raise device_memory_error(self.nodes[self._at], oom, self.store) from e
@@ -236,6 +236,15 @@ class Executor:
                 except NotImplementedError:
                     self._generated = False      # an argument codegen cannot write: this graph is interpreted
         return outputs, peak
+
+    def _put_back(self, undone: list[int], saved: dict) -> None:
+        """After a step failed before its commit: the values of chunks updated ahead of it from their undo buffers,
+        the module buffers the step writes in place, and in mixed precision the half-precision parameters from the
+        masters."""
+        self.store.undo.put_back(undone, self.store.states, self.store.host_param)
+        for name, value in saved.items():
+            self.store.buffers[name].copy_(value)
+        self.store.values.restore_params_from_masters()
 
     def _run(self, inputs, scale, rt: Runtime, trace_peaks, before_node, interrupts) -> tuple[list, int]:
         env: list = [None] * len(self.nodes)

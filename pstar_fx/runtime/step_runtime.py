@@ -200,12 +200,15 @@ class Runtime:
             norms = [self.norms[i] for i in sorted(self.norms)]
             self._set_grad_norm(torch.linalg.vector_norm(torch.stack(norms)) if norms
                                 else torch.zeros((), device=self.store.device))
-        for chunk, done in self.undoable.items():     # an update ahead of the commit that failed fails the step
-            if done is not None and done.done() and done.exception() is not None:
+        # the updates ahead of the commit end before it (the plan has them end before the device gets here), and one
+        # that failed fails the step, which puts them all back
+        for chunk, done in self.undoable.items():
+            failed = None if done is None else done.exception()
+            if failed is not None:
                 raise RuntimeError(f"pstar-fx: the host-side update of chunk {chunk}, run before the commit, failed "
-                                   f"({type(done.exception()).__name__}: {done.exception()}); the step is undone"
-                                   ) from done.exception()
+                                   f"({type(failed).__name__}: {failed}); the step is undone") from failed
         self.committed = True
+        self.store.undo.committed(self.undoable)
         self.stepped.extend(self.undoable)   # from here on they are the step's updates like any other
 
     def _squared_sum(self) -> torch.Tensor:

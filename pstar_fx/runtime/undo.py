@@ -4,8 +4,9 @@ A chunk marked `ChunkInfo.undo` (chosen by place_optimizer where the host budget
 the step faster so) has its host-side update queued right after backward is done with it, not at the commit. Just
 before that update the CPU worker copies the chunk's state buffer (m, v, the step counter and in mixed precision the
 fp32 master), and in full precision its parameters, into buffers of its own here. If the step then fails before its
-commit (an error, an injected fault, Ctrl-C), the executor waits for those updates to end and copies the values
-back: the step changed nothing, as with every update after the commit. In mixed precision the half-precision
+commit (an error, an injected fault, Ctrl-C, or one of these updates failing: the commit waits for them all and
+fails the step if one did), the executor waits for those updates, and the fetches hanging on them, to end, and
+copies the values back: the step changed nothing, as with every update after the commit. In mixed precision the half-precision
 parameters are the masters rounded, and are made again from them as after any failed step. After the commit the
 copies are simply overwritten by the next step's.
 """
@@ -29,6 +30,7 @@ class UndoBuffers:
         self.world = world
         self.state = state
         self.of: dict[int, list[torch.Tensor]] = {}      # chunk -> [states, parameters (full precision only)]
+        self.kept: set[int] = set()     # chunks whose buffers hold this step's copy (`keep`), until its commit
 
     def mark(self, chunks: tuple[ChunkInfo, ...]) -> None:
         """Buffers for the chunks these mark: made where missing, freed where no longer marked (a plan of another
@@ -48,11 +50,20 @@ class UndoBuffers:
         bufs[0].copy_(states)
         if len(bufs) > 1:
             bufs[1].copy_(params)
+        self.kept.add(cid)
+
+    def committed(self, chunks) -> None:
+        """The step these chunks were updated in committed: their copies are nothing to put back any more."""
+        self.kept.difference_update(chunks)
 
     def put_back(self, chunks, states: list, params: list) -> None:
         """After a step failed before its commit, once these chunks' updates are over (HostUpdates.settle): their
-        values as `keep` found them. states, params: the store's state buffers and parameter homes, by chunk."""
+        values as `keep` found them (those whose copy `keep` made: an update that failed before it changed
+        nothing). states, params: the store's state buffers and parameter homes, by chunk."""
         for cid in chunks:
+            if cid not in self.kept:
+                continue
+            self.kept.discard(cid)
             bufs = self.of[cid]
             states[cid].copy_(bufs[0])
             if len(bufs) > 1:

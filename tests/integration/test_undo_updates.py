@@ -18,6 +18,7 @@ import torch
 
 import pstar_fx as px
 from pstar_fx.ir import Role, StateHome
+from pstar_fx.ir.graph import BufKind
 from pstar_fx.ir.needs import all_needs, host_bytes, state_layout, undo_bytes
 from pstar_fx.passes import verify
 from pstar_fx.passes.verify import VerificationError
@@ -124,55 +125,96 @@ def test_a_failure_anywhere_before_the_commit_puts_the_updates_back(precision):
         _assert_same(_everything(ref), _everything(step), f"the step after a failure at node {i}")
 
 
-def test_a_failed_update_ahead_of_the_commit_fails_the_step_and_changes_nothing(monkeypatch):
-    """An update ahead of the commit that fails half-way (its states partly written) fails the step at the commit;
-    its values are put back, and the next step trains as if the failed one never ran."""
+def _fetched_before_the_commit(g) -> list[int]:
+    """The undo chunks whose parameters the schedule fetches again between their step and the commit (on one rank
+    such a fetch hangs on the chunk's pending update)."""
+    commit = _commit(g)
+    out = []
+    for i, c in _steps(g):
+        if i < commit and any(g.ann[n.name].role is Role.FETCH and g.ann[n.name].chunk == c
+                              and g.ann[n.name].buf is BufKind.PARAM for n in g.nodes[i + 1:commit]):
+            out.append(c)
+    return out
+
+
+@pytest.mark.parametrize("which", ["first", "fetched"])
+def test_a_failed_update_ahead_of_the_commit_fails_the_step_and_changes_nothing(monkeypatch, which):
+    """An update ahead of the commit that fails half-way (its states partly written, after a while, so that the
+    executor has gone on: to the commit, which waits for it, and for "fetched" to a fetch of the chunk's parameters
+    hanging on it) fails the step at the commit; every value is put back, nothing is left to raise later, and the
+    next step trains as if the failed one never ran."""
     step, ref = _make(ALL), _make(ALL)
     step(*CASE.batch(0))
     ref(*CASE.batch(0))
     g = step.final_graph
-    victim = next(c for i, c in _steps(g) if i < _commit(g))
-    store = step._compiler.store
+    fetched = _fetched_before_the_commit(g)
+    assert fetched, "the tight budget fetches some undo chunk's parameters before the commit"
+    victim = next(c for i, c in _steps(g) if i < _commit(g)) if which == "first" else fetched[0]
     real = step_runtime.host_update
 
     def broken(cfg, param, grad, parts, **kw):
         if kw.get("chunk") == victim:
+            time.sleep(0.3)
             parts["exp_avg"].add_(1.0)          # half-way: something written, then the failure
             raise MemoryError("injected")
         return real(cfg, param, grad, parts, **kw)
 
-    def wait_at_commit(i, n):             # the failed update is over when the device reaches the commit
-        if g.ann[n.name].role is Role.COMMIT:
-            deadline = time.monotonic() + 30
-            while store.updates is not None and store.updates.busy(victim) and time.monotonic() < deadline:
-                time.sleep(0.001)
-
     before = _everything(step)
     monkeypatch.setattr(step_runtime, "host_update", broken)
-    step._before_node = wait_at_commit
     with pytest.raises(RuntimeError, match=f"update of chunk {victim}, run before the commit, failed"):
         step(*CASE.batch(1))
     monkeypatch.setattr(step_runtime, "host_update", real)
-    step._before_node = None
     _assert_same(before, _everything(step), "after the failed update")
     assert torch.equal(step(*CASE.batch(1)), ref(*CASE.batch(1)))
     _assert_same(_everything(ref), _everything(step), "the step after the failed update")
 
 
+def test_an_update_that_fails_before_its_copy_is_not_put_back_from_an_old_one(monkeypatch):
+    """An update ahead of the commit that fails before it copied the chunk's values (its undo buffer still holds the
+    previous step's copy) changed nothing, and the rollback leaves the chunk as it is."""
+    step = _make(ALL)
+    for i in range(2):
+        step(*CASE.batch(i))
+    g = step.final_graph
+    victim = next(c for i, c in _steps(g) if i < _commit(g))
+    undo = step._compiler.store.undo
+    real = type(undo).keep
+
+    def keep(self, cid, states, params):
+        if cid == victim:
+            raise MemoryError("injected before the copy")
+        return real(self, cid, states, params)
+
+    before = _everything(step)
+    monkeypatch.setattr(type(undo), "keep", keep)
+    with pytest.raises(RuntimeError, match="injected before the copy"):
+        step(*CASE.batch(2))
+    monkeypatch.setattr(type(undo), "keep", real)
+    _assert_same(before, _everything(step), "after an update that failed before its copy")
+
+
 def test_ctrl_c_after_an_update_ahead_of_the_commit_undoes_the_step():
+    """A Ctrl-C between the first undo update and the commit (sent before a node, delivered at the next one's
+    check) undoes the step; one sent from the commit on is held until the step is complete (it counts as done)."""
     step, ref = _make(ALL), _make(ALL)
     step(*CASE.batch(0))
     ref(*CASE.batch(0))
     g = step.final_graph
-    at = min(i for i, _ in _steps(g)) + 1
-    assert at < _commit(g)
-    before = _everything(step)
-    step._before_node = lambda i, n: signal.raise_signal(signal.SIGINT) if i == at else None
+    first, commit = min(i for i, _ in _steps(g)), _commit(g)
+    for n, at in enumerate(sorted({first, (first + commit) // 2, commit - 1})):
+        before = _everything(step)
+        step._before_node = lambda i, node, at=at: signal.raise_signal(signal.SIGINT) if i == at else None
+        with pytest.raises(KeyboardInterrupt):
+            step(*CASE.batch(1 + n))
+        step._before_node = None
+        _assert_same(before, _everything(step), f"after Ctrl-C at node {at}, before the commit")
+        assert torch.equal(step(*CASE.batch(1 + n)), ref(*CASE.batch(1 + n)))
+    step._before_node = lambda i, node: signal.raise_signal(signal.SIGINT) if i == commit else None
     with pytest.raises(KeyboardInterrupt):
-        step(*CASE.batch(1))
+        step(*CASE.batch(9))
     step._before_node = None
-    _assert_same(before, _everything(step), "after Ctrl-C before the commit")
-    assert torch.equal(step(*CASE.batch(1)), ref(*CASE.batch(1)))
+    ref(*CASE.batch(9))
+    _assert_same(_everything(ref), _everything(step), "after Ctrl-C past the commit (the step completes)")
 
 
 def test_the_verifier_allows_undo_only_where_a_failure_can_be_put_back():
