@@ -228,22 +228,25 @@ def _stream(g: TrainGraph, best: TrainGraph, best_scheduled: TrainGraph | None, 
     if best_scheduled is None:
         best_scheduled = schedule(best)
     cpu = [cid for _, cid in steps]
-    room, each = undo_room(best_scheduled, cpu)
+    layout = state_layout(g.settings)
+    size = {c: undo_bytes(best.chunks[c], g.settings.precision, g.settings.world, layout) for c in cpu}
+    room = undo_room(best_scheduled)
     forced = g.settings.undo_updates
-    undo = _undo_fit(best, cpu, room, machine, program_s) if forced is None else cpu[len(cpu) - min(forced, len(cpu)):]
+    undo = _undo_fit(best, cpu, size, room, machine, program_s) if forced is None else \
+        cpu[len(cpu) - min(forced, len(cpu)):]
     u = len(undo)
     plain = None
     if forced is None or not u:
         plain = choose_streamed(best, order, build, machine, program_s, (best, best_scheduled))
     if not u:
         why = ("_undo_updates=0" if forced == 0 else
-               f"the host budget has no room for an undo buffer ({format_bytes(each)} each)" if not room else
+               f"the host budget has {format_bytes(room)} spare, less than an undo buffer "
+               f"({format_bytes(min(size.values()))} for the smallest chunk)" if room < min(size.values()) else
                "the CPU could update none of them, undo copy included, before the device reaches the commit")
         return plain.placed, plain.scheduled, [plain.why, f"no chunk updated before the commit: {why}"]
     kept = choose_streamed(best, [c for c in order if c not in undo], lambda k: build(k, undo), machine, program_s,
                            (build(0, undo), None))
-    layout = state_layout(g.settings)
-    held = sum(undo_bytes(best.chunks[c], g.settings.precision, g.settings.world, layout) for c in undo)
+    held = sum(size[c] for c in undo)
     what = (f"{u} of the CPU's {len(cpu)} chunks updated before the commit, right after backward is done with "
             f"each, their previous values kept in undo buffers ({format_bytes(held)} of host memory) to put back "
             "if the step fails before the commit")
@@ -253,20 +256,21 @@ def _stream(g: TrainGraph, best: TrainGraph, best_scheduled: TrainGraph | None, 
     if kept.seconds < plain.seconds:
         return kept.placed, kept.scheduled, [kept.why, (
             f"{what}: those of the last in the CPU's order (the next forward needs them last) the CPU can update, "
-            f"undo copies included, before the device reaches the commit, up to the {room} the host budget has room "
-            f"for; the step estimated {kept.seconds:.4g} s against {plain.seconds:.4g} s without")]
+            f"undo copies included, before the device reaches the commit, within the {format_bytes(room)} the host "
+            f"budget has spare; the step estimated {kept.seconds:.4g} s against {plain.seconds:.4g} s without")]
     return plain.placed, plain.scheduled, [plain.why, (
         f"no chunk updated before the commit: with {u} undo buffers (as many as the CPU could update before the "
-        f"device reaches the commit, within the host budget's room for {room}) the step is estimated "
+        f"device reaches the commit, within the {format_bytes(room)} the host budget has spare) the step is estimated "
         f"{kept.seconds:.4g} s against {plain.seconds:.4g} s without")]
 
 
-def _undo_fit(g: TrainGraph, cpu: list[int], room: int, machine: Machine, program_s) -> list[int]:
-    """Up to `room` of the CPU's chunks (`cpu`, in its order) whose updates, undo copies included, the CPU worker
-    can do before the device reaches the commit, taken from the end of the CPU's order (the next forward needs
-    them last; backward is done with them first), each from the end of its chunk's last use (program_s: the cost
-    model's node times by name) at the rate beside backward and under copies (the gradients' write-backs); a chunk
-    that would end past the commit is passed over."""
+def _undo_fit(g: TrainGraph, cpu: list[int], size: dict[int, int], room: int, machine: Machine, program_s
+              ) -> list[int]:
+    """Those of the CPU's chunks (`cpu`, in its order) whose updates, undo copies included, the CPU worker can do
+    before the device reaches the commit, their undo buffers (`size`: bytes by chunk) within `room` bytes, taken
+    from the end of the CPU's order (the next forward needs them last; backward is done with them first), each from
+    the end of its chunk's last use (program_s: the cost model's node times by name) at the rate beside backward and
+    under copies (the gradients' write-backs); a chunk that would end past the commit, or not fit, is passed over."""
     st = g.settings
     nodes = g.nodes
     at, t = [], 0.0
@@ -277,19 +281,18 @@ def _undo_fit(g: TrainGraph, cpu: list[int], room: int, machine: Machine, progra
     last = _last_use(all_needs(g))
     release = {cid: at[last[cid]] if cid in last else 0.0 for cid in cpu}
     rate = cpu_update_rate(st, machine, beside_backward=True)
-    layout = state_layout(st)
-    seconds = {cid: (shard_numel(g.chunks[cid], st.world) / rate + undo_bytes(g.chunks[cid], st.precision, st.world,
-                                                                               layout) / machine.host_copy_bytes)
+    seconds = {cid: (shard_numel(g.chunks[cid], st.world) / rate + size[cid] / machine.host_copy_bytes)
                / machine.cpu_adam_under_copies for cid in cpu}
     chosen: list[int] = []
     for cid in reversed(cpu):
-        if len(chosen) == room:
-            break
+        if size[cid] > room:
+            continue
         clock = 0.0
         for c in sorted(chosen + [cid], key=lambda c: (release[c], c)):
             clock = max(clock, release[c]) + seconds[c]
         if clock <= commit:
             chosen.append(cid)
+            room -= size[cid]
     return chosen
 
 

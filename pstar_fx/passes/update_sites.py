@@ -29,7 +29,7 @@ from typing import Callable, NamedTuple
 from ..cost import Machine, cpu_update_rate, estimate
 from ..errors import BudgetError
 from ..ir.graph import Settings, TrainGraph
-from ..ir.needs import host_bytes, shard_numel, state_bytes, state_layout, undo_bytes
+from ..ir.needs import host_bytes, shard_numel, state_bytes, state_layout
 from .schedule import schedule
 
 
@@ -58,16 +58,11 @@ def no_undo_reason(settings: Settings) -> str | None:
     return None
 
 
-def undo_room(scheduled: TrainGraph, cpu: list[int]) -> tuple[int, int]:
-    """How many of the CPU's chunks (`cpu`) could keep an undo buffer within the host budget beside what `scheduled`
-    (a schedule without undo buffers) keeps in host memory, and the bytes of each (the largest chunk's)."""
+def undo_room(scheduled: TrainGraph) -> int:
+    """The host bytes the host budget has spare beside what `scheduled` (a schedule without undo buffers, nothing
+    streamed: the most host bytes any of its streamed choices keeps) keeps in host memory: room for undo buffers."""
     st = scheduled.settings
-    layout = state_layout(st)
-    each = max((undo_bytes(scheduled.chunks[c], st.precision, st.world, layout) for c in cpu), default=0)
-    if not each or st.host_budget is None:
-        return 0, each
-    spare = st.host_budget - host_bytes(scheduled)
-    return max(0, min(len(cpu), spare // each)), each
+    return 0 if st.host_budget is None else max(0, st.host_budget - host_bytes(scheduled))
 
 
 def candidates(n: int, cpu_s: float, copy_s: float) -> list[int]:
