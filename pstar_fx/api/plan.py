@@ -349,21 +349,22 @@ def plan(model: nn.Module, loss_fn, *batch, world_size: int = 1, device_memory=N
     `pstar_fx.cost.Machine` (rates and sizes), a preset's name ("h200", "h100": `pstar_fx.cost.preset`), or None
     (the H200's rates, no sizes). precision: "bf16" by default, px.compile's default on a GPU (on the CPU px.compile
     defaults to "fp32": pass it to plan a CPU run). device_memory: bytes or a string ("80GB") per GPU (default: the
-    machine's GPU less
-    what px.compile's default budget leaves beside the plan, `device_headroom`; unlimited when the machine gives no
-    size); host_memory: per node (default: the machine's; None: not checked); gpus_per_node: ranks sharing a node's
-    host memory and NVLink (default: the machine's, at most world_size). optimizer: px.AdamW(...) (or any px
-    optimizer) when its parameter groups or its states' bytes matter (default: AdamW's states, one group of every
-    parameter). tokens: per rank per step (default: the first integer batch tensor's elements). device: the device
-    type the step is traced for (default: "cuda" when torch sees one, else "cpu": a CPU-only torch cannot trace for
-    CUDA, and the CPU trace differs only in the attention kernel's name and in autocast's op lists, which keep the
-    same memory for transformers). atomic: as px.compile's. disk_memory: bytes of a disk tier per GPU (px.compile's
-    offload_dir): with host_memory, the optimizer states that do not fit a GPU's share of it (host_memory over the
-    GPUs of a node) are planned on disk, each GPU's shard of them in its own files; the report gives the disk bytes
-    per GPU and per node. fuse: as px.compile's fuse=True, the compute between chunk operations grouped into
-    regions (the fuse pass; nothing is compiled) and the step estimated with them (cost.region_seconds); None, as
-    px.compile's default on a GPU: for bf16 and fp16 on one GPU the regions kept only where the step is estimated no
-    slower with them (passes.fuse_if_faster; the report's `why` says which), else unfused."""
+    machine's GPU less what px.compile's default budget leaves beside the plan, `device_headroom`; unlimited when
+    the machine gives no size); host_memory: per node (default: the machine's; None: not checked), which also bounds
+    the undo buffers of an atomic step's updates ahead of its commit, as px.compile(..., host_memory=...)'s does;
+    gpus_per_node: ranks sharing a node's host memory and NVLink (default: the machine's, at most world_size).
+    optimizer: px.AdamW(...) (or any px optimizer) when its parameter groups or its states' bytes matter (default:
+    AdamW's states, one group of every parameter). tokens: per rank per step (default: the first integer batch
+    tensor's elements). device: the device type the step is traced for (default: "cuda" when torch sees one, else
+    "cpu": a CPU-only torch cannot trace for CUDA, and the CPU trace differs only in the attention kernel's name and
+    in autocast's op lists, which keep the same memory for transformers). atomic: as px.compile's. disk_memory:
+    bytes of a disk tier per GPU (px.compile's offload_dir): with host_memory, the optimizer states that do not fit
+    a GPU's share of it (host_memory over the GPUs of a node) are planned on disk, each GPU's shard of them in its
+    own files; the report gives the disk bytes per GPU and per node. fuse: as px.compile's fuse=True, the compute
+    between chunk operations grouped into regions (the fuse pass; nothing is compiled) and the step estimated with
+    them (cost.region_seconds); None, as px.compile's default on a GPU: for bf16 and fp16 on one GPU the regions
+    kept only where the step is estimated no slower with them (passes.fuse_if_faster; the report's `why` says
+    which), else unfused."""
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size must be a number of GPUs >= 1, got {world_size!r}")
     if fuse is not None and not isinstance(fuse, bool):

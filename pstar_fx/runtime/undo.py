@@ -6,9 +6,9 @@ before that update the CPU worker copies the chunk's state buffer (m, v, the ste
 fp32 master), and in full precision its parameters, into buffers of its own here. If the step then fails before its
 commit (an error, an injected fault, Ctrl-C, or one of these updates failing: the commit waits for them all and
 fails the step if one did), the executor waits for those updates, and the fetches hanging on them, to end, and
-copies the values back: the step changed nothing, as with every update after the commit. In mixed precision the half-precision
-parameters are the masters rounded, and are made again from them as after any failed step. After the commit the
-copies are simply overwritten by the next step's.
+copies the values back (of the chunks whose copy was made): the step changed nothing, as with every update after the
+commit. In mixed precision the half-precision parameters are the masters rounded, and are made again from them as
+after any failed step. After the commit the copies are simply overwritten by the next step's.
 """
 from __future__ import annotations
 

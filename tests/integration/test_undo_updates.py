@@ -21,6 +21,7 @@ from pstar_fx.ir import Role, StateHome
 from pstar_fx.ir.graph import BufKind
 from pstar_fx.ir.needs import all_needs, host_bytes, state_layout, undo_bytes
 from pstar_fx.passes import verify
+from pstar_fx.passes.update_sites import undo_room
 from pstar_fx.passes.verify import VerificationError
 from pstar_fx.runtime import step_runtime
 
@@ -272,3 +273,17 @@ def test_the_cost_model_chooses_undo_buffers_where_the_host_has_room():
     tight = plan(roomy.host_bytes - sum(each) + min(each) // 2)     # room for at most the smaller buffer
     assert tight.states_undo == 0 and tight.host_bytes <= tight.host_memory
     assert any(c.why.startswith("no chunk updated before the commit: ") for c in tight.graph.choices)
+
+
+def test_the_default_host_budget_keeps_a_tenth_free_of_undo_buffers():
+    """With host_memory=None (the host's memory less a tenth, a guess) undo buffers also leave a tenth of that
+    budget free; a host_memory given is theirs to the byte."""
+    step = _make(0)
+    step(*CASE.batch(0))
+    g = step.final_graph
+    plain = g.evolve(chunks=tuple(dataclasses.replace(c, undo=False, streamed=False) for c in g.chunks))
+    budget = host_bytes(plain) + (64 << 20)
+    given = plain.evolve(settings=dataclasses.replace(g.settings, host_budget=budget, host_default=False))
+    default = plain.evolve(settings=dataclasses.replace(g.settings, host_budget=budget, host_default=True))
+    assert undo_room(given) == 64 << 20
+    assert undo_room(default) == max(0, (64 << 20) - budget // 10)
