@@ -124,6 +124,14 @@ stage() {
       gpt17 gpt17b_free --no-atomic
       gpt17 gpt17b_atomic
       gpt17 gpt17b_default_budget --no-atomic --budgets none ;;
+    undo)         # the 17.26B GPT atomic at the default budget: undo buffers (updates before the commit) as the cost
+                  # model chooses them with host_memory given (the default leaves none on the H200 machine's host),
+                  # against none; then the 4.24B GPT at 40 GiB (room by default) with and without
+      gpt17 gpt17b_undo --budgets none --host-memory 113GiB
+      gpt17 gpt17b_no_undo --budgets none --host-memory 113GiB --undo-updates 0
+      gpt gpt4b_undo 200 --layers 20 --hidden 4096 --heads 32 --batch 4 --systems pstar --budgets 40GiB
+      gpt gpt4b_no_undo 200 --layers 20 --hidden 4096 --heads 32 --batch 4 --systems pstar --budgets 40GiB \
+          --undo-updates 0 ;;
     defaults)     # device_memory=None: the 17.26B GPT atomic under expandable segments and under torch's default
                   # segments, then transformers' Llama-2-13B shape (40 x 5120, 13824, vocab 32000, 4 x 2048 tokens)
       gpt17 gpt17b_default --budgets none --watch 5
