@@ -480,7 +480,7 @@ def _simulate(g: TrainGraph, m: Machine, node_s: list[float], background, steps:
     for step in range(steps):
         sim.step = step
         reduced.clear()
-        commit_at = 0.0
+        commit_at = waited = 0.0
         for i, n in enumerate(nodes):
             a = g.ann[n.name]
             program = a.role in _PROGRAM
@@ -542,8 +542,9 @@ def _simulate(g: TrainGraph, m: Machine, node_s: list[float], background, steps:
                 if g.settings.max_grad_norm is not None:   # the shard's norm: the compute stream waits for it
                     free[Lane.COMPUTE] = max(free[Lane.COMPUTE], ready[gkey])
             elif a.role is Role.COMMIT:
-                if undo:
-                    free[Lane.HOST] = max([free[Lane.HOST]] + [updated.get(c, 0.0) for c in undo])
+                if undo:       # the executor's thread waits there, and the step returns after it (the commit's wait)
+                    waited = max(updated.get(c, 0.0) for c in undo)
+                    free[Lane.HOST] = max(free[Lane.HOST], waited)
                 t = sim._fixed(Lane.COMPUTE, compute_at, m.kernel_s)
                 if world > 1:
                     t = sim.collective(t, 8)
@@ -577,7 +578,8 @@ def _simulate(g: TrainGraph, m: Machine, node_s: list[float], background, steps:
                 slot_free[n.kwargs["slot"]] = sim._fixed(Lane.DISK, max(issue, updated.get(c.id, 0.0)),
                                                          nbytes / m.disk_write_bytes)
             elif a.role is Role.OUTPUT:
-                end = max([free[Lane.COMPUTE]] + list(slot_free.values()))   # the step waits for its disk writes
+                # the step waits for its disk writes, and for its updates ahead of the commit
+                end = max([free[Lane.COMPUTE], waited] + list(slot_free.values()))
                 if world > 1:                                   # the loss, averaged over the ranks
                     end = sim.collective(end, 4)
                 free[Lane.HOST] = max(free[Lane.HOST], end)      # the caller reads the loss

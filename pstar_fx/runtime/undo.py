@@ -30,19 +30,26 @@ class UndoBuffers:
         self.world = world
         self.state = state
         self.of: dict[int, list[torch.Tensor]] = {}      # chunk -> [states, parameters (full precision only)]
+        # buffers of chunks a later plan no longer marks, by their sizes: the next chunk of those sizes a plan marks
+        # takes them (plans of several batch signatures alternate; their undo sets differ)
+        self.spare: dict[tuple, list[list[torch.Tensor]]] = {}
         self.kept: set[int] = set()     # chunks whose buffers hold this step's copy (`keep`), until its commit
 
     def mark(self, chunks: tuple[ChunkInfo, ...]) -> None:
-        """Buffers for the chunks these mark: made where missing, freed where no longer marked (a plan of another
-        signature, ChunkStore.set_homes)."""
+        """Buffers for the chunks these mark (the plan a step runs, ChunkStore.set_homes): a chunk that has them
+        keeps them, one that has none takes a spare set of its sizes, or a new one; those of chunks no longer marked
+        become spare. None is freed: the store's undo memory is the most any of its plans marked, made once, never
+        allocated and zeroed again as signatures alternate."""
         marked = {c.id for c in chunks if c.undo}
         for cid in [c for c in self.of if c not in marked]:
-            for t in self.of.pop(cid):
-                self.hostmem.free(t)
+            bufs = self.of.pop(cid)
+            self.spare.setdefault(_sizes(bufs), []).append(bufs)
         for c in chunks:
             if c.undo and c.id not in self.of:
-                self.of[c.id] = [self.hostmem.zeros(s.numel, s.dtype, copied=False, key=s.key)
-                                 for s in undo_specs(c, self.precision, self.world, self.state)]
+                specs = undo_specs(c, self.precision, self.world, self.state)
+                spare = self.spare.get(tuple((s.numel, s.dtype) for s in specs))
+                self.of[c.id] = spare.pop() if spare else [
+                    self.hostmem.zeros(s.numel, s.dtype, copied=False, key=s.key) for s in specs]
 
     def keep(self, cid: int, states: torch.Tensor, params: torch.Tensor) -> None:
         """Before chunk cid's update ahead of the commit: its states (and full-precision parameters) copied here."""
@@ -68,3 +75,7 @@ class UndoBuffers:
             states[cid].copy_(bufs[0])
             if len(bufs) > 1:
                 params[cid].copy_(bufs[1])
+
+
+def _sizes(bufs: list[torch.Tensor]) -> tuple:
+    return tuple((t.numel(), t.dtype) for t in bufs)

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import pstar_fx as px
+from pstar_fx import cost
 from pstar_fx.ir import Role, StateHome
 from pstar_fx.ir.graph import BufKind
 from pstar_fx.ir.needs import all_needs, host_bytes, state_layout, undo_bytes
@@ -287,3 +288,51 @@ def test_the_default_host_budget_keeps_a_tenth_free_of_undo_buffers():
     default = plain.evolve(settings=dataclasses.replace(g.settings, host_budget=budget, host_default=True))
     assert undo_room(given) == 64 << 20
     assert undo_room(default) == max(0, (64 << 20) - budget // 10)
+
+
+def test_batch_signatures_with_other_undo_sets_share_the_buffers_and_stay_exact():
+    """Two batch shapes planned with different undo sets (3 and 1 chunks) alternate on one store: the second plan
+    does not inherit the first's undo flags (it verifies), the buffers made for the first serve both (nothing is
+    allocated again as they alternate), training equals a reference run step for step, and a failure before the
+    second plan's commit puts everything back."""
+    a = CASE
+    b = dataclasses.replace(a, make_batch=lambda step, gen: tuple(t[:, :6] for t in a.make_batch(step, gen)))
+    step, ref = _make(3), _make(3)
+    for s in (step, ref):
+        s(*a.batch(0))
+        s._compiler.settings = dataclasses.replace(s._compiler.settings, undo_updates=1)   # the next plan's
+        s(*b.batch(1))
+    store = step._compiler.store
+    assert sum(c.undo for c in step.final_graph.chunks) == 1
+    owned = {t.data_ptr() for bufs in [*store.undo.of.values(), *(x for v in store.undo.spare.values() for x in v)]
+             for t in bufs}
+    for i, case in enumerate([a, b, a, b], start=2):
+        step(*case.batch(i))
+        ref(*case.batch(i))
+        assert_values_equal(step_values(ref), step_values(step), f"step {i}")
+    now = {t.data_ptr() for bufs in [*store.undo.of.values(), *(x for v in store.undo.spare.values() for x in v)]
+           for t in bufs}
+    assert now == owned
+    before = step_values(step)
+    _fail_at(step, _commit(step.final_graph))        # the last step ran b's plan
+    with pytest.raises(RuntimeError, match="injected"):
+        step(*b.batch(9))
+    step._before_node = None
+    assert_values_equal(before, step_values(step), "after a failure before the second plan's commit")
+
+
+def test_the_cost_model_has_the_commit_wait_for_the_updates_ahead_of_it():
+    """On a machine whose CPU is slow, the executor's thread waits at the commit for the undo chunks' updates, and the
+    step returns after them: the estimated first step (each update from its chunk's last use in backward on) lasts at
+    least their chain on the CPU, and so does every later one."""
+    step = _make(ALL)
+    step(*CASE.batch(0))
+    g = step.final_graph
+    st = g.settings
+    slow = dataclasses.replace(cost.H200, cpu_adam_mixed=cost.H200.cpu_adam_mixed / 1e5,
+                               host_copy_bytes=cost.H200.host_copy_bytes / 1e5)
+    rate = cost.cpu_update_rate(st, slow, beside_backward=True)
+    chain = sum(c.capacity / rate + undo_bytes(c, st.precision, st.world, state_layout(st)) / slow.host_copy_bytes
+                for c in g.chunks if c.undo)
+    est = cost.estimate(g, slow)
+    assert est.first_seconds >= chain and est.seconds >= chain
