@@ -425,13 +425,13 @@ class _Sim:
             return r * (m.duplex_cpu_bytes / m.duplex_bytes) if busy[Lane.CPU] else r
         return self._run(lane, start, nbytes, rate, (other, Lane.CPU))
 
-    def cpu_update(self, start: float, params: int, undo: int = 0) -> float:
-        """A host-side update of `params` elements from `start`; with `undo`, the bytes it first copies into its
+    def cpu_update(self, start: float, params: int, copied: int = 0) -> float:
+        """A host-side update of `params` elements from `start`; with `copied`, the bytes it first copies into its
         undo buffer (a chunk updated before the commit, during backward). Its end."""
         m = self.m
-        alone = cpu_update_rate(self.g.settings, m, beside_backward=True if undo else None)
+        alone = cpu_update_rate(self.g.settings, m, beside_backward=True if copied else None)
         # the copy, counted in elements of update at the update's rate: both slow alike under copies
-        work = params + undo / m.host_copy_bytes * alone
+        work = params + copied / m.host_copy_bytes * alone
 
         def rate(busy):
             return alone * (m.cpu_adam_under_copies if busy[Lane.H2D] or busy[Lane.D2H] else 1.0)

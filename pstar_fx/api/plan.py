@@ -274,8 +274,8 @@ def host_bytes(g: TrainGraph) -> tuple[int, int]:
     Parameter homes (its shard of each chunk whose home is on the host, not cast from a device master), gradient
     homes of the buffers the plan writes back (a shard after the reduce-scatter, the whole chunk before it),
     optimizer states placed on the host, undo buffers, and in mixed precision the frozen parameters at full
-    precision. At set-up
-    each chunk's states start where the plan puts them (gradient homes come later, at the first write-back)."""
+    precision. At set-up each chunk's states start where the plan puts them (gradient homes come later, at the first
+    write-back)."""
     w, prec = g.settings.world, g.settings.precision
     params = sum(shard_numel(c, w) * c.dtype.itemsize for c in g.chunks if c.param_home is ParamHome.HOST)
     grads: set[tuple[int, bool]] = set()     # (chunk, whole)
