@@ -336,3 +336,34 @@ def test_the_cost_model_has_the_commit_wait_for_the_updates_ahead_of_it():
                 for c in g.chunks if c.undo)
     est = cost.estimate(g, slow)
     assert est.first_seconds >= chain and est.seconds >= chain
+
+
+@pytest.mark.parametrize("state_dtype", ["bf16", "int8"])
+def test_undo_buffers_keep_compressed_states_exactly(state_dtype):
+    """Compressed moments (their state buffers hold bf16 or int8 bits, compared here as raw bytes): with every
+    host-placed chunk updated ahead of the commit, training is bit for bit the atomic step's without undo buffers,
+    and a failure at the commit (after every such update) puts the raw states back."""
+    def make(undo):
+        budget = tight_budget(CASE, 1024, 1.3)
+        return px.compile(CASE.build_model(), optimizer=px.AdamW(**HYPER, state_dtype=state_dtype),
+                          device_memory=budget, chunk_size=1024, precision="bf16", device=DEVICE, fuse=False,
+                          _undo_updates=undo)(CASE.loss_fn)
+
+    def raw(step):
+        store = step._compiler.store
+        store.flush()
+        return [s.view(torch.uint8).clone() for s in store.states if s is not None] + \
+            [h.view(torch.uint8).clone() for h in store.host_param if h is not None]
+
+    plain, undo = make(0), make(ALL)
+    for i in range(3):
+        assert torch.equal(plain(*CASE.batch(i)), undo(*CASE.batch(i)))
+    assert any(c.undo for c in undo.final_graph.chunks)
+    assert all(torch.equal(a, b) for a, b in zip(raw(plain), raw(undo)))
+    before = raw(undo)
+    _fail_at(undo, _commit(undo.final_graph))
+    with pytest.raises(RuntimeError, match="injected"):
+        undo(*CASE.batch(3))
+    undo._before_node = None
+    assert all(torch.equal(a, b) for a, b in zip(before, raw(undo)))
+    assert torch.equal(plain(*CASE.batch(3)), undo(*CASE.batch(3)))
