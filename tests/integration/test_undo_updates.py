@@ -27,7 +27,7 @@ from pstar_fx.passes.verify import VerificationError
 from pstar_fx.runtime import step_runtime
 
 from harness import (DEVICE, HYPER, assert_values_equal, check_failures_before_the_commit, eager_run, host_params,
-                     rel_err, small_batches, step_values, tight_budget)
+                     raiser, rel_err, small_batches, step_values, tight_budget)
 from models import CASES_BY_NAME, assert_state_close
 
 pytestmark = pytest.mark.cuda
@@ -81,13 +81,6 @@ def test_undo_updates_match_eager():
     ref_losses, ref_sd = eager_run(CASE, 3, host_params=host_params(step))
     assert rel_err(losses, ref_losses) <= 1e-6, (losses, ref_losses)
     assert_state_close(step.state_dict(), ref_sd, rtol=1e-6)
-
-
-def _fail_at(step, i, error=RuntimeError("injected")):
-    def before(j, n):
-        if j == i:
-            raise error
-    step._before_node = before
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])
@@ -314,7 +307,7 @@ def test_batch_signatures_with_other_undo_sets_share_the_buffers_and_stay_exact(
            for t in bufs}
     assert now == owned
     before = step_values(step)
-    _fail_at(step, _commit(step.final_graph))        # the last step ran b's plan
+    step._before_node = raiser(_commit(step.final_graph), RuntimeError("injected"))   # the last step ran b's plan
     with pytest.raises(RuntimeError, match="injected"):
         step(*b.batch(9))
     step._before_node = None
@@ -361,7 +354,7 @@ def test_undo_buffers_keep_compressed_states_exactly(state_dtype):
     assert any(c.undo for c in undo.final_graph.chunks)
     assert all(torch.equal(a, b) for a, b in zip(raw(plain), raw(undo)))
     before = raw(undo)
-    _fail_at(undo, _commit(undo.final_graph))
+    undo._before_node = raiser(_commit(undo.final_graph), RuntimeError("injected"))
     with pytest.raises(RuntimeError, match="injected"):
         undo(*CASE.batch(3))
     undo._before_node = None
