@@ -42,15 +42,10 @@ def no_stream_reason(settings: Settings) -> str | None:
 
 
 def no_undo_reason(settings: Settings) -> str | None:
-    """Why no chunk may update before the commit with an undo buffer under these settings (None: they may)."""
-    if not settings.atomic:
-        return "atomic=False updates every host-placed chunk during backward already"
-    if settings.commit_decides:
-        return "its updates need what the commit decides (the clip coefficient or fp16's overflow flag)"
-    if settings.world > 1:
-        return "not built for several ranks"
-    if settings.host_is_device:
-        return "a CPU device is the host, whose updates run inline on the executor's cores"
+    """Why the planner gives no chunk an undo buffer under these settings (None: it may): what the verifier checks
+    (`Settings.no_undo`), and a host budget to size the buffers against, with no disk tier."""
+    if settings.no_undo is not None:
+        return settings.no_undo
     if settings.disk_budget is not None:
         return "host memory is short enough for a disk tier"
     if settings.host_budget is None:
