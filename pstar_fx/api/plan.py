@@ -34,9 +34,8 @@ from ..errors import BudgetError
 from ..frontend.model_tensors import model_tables
 from ..frontend.trace import trace_step
 from ..ir.flops import FORWARD_ATTENTION
-from ..ir.graph import (REMAT, USER_CHECKPOINT, BufKind, ChunkGroup, ParamHome, Precision, Role, Settings, StateHome,
-                        TrainGraph)
-from ..ir.needs import disk_bytes, shard_numel, staging, state_bytes, state_layout, undo_bytes
+from ..ir.graph import REMAT, USER_CHECKPOINT, ChunkGroup, Precision, Role, Settings, StateHome, TrainGraph
+from ..ir.needs import disk_bytes, host_bytes, host_setup_bytes
 from ..optim import ADAM_STATE, OptimizerLayout, OptimizerSpec
 from ..passes import pipeline, run_passes
 from ..units import format_bytes, parse_bytes
@@ -269,33 +268,6 @@ def _tokens(batch: tuple) -> int:
     return leaves[0].shape[0] if leaves and leaves[0].dim() > 0 else 1
 
 
-def host_bytes(g: TrainGraph) -> tuple[int, int]:
-    """One rank's host memory for g's chunks, as the ChunkStore allocates it: (steady state, during set-up).
-    Parameter homes (its shard of each chunk whose home is on the host, not cast from a device master), gradient
-    homes of the buffers the plan writes back (a shard after the reduce-scatter, the whole chunk before it),
-    optimizer states placed on the host, undo buffers, and in mixed precision the frozen parameters at full
-    precision. At set-up each chunk's states start where the plan puts them (gradient homes come later, at the first
-    write-back)."""
-    w, prec = g.settings.world, g.settings.precision
-    params = sum(shard_numel(c, w) * c.dtype.itemsize for c in g.chunks if c.param_home is ParamHome.HOST)
-    grads: set[tuple[int, bool]] = set()     # (chunk, whole)
-    reduced: set[int] = set()
-    for n in g.nodes:
-        a = g.ann[n.name]
-        if a.role is Role.REDUCE_SCATTER:
-            reduced.add(a.chunk)
-        elif a.role is Role.RELEASE and a.buf is BufKind.GRAD and n.kwargs["writeback"]:
-            grads.add((a.chunk, w > 1 and a.chunk not in reduced))
-    grad = sum(g.chunks[c].nbytes if whole else shard_numel(g.chunks[c], w) * g.chunks[c].dtype.itemsize
-               for c, whole in grads)
-    trainable = [c for c in g.chunks if c.group is ChunkGroup.TRAINABLE]
-    layout = state_layout(g.settings)
-    on_host = sum(state_bytes(c, prec, w, layout) for c in trainable if c.state_home is StateHome.HOST)
-    on_host += sum(undo_bytes(c, prec, w, layout) for c in trainable if c.undo)     # made at set-up too
-    frozen = sum(p.numel * p.dtype.itemsize for p in g.params if not p.trainable) if prec.mixed else 0
-    return params + grad + on_host + frozen, params + on_host + frozen
-
-
 def model_flops(g: TrainGraph, tokens: int) -> float:
     """6 x parameters x tokens + 12 x B x H x Tq x Tk x D per attention layer of the forward (recompute excluded:
     the user's checkpoints' and the remat pass's)."""
@@ -452,9 +424,7 @@ def plan(model: nn.Module, loss_fn, *batch, world_size: int = 1, device_memory=N
         return PlanReport(device_needed=needed, peak_device=None, host_bytes=setup, host_setup_bytes=setup,
                           h2d_bytes=0, d2h_bytes=0, gathered_bytes=0, reduced_bytes=0, chunks=0, states_on_device=0,
                           trainable_chunks=0, model_flops=6.0 * n_params * n_tokens, cost=None, graph=None, **common)
-    steady, setup = host_bytes(final)
-    count, each = staging(final)          # the disk tier's staging buffers: made at set-up, kept
-    steady, setup = steady + count * each, setup + count * each
+    steady, setup = host_bytes(final), host_setup_bytes(final)
     trainable = [c for c in final.chunks if c.group is ChunkGroup.TRAINABLE]
     p = final.plan
     return PlanReport(device_needed=None, peak_device=p.predicted_peak, host_bytes=steady, host_setup_bytes=setup,

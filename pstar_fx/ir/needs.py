@@ -207,25 +207,41 @@ def disk_bytes(g: TrainGraph) -> int:
 
 
 def host_bytes(g: TrainGraph) -> int:
-    """One rank's host memory for g's chunks, as the ChunkStore holds it during a step: parameter homes (of chunks
-    whose home is the host), gradient homes of the chunks the CPU updates and of the gradient buffers the schedule
-    writes back, the optimizer states placed on the host, the undo buffers of chunks updated before the commit, the
-    staging buffers of disk-homed states (made at set-up and kept, so counted at every node), and in mixed precision
-    the frozen parameters at full precision."""
-    w, prec = g.settings.world, g.settings.precision
-    params = sum(shard_numel(c, w) * c.dtype.itemsize for c in g.chunks if c.param_home is ParamHome.HOST)
-    grads = {c.id for c in g.chunks if c.update_site is UpdateSite.CPU and c.grad_buf() is BufKind.GRAD}
-    for n in g.nodes:
+    """One rank's host memory for g's chunks, as the ChunkStore holds it during a step: what it holds from set-up on
+    (`host_setup_bytes`) and the gradient homes: of the chunks the CPU updates and of the gradient buffers the
+    schedule writes back: a shard, or with several ranks the whole chunk where it is written back before its last
+    gradient write and so before its reduce-scatter (accumulation; the shard pass puts the reduce-scatter right after
+    that write, so the count is the same before and after it). A store may hold both."""
+    w = g.settings.world
+    last_write: dict[int, int] = {}
+    if w > 1:
+        for i, n in enumerate(g.nodes):
+            if g.ann[n.name].role is Role.WRITE_GRAD:
+                last_write[g.param(g.ann[n.name].param).chunk] = i
+    grads = {(c.id, False) for c in g.chunks if c.update_site is UpdateSite.CPU and c.grad_buf() is BufKind.GRAD}
+    for i, n in enumerate(g.nodes):
         a = g.ann[n.name]
         if a.role is Role.RELEASE and a.buf is BufKind.GRAD and n.kwargs.get("writeback"):
-            grads.add(a.chunk)
-    grad = sum(shard_numel(g.chunks[c], w) * g.chunks[c].dtype.itemsize for c in grads)
+            grads.add((a.chunk, i < last_write.get(a.chunk, -1)))     # (chunk, whole)
+    grad = sum(g.chunks[c].nbytes if whole else shard_numel(g.chunks[c], w) * g.chunks[c].dtype.itemsize
+               for c, whole in grads)
+    return host_setup_bytes(g) + grad
+
+
+def host_setup_bytes(g: TrainGraph) -> int:
+    """One rank's host memory for g's chunks from set-up on: parameter homes (its shard of each chunk whose home is
+    the host), the optimizer states placed on the host (each starts where the plan puts it), the undo buffers of
+    chunks updated before the commit, the staging buffers of disk-homed states (made at set-up and kept, so counted
+    at every node), and in mixed precision the frozen parameters at full precision. Gradient homes come later, at
+    the first write-back (`host_bytes`)."""
+    w, prec = g.settings.world, g.settings.precision
+    params = sum(shard_numel(c, w) * c.dtype.itemsize for c in g.chunks if c.param_home is ParamHome.HOST)
     layout = state_layout(g.settings)
     on_host = sum(state_bytes(c, prec, w, layout) for c in g.chunks if c.state_home is StateHome.HOST)
     undo = sum(undo_bytes(c, prec, w, layout) for c in g.chunks if c.undo)
     slots, size = staging(g)
     frozen = sum(p.numel * p.dtype.itemsize for p in g.params if not p.trainable) if prec.mixed else 0
-    return params + grad + on_host + undo + slots * size + frozen
+    return params + on_host + undo + slots * size + frozen
 
 
 def constants(g: TrainGraph) -> dict[str, torch.Tensor]:

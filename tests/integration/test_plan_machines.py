@@ -14,6 +14,7 @@ from pstar_fx import cost
 from pstar_fx.api.plan import Tier, device_headroom
 from pstar_fx.api.plan_cli import main
 from pstar_fx.cost import GPU, H200, Bound, Lane, Machine, preset
+from pstar_fx.ir import BufKind, Role
 from models import CASES_BY_NAME
 
 CHUNK = 1024
@@ -129,6 +130,12 @@ def test_a_model_that_does_not_fit_says_which_tier_and_by_how_much():
     at = _plan(world_size=2, machine=_scaled("h100", 2, need, None, 8))
     per_node = at.host_per_node
     assert per_node == 2 * host_per_rank
+    # a gradient written back before its reduce-scatter is held whole: the planner counts it so before the shard pass
+    # puts the reduce-scatter in (else the sharded plan would fail the verifier's host check at per_node - 1)
+    g = at.graph
+    reduce_at = {g.ann[n.name].chunk: i for i, n in enumerate(g.nodes) if g.ann[n.name].role is Role.REDUCE_SCATTER}
+    assert any(g.ann[n.name].role is Role.RELEASE and g.ann[n.name].buf is BufKind.GRAD and n.kwargs.get("writeback")
+               and i < reduce_at[g.ann[n.name].chunk] for i, n in enumerate(g.nodes))
     short_host = _plan(world_size=2, machine=_scaled("h100", 2, need, per_node - 1, 8))
     (host,) = short_host.shortfalls
     assert host.tier is Tier.HOST and host.short_by == 1 and host.capacity == per_node - 1
