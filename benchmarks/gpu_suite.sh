@@ -90,9 +90,13 @@ sys.exit(getattr(importlib.import_module(module), function)(sys.argv[1:]))' "$@"
 stage() {
   case $1 in
     # -- tests and checks ---------------------------------------------------------------------------------------
-    tests)        # the tests marked cuda, on the GPU (PSTAR_TEST_DEVICE=cuda)
+    tests)        # the tests marked cuda, on the GPU (PSTAR_TEST_DEVICE=cuda); each test's outcome by name in
+                  # $OUT/tests_each.log, so a run cut by a time limit still says which tests ran
       # shellcheck disable=SC2086
-      PSTAR_TEST_DEVICE=cuda timeout 560 python3 -m pytest ${TESTS:--m cuda tests} -q -p no:cacheprovider -rf ;;
+      PSTAR_TEST_DEVICE=cuda timeout 560 python3 -m pytest ${TESTS:--m cuda tests} -vv -p no:cacheprovider -rf \
+          > "$out/tests_each.log" 2>&1
+      echo "pytest exit $?; $(grep -c ' PASSED' "$out/tests_each.log") passed by name"
+      grep -E '^(FAILED|ERROR)|[0-9]+ (passed|failed)' "$out/tests_each.log" | tail -30 ;;
     cpu_tests)    # the CPU suite (or the files in CPU_TESTS) under this machine's torch
       # shellcheck disable=SC2086
       timeout 560 python3 -m pytest ${CPU_TESTS:-tests} -q -p no:cacheprovider -rf ;;
