@@ -191,6 +191,13 @@ def resolve_budget(device_memory, device: torch.device, world: int) -> tuple[int
 _UNSET = 1 << 62
 
 
+def host_spare(default: bool, world: int) -> int | None:
+    """Settings.host_spare: with the default host budget (host_memory=None, no disk tier) on one rank, the host memory
+    the system could give now less the margin (runtime/host_memory.spare_host_bytes), which bounds the undo buffers
+    too; None otherwise."""
+    return spare_host_bytes(1) if default and world == 1 else None
+
+
 def resolve_tiers(host_memory, offload_dir, disk_memory, comm: Comm | None = None
                   ) -> tuple[int | None, str | None, int | None]:
     """(host budget, offload directory, disk budget) of this rank, from px.compile's host_memory, offload_dir and

@@ -31,8 +31,8 @@ from .compiler import Compiler
 from .guarded import run_guarded
 from .live_optimizer import build as build_optimizer
 from .model_state import ModelState, holds_own_values
-from .options import (check_options, check_world, fuse_by_estimate, host_is_device, resolve_budget, resolve_device,
-                      resolve_fuse, resolve_precision, resolve_tiers)
+from .options import (check_options, check_world, fuse_by_estimate, host_is_device, host_spare, resolve_budget,
+                      resolve_device, resolve_fuse, resolve_precision, resolve_tiers)
 from .summary import Summary, summarize
 from .trace_cache import DEFAULT_MAX_SIZE
 from .warnings import warn_torch_compiled
@@ -104,6 +104,7 @@ class CompiledStep:
         asked, fuse = fuse, resolve_fuse(fuse, dev, prec, world)
         # fused by default: kept where the cost model estimates it faster, the optimizer placed for an unfused step
         fuse_auto = fuse_by_estimate(asked, fuse)
+        default_host = host_memory is None and offload is None and host_budget is not None
         self.settings = Settings(precision=prec, device=dev, budget=budget,
                                  chunk_size=chunk_size,
                                  optimizer=self._optimizer.layout if self._optimizer is not None else None,
@@ -112,7 +113,8 @@ class CompiledStep:
                                  atomic=atomic, device_updates=device_updates, undo_updates=undo_updates,
                                  host_budget=host_budget,
                                  disk_budget=disk_budget, host_is_device=host_is_device(dev, world),
-                                 host_default=host_memory is None and offload is None and host_budget is not None,
+                                 host_default=default_host,
+                                 host_spare=host_spare(default_host, world),
                                  fused=fuse and not fuse_auto)
         check_world(atomic, self.settings.world)
         self.debug = debug

@@ -223,6 +223,9 @@ class Settings:
     host_budget: int | None = None   # host bytes for what pstar-fx keeps in host memory (ir.needs.host_bytes); None:
     #                                  not checked
     host_default: bool = False       # host_budget is what the machine could give (px.compile's host_memory=None)
+    # with host_default on one rank: the host memory the system could give at px.compile less a margin
+    # (runtime/host_memory.spare_host_bytes); undo buffers, a speed-up, stay within it as well (update_sites.undo_room)
+    host_spare: int | None = None
     disk_budget: int | None = None   # bytes of the disk tier (offload_dir) for optimizer states; None: no disk tier
     # a CPU device of one rank, whose memory is the host's (api/options.py host_is_device): slots are host homes
     # (runtime/chunk_store.py), and no update is streamed to the device, which is the host's cores

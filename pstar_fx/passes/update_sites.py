@@ -58,12 +58,16 @@ def undo_room(scheduled: TrainGraph) -> int:
     streamed: the most host bytes any of its streamed choices keeps) keeps in host memory: room for undo buffers.
     With the default budget (host_memory=None: the host's memory less a tenth, a guess at what the process may take)
     they leave a tenth of it free as well: the process's own memory beyond the plan also takes from that first tenth
-    (at the 17.26B GPT on the H200 machine, about 9.7 GiB of it), and undo buffers are a speed-up, not a need."""
+    (at the 17.26B GPT on the H200 machine, about 9.7 GiB of it), and undo buffers are a speed-up, not a need. They
+    also stay within what the host had free at px.compile (`Settings.host_spare`): on a node shared with other
+    processes the budget, the host's whole memory, may be far more than there is."""
     st = scheduled.settings
     if st.host_budget is None:
         return 0
-    reserve = st.host_budget // 10 if st.host_default else 0
-    return max(0, st.host_budget - reserve - host_bytes(scheduled))
+    limit = st.host_budget - (st.host_budget // 10 if st.host_default else 0)
+    if st.host_default and st.host_spare is not None:
+        limit = min(limit, st.host_spare)
+    return max(0, limit - host_bytes(scheduled))
 
 
 def candidates(n: int, cpu_s: float, copy_s: float) -> list[int]:

@@ -281,6 +281,26 @@ def test_the_default_host_budget_keeps_a_tenth_free_of_undo_buffers():
     default = plain.evolve(settings=dataclasses.replace(g.settings, host_budget=budget, host_default=True))
     assert undo_room(given) == 64 << 20
     assert undo_room(default) == max(0, (64 << 20) - budget // 10)
+    # the default's budget is the host's whole memory: undo buffers also stay within what was free at px.compile
+    roomy = plain.evolve(settings=dataclasses.replace(g.settings, host_budget=budget + (1 << 30), host_default=True))
+    assert undo_room(roomy) > 32 << 20
+    shared = roomy.evolve(settings=dataclasses.replace(roomy.settings, host_spare=host_bytes(plain) + (32 << 20)))
+    assert undo_room(shared) == 32 << 20
+    full = roomy.evolve(settings=dataclasses.replace(roomy.settings, host_spare=host_bytes(plain) // 2))
+    assert undo_room(full) == 0
+    given_too = shared.evolve(settings=dataclasses.replace(shared.settings, host_default=False))
+    assert undo_room(given_too) == budget + (1 << 30) - host_bytes(plain)      # a host_memory given is theirs
+
+
+def test_px_compile_reads_the_spare_host_memory_for_the_default_budget_only():
+    """host_memory=None on one rank: Settings.host_spare is what the system could give at px.compile (less the
+    margin); a host_memory given, or a disk tier, leaves it None."""
+    default = _make(0).settings
+    assert default.host_default and default.host_spare is not None
+    assert 0 < default.host_spare <= default.host_budget
+    given = px.compile(CASE.build_model(), optimizer=px.AdamW(**HYPER), device=DEVICE, host_memory="8GiB")(
+        CASE.loss_fn).settings
+    assert not given.host_default and given.host_spare is None
 
 
 def test_batch_signatures_with_other_undo_sets_share_the_buffers_and_stay_exact():
