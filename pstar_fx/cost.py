@@ -222,6 +222,15 @@ _GPUS: Mapping[GPU, Machine] = MappingProxyType({
 })
 
 
+def gpu_named(name: str) -> GPU | None:
+    """The preset GPU a device's name is (`torch.cuda.get_device_name`, e.g. "NVIDIA H100 80GB HBM3"), or None for a
+    GPU the cost model has no rates of (the PCIe and NVL H100s: other clocks and memory than the SXM part's)."""
+    words = name.upper().replace("-", " ").split()
+    if "PCIE" in words or "NVL" in words:
+        return None
+    return next((g for g in GPU if g.name in words), None)
+
+
 def preset(gpu: str | GPU, *, gpus_per_node: int = 8, host_memory: int | str | None = None) -> Machine:
     """A node of `gpus_per_node` GPUs of one kind ("h200", "h100") with `host_memory` bytes of host memory (or a
     size such as "1.5TB"; None: not checked). Every GPU is assumed to get what one GPU of the measured H200 machine

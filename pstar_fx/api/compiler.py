@@ -17,6 +17,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from ..cost import H200, Machine
 from ..errors import warn
 from ..frontend.model_tensors import global_hooks_key, model_tables, module_key, params_key
 from ..frontend.python_state import ModuleScalars, changes, closure_key, snapshot
@@ -97,6 +98,7 @@ class Compiled:
     setup_seconds: float = 0.0       # the store (on the first compile), the executor, the garbage collection
     set_up_until: float = 0.0        # perf_counter() when the executor was made
     estimated_seconds: float | None = None   # the cost model's step time, once step.summary() has asked (CUDA)
+    machine: Machine = H200          # the rates the passes planned at and the estimate is made with
     outcomes: tuple = ()             # what its trace decided at each guard, in order (ir/guards.py)
 
 
@@ -111,8 +113,9 @@ class Compiler:
 
     def __init__(self, fn: Callable, model: nn.Module, settings: Settings, comm: Comm | None, optimizer, *,
                  remat: bool, prefetch: int | None, cache_size: int = DEFAULT_MAX_SIZE, fuse: bool = False,
-                 fuse_auto: bool = False, offload_dir: str | None = None):
+                 fuse_auto: bool = False, offload_dir: str | None = None, machine: Machine = H200):
         self.fn = fn
+        self.machine = machine           # the rates the passes weigh their choices at (api/options.resolve_machine)
         self.fuse = fuse
         self.fuse_auto = fuse_auto       # fuse=None: the regions kept only where the cost model estimates them faster
         self.regions = RegionCompiler()  # fused regions compiled for any signature, shared by the next
@@ -223,7 +226,8 @@ class Compiler:
                 outcomes = traced_outcomes(traced)
                 interrupts.deliver()    # a safe point after the trace
                 passes = pipeline(chunk_size=st.chunk_size, layout=self.layout, prefetch=self.prefetch,
-                                  remat=self.remat, world=st.world, fuse=self.fuse, fuse_auto=self.fuse_auto)
+                                  remat=self.remat, world=st.world, fuse=self.fuse, fuse_auto=self.fuse_auto,
+                                  machine=self.machine)
                 stages = run_passes(traced, passes, after=set_up_early)
                 if self.comm is not None:     # the settings and the plan's collectives, alike on every rank
                     check_same_compile(self.comm, stages[-1], self.optimizer, prefetch=self.prefetch,
@@ -255,7 +259,7 @@ class Compiler:
         executor = Executor(final, self.store, self.regions, between=interrupts.deliver)   # (Ctrl-C: between regions)
         now = time.perf_counter()
         return Compiled(stages={s.stage: s for s in stages}, executor=executor, setup_seconds=now - t0,
-                        set_up_until=now, outcomes=outcomes)
+                        set_up_until=now, outcomes=outcomes, machine=self.machine)
 
     def min_device_memory(self, batch) -> int:
         """The smallest device_memory (bytes) under which the step compiles for this batch's shapes, with this

@@ -92,7 +92,7 @@ class EvalCompiler(Compiler):
             outcomes = traced_outcomes(traced)
             interrupts.deliver()        # safe points: after the trace and after each pass
             passes = pipeline(chunk_size=settings.chunk_size, layout=layout, prefetch=self.prefetch, train=False,
-                              world=settings.world)
+                              world=settings.world, machine=self.machine)
             stages = run_passes(traced, passes, after=lambda stage: interrupts.deliver())
         final = stages[-1]
         if self.comm is not None:     # the settings and the plan's collectives, alike on every rank
@@ -102,7 +102,8 @@ class EvalCompiler(Compiler):
             store = ChunkStore(final.chunks, final.params, settings.precision, settings.device, settings.budget,
                                comm=self.comm, host_is_device=settings.host_is_device)
             self.own = (store, (final.params, final.chunks, final.chunk_size))
-        return Compiled(stages={s.stage: s for s in stages}, executor=Executor(final, store), outcomes=outcomes)
+        return Compiled(stages={s.stage: s for s in stages}, executor=Executor(final, store), outcomes=outcomes,
+                        machine=self.machine)
 
 
 class CompiledEval(CompiledStep):

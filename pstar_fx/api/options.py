@@ -9,6 +9,7 @@ import shutil
 import torch
 import torch.nn as nn
 
+from ..cost import H200, Machine, gpu_named, preset
 from ..errors import warn
 from ..ir.graph import Precision
 from ..optim import OptimizerSpec
@@ -185,6 +186,14 @@ def resolve_budget(device_memory, device: torch.device, world: int) -> tuple[int
                  "starts (see docs/memory.md)")
         return default.budget, default
     return default_cpu_budget(), None
+
+
+def resolve_machine(device: torch.device) -> Machine:
+    """The rates px.compile's passes weigh their choices at and `step.summary()` estimates the step with: on a GPU
+    the preset of its kind by name (pstar_fx.cost.preset: the H200's measured rates, the H100's assumed from them),
+    the H200's for any other device (on a GPU the cost model has no rates of, the estimate is the H200's)."""
+    kind = gpu_named(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+    return H200 if kind is None else preset(kind)
 
 
 # "not given" in the ranks' agreement on their tier budgets (an int64 larger than any budget)

@@ -32,7 +32,7 @@ from .guarded import run_guarded
 from .live_optimizer import build as build_optimizer
 from .model_state import ModelState, holds_own_values
 from .options import (check_options, check_world, fuse_by_estimate, host_is_device, host_spare, resolve_budget,
-                      resolve_device, resolve_fuse, resolve_precision, resolve_tiers)
+                      resolve_device, resolve_fuse, resolve_machine, resolve_precision, resolve_tiers)
 from .summary import Summary, summarize
 from .trace_cache import DEFAULT_MAX_SIZE
 from .warnings import warn_torch_compiled
@@ -121,7 +121,8 @@ class CompiledStep:
         self._lock = threading.RLock()       # held by a step, save and load: another thread never sees half a step
         self._compiler = self._compiler_class(traced_fn, model, self.settings, self._comm, self._optimizer,
                                               remat=remat is not False, prefetch=prefetch, cache_size=cache_size,
-                                              fuse=fuse, fuse_auto=fuse_auto, offload_dir=offload)
+                                              fuse=fuse, fuse_auto=fuse_auto, offload_dir=offload,
+                                              machine=resolve_machine(dev))
         self._model_state = ModelState(self, model, self._compiler, self._comm, self._lock)
         self._scaler = LossScaler() if prec is Precision.FP16 else None
         self._last_stats: StepStats | None = None

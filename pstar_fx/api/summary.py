@@ -30,7 +30,8 @@ class Summary:
     nodes: int
     compile_seconds: tuple[float, float, float] = (0.0, 0.0, 0.0)   # trace, passes, set-up (store and executor)
     default_budget: str | None = None       # device_memory=None on a GPU: how the budget was chosen
-    estimated_seconds: float | None = None  # the cost model's steady-state step (H200 rates; None off CUDA)
+    estimated_seconds: float | None = None  # the cost model's steady-state step (None off CUDA)
+    rates: str = "H200"                     # the GPU whose rates the cost model estimated with (Machine.name)
     measured_seconds: float | None = None   # the last step's wall time, call to return
     alloc_retries: int | None = None        # the last step's caching-allocator retries (CUDA)
     states_streamed: int = 0                # of the chunks whose states live on the host: updated on the device
@@ -74,7 +75,7 @@ class Summary:
                                   f"{format_bytes(self.disk_moved[1])} written ({self.disk_io} I/O)"
                                   if self.states_on_disk else "")),
             ("step time", ("-" if self.estimated_seconds is None else
-                           f"{self.estimated_seconds:.3f} s estimated (the cost model's H200 rates)") + ", "
+                           f"{self.estimated_seconds:.3f} s estimated (the cost model's {self.rates} rates)") + ", "
                           + ("-" if self.measured_seconds is None else f"{self.measured_seconds:.3f} s measured")
                           + ("" if self.alloc_retries is None else f", {self.alloc_retries} allocator retries")),
             ("graph", f"{self.nodes} nodes"),
@@ -87,8 +88,8 @@ class Summary:
 def summarize(g: TrainGraph, compiled: Compiled, last: StepStats | None, prec: Precision,
               default_budget: DefaultBudget | None = None) -> Summary:
     """The summary of the final graph `g` of the compiled signature `compiled`, with the last step's measurement,
-    in the step's precision `prec`. On CUDA it estimates the step with the cost model (H200 rates: on another GPU the
-    estimate is the H200's)."""
+    in the step's precision `prec`. On CUDA it estimates the step with the cost model, at the rates the passes
+    planned with (`compiled.machine`: the preset of the GPU's kind, the H200's on a GPU the cost model has none of)."""
     trainable = [c for c in g.chunks if c.group is ChunkGroup.TRAINABLE]
     model_data = (sum(c.nbytes for c in g.chunks) + sum(c.nbytes for c in trainable if not c.grad_inplace)
                   + sum(state_bytes(c, prec, 1, state_layout(g.settings)) for c in trainable))
@@ -107,7 +108,7 @@ def summarize(g: TrainGraph, compiled: Compiled, last: StepStats | None, prec: P
                          sum(st.seconds for name, st in compiled.stages.items() if name != "traced"),
                          compiled.setup_seconds),
         default_budget=None if default_budget is None else str(default_budget),
-        estimated_seconds=_estimated(g, compiled),
+        estimated_seconds=_estimated(g, compiled), rates=compiled.machine.name,
         measured_seconds=None if last is None else last.seconds,
         alloc_retries=None if last is None else last.alloc_retries,
         fused=_fused(compiled),
@@ -129,9 +130,9 @@ def _fused(compiled: Compiled) -> str | None:
 
 def _estimated(g: TrainGraph, compiled: Compiled) -> float | None:
     """The cost model's steady-state step time of g on CUDA, computed once per compiled signature (seconds of CPU
-    for a large graph); None on the CPU, where the H200's rates mean nothing."""
+    for a large graph); None on the CPU, where a GPU's rates mean nothing."""
     if g.settings.device.type != "cuda" or g.plan is None:
         return None
     if compiled.estimated_seconds is None:
-        compiled.estimated_seconds = estimate(g).seconds
+        compiled.estimated_seconds = estimate(g, compiled.machine).seconds
     return compiled.estimated_seconds

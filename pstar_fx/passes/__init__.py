@@ -32,7 +32,8 @@ def pipeline(*, chunk_size=None, layout=None, prefetch: int | None = None, train
     shard pass follows the schedule. fuse=True: the compute between chunk operations is grouped into regions, each
     run as compiled code (stage "fused", last); with fuse_auto (px.compile's fuse=None where fusing is the default)
     only where the cost model estimates the step faster so. machine: the rates remat, place_optimizer and
-    fuse_if_faster weigh their choices at (px.plan's machine; the H200's for a compiled step)."""
+    fuse_if_faster weigh their choices at (px.plan's machine; for a compiled step
+    the preset of its GPU, api/options.resolve_machine)."""
     return [
         canonicalize,
         functools.partial(assign_chunks, chunk_size=chunk_size, layout=layout),

@@ -67,6 +67,35 @@ def test_presets_are_the_measured_h200_and_an_assumed_h100():
     assert "1 x H200 (139.80 GiB) per node" in str(rep) and "less 3.20 GiB for the process" in str(rep)
 
 
+@pytest.mark.parametrize("name,gpu", [("NVIDIA H100 80GB HBM3", GPU.H100), ("NVIDIA H200", GPU.H200),
+                                      ("NVIDIA H100 PCIe", None), ("NVIDIA H100 NVL", None),
+                                      ("NVIDIA A100-SXM4-80GB", None), ("NVIDIA GH200 480GB", None)])
+def test_a_gpu_is_known_by_its_name_and_only_the_parts_a_preset_describes(name, gpu):
+    assert cost.gpu_named(name) is gpu
+
+
+def test_px_compile_plans_and_estimates_at_its_machines_rates(monkeypatch):
+    """px.compile's passes weigh their choices at the rates api/options.resolve_machine gives (the preset of the
+    GPU by name; the H200's on the CPU), and the summary names them: with a host 4,000 times slower at updates the
+    placement's reasoning is the CPU's, not the copies'."""
+    import pstar_fx.api.step as step_module
+    from pstar_fx.api.options import resolve_machine
+
+    assert resolve_machine(torch.device("cpu")) is H200
+    case = CASES_BY_NAME["gpt_tied"]
+    why = {}
+    for machine in (H200, dataclasses.replace(H200, cpu_adam=1e6, cpu_adam_mixed=1e6, name="slow host")):
+        monkeypatch.setattr(step_module, "resolve_machine", lambda device, m=machine: m)
+        step = px.compile(case.build_model(), optimizer=px.AdamW(lr=1e-3), device_memory="300KiB")(case.loss_fn)
+        step(*case.batch(0))
+        summary = step.summary()
+        assert summary.rates == machine.name
+        why[machine.name] = " ".join(summary.choices)
+        assert "1 of 7 chunks on the device" in why[machine.name]
+    assert "its copies take less than the step's compute" in why["H200"]
+    assert "the CPU's updates" in why["slow host"] and "the CPU's updates" not in why["H200"]
+
+
 @pytest.mark.parametrize("gpu,world,per_node", [("h200", 1, 1), ("h100", 2, 8), ("h200", 4, 2)])
 def test_a_preset_machine_plans_the_model_to_its_tiers(gpu, world, per_node):
     """The machine's GPU sets the budget (its memory less the process's headroom), its host memory is checked per
