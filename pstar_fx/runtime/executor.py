@@ -203,6 +203,8 @@ class Executor:
         except BaseException as e:
             self.store.abandon_disk()   # reads in flight finish (into staging buffers only) before anything else
             undone = [] if rt.committed else list(rt.undoable)
+            # past the commit point, or a host-side step begun before it (atomic=False): nothing is put back
+            broken = bool(rt.committed or rt.stepped)
             if undone:
                 self.store.settle(undone)     # updates ahead of the commit end (a failure is this step's)
             try:
@@ -213,9 +215,9 @@ class Executor:
                 self.store.recount()        # an allocation that failed half-way leaves no count behind
                 self.store.pool.trim(0)
             finally:
-                if not (rt.committed or rt.stepped):
+                if not broken:
                     self._put_back(undone, saved)
-            if rt.committed or rt.stepped:        # (stepped before the commit: host-side steps with atomic=False)
+            if broken:
                 raise CommitError(
                     f"pstar-fx: the step failed after {'its commit point' if rt.committed else 'its first update'} "
                     f"({type(e).__name__}: {e}), with the updates of "
