@@ -1,9 +1,10 @@
 """The CPU worker's Adam update rate per state_dtype: one mixed-precision host-side update (bf16 parameters and
 gradient, fp32 master) of a chunk of --chunk elements through `pstar_fx.runtime.optimizers.host_update`, the moments
 fp32 (exact), bf16 or int8, in Gparam/s (median of --repeat after one warm-up) on --threads intra-op threads
-(default: torch's). Compressed moments go through the native one-pass kernel where it is built (the first line says
-whether), else (or with PSTAR_FX_NATIVE=0) through the torch route: dequantised, updated and quantised back block by
-block, in blocks of each of --blocks elements.
+(default: torch's). Every kind goes through a native one-pass kernel where it is built (the first line says whether;
+exact moments only where it reproduces torch's fused kernel here, which the first line says too), else (or with
+PSTAR_FX_NATIVE=0) through the torch route: exact moments block by block around torch's fused kernel, compressed
+ones dequantised, updated and quantised back block by block, in blocks of each of --blocks elements.
 
     python3 benchmarks/state_update_rate.py [--chunk 16777216] [--threads 14] [--repeat 3] [--blocks 262144,1048576]
     PSTAR_FX_NATIVE=0 python3 benchmarks/state_update_rate.py      # the torch route
@@ -88,8 +89,12 @@ def main() -> None:
     kernels = native.kernels()
     print(f"chunk {args.chunk:,} elements, {torch.get_num_threads()} threads, compressed moments through "
           + ("the native kernel" if kernels else f"the torch route ({native.why_not()})"))
-    blocks = [int(b) for b in args.blocks.split(",")] if kernels is None else [HOST_PACKED_BLOCK]
     base = rate(StateDtype.FP32, args.chunk, args.repeat, HOST_PACKED_BLOCK)
+    if kernels is not None:
+        exact = kernels.verified.get(native.exact_kind(CFG, torch.bfloat16, torch.bfloat16))
+        print("exact moments through " + ("the native kernel (torch's bits, checked)" if exact else
+                                          "the torch route (the native kernel's bits differ from torch's here)"))
+    blocks = [int(b) for b in args.blocks.split(",")] if kernels is None else [HOST_PACKED_BLOCK]
     print(f"state_dtype fp32: {base:6.3f} Gparam/s", flush=True)
     for dtype in (StateDtype.BF16, StateDtype.INT8):
         for block in blocks:

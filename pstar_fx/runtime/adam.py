@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..optim import AdamConfig
-from . import device_adam
+from . import device_adam, native
 from .quantize import Packed, seed
 
 
@@ -96,7 +96,9 @@ def host_step(cfg: AdamConfig, param: torch.Tensor, grad: torch.Tensor, m: torch
                                       None if master is None else inv_scale, coef):   # as block_gradient
         return
     n = param.numel()
-    spans = ((lo, min(n, lo + block)) for lo in range(0, n, block)) if packed is None else \
+    done = 0 if packed is not None or master is None else _native_exact(cfg, param, grad, m, v, step, master,
+                                                                           inv_scale, coef)
+    spans = ((lo, min(n, lo + block)) for lo in range(done, n, block)) if packed is None else \
         packed.blocks()
     g32 = None
     if master is not None:
@@ -109,6 +111,34 @@ def host_step(cfg: AdamConfig, param: torch.Tensor, grad: torch.Tensor, m: torch
             param[lo:hi].copy_(master[lo:hi])
         if packed is not None:
             packed.store(lo, hi, step)
+
+
+def _native_exact(cfg: AdamConfig, param: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
+                  step: torch.Tensor, master: torch.Tensor, inv_scale: float | None, coef: torch.Tensor | None) -> int:
+    """A mixed-precision update of exact moments in the native kernel (runtime/native/adam.c pstar_adam_exact: one
+    pass, where the torch route converts the gradient into scratch, runs torch's fused kernel and copies the master
+    into the parameter), over the chunk's first n - n % 16 elements, which torch's kernel computes in its vector loop;
+    the caller updates the rest. Taken only on the CPU where the kernels are built, torch's fused kernel is asked for
+    (fused=False keeps torch.optim's formula op by op) and `native.reproduces_torch` found the kernel bit for bit
+    torch's for this kind of update. Returns the elements updated (0: not taken)."""
+    n = param.numel() - param.numel() % 16
+    kernels = native.kernels() if param.device.type == "cpu" and n else None
+    if (kernels is None or not _fused_ok(cfg, master) or master.dtype != torch.float32
+            or m.dtype != torch.float32 or not kernels.takes(grad, param) or param.dtype == torch.float32
+            or not all(t.is_contiguous() for t in (param, grad, m, v, master))
+            or not native.reproduces_torch(kernels, cfg, grad.dtype, param.dtype, _exact_by_torch)):
+        return 0
+    kernels.adam_exact(cfg, float(step), master[:n], param[:n], grad[:n], m[:n], v[:n],
+                       inv_scale=1.0 if inv_scale is None else inv_scale, coef=1.0 if coef is None else float(coef))
+    return n
+
+
+def _exact_by_torch(cfg: AdamConfig, param, grad, m, v, step: torch.Tensor, master, inv_scale: float,
+                    coef: torch.Tensor) -> None:
+    """The torch route of a mixed-precision update of exact moments (native.reproduces_torch compares with it)."""
+    g = block_gradient(grad, 0, grad.numel(), torch.empty(grad.numel()), inv_scale, coef)
+    _apply(cfg, master, g, m, v, step)
+    param.copy_(master)
 
 
 def _native(cfg: AdamConfig, packed: Packed, target: torch.Tensor, out: torch.Tensor | None, grad: torch.Tensor,

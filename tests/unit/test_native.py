@@ -15,6 +15,7 @@ from pstar_fx.runtime.optimizers import host_update
 from pstar_fx.runtime.quantize import Packed
 
 HAVE_CC = shutil.which("cc") is not None
+X86_FMA = ("AVX2", "AVX512")    # torch's CPU kernels for x86-64 processors with fused multiply-adds
 needs_cc = pytest.mark.skipif(not HAVE_CC, reason="no C compiler on this machine: the torch ops serve")
 CFG = AdamConfig(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, decoupled=True, maximize=False,
                  fused=None)
@@ -138,6 +139,72 @@ def test_host_update_uses_them(monkeypatch):
     host_update(dataclasses.replace(CFG, fused=False), torch.randn(n), torch.randn(n), parts, master=None,
                 inv_scale=None, coef=None, skip=False)
     assert seen.count("quant_int8") == seen.count("dequant_int8") >= 1 and "adam" not in seen
+
+
+def _exact_update(cfg, half, n: int, steps: int, use_native: bool, monkeypatch, inv_scale=None, coef=None):
+    """`steps` mixed-precision host updates of exact moments (adam.host_step with a master) on values over many
+    magnitudes, zeros among them; use_native=False: the torch route (no kernels). The values after each step."""
+    g = torch.Generator().manual_seed(5)
+    master = torch.randn(n, generator=g) * torch.logspace(-6, 2, n)[torch.randperm(n, generator=g)]
+    m, v, step = torch.zeros(n), torch.zeros(n), torch.tensor(0.0)
+    param = master.to(half)
+    with monkeypatch.context() as patch:
+        if not use_native:
+            patch.setattr(native, "kernels", lambda: None)
+        out = []
+        for i in range(steps):
+            grad = (torch.randn(n, generator=g) * torch.logspace(-8, 1, n)[torch.randperm(n, generator=g)]).to(half)
+            grad[i::7] = 0
+            host_step(cfg, param, grad, m, v, step, master=master, inv_scale=inv_scale,
+                      coef=None if coef is None else torch.tensor(coef))
+            out.append([t.clone() for t in (master, m, v, param, grad)])
+    return out
+
+
+@needs_cc
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("options", [{}, {"decoupled": False}, {"maximize": True}, {"weight_decay": 0.0},
+                                     {"beta1": 0.3, "beta2": 0.999, "lr": 0.03}])
+@pytest.mark.parametrize("n, scaled", [(3 * 4096, False), (70_001, True), (5, False)])
+def test_the_exact_one_pass_update_is_torchs_fused_adam_bit_for_bit(monkeypatch, half, options, n, scaled):
+    """Mixed precision with exact moments: the native one-pass update (its first n - n % 16 elements; torch's route
+    the rest) gives the masters, moments and parameters of the torch route (gradient into fp32 scratch, torch's
+    fused kernel, the master copied into the parameter) to the last bit, over three steps, unscaled and clipped as
+    fp16 and max_grad_norm do, with the tail torch's scalar loop takes, and a chunk too small for the kernel."""
+    cfg = dataclasses.replace(CFG, **options)
+    kw = {"inv_scale": 1 / 1024, "coef": 0.37} if scaled else {}
+    ours = _exact_update(cfg, half, n, 3, True, monkeypatch, **kw)
+    if n >= 16 and torch.backends.cpu.get_cpu_capability() in X86_FMA:     # where it was written for, it is taken
+        assert native.kernels().verified[native.exact_kind(cfg, half, half)] is True
+    theirs = _exact_update(cfg, half, n, 3, False, monkeypatch, **kw)
+    for step, (a, b) in enumerate(zip(ours, theirs)):
+        for name, x, y in zip(("master", "m", "v", "param", "grad"), a, b):
+            assert torch.equal(x.view(torch.int32 if x.dtype == torch.float32 else torch.int16),
+                               y.view(torch.int32 if y.dtype == torch.float32 else torch.int16)), (step, name)
+    assert not torch.equal(ours[0][0], ours[-1][0]) and ours[-1][1].abs().max() > 0     # the values did change
+
+
+@needs_cc
+def test_the_exact_update_runs_natively_only_where_it_reproduces_torch(monkeypatch):
+    """host_step takes the native kernel for a mixed-precision update of exact moments (one call, 16-aligned), and
+    not where native.reproduces_torch finds its bits differ from the torch route's (a torch built otherwise),
+    nor with fused=False (torch.optim's formula), fp32 parameters or packed moments."""
+    kernels = native.kernels()
+    calls = []
+    real = native.Kernels.adam_exact
+    monkeypatch.setattr(native.Kernels, "adam_exact", lambda self, *a, **k: (calls.append(a[2].numel()),
+                                                                             real(self, *a, **k)))
+    n = 4096 + 21
+    _exact_update(CFG, torch.bfloat16, n, 1, True, monkeypatch)
+    assert calls == [4096 + 16]
+    # a route that disagrees: the check says so, and is asked once per kind of update
+    assert not native.reproduces_torch(dataclasses.replace(kernels, verified={}), CFG, torch.bfloat16,
+                                       torch.bfloat16, lambda *args: None)
+    monkeypatch.setitem(kernels.verified, native.exact_kind(CFG, torch.bfloat16, torch.bfloat16), False)
+    calls.clear()
+    _exact_update(CFG, torch.bfloat16, n, 1, True, monkeypatch)
+    _exact_update(dataclasses.replace(CFG, fused=False, decoupled=False), torch.float16, n, 1, True, monkeypatch)
+    assert calls == []
 
 
 def test_they_are_refused_with_a_reason(monkeypatch, tmp_path):

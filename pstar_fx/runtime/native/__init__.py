@@ -21,13 +21,14 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import math
 import os
 import platform
 import shutil
 import stat
 import subprocess
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -55,6 +56,7 @@ _SIGNATURES = {
     "pstar_dequant_int8": [_F, _F, _F, _F, _F, _F, _I64, _INT],
     "pstar_adam_bf16": [_A, _F, _F, _F, _F, _F, _I64, _I32, _I32, _INT],
     "pstar_adam_int8": [_A, _F, _F, _F, _F, _F, _F, _F, _I64, _I32, _I32, _INT],
+    "pstar_adam_exact": [_A, _F, _F, _F, _F, _F, _I64, _INT],
     "pstar_has_fp16": [],
 }
 
@@ -66,6 +68,8 @@ class Kernels:
     int8 block."""
     lib: ctypes.CDLL
     fp16: bool          # the update takes fp16 gradients and parameters (the compiler had _Float16)
+    # kinds of exact update (reproduces_torch's key) -> whether adam_exact computes them as torch's kernel does
+    verified: dict = field(default_factory=dict, compare=False, repr=False)
 
     def takes(self, *tensors) -> bool:
         """The update takes these tensors' dtypes (None: absent)."""
@@ -104,6 +108,64 @@ class Kernels:
             self.lib.pstar_adam_int8(ctypes.byref(args), _p(p32), pout, _p(grad), _p(qm), _p(qv),
                                      _p(parts["exp_avg.scale"]), _p(parts["exp_avg_sq.scale"]), n, first, seed,
                                      threads)
+
+
+    def adam_exact(self, cfg, step: float, master, out, grad, m, v, *, inv_scale: float = 1.0,
+                   coef: float = 1.0) -> None:
+        """One Adam / AdamW update (cfg: optim.AdamConfig; step: the count after it) of the fp32 master with the
+        half-precision gradient grad, the half-precision parameter out written from it, the fp32 moments m and v:
+        torch's fused CPU kernel's vector loop in one pass (adam.c pstar_adam_exact). The element count must be a
+        multiple of 16 (torch's scalar loop takes a tensor's last n % 16 elements, and rounds otherwise). Its scalars
+        as torch's kernel makes them: in double from the step, then rounded to fp32."""
+        n = master.numel()
+        assert n % 16 == 0 and all(t.numel() == n for t in (out, grad, m, v))
+        assert master.dtype == m.dtype == v.dtype == torch.float32 and out.dtype != torch.float32
+        args = AdamArgs(decay=1 - cfg.lr * cfg.weight_decay, weight_decay=cfg.weight_decay, w1=1 - cfg.beta1,
+                        beta2=cfg.beta2, w2=1 - cfg.beta2, eps=cfg.eps, step_size=cfg.lr / (1 - cfg.beta1 ** step),
+                        bc2_sqrt=math.sqrt(1 - cfg.beta2 ** step), inv_scale=inv_scale, coef=coef,
+                        decoupled=int(cfg.decoupled), maximize=int(cfg.maximize), grad_kind=_KINDS[grad.dtype],
+                        out_kind=_KINDS[out.dtype])
+        self.lib.pstar_adam_exact(ctypes.byref(args), _p(master), _p(out), _p(grad), _p(m), _p(v), n,
+                                  torch.get_num_threads())
+
+
+def reproduces_torch(kernels: Kernels, cfg, grad_dtype: torch.dtype, out_dtype: torch.dtype, by_torch) -> bool:
+    """Whether `kernels.adam_exact` computes this kind of update bit for bit as the torch route `by_torch(cfg, param,
+    grad, m, v, step, master, inv_scale, coef)` does (torch's fused kernel, as this build of torch rounds it on this
+    processor): tried once per kind (Adam or AdamW, maximize, weight decay or none, the lerp's branch, the dtypes) on
+    4096 elements of values over many magnitudes, zeros among them, from a generator of its own (the global one is
+    not drawn from)."""
+    key = exact_kind(cfg, grad_dtype, out_dtype)
+    ok = kernels.verified.get(key)
+    if ok is None:
+        ok = kernels.verified[key] = _same_bits(kernels, cfg, grad_dtype, out_dtype, by_torch)
+    return ok
+
+
+def exact_kind(cfg, grad_dtype: torch.dtype, out_dtype: torch.dtype) -> tuple:
+    """What decides how torch's kernel rounds an update: Adam or AdamW, maximize, weight decay or none, the lerp's
+    branch (1 - beta1 below 0.5 or not), the gradient's and parameter's dtypes."""
+    return cfg.decoupled, cfg.maximize, cfg.weight_decay != 0, abs(1 - cfg.beta1) < 0.5, grad_dtype, out_dtype
+
+
+def _same_bits(kernels: Kernels, cfg, grad_dtype, out_dtype, by_torch, n: int = 4096) -> bool:
+    g = torch.Generator().manual_seed(0)
+
+    def spread(lo: float, hi: float) -> torch.Tensor:
+        return torch.logspace(lo, hi, n)[torch.randperm(n, generator=g)]
+
+    master = torch.randn(n, generator=g) * spread(-6, 2)
+    m = torch.randn(n, generator=g) * spread(-8, -1)
+    v = torch.rand(n, generator=g) * spread(-12, -2)
+    grad = (torch.randn(n, generator=g) * spread(-8, 1)).to(grad_dtype)
+    m[::17], v[::13], grad[::19] = 0, 0, 0
+    ours = [t.clone() for t in (master, m, v, grad)] + [master.to(out_dtype)]
+    theirs = [t.clone() for t in ours]
+    kernels.adam_exact(cfg, 3.0, ours[0], ours[4], ours[3], ours[1], ours[2], inv_scale=0.125, coef=0.75)
+    by_torch(cfg, theirs[4], theirs[3], theirs[1], theirs[2], torch.tensor(3.0), theirs[0], 0.125, torch.tensor(0.75))
+    return all(torch.equal(a.view(torch.int32 if a.dtype == torch.float32 else torch.int16),
+                           b.view(torch.int32 if b.dtype == torch.float32 else torch.int16))
+               for a, b in zip(ours, theirs))
 
 
 def _p(t: torch.Tensor) -> int:

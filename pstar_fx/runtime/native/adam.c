@@ -139,3 +139,60 @@ void pstar_adam_int8(const struct adam *a, float *p32, void *out, const void *gr
         codes_v(v, r, inverse(av), qv + lo, k);
     }
 }
+
+
+/* Adam / AdamW on fp32 moments in mixed precision (pstar_fx/runtime/adam.py's exact route on the CPU): torch's fused
+ * CPU kernel (aten/src/ATen/native/cpu/FusedAdamKernel.cpp), its vector loop's operations as its x86-64 build rounds
+ * them, on the fp32 master, with the gradient converted from bf16 or fp16, unscaled and clipped as the torch route's
+ * ops do it, and the half-precision parameter written from the master: one pass over the chunk where the torch route
+ * makes three (the gradient into fp32 scratch, the kernel, the parameter's copy). torch's compiler contracts the
+ * kernel's multiply-adds: m is its lerp's fused multiply-add, v fma((1 - beta2) g, g, v beta2), Adam's decay
+ * fma(p, weight_decay, g); the parameter is p + (-step_size m) / (sqrt(v) / bc2 + eps). torch's scalar loop, which
+ * takes a tensor's last n % 16 elements, may round otherwise: the caller gives those to torch (n here is a multiple
+ * of 16), and checks once per process and kind of update that this reproduces torch's kernel bit for bit (another
+ * build of torch, or a processor without fused multiply-adds, may not: the torch route then serves). */
+#define EXACT_BLOCK 1024
+
+void pstar_adam_exact(const struct adam *a, float *p32, void *out, const void *grad, float *m, float *v, int64_t n,
+                      int threads) {
+    const float w1 = a->w1, b2 = a->beta2, w2 = a->w2, decay = a->decay, wd = a->weight_decay;
+    const float neg_step = -a->step_size, bc2 = a->bc2_sqrt, eps = a->eps;
+    /* torch's lerp: m + w1 (g - m) where |w1| < 0.5, else g + (w1 - 1) (g - m), each one fused multiply-add */
+    const int small = fabsf(w1) < 0.5f;
+    const float coeff = small ? w1 : w1 - 1.0f;
+    const int decoupled = a->decoupled, decays = a->weight_decay != 0.0f;
+    int64_t blocks = (n + EXACT_BLOCK - 1) / EXACT_BLOCK;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t b = 0; b < blocks; b++) {
+        int64_t lo = b * EXACT_BLOCK, k = n - lo < EXACT_BLOCK ? n - lo : EXACT_BLOCK;
+        float g[EXACT_BLOCK];
+        float *restrict p = p32 + lo, *restrict mb = m + lo, *restrict vb = v + lo;
+        gradient(a, grad, lo, k, g);
+        for (int64_t j = 0; j < k; j++) {
+            float pj = p[j], gj = g[j];
+            if (decays) {
+                if (decoupled)
+                    pj = pj * decay;
+                else
+                    gj = fmaf(pj, wd, gj);
+            }
+            float mj = fmaf(coeff, gj - mb[j], small ? mb[j] : gj);
+            float vj = fmaf(w2 * gj, gj, vb[j] * b2);
+            float denom = sqrtf(vj) / bc2 + eps;
+            p[j] = pj + (neg_step * mj) / denom;
+            mb[j] = mj;
+            vb[j] = vj;
+        }
+        if (a->out_kind == BF16) {
+            uint16_t *dst = (uint16_t *)out + lo;
+            for (int64_t j = 0; j < k; j++)
+                dst[j] = round_bf16(p[j]);
+#if HAVE_FP16
+        } else if (a->out_kind == FP16) {
+            _Float16 *dst = (_Float16 *)out + lo;
+            for (int64_t j = 0; j < k; j++)
+                dst[j] = (_Float16)p[j];
+#endif
+        }
+    }
+}
