@@ -62,6 +62,21 @@ static inline void gradient(const struct adam *a, const void *grad, int64_t lo, 
         g[j] = ((g[j] * s) * c) * sign;
 }
 
+/* The half-precision parameter written from the fp32 one (none where out_kind is FP32). */
+static inline void write_half(const struct adam *a, const float *restrict p, void *out, int64_t lo, int64_t k) {
+    if (a->out_kind == BF16) {
+        uint16_t *dst = (uint16_t *)out + lo;
+        for (int64_t j = 0; j < k; j++)
+            dst[j] = round_bf16(p[j]);
+#if HAVE_FP16
+    } else if (a->out_kind == FP16) {
+        _Float16 *dst = (_Float16 *)out + lo;
+        for (int64_t j = 0; j < k; j++)
+            dst[j] = (_Float16)p[j];
+#endif
+    }
+}
+
 /* One block's update: p (fp32) in place, m and v in place (fp32), the half-precision parameter written. */
 static inline void update(const struct adam *a, float *restrict p, const float *restrict g, float *restrict m,
                           float *restrict v, void *out, int64_t lo, int64_t k) {
@@ -81,17 +96,7 @@ static inline void update(const struct adam *a, float *restrict p, const float *
         m[j] = mj;
         v[j] = vj;
     }
-    if (a->out_kind == BF16) {
-        uint16_t *dst = (uint16_t *)out + lo;
-        for (int64_t j = 0; j < k; j++)
-            dst[j] = round_bf16(p[j]);
-#if HAVE_FP16
-    } else if (a->out_kind == FP16) {
-        _Float16 *dst = (_Float16 *)out + lo;
-        for (int64_t j = 0; j < k; j++)
-            dst[j] = (_Float16)p[j];
-#endif
-    }
+    write_half(a, p, out, lo, k);
 }
 
 void pstar_adam_bf16(const struct adam *a, float *p32, void *out, const void *grad, uint16_t *qm, uint16_t *qv,
@@ -183,16 +188,6 @@ void pstar_adam_exact(const struct adam *a, float *p32, void *out, const void *g
             mb[j] = mj;
             vb[j] = vj;
         }
-        if (a->out_kind == BF16) {
-            uint16_t *dst = (uint16_t *)out + lo;
-            for (int64_t j = 0; j < k; j++)
-                dst[j] = round_bf16(p[j]);
-#if HAVE_FP16
-        } else if (a->out_kind == FP16) {
-            _Float16 *dst = (_Float16 *)out + lo;
-            for (int64_t j = 0; j < k; j++)
-                dst[j] = (_Float16)p[j];
-#endif
-        }
+        write_half(a, p, out, lo, k);
     }
 }
