@@ -102,7 +102,7 @@ def host_step(cfg: AdamConfig, param: torch.Tensor, grad: torch.Tensor, m: torch
         packed.blocks()
     g32 = None
     if master is not None:
-        g32 = torch.empty(min(block if packed is None else packed.block, n), dtype=torch.float32)
+        g32 = torch.empty(min(block if packed is None else packed.block, n - done), dtype=torch.float32)
     for lo, hi in spans:
         bm, bv = (m[lo:hi], v[lo:hi]) if packed is None else packed.load(lo, hi)
         g = block_gradient(grad, lo, hi, g32, inv_scale, coef)
