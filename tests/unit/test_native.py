@@ -190,11 +190,12 @@ def test_the_exact_update_runs_natively_only_where_it_reproduces_torch(monkeypat
     not where native.reproduces_torch finds its bits differ from the torch route's (a torch built otherwise),
     nor with fused=False (torch.optim's formula), fp32 parameters or packed moments."""
     kernels = native.kernels()
+    n = 4096 + 21
+    _exact_update(CFG, torch.bfloat16, n, 1, True, monkeypatch)     # (the check, once per process, made here)
     calls = []
     real = native.Kernels.adam_exact
     monkeypatch.setattr(native.Kernels, "adam_exact", lambda self, *a, **k: (calls.append(a[2].numel()),
                                                                              real(self, *a, **k)))
-    n = 4096 + 21
     _exact_update(CFG, torch.bfloat16, n, 1, True, monkeypatch)
     assert calls == [4096 + 16]
     # a route that disagrees: the check says so, and is asked once per kind of update
