@@ -273,8 +273,8 @@ def run_pstar(cfg, args, device, batch, budget: str) -> dict:
                          host_pool=host_pool(step._compiler.store.hostmem))
     if args.host_threads and step._compiler.store.updates is not None:   # the CPU worker's intra-op threads (an experiment)
         step._compiler.store.updates.threads = args.host_threads
-    from pstar_fx.api.plan import host_bytes
-    steady, setup = host_bytes(step.final_graph)
+    from pstar_fx.ir.needs import host_bytes, host_setup_bytes
+    steady, setup = host_bytes(step.final_graph), host_setup_bytes(step.final_graph)
     print(f"host memory of rank {os.environ.get('RANK', 0)} after set-up: {rss_now() / 2**30:.2f} GiB; the plan's "
           f"store: {setup / 2**30:.2f} GiB at set-up, {steady / 2**30:.2f} GiB in steps; cudaHostRegister refused "
           f"{len(step._compiler.store.hostmem.fallbacks)} buffers {step._compiler.store.hostmem.fallbacks[:3]}", file=sys.stderr,
