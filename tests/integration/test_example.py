@@ -63,6 +63,21 @@ def test_benchmark_finds_the_largest_gpt_each_system_trains():
     assert "1 layers: BudgetError" in summary["pstar:600KiB"], out.stdout
 
 
+def test_benchmark_times_pstar_fx_and_reports_its_plan(tmp_path):
+    """benchmarks/gpt.py's pstar-fx system on the CPU in bf16: its row has a step time, not an error, and its JSON
+    the plan's and the run's figures (every GPU row of BENCHMARKS.md comes through this code)."""
+    out = subprocess.run([sys.executable, "benchmarks/gpt.py", "--device", "cpu", "--tiny", "--systems", "pstar",
+                          "--budgets", "none", "--precision", "bf16", "--warmup", "1", "--steps", "5",
+                          "--json", str(tmp_path / "rows.json")], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    import json
+    rows = json.load(open(tmp_path / "rows.json"))["rows"]
+    assert len(rows) == 1 and "error" not in rows[0], rows
+    row = rows[0]
+    assert row["step_s"] > 0 and row["chunks"] > 0 and row["predicted_peak"] == row["measured_peak"] != "-"
+
+
 @pytest.mark.slow
 def test_train_gpt_example_saves_on_ctrl_c_and_resumes_exactly(tmp_path):
     """Ctrl-C mid-run: the example saves a checkpoint of the steps done (pstar-fx completes or undoes the step it
