@@ -94,11 +94,7 @@ class Kernels:
         from it, the compressed moments of parts (bf16 or int8) read and written."""
         n = p32.numel()
         assert grad.numel() == n and (out is None or out.numel() == n) and p32.dtype == torch.float32
-        args = AdamArgs(decay=1 - cfg.lr * cfg.weight_decay, weight_decay=cfg.weight_decay, w1=1 - cfg.beta1,
-                        beta2=cfg.beta2, w2=1 - cfg.beta2, eps=cfg.eps, step_size=cfg.lr / (1 - cfg.beta1 ** step),
-                        bc2_sqrt=(1 - cfg.beta2 ** step) ** 0.5, inv_scale=inv_scale, coef=coef,
-                        decoupled=int(cfg.decoupled), maximize=int(cfg.maximize), grad_kind=_KINDS[grad.dtype],
-                        out_kind=0 if out is None else _KINDS[out.dtype])
+        args = _args(cfg, step, (1 - cfg.beta2 ** step) ** 0.5, grad, out, inv_scale, coef)
         qm, qv, threads = parts["exp_avg"], parts["exp_avg_sq"], torch.get_num_threads()
         pout = None if out is None else _p(out)
         if qm.dtype == torch.bfloat16:
@@ -108,7 +104,6 @@ class Kernels:
             self.lib.pstar_adam_int8(ctypes.byref(args), _p(p32), pout, _p(grad), _p(qm), _p(qv),
                                      _p(parts["exp_avg.scale"]), _p(parts["exp_avg_sq.scale"]), n, first, seed,
                                      threads)
-
 
     def adam_exact(self, cfg, step: float, master, out, grad, m, v, *, inv_scale: float = 1.0,
                    coef: float = 1.0) -> None:
@@ -120,13 +115,19 @@ class Kernels:
         n = master.numel()
         assert n % 16 == 0 and all(t.numel() == n for t in (out, grad, m, v))
         assert master.dtype == m.dtype == v.dtype == torch.float32 and out.dtype != torch.float32
-        args = AdamArgs(decay=1 - cfg.lr * cfg.weight_decay, weight_decay=cfg.weight_decay, w1=1 - cfg.beta1,
-                        beta2=cfg.beta2, w2=1 - cfg.beta2, eps=cfg.eps, step_size=cfg.lr / (1 - cfg.beta1 ** step),
-                        bc2_sqrt=math.sqrt(1 - cfg.beta2 ** step), inv_scale=inv_scale, coef=coef,
-                        decoupled=int(cfg.decoupled), maximize=int(cfg.maximize), grad_kind=_KINDS[grad.dtype],
-                        out_kind=_KINDS[out.dtype])
+        args = _args(cfg, step, math.sqrt(1 - cfg.beta2 ** step), grad, out, inv_scale, coef)   # (torch's sqrt)
         self.lib.pstar_adam_exact(ctypes.byref(args), _p(master), _p(out), _p(grad), _p(m), _p(v), n,
                                   torch.get_num_threads())
+
+
+def _args(cfg, step: float, bc2_sqrt: float, grad, out, inv_scale: float, coef: float) -> AdamArgs:
+    """adam.c's scalars of one update (cfg: optim.AdamConfig; step: the count after it), each in double, rounded to
+    fp32 by ctypes; bc2_sqrt: sqrt(1 - beta2^step), as the caller's reference computes it."""
+    return AdamArgs(decay=1 - cfg.lr * cfg.weight_decay, weight_decay=cfg.weight_decay, w1=1 - cfg.beta1,
+                    beta2=cfg.beta2, w2=1 - cfg.beta2, eps=cfg.eps, step_size=cfg.lr / (1 - cfg.beta1 ** step),
+                    bc2_sqrt=bc2_sqrt, inv_scale=inv_scale, coef=coef, decoupled=int(cfg.decoupled),
+                    maximize=int(cfg.maximize), grad_kind=_KINDS[grad.dtype],
+                    out_kind=0 if out is None else _KINDS[out.dtype])
 
 
 def reproduces_torch(kernels: Kernels, cfg, grad_dtype: torch.dtype, out_dtype: torch.dtype, by_torch) -> bool:
