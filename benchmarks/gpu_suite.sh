@@ -93,7 +93,7 @@ stage() {
     tests)        # the tests marked cuda, on the GPU (PSTAR_TEST_DEVICE=cuda); each test's outcome by name in
                   # $OUT/tests_each.log, so a run cut by a time limit still says which tests ran
       # shellcheck disable=SC2086
-      PSTAR_TEST_DEVICE=cuda timeout 560 python3 -m pytest ${TESTS:--m cuda tests} -vv -p no:cacheprovider -rf \
+      PSTAR_TEST_DEVICE=cuda timeout 560 python3 -m pytest ${TESTS:--m cuda tests} -vv -p no:cacheprovider -rfEs \
           > "$out/tests_each.log" 2>&1
       echo "pytest exit $?; $(grep -c ' PASSED' "$out/tests_each.log") passed by name"
       grep -E '^(FAILED|ERROR)|[0-9]+ (passed|failed)' "$out/tests_each.log" | tail -30 ;;
@@ -163,6 +163,12 @@ stage() {
       mkdir -p ../disk
       gpt disk_tier 570 --layers 60 --hidden 5120 --heads 40 --batch 8 --systems pstar --init-empty \
           --host-memory 100GiB --offload-dir ../disk --disk-memory 58GiB --warmup 1 --steps 5 ;;
+    gpt17b_native) # 17.26B at the default settings (the plans the native host update's rate chooses), atomic and
+                   # atomic=False, each against the plan chosen at torch's route's rate (--no-native-update's)
+      gpt17 gpt17b_native_atomic --budgets none
+      gpt17 gpt17b_native_free --budgets none --no-atomic
+      gpt17 gpt17b_torch_rate_atomic --budgets none --device-updates 42
+      gpt17 gpt17b_torch_rate_free --budgets none --no-atomic --device-updates 27 --no-fuse ;;
     gpt17b_ckpt)  # 17.26B built with per-block torch.utils.checkpoint, atomic=False
       gpt17 gpt17b_ckpt --checkpoint on --no-atomic ;;
     gpt17b_budgets) # 17.26B, atomic=False, at 135 and 133 GiB (headroom for the CUDA allocator)

@@ -74,6 +74,7 @@ from .ir.fx_utils import mutated_args, storage_key, tensors_of
 from .ir.graph import BufKind, Role, Settings, TrainGraph, UpdateSite
 from .ir.needs import (BufKey, all_needs, buf_bytes, from_master, shard_numel, state_bytes, state_layout,
                        undo_bytes)
+from .optim import ADAM_STATE
 from .units import format_bytes, parse_bytes
 
 INF = float("inf")
@@ -97,6 +98,14 @@ class Machine:
     duplex_cpu_bytes: float = 74e9       # both directions at once while the CPU runs AdamW, the two together
     cpu_adam: float = 4.1e9              # parameters per second, torch's fused CPU AdamW, fp32 (3.85-4.40 measured)
     cpu_adam_mixed: float = 2.48e9       # the same with the bf16 gradient converted in, the bf16 parameter out
+    # pstar-fx's one-pass update of exact Adam moments in mixed precision (runtime/native/adam.c) against torch's
+    # three-pass route above, where the host runs it (`native_update`: its C compiler built the kernel). Measured on
+    # the 17.26B GPT's atomic step at one plan (42 chunks streamed), H200 machine, 2026-12-06: the CPU worker 33.6-38.4
+    # ms an update against 54.9 ms by torch's route (1.43-1.63x; benchmarks/results/gpt17b_native_h200_2026-12-06.md);
+    # on the 2-core CI machine, alone, 1.52-1.54x (benchmarks/results/native_update_h200_2026-12-06.md). The
+    # fractions below (beside backward, beside a fused step) were fitted with torch's route; not yet measured on it
+    native_exact_speedup: float = 1.5
+    native_update: bool = True           # the host updates exact mixed-precision moments by the native kernel
     cpu_adam_under_copies: float = 2.7 / 4.1   # CPU AdamW's rate while copies run, as a fraction of its rate alone
     # fitted to the 17.26B GPT's atomic=False step at the default budget (BENCHMARKS.md: 4.183 s measured, the CPU
     # worker 47 ms an update; planned on the CPU: 3.785 s without it, 4.195 s with it): the CPU's updates during
@@ -163,6 +172,9 @@ class Machine:
             elif f.name in ("gpus_per_node", "launch_queue"):
                 if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                     raise ValueError(f"Machine.{f.name} must be an integer >= 1, got {v!r}")
+            elif f.name == "native_update":
+                if not isinstance(v, bool):
+                    raise ValueError(f"Machine.native_update must be True or False, got {v!r}")
             elif f.name == "name":
                 if not isinstance(v, str):
                     raise ValueError(f"Machine.name must be a string, got {v!r}")
@@ -454,14 +466,18 @@ class _Sim:
 
 def cpu_update_rate(settings: Settings, m: Machine, beside_backward: bool | None = None) -> float:
     """Elements per second the CPU worker updates while no copy runs: torch's fused CPU Adam's rate in the step's
-    precision, over the optimizer's relative cost, beside backward (slower still beside a fused step's backward).
+    precision (exact Adam moments in mixed precision: the native kernel's, where the host runs it), over the
+    optimizer's relative cost, beside backward (slower still beside a fused step's backward).
     beside_backward: whether the update runs during backward (None: where atomic=False updates there)."""
+    layout = state_layout(settings)
     rate = m.cpu_adam_mixed if settings.precision.mixed else m.cpu_adam
+    if settings.precision.mixed and m.native_update and layout == ADAM_STATE:
+        rate *= m.native_exact_speedup
     if settings.early_updates if beside_backward is None else beside_backward:
         rate *= m.cpu_adam_beside_backward
         if settings.fused:
             rate *= m.cpu_adam_beside_fused
-    return rate / state_layout(settings).update_cost
+    return rate / layout.update_cost
 
 
 def _shard_bytes(c, world: int) -> int:

@@ -2,6 +2,7 @@
 resolved (device, precision, budget), before anything is traced."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import shutil
@@ -13,6 +14,7 @@ from ..cost import H200, Machine, gpu_named, preset
 from ..errors import warn
 from ..ir.graph import Precision
 from ..optim import OptimizerSpec
+from ..runtime import native
 from ..runtime.comm import Comm
 from ..runtime.disk import check_dir
 from ..runtime.host_memory import host_limit_bytes, local_ranks, spare_host_bytes
@@ -188,12 +190,17 @@ def resolve_budget(device_memory, device: torch.device, world: int) -> tuple[int
     return default_cpu_budget(), None
 
 
-def resolve_machine(device: torch.device) -> Machine:
+def resolve_machine(device: torch.device, precision: Precision) -> Machine:
     """The rates px.compile's passes weigh their choices at and `step.summary()` estimates the step with: on a GPU
     the preset of its kind by name (pstar_fx.cost.preset: the H200's measured rates, the H100's assumed from them),
-    the H200's for any other device (on a GPU the cost model has no rates of, the estimate is the H200's)."""
+    the H200's for any other device (on a GPU the cost model has no rates of, the estimate is the H200's). In mixed
+    precision, whether this host runs the native update of exact moments (`Machine.native_update`: the native
+    kernels build and load here; its once-per-process check against torch's bits is not run ahead)."""
     kind = gpu_named(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
-    return H200 if kind is None else preset(kind)
+    machine = H200 if kind is None else preset(kind)
+    if precision.mixed and native.kernels() is None:
+        machine = dataclasses.replace(machine, native_update=False)
+    return machine
 
 
 # "not given" in the ranks' agreement on their tier budgets (an int64 larger than any budget)

@@ -9,12 +9,13 @@
 
 Runs on any machine (no GPU, no process group): the model is built on the meta device, the step traced and planned as
 each of the --world-size ranks would, and the cost model (pstar_fx/cost.py) estimates the step time on --machine (a
-preset: its rates and GPU memory; --host-memory and --gpus-per-node size its nodes, --pcie-gbps, --cpu-adam-gparams
-and --network-gbps replace its rates; --device-memory replaces the budget the GPU's memory gives); --state-dtype
-compresses AdamW's moments, --disk-memory adds a disk tier for the states beyond --host-memory. The GPT is
-nanoGPT's, the one benchmarks/gpt.py trains: vocab 50304 (--vocab), tied head, learned positions, biases and
-LayerNorms, no dropout, loss cross-entropy; --checkpoint wraps every block in torch.utils.checkpoint. --batch is per
-GPU. Exit status: 0 when the model fits, 1 when it does not. `python -m pstar_fx.api.plan_cli` runs it too.
+preset: its rates and GPU memory; --host-memory and --gpus-per-node size its nodes, --pcie-gbps, --cpu-adam-gparams,
+--no-native-update and --network-gbps replace its rates; --device-memory replaces the budget the GPU's memory
+gives); --state-dtype compresses AdamW's moments, --disk-memory adds a disk tier for the states beyond
+--host-memory. The GPT is nanoGPT's, the one benchmarks/gpt.py trains: vocab 50304 (--vocab), tied head, learned
+positions, biases and LayerNorms, no dropout, loss cross-entropy; --checkpoint wraps every block in
+torch.utils.checkpoint. --batch is per GPU. Exit status: 0 when the model fits, 1 when it does not.
+`python -m pstar_fx.api.plan_cli` runs it too.
 """
 from __future__ import annotations
 
@@ -86,6 +87,10 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--cpu-adam-gparams", type=float, default=None,
                     help="the host's fp32 AdamW per GPU in Gparam/s; the mixed-precision rate scaled alike "
                          f"(default: {H200.cpu_adam / 1e9:.1f}, measured with 16 cores per GPU)")
+    ap.add_argument("--no-native-update", action="store_true",
+                    help="the hosts update exact mixed-precision moments by torch's route, not pstar-fx's native "
+                         f"kernel ({H200.native_exact_speedup}x slower; where no C compiler builds it, or "
+                         "PSTAR_FX_NATIVE=0)")
     return ap
 
 
@@ -105,6 +110,8 @@ def main(argv=None) -> PlanReport:
             machine = machine.with_pcie(args.pcie_gbps * 1e9)
         if args.cpu_adam_gparams is not None:
             machine = machine.with_cpu_adam(args.cpu_adam_gparams * 1e9)
+        if args.no_native_update:
+            machine = dataclasses.replace(machine, native_update=False)
     except (ValueError, TypeError) as e:
         parser.error(str(e))
     if args.disk_memory is not None and args.host_memory is None:

@@ -122,7 +122,7 @@ class CompiledStep:
         self._compiler = self._compiler_class(traced_fn, model, self.settings, self._comm, self._optimizer,
                                               remat=remat is not False, prefetch=prefetch, cache_size=cache_size,
                                               fuse=fuse, fuse_auto=fuse_auto, offload_dir=offload,
-                                              machine=resolve_machine(dev))
+                                              machine=resolve_machine(dev, prec))
         self._model_state = ModelState(self, model, self._compiler, self._comm, self._lock)
         self._scaler = LossScaler() if prec is Precision.FP16 else None
         self._last_stats: StepStats | None = None

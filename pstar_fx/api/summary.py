@@ -31,7 +31,8 @@ class Summary:
     compile_seconds: tuple[float, float, float] = (0.0, 0.0, 0.0)   # trace, passes, set-up (store and executor)
     default_budget: str | None = None       # device_memory=None on a GPU: how the budget was chosen
     estimated_seconds: float | None = None  # the cost model's steady-state step (None off CUDA)
-    rates: str = "H200"                     # the GPU whose rates the cost model estimated with (Machine.name)
+    rates: str = "H200"                     # the GPU whose rates the cost model estimated with (Machine.name;
+    #                                         where the host updates exact moments by torch's route, that too)
     measured_seconds: float | None = None   # the last step's wall time, call to return
     alloc_retries: int | None = None        # the last step's caching-allocator retries (CUDA)
     states_streamed: int = 0                # of the chunks whose states live on the host: updated on the device
@@ -108,7 +109,7 @@ def summarize(g: TrainGraph, compiled: Compiled, last: StepStats | None, prec: P
                          sum(st.seconds for name, st in compiled.stages.items() if name != "traced"),
                          compiled.setup_seconds),
         default_budget=None if default_budget is None else str(default_budget),
-        estimated_seconds=_estimated(g, compiled), rates=compiled.machine.name,
+        estimated_seconds=_estimated(g, compiled), rates=_rates(compiled.machine, prec),
         measured_seconds=None if last is None else last.seconds,
         alloc_retries=None if last is None else last.alloc_retries,
         fused=_fused(compiled),
@@ -126,6 +127,12 @@ def _fused(compiled: Compiled) -> str | None:
     if stage.made_by == "fuse_if_faster":
         return "none: the cost model estimates the step faster unfused (see why)"
     return str(compiled.executor.region_stats)
+
+
+def _rates(machine, prec: Precision) -> str:
+    """The rates' name in the summary: the GPU's, and in mixed precision on a host without the native update, so."""
+    torch_route = prec.mixed and not machine.native_update
+    return machine.name + (", the host updating by torch's route (no native kernels)" if torch_route else "")
 
 
 def _estimated(g: TrainGraph, compiled: Compiled) -> float | None:

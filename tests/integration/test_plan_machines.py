@@ -15,6 +15,7 @@ from pstar_fx.api.plan import Tier, device_headroom
 from pstar_fx.api.plan_cli import main
 from pstar_fx.cost import GPU, H200, Bound, Lane, Machine, preset
 from pstar_fx.ir import BufKind, Role
+from pstar_fx.ir.graph import Precision
 from models import CASES_BY_NAME
 
 CHUNK = 1024
@@ -81,11 +82,11 @@ def test_px_compile_plans_and_estimates_at_its_machines_rates(monkeypatch):
     import pstar_fx.api.step as step_module
     from pstar_fx.api.options import resolve_machine
 
-    assert resolve_machine(torch.device("cpu")) is H200
+    assert resolve_machine(torch.device("cpu"), Precision.FP32) is H200
     case = CASES_BY_NAME["gpt_tied"]
     why = {}
     for machine in (H200, dataclasses.replace(H200, cpu_adam=1e6, cpu_adam_mixed=1e6, name="slow host")):
-        monkeypatch.setattr(step_module, "resolve_machine", lambda device, m=machine: m)
+        monkeypatch.setattr(step_module, "resolve_machine", lambda device, prec, m=machine: m)
         step = px.compile(case.build_model(), optimizer=px.AdamW(lr=1e-3), device_memory="300KiB")(case.loss_fn)
         step(*case.batch(0))
         summary = step.summary()
@@ -145,6 +146,40 @@ def test_the_machines_rates_estimate_the_step_and_say_what_bounds_it():
     assert cpu.machine.cpu_adam_mixed == pytest.approx(base.cpu_adam_mixed / 1e5)
     roomy = _plan(machine=base)                       # everything on the GPU: nothing crosses PCIe
     assert roomy.h2d_bytes == 0 and roomy.bounded_by in (Bound.COMPUTE, Bound.ISSUING)
+
+
+def test_the_hosts_exact_mixed_update_runs_at_the_native_kernels_rate_where_it_runs():
+    """Exact Adam moments in mixed precision: the CPU lane of one plan takes native_exact_speedup times as long on a
+    host that updates them by torch's route; fp32 steps and compressed moments, which that kernel does not update,
+    take the same time on both."""
+    need, _ = _need(1)
+    base = preset("h200", gpus_per_node=1)
+    torch_route = dataclasses.replace(base, native_update=False)
+    for precision, optimizer, ratio in (("bf16", None, base.native_exact_speedup), ("fp32", None, 1.0),
+                                        ("bf16", px.AdamW(lr=1e-3, state_dtype="bf16"), 1.0)):
+        rep = _plan(device_memory=need, machine=base, precision=precision, optimizer=optimizer)
+        native_s, torch_s = (cost.estimate(rep.graph, m).busy[Lane.CPU] for m in (base, torch_route))
+        assert native_s > 0 and torch_s == pytest.approx(native_s * ratio), (precision, optimizer)
+    assert main([*GPT_ARGS, "--no-native-update"]).machine.native_update is False
+    with pytest.raises(ValueError, match="Machine.native_update must be True or False"):
+        Machine(native_update=1)
+
+
+def test_px_compile_estimates_torchs_host_update_where_the_native_kernels_do_not_load(monkeypatch):
+    """resolve_machine: in mixed precision the rates are the torch route's where the native kernels cannot be
+    loaded, and the summary says so; fp32 steps do not ask for the kernels."""
+    import pstar_fx.api.options as options
+
+    if options.native.kernels() is not None:
+        assert options.resolve_machine(torch.device("cpu"), Precision.BF16).native_update is True
+    monkeypatch.setattr(options.native, "kernels", lambda: None)
+    assert options.resolve_machine(torch.device("cpu"), Precision.FP32) is H200
+    assert options.resolve_machine(torch.device("cpu"), Precision.BF16).native_update is False
+    case = CASES_BY_NAME["gpt_tied"]
+    step = px.compile(case.build_model(), optimizer=px.AdamW(lr=1e-3), precision="bf16",
+                      device_memory="300KiB")(case.loss_fn)
+    step(*case.batch(0))
+    assert step.summary().rates == "H200, the host updating by torch's route (no native kernels)"
 
 
 def test_a_model_that_does_not_fit_says_which_tier_and_by_how_much():
