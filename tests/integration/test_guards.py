@@ -19,18 +19,10 @@ from pstar_fx.ir import Role
 from pstar_fx.ir.graph import to_module
 from pstar_fx.passes.verify import VerificationError, verify
 
-from harness import fetch_counts
+from harness import fetch_counts, line_of
 from models import assert_state_close
 
 LR = 1e-2
-
-
-def _this_line(marker: str) -> int:
-    with open(__file__) as f:
-        for i, line in enumerate(f, 1):
-            if marker in line and "_this_line" not in line:
-                return i
-    raise AssertionError(marker)
 
 
 def _guards(g):
@@ -174,7 +166,7 @@ def test_boolean_mask_whose_size_feeds_an_if_trains_like_eager():
     assert_state_close(sd, ref_sd, rtol=1e-6)
     assert step._compiler.compiles == 2
     (spec,) = _guards(step.graphs["traced"])
-    assert spec.op == "aten.index" and f"test_guards.py:{_this_line('MARK-size-branch')}" in spec.where
+    assert spec.op == "aten.index" and f"test_guards.py:{line_of(__file__, 'MARK-size-branch')}" in spec.where
 
 
 def rel_close(a, b, rtol=1e-6):
@@ -322,7 +314,7 @@ def test_retracing_again_and_again_for_a_guard_warns_once_naming_op_and_line():
     mine = [w for w in caught if "traced and compiled again" in str(w.message)]
     assert len(mine) == 1
     msg = str(mine[0].message)
-    assert "aten._local_scalar_dense" in msg and f"test_guards.py:{_this_line('MARK-count')}" in msg
+    assert "aten._local_scalar_dense" in msg and f"test_guards.py:{line_of(__file__, 'MARK-count')}" in msg
 
 
 def test_evaluation_branches_like_eager():

@@ -14,16 +14,8 @@ import pstar_fx as px
 from pstar_fx.api.trace_cache import TraceCache
 from pstar_fx.frontend.trace import flatten_batch
 
-from harness import DEVICE, HYPER, compiled_step, small_batches
+from harness import DEVICE, HYPER, compiled_step, line_of, small_batches
 from models import CASES_BY_NAME
-
-
-def _this_line(marker: str) -> int:
-    with open(__file__) as f:
-        for i, line in enumerate(f, 1):
-            if marker in line and "_this_line" not in line:
-                return i
-    raise AssertionError(marker)
 
 
 def _compile(model, fn, **kw):
@@ -314,7 +306,7 @@ def test_out_of_range_token_names_the_users_line():
     with pytest.raises(RuntimeError) as e:
         step(torch.tensor([[1, 2, 12]]))          # 12 >= 10 embeddings
     msg = str(e.value).split(": index")[0]
-    assert f"test_inputs.py\", line {_this_line('MARK-embedding')}" in msg, msg
+    assert f"test_inputs.py\", line {line_of(__file__, 'MARK-embedding')}" in msg, msg
     assert "functional.py" not in msg
 
 

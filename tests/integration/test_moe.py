@@ -20,7 +20,7 @@ from pstar_fx.frontend import fake_fixes
 from pstar_fx.frontend.fake_fixes import grouped_mm, grouped_mm_backward
 from pstar_fx.ir.fx_utils import bounded_live, data_dependent_sizes
 from pstar_fx.frontend import moe_rewrites
-from harness import (DEVICE, HYPER, EagerAdamW, check_tight_budget_matches_eager, compiled_run, eager_run,
+from harness import (DEVICE, HYPER, EagerAdamW, check_tight_budget_matches_eager, compiled_run, eager_run, line_of,
                      rel_err)
 from models import MOE_CASES, Case, assert_state_close, tiny_mixtral
 
@@ -230,11 +230,6 @@ def test_boolean_mask_in_the_step_matches_eager():
     assert [d.bound for d in sizes] == [12]
 
 
-def _this_line(marker: str) -> int:
-    with open(__file__) as f:
-        return next(i for i, line in enumerate(f, 1) if marker in line and "_this_line" not in line)
-
-
 class _HitLoop(nn.Module):
     """An experts-style loop over the hit rows that is not transformers' code, so not rewritten."""
 
@@ -256,7 +251,8 @@ def test_data_dependent_loop_is_refused_naming_op_and_lines():
         step(torch.randn(5, 6))
     msg = str(e.value)
     assert "aten.nonzero" in msg and "control flow" in msg
-    assert f"test_moe.py:{_this_line('MARK-hit')}" in msg and f"test_moe.py:{_this_line('MARK-loop')}" in msg
+    assert f"test_moe.py:{line_of(__file__, 'MARK-hit')}" in msg
+    assert f"test_moe.py:{line_of(__file__, 'MARK-loop')}" in msg
 
 
 def test_size_without_a_bound_is_refused_naming_op_and_line():
@@ -266,7 +262,7 @@ def test_size_without_a_bound_is_refused_naming_op_and_line():
     step = px.compile(_Net(), optimizer=px.AdamW(lr=1e-3), device="cpu")(loss)
     with pytest.raises(px.UntraceableError, match="repeat_interleave.*no known upper bound") as e:
         step(torch.randn(5, 6))
-    assert f"test_moe.py:{_this_line('MARK-repeat')}" in str(e.value)
+    assert f"test_moe.py:{line_of(__file__, 'MARK-repeat')}" in str(e.value)
 
 
 @pytest.mark.skipif(fake_fixes.IN_BACKWARD, reason="this torch lets the routing reach the backward: they train "

@@ -235,3 +235,13 @@ def raiser(at: int, exc: BaseException):
         if i == at:
             raise exc
     return hook
+
+
+def line_of(path: str, marker: str) -> int:
+    """The number of the first line of file `path` that contains `marker` (and is not a call of this function):
+    where an error should point in a test's own source."""
+    with open(path) as f:
+        for i, line in enumerate(f, 1):
+            if marker in line and "line_of(" not in line:
+                return i
+    raise AssertionError(f"{marker!r} is not in {path}")

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 import pstar_fx as px
 from pstar_fx.ir import Role
 
+from harness import line_of
 from models import CASES_BY_NAME
 
 
@@ -19,15 +20,6 @@ def _mlp():
 
 def _compile(model, fn, **kw):
     return px.compile(model, optimizer=px.AdamW(lr=1e-3), device="cpu", **kw)(fn)
-
-
-def _this_line(marker: str) -> int:
-    """Line number in this file of the line containing marker."""
-    with open(__file__) as f:
-        for i, line in enumerate(f, 1):
-            if marker in line and "_this_line" not in line:
-                return i
-    raise AssertionError(marker)
 
 
 def test_loop_over_dynamic_shape_names_op_and_line():
@@ -41,8 +33,8 @@ def test_loop_over_dynamic_shape_names_op_and_line():
     with pytest.raises(px.UntraceableError) as e:
         _compile(_mlp(), step)(torch.randn(3, 4))
     assert "aten.nonzero" in str(e.value)
-    assert f"test_trace.py:{_this_line('MARK-mask')}" in str(e.value)
-    assert f"test_trace.py:{_this_line('MARK-loop')}" in str(e.value)
+    assert f"test_trace.py:{line_of(__file__, 'MARK-mask')}" in str(e.value)
+    assert f"test_trace.py:{line_of(__file__, 'MARK-loop')}" in str(e.value)
 
 
 def test_inplace_parameter_update_names_op_param_and_line():
@@ -54,7 +46,7 @@ def test_inplace_parameter_update_names_op_param_and_line():
         _compile(_mlp(), step)(torch.randn(3, 4))
     msg = str(e.value)
     assert "aten.mul_" in msg and "'0.weight'" in msg
-    assert f"test_trace.py:{_this_line('MARK-inplace')}" in msg
+    assert f"test_trace.py:{line_of(__file__, 'MARK-inplace')}" in msg
 
 
 def test_non_scalar_loss_is_rejected():
@@ -245,7 +237,7 @@ def test_closed_over_real_tensor_names_the_line():
 
     with pytest.raises(px.UntraceableError) as e:
         _compile(Holder(), lambda m, x: m(x).sum())(torch.randn(3, 4))
-    assert f"test_trace.py:{_this_line('MARK-closed')}" in str(e.value)
+    assert f"test_trace.py:{line_of(__file__, 'MARK-closed')}" in str(e.value)
     assert "register_buffer" in str(e.value)
 
 
