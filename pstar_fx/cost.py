@@ -207,11 +207,13 @@ class Machine:
                                    host_copy_bytes=self.host_copy_bytes * f)
 
     def describe(self) -> str:
-        """One line: the GPU, how many per node, their memory and the node's host memory."""
+        """One line: the GPU, how many per node, their memory and the node's host memory (and where the hosts update
+        exact mixed-precision moments by torch's route, not the native kernel, that)."""
         dev = "memory not given" if self.device_memory is None else format_bytes(self.device_memory)
         host = ("host memory not given" if self.host_memory is None
                 else f"{format_bytes(self.host_memory)} of host memory per node")
-        return f"{self.gpus_per_node} x {self.name} ({dev}) per node, {host}"
+        route = "" if self.native_update else ", host updates by torch's route (no native kernel)"
+        return f"{self.gpus_per_node} x {self.name} ({dev}) per node, {host}{route}"
 
 
 H200 = Machine()       # the H200 machine's rates; no sizes (px.plan's budgets are then the caller's)

@@ -160,7 +160,10 @@ def test_the_hosts_exact_mixed_update_runs_at_the_native_kernels_rate_where_it_r
         rep = _plan(device_memory=need, machine=base, precision=precision, optimizer=optimizer)
         native_s, torch_s = (cost.estimate(rep.graph, m).busy[Lane.CPU] for m in (base, torch_route))
         assert native_s > 0 and torch_s == pytest.approx(native_s * ratio), (precision, optimizer)
-    assert main([*GPT_ARGS, "--no-native-update"]).machine.native_update is False
+    report = main([*GPT_ARGS, "--no-native-update"])
+    assert report.machine.native_update is False
+    assert "machine: 1 x H200 (139.80 GiB) per node, host memory not given, host updates by torch's route " \
+           "(no native kernel)" in str(report)
     with pytest.raises(ValueError, match="Machine.native_update must be True or False"):
         Machine(native_update=1)
 
