@@ -107,8 +107,9 @@ class Machine:
     native_exact_speedup: float = 1.5
     native_update: bool = True           # the host updates exact mixed-precision moments by the native kernel
     cpu_adam_under_copies: float = 2.7 / 4.1   # CPU AdamW's rate while copies run, as a fraction of its rate alone
-    # fitted to the 17.26B GPT's atomic=False step at the default budget (BENCHMARKS.md: 4.183 s measured, the CPU
-    # worker 47 ms an update; planned on the CPU: 3.785 s without it, 4.195 s with it): the CPU's updates during
+    # fitted to the 17.26B GPT's atomic=False step at the default budget (8fba29b, 4.183 s measured, the CPU worker
+    # 47 ms an update: benchmarks/results/gpt17b_default_budget_rows_h200.md; planned on the CPU: 3.785 s without
+    # it, 4.195 s with it): the CPU's updates during
     # backward, beside the executor issuing the step, run at this fraction of the rates above (an atomic step's
     # updates after the commit ran as modelled: 55 ms an update under copies measured, 56 ms modelled)
     cpu_adam_beside_backward: float = 0.9
