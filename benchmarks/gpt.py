@@ -546,8 +546,9 @@ def main():
                     help="pstar: px.compile(prefetch=N) (nodes a fetch may move earlier; 'none': no limit); default: "
                          "px.compile's")
     ap.add_argument("--device-updates", type=int, default=None, metavar="K",
-                    help="pstar, atomic: stream the updates of K host-placed chunks to the device (px.compile's "
-                         "private _device_updates, for measuring the cost model's choice); default: the model's")
+                    help="pstar (one GPU, atomic or not): stream the updates of K host-placed chunks to the device "
+                         "(px.compile's private _device_updates, for measuring the cost model's choice); default: the "
+                         "model's")
     ap.add_argument("--undo-updates", type=int, default=None, metavar="K",
                     help="pstar, atomic: update K of the CPU's chunks before the commit with undo buffers (px.compile's "
                          "private _undo_updates; 0: none); default: the model's")
