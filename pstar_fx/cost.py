@@ -213,8 +213,13 @@ class Machine:
         dev = "memory not given" if self.device_memory is None else format_bytes(self.device_memory)
         host = ("host memory not given" if self.host_memory is None
                 else f"{format_bytes(self.host_memory)} of host memory per node")
-        route = "" if self.native_update else ", host updates by torch's route (no native kernel)"
-        return f"{self.gpus_per_node} x {self.name} ({dev}) per node, {host}{route}"
+        return f"{self.gpus_per_node} x {self.name} ({dev}) per node, {host}{self.host_route}"
+
+    @property
+    def host_route(self) -> str:
+        """What the reports add to the machine's name where its hosts update exact mixed-precision moments by
+        torch's route, not the native kernel ("" where they use the kernel)."""
+        return "" if self.native_update else ", host updates by torch's route (no native kernel)"
 
 
 H200 = Machine()       # the H200 machine's rates; no sizes (px.plan's budgets are then the caller's)

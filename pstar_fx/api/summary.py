@@ -109,7 +109,8 @@ def summarize(g: TrainGraph, compiled: Compiled, last: StepStats | None, prec: P
                          sum(st.seconds for name, st in compiled.stages.items() if name != "traced"),
                          compiled.setup_seconds),
         default_budget=None if default_budget is None else str(default_budget),
-        estimated_seconds=_estimated(g, compiled), rates=_rates(compiled.machine, prec),
+        estimated_seconds=_estimated(g, compiled),
+        rates=compiled.machine.name + (compiled.machine.host_route if prec.mixed else ""),
         measured_seconds=None if last is None else last.seconds,
         alloc_retries=None if last is None else last.alloc_retries,
         fused=_fused(compiled),
@@ -127,12 +128,6 @@ def _fused(compiled: Compiled) -> str | None:
     if stage.made_by == "fuse_if_faster":
         return "none: the cost model estimates the step faster unfused (see why)"
     return str(compiled.executor.region_stats)
-
-
-def _rates(machine, prec: Precision) -> str:
-    """The rates' name in the summary: the GPU's, and in mixed precision on a host without the native update, so."""
-    torch_route = prec.mixed and not machine.native_update
-    return machine.name + (", the host updating by torch's route (no native kernels)" if torch_route else "")
 
 
 def _estimated(g: TrainGraph, compiled: Compiled) -> float | None:

@@ -182,7 +182,7 @@ def test_px_compile_estimates_torchs_host_update_where_the_native_kernels_do_not
     step = px.compile(case.build_model(), optimizer=px.AdamW(lr=1e-3), precision="bf16",
                       device_memory="300KiB")(case.loss_fn)
     step(*case.batch(0))
-    assert step.summary().rates == "H200, the host updating by torch's route (no native kernels)"
+    assert step.summary().rates == "H200, host updates by torch's route (no native kernel)"
 
 
 def test_a_model_that_does_not_fit_says_which_tier_and_by_how_much():
