@@ -43,11 +43,11 @@ class UndoBuffers:
         marked = {c.id for c in chunks if c.undo}
         for cid in [c for c in self.of if c not in marked]:
             bufs = self.of.pop(cid)
-            self.spare.setdefault(_sizes((t.numel(), t.dtype) for t in bufs), []).append(bufs)
+            self.spare.setdefault(_sizes(bufs), []).append(bufs)
         for c in chunks:
             if c.undo and c.id not in self.of:
                 specs = undo_specs(c, self.precision, self.world, self.state)
-                spare = self.spare.get(_sizes((s.numel, s.dtype) for s in specs))
+                spare = self.spare.get(tuple((s.numel, s.dtype) for s in specs))
                 self.of[c.id] = spare.pop() if spare else [
                     self.hostmem.zeros(s.numel, s.dtype, copied=False, key=s.key) for s in specs]
 
@@ -77,6 +77,5 @@ class UndoBuffers:
                 params[cid].copy_(bufs[1])
 
 
-def _sizes(pairs) -> tuple:
-    """A set of undo buffers' key in `spare`: (numel, dtype) of each buffer, from the buffers or from their specs."""
-    return tuple(pairs)
+def _sizes(bufs: list[torch.Tensor]) -> tuple:
+    return tuple((t.numel(), t.dtype) for t in bufs)
