@@ -219,7 +219,7 @@ class Machine:
     def host_route(self) -> str:
         """What the reports add to the machine's name where its hosts update exact mixed-precision moments by
         torch's route, not the native kernel ("" where they use the kernel)."""
-        return "" if self.native_update else ", host updates by torch's route (no native kernel)"
+        return "" if self.native_update else ", host updates by torch's route (not the native kernel)"
 
 
 H200 = Machine()       # the H200 machine's rates; no sizes (px.plan's budgets are then the caller's)

@@ -190,15 +190,17 @@ def resolve_budget(device_memory, device: torch.device, world: int) -> tuple[int
     return default_cpu_budget(), None
 
 
-def resolve_machine(device: torch.device, precision: Precision) -> Machine:
+def resolve_machine(device: torch.device, precision: Precision, configs: tuple = ()) -> Machine:
     """The rates px.compile's passes weigh their choices at and `step.summary()` estimates the step with: on a GPU
     the preset of its kind by name (pstar_fx.cost.preset: the H200's measured rates, the H100's assumed from them),
     the H200's for any other device (on a GPU the cost model has no rates of, the estimate is the H200's). In mixed
-    precision, whether this host runs the native update of exact moments (`Machine.native_update`: the native
-    kernels build and load here; its once-per-process check against torch's bits is not run ahead)."""
+    precision, whether this host runs the native update of exact moments (`Machine.native_update`): the native
+    kernels build and load here, and no optimizer group (`configs`, each group's options at compile time) asks for
+    torch's reference formula (Adam's fused=False, which the runtime applies op by op: the whole step is then planned
+    at torch's route's rate). The native kernel's once-per-process check against torch's bits is not run ahead."""
     kind = gpu_named(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
     machine = H200 if kind is None else preset(kind)
-    if precision.mixed and native.kernels() is None:
+    if precision.mixed and (native.kernels() is None or any(getattr(c, "fused", None) is False for c in configs)):
         machine = dataclasses.replace(machine, native_update=False)
     return machine
 

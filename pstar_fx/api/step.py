@@ -117,12 +117,13 @@ class CompiledStep:
                                  host_spare=host_spare(default_host, world),
                                  fused=fuse and not fuse_auto)
         check_world(atomic, self.settings.world)
+        configs = self._optimizer.layout.configs() if self._optimizer is not None else ()
         self.debug = debug
         self._lock = threading.RLock()       # held by a step, save and load: another thread never sees half a step
         self._compiler = self._compiler_class(traced_fn, model, self.settings, self._comm, self._optimizer,
                                               remat=remat is not False, prefetch=prefetch, cache_size=cache_size,
                                               fuse=fuse, fuse_auto=fuse_auto, offload_dir=offload,
-                                              machine=resolve_machine(dev, prec))
+                                              machine=resolve_machine(dev, prec, configs))
         self._model_state = ModelState(self, model, self._compiler, self._comm, self._lock)
         self._scaler = LossScaler() if prec is Precision.FP16 else None
         self._last_stats: StepStats | None = None

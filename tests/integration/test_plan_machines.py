@@ -16,6 +16,7 @@ from pstar_fx.api.plan_cli import main
 from pstar_fx.cost import GPU, H200, Bound, Lane, Machine, preset
 from pstar_fx.ir import BufKind, Role
 from pstar_fx.ir.graph import Precision
+from pstar_fx.optim import AdamConfig
 from models import CASES_BY_NAME
 
 CHUNK = 1024
@@ -86,7 +87,7 @@ def test_px_compile_plans_and_estimates_at_its_machines_rates(monkeypatch):
     case = CASES_BY_NAME["gpt_tied"]
     why = {}
     for machine in (H200, dataclasses.replace(H200, cpu_adam=1e6, cpu_adam_mixed=1e6, name="slow host")):
-        monkeypatch.setattr(step_module, "resolve_machine", lambda device, prec, m=machine: m)
+        monkeypatch.setattr(step_module, "resolve_machine", lambda device, prec, configs=(), m=machine: m)
         step = px.compile(case.build_model(), optimizer=px.AdamW(lr=1e-3), device_memory="300KiB")(case.loss_fn)
         step(*case.batch(0))
         summary = step.summary()
@@ -163,7 +164,7 @@ def test_the_hosts_exact_mixed_update_runs_at_the_native_kernels_rate_where_it_r
     report = main([*GPT_ARGS, "--no-native-update"])
     assert report.machine.native_update is False
     assert "machine: 1 x H200 (139.80 GiB) per node, host memory not given, host updates by torch's route " \
-           "(no native kernel)" in str(report)
+           "(not the native kernel)" in str(report)
     with pytest.raises(ValueError, match="Machine.native_update must be True or False"):
         Machine(native_update=1)
 
@@ -182,7 +183,29 @@ def test_px_compile_estimates_torchs_host_update_where_the_native_kernels_do_not
     step = px.compile(case.build_model(), optimizer=px.AdamW(lr=1e-3), precision="bf16",
                       device_memory="300KiB")(case.loss_fn)
     step(*case.batch(0))
-    assert step.summary().rates == "H200, host updates by torch's route (no native kernel)"
+    assert step.summary().rates == "H200, host updates by torch's route (not the native kernel)"
+
+
+def test_px_compile_estimates_torchs_host_update_where_adam_asks_for_the_reference_formula():
+    """Adam's fused=False keeps torch.optim's formula op by op on the host (runtime/adam.py), not the native kernel:
+    px.compile then plans the step at torch's route's rate, and the summary says so; fused=None keeps the kernel's."""
+    import pstar_fx.api.options as options
+
+    if options.native.kernels() is None:
+        pytest.skip(f"the native kernels do not build here: {options.native.why_not()}")
+    case = CASES_BY_NAME["gpt_tied"]
+    rates = {}
+    for fused in (None, False):
+        step = px.compile(case.build_model(), optimizer=px.AdamW(lr=1e-3, fused=fused), precision="bf16",
+                          device_memory="300KiB")(case.loss_fn)
+        step(*case.batch(0))
+        rates[fused] = step.summary().rates
+    assert rates == {None: "H200", False: "H200, host updates by torch's route (not the native kernel)"}
+    groups = (AdamConfig(1e-3, 0.9, 0.999, 1e-8, 0.0, True, False, None),
+              AdamConfig(1e-3, 0.9, 0.999, 1e-8, 0.0, True, False, False))
+    assert options.resolve_machine(torch.device("cpu"), Precision.BF16, groups[:1]).native_update is True
+    assert options.resolve_machine(torch.device("cpu"), Precision.BF16, groups).native_update is False
+    assert options.resolve_machine(torch.device("cpu"), Precision.FP32, groups) is H200
 
 
 def test_a_model_that_does_not_fit_says_which_tier_and_by_how_much():
