@@ -6,7 +6,7 @@ of host time a node. Once a graph has run that way and matched its plan, its lat
 each node is one line (`v12 = mm(v10, v11)`), its inputs are local variables, and the values the plan frees after a
 node are deleted there (`del v10`), so the memory each value holds is released at the same node as in the
 interpreter. What the interpreter does between nodes that changes memory stays: slots being written back are given
-back as each node's room needs (`ChunkStore.reclaim`) and the pool's free list is trimmed to it (`DevicePool.trim`);
+back as each node's room needs (`ChunkStore.reclaim`) and the pool's free list is trimmed (`DevicePool.trim`);
 before the first value written a pending Ctrl-C is delivered, and a test's before_node hook is called. It measures
 nothing: the step reports the peak the measured run found, and `debug=True` keeps every step on the interpreter.
 
@@ -91,7 +91,7 @@ def generate(ex, kinds: tuple[int, ...]) -> tuple[str, dict, list[int]]:
     output node's value. `before(i)` does what the interpreter does before node i: the pool's housekeeping, the
     delivery of a pending Ctrl-C (up to the first value written) and the call of `before_node(i, node)` (fault
     injection in tests); it is called only where one of them has something to do: while slots are being written
-    back, the pool's free list holds more than the node's room, Ctrl-C is pending or before_node is not None.
+    back, the pool's free list holds more than it keeps at the node, Ctrl-C is pending or before_node is not None.
     `failed(e)` turns a failure into the error to raise (the node it failed at found from the traceback's line);
     `compact(i, v)` is Executor._compact at a node whose value the measured run had to copy into a storage of the
     planned size."""
@@ -102,7 +102,7 @@ def generate(ex, kinds: tuple[int, ...]) -> tuple[str, dict, list[int]]:
     node_of_line: list[int] = []
     for i, n in enumerate(ex.nodes):
         kind = ex.kinds[i]
-        lines = [f"if store.draining or pool.cached > {ex.room[i]} or hooked"
+        lines = [f"if store.draining or pool.cached > {ex.room[i] if ex.store.pool.caches else 0} or hooked"
                  f"{' or interrupts.pending' if i <= ex.holds_from else ''}: before({i})"]
         if kind == ATEN:
             lines.append(f"v{i} = {_call(n, i, src, pos, None)}")

@@ -3,13 +3,17 @@
 It hands out chunk-sized slots and permanent allocations (module buffers, device optimizer states, constants,
 workspaces) and counts each byte: an allocation past the budget raises.
 
-A given-back buffer is kept in a free list by size (`cached`) and handed out again to the next request of that size,
-so chunk slots stop passing through torch's caching allocator at every fetch and release. Interleaved with the
-activations in torch's cache, slots of 100+ MiB split and fragment its blocks, and near a full device each block
-torch cannot find makes it free its whole cache and retry (a device synchronisation: tens per step at a 17B model).
-The free list holds memory the plan does not count, so its holder bounds it: the executor trims it before every node
-to that node's room under the plan's peak (`trim`), and it is emptied whenever the chunks leave the device. `in_use`
-is what the plan counts: the buffers handed out and not given back.
+A given-back buffer is kept in a free list by size (`cached`) and handed out again to the next request of that size.
+The free list holds memory the plan does not count, so its holder bounds it (`trim`), and it is emptied whenever the
+chunks leave the device. On the CPU (several ranks) the executor keeps up to each node's room under the plan's peak
+there, so slots are not faulted in anew at every fetch. On CUDA it keeps only the buffer the next node takes
+(`caches` False): every other given-back slot goes back to torch's caching allocator at once. The plan's room at a
+node is then torch's to use beside the 2 GiB left for it: near a full device, whenever no free block holds a request
+and no page can be mapped, torch frees its whole cache and retries (a device synchronisation), and slots held in the
+free list made that more frequent: benchmarks/alloc_sim.py, which replays a step's allocations through a model of
+torch's allocator, counts 9 retries a step against 3-5 without them at a 10.34B GPT on an H100 (9-11 measured with
+them), 14-23 against 12-13 at the 17.26B GPT on an H200.
+`in_use` is what the plan counts: the buffers handed out and not given back.
 
 On a CPU device with one rank the device's memory is the host's, and a chunk's slot can be its host home itself
 (ChunkStore): such a buffer is lent to the pool (`lend`, `unlend`): counted like a slot, never allocated, freed or
@@ -46,6 +50,9 @@ class DevicePool:
         self.free: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}   # given back, by (numel, dtype)
         self.cached = 0                # bytes in `free`
         self.lent: dict[int, int] = {}   # storage data_ptr -> buffers lent on it (host homes share a storage)
+        # whether given-back buffers stay free-listed beyond the next node (up to its room): not on CUDA, where the
+        # room is the caching allocator's to use (see the module docstring)
+        self.caches = device.type != "cuda"
 
     def take(self, numel: int, dtype: torch.dtype, what: What = "slot") -> torch.Tensor:
         """A new buffer, counted. It is allocated before it is counted: an allocation that fails (out of memory)

@@ -404,9 +404,10 @@ class Executor:
     def _before(self, i: int, interrupts: DeferredInterrupt, before_node) -> int:
         """Before node i (both loops): give back slots written back as far as the node's room needs (all of them at
         the end; first, one whose write-back is done, of the size the node takes, where the free list has none),
-        trim the pool's free list to the room beside those still draining (a slot the node takes from the
-        list is counted by the plan already), deliver a pending Ctrl-C before the first value written (a
-        KeyboardInterrupt rolls back), call before_node. Returns the bytes still being written back."""
+        trim the pool's free list to the room beside those still draining (on CUDA to nothing: DevicePool.caches),
+        a slot the node takes from the list kept (the plan counts it already), deliver a pending Ctrl-C before the
+        first value written (a KeyboardInterrupt rolls back), call before_node. Returns the bytes still being
+        written back."""
         store, pool = self.store, self.store.pool
         draining = 0
         spec = self.takes[i]
@@ -415,7 +416,7 @@ class Executor:
             draining = store.draining_bytes
         if pool.cached:
             taken = spec[0] * spec[1].itemsize if spec is not None and pool.free.get(spec) else 0
-            pool.trim(self.room[i] + taken - draining, spare=spec)
+            pool.trim(self.room[i] + taken - draining if pool.caches else taken, spare=spec)
         if interrupts.pending and i <= self.holds_from:
             interrupts.deliver()
         if before_node is not None:

@@ -8,7 +8,7 @@ import functools
 import pytest
 import torch
 
-from pstar_fx.ir import BufKind
+from pstar_fx.ir import BufKind, ops
 from pstar_fx.passes import VerificationError, verify
 from pstar_fx.ir.needs import BufKey
 from pstar_fx.passes.schedule import annotate
@@ -177,33 +177,46 @@ def test_evict_all_then_step_equals_staying_resident():
         assert torch.equal(v, b.state_dict()[k]), k
 
 
-def test_freed_slots_are_reused_and_stay_within_each_nodes_room_under_the_plans_peak():
-    """The device pool free-lists given-back slots (so fetches stop going through torch's allocator) and the
-    executor trims that list before every node to the node's room under the plan's peak: the pool's count (slots
-    being written back included) and its free list never pass the plan's peak, and a steady-state step reuses slots
-    rather than allocating new ones."""
+@pytest.mark.parametrize("caches", [None, False], ids=["the-devices-rule", "keeps-none"])
+def test_freed_slots_stay_within_each_nodes_room_and_are_reused_where_the_pool_caches(caches):
+    """The device pool free-lists given-back slots and the executor trims that list before every node: the pool's
+    count (slots being written back included) and its free list never pass the plan's peak. On the CPU it keeps up
+    to the node's room under the plan's peak, and a steady-state step reuses slots rather than allocating new ones;
+    on CUDA (DevicePool.caches False; forced here on any device, both loops) it keeps nothing but a slot of the
+    size the node takes, so the room stays torch's caching allocator's. Either way the step trains as eager does."""
     budget = tight_budget(SMALL, 256, 2.0)
-    step = compiled_step(SMALL, budget=budget, chunk_size=256)
-    step(*SMALL.batch(0))
+    step = compiled_step(SMALL, budget=budget, chunk_size=256, debug=False)   # steps after the first: generated
+    step.lower(*SMALL.batch(0))
     store = step._compiler.store
     pool = store.pool
+    if caches is not None:
+        pool.caches = caches            # before the first step: the generated loop is made with it
+    step(*SMALL.batch(0))
     peak = step.graphs["scheduled"].plan.predicted_peak
-    seen, fresh = [], []
+    seen, fresh, at_take = [], [], []
     take = pool.take
 
     def counting_take(numel, dtype, what="slot"):
         hit = bool(pool.free.get((numel, dtype)))
         fresh.append(not hit)
+        at_take.append((pool.cached, numel * dtype.itemsize if hit else 0))
         return take(numel, dtype, what)
 
     pool.take = counting_take          # an instance attribute of the test's own pool object
-    step._before_node = lambda i, n: seen.append(pool.in_use + pool.cached)   # (in_use counts draining slots)
+    if pool.caches:                    # (a before_node hook sends the generated loop to `before` at every node)
+        step._before_node = lambda i, n: seen.append(pool.in_use + pool.cached)   # (in_use counts draining slots)
     losses = [step(*SMALL.batch(i)).item() for i in range(1, 4)]
     assert step.last_step.h2d_bytes > 0, "the budget moves chunks every step"
-    assert max(seen) <= peak and max(seen) > 0
-    # (this model's chunks come in three sizes, and activations take the room of some released slots: a quarter or
-    # more are reused; a model of equal chunks reuses more)
-    reused = len(fresh) - sum(fresh)
-    assert fresh and reused >= len(fresh) / 4, f"{reused} of {len(fresh)} takes reused a free-listed slot"
+    (compiled,) = step._compiler.cache._entries.values()
+    assert fresh and compiled.executor._generated, "the later steps ran the generated loop"
+    if pool.caches:
+        assert max(seen) <= peak and max(seen) > 0
+        # (this model's chunks come in three sizes, and activations take the room of some released slots: a quarter
+        # or more are reused; a model of equal chunks reuses more)
+        reused = len(fresh) - sum(fresh)
+        assert reused >= len(fresh) / 4, f"{reused} of {len(fresh)} takes reused a free-listed slot"
+    else:
+        assert all(cached <= kept for cached, kept in at_take), "the free list kept more than the node takes"
+        assert any(kept for _, kept in at_take), "no released slot was ever handed to the next node"
     ref_losses, _ = eager_run(SMALL, 4)
     assert rel_err(losses, ref_losses[1:]) <= 1e-6
