@@ -65,6 +65,7 @@ class Pool:
         self.dev, self.page, self.split_min = dev, page, split_min
         self.head = Block(0, span, UNMAPPED)
         self.free: list[tuple[int, int, Block]] = []      # (size, addr, block) of the free blocks, sorted
+        self.max_split = 0           # PYTORCH_CUDA_ALLOC_CONF's max_split_size_mb in bytes (0: unset)
 
     def _free_add(self, b: Block) -> None:
         bisect.insort(self.free, (b.size, b.addr, b), key=lambda t: (t[0], t[1]))
@@ -107,10 +108,13 @@ class Pool:
 
     def _malloc(self, size: int) -> Block:
         i = bisect.bisect_left(self.free, (size, -1), key=lambda t: (t[0], t[1]))
-        if i < len(self.free):
-            b = self.free[i][2]
+        b = self.free[i][2] if i < len(self.free) else None
+        cut = self.max_split
+        if b is not None and cut and (size < cut <= b.size or size >= cut and b.size >= size + 20 * MiB):
+            b = None                 # max_split_size_mb: an oversize block serves only a request near its size
+        if b is not None:
             self._free_remove(b)
-            if b.size - size >= self.split_min:
+            if b.size - size >= self.split_min and not (cut and size >= cut):
                 self._free_add(self._split(b, size, FREE))
             b.state = ALLOC
             return b
@@ -272,7 +276,7 @@ class DevicePool:
             self.cached -= k
 
 
-def simulate(g, cap: int, steps: int, order: str = "bytes", keep: str = "none") -> list[list[tuple[int, str, int]]]:
+def simulate(g, cap: int, steps: int, order: str = "bytes", keep: str = "none", max_split: int = 0) -> list[list[tuple[int, str, int]]]:
     """Each step's retries: (node position, node name, bytes asked) for every retry."""
     nodes = g.nodes
     starts, ends = activations(g)            # per node: the activation storages it makes / frees after it
@@ -281,6 +285,7 @@ def simulate(g, cap: int, steps: int, order: str = "bytes", keep: str = "none") 
     room = [plan.predicted_peak - (plan.static_bytes + g.ann[n.name].resident_bytes + g.ann[n.name].live_bytes
                                    + g.ann[n.name].workspace_bytes) for n in nodes]
     torch_ = Torch(cap)
+    torch_.large.max_split = max_split
     pool = DevicePool(torch_, order, keep)
     torch_.malloc(static_bytes(g))           # set-up: module buffers, constants, device-placed states (kept)
     slots = {k: pool.take(buf_bytes(g, k)) for k, _ in plan.carried}
@@ -332,11 +337,13 @@ def main() -> None:
                     "runtime's on CUDA), up to its room (`room`: the runtime's before), or that and at most this many "
                     "bytes (e.g. 1GiB)")
     ap.add_argument("--quiet", action="store_true", help="counts only")
+    ap.add_argument("--max-split", default="0", help="PYTORCH_CUDA_ALLOC_CONF's max_split_size_mb, as bytes (e.g. "
+                    "512MiB; default: unset)")
     args = ap.parse_args()
     g = plan_gpt(args.layers, args.d_model, args.heads, args.batch, args.seq, args.machine, args.device_memory,
                  atomic=not args.no_atomic)
     cap = g.settings.budget + parse_bytes(args.over_budget)
-    per_step = simulate(g, cap, args.steps, args.trim_order, args.keep)
+    per_step = simulate(g, cap, args.steps, args.trim_order, args.keep, parse_bytes(args.max_split))
     print(f"{len(g.nodes)} nodes; budget {g.settings.budget / GiB:.2f} GiB, cap {cap / GiB:.2f} GiB")
     for k, retries in enumerate(per_step):
         print(f"step {k}: {len(retries)} retries")
