@@ -11,8 +11,8 @@ there, so slots are not faulted in anew at every fetch. On CUDA it keeps only th
 node is then torch's to use beside the 2 GiB left for it: near a full device, whenever no free block holds a request
 and no page can be mapped, torch frees its whole cache and retries (a device synchronisation), and slots held in the
 free list made that more frequent: benchmarks/alloc_sim.py, which replays a step's allocations through a model of
-torch's allocator, counts 9 retries a step against 3-5 without them at a 10.34B GPT on an H100 (9-11 measured with
-them), 14-23 against 12-13 at the 17.26B GPT on an H200.
+torch's allocator, counts 9 retries a step with them (9-11 measured) and 3-5 without at a 10.34B GPT on an H100,
+14-23 and 12-13 at the 17.26B GPT on an H200 (without them: not yet measured on a GPU).
 `in_use` is what the plan counts: the buffers handed out and not given back.
 
 On a CPU device with one rank the device's memory is the host's, and a chunk's slot can be its host home itself
