@@ -30,7 +30,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from arena_fit import GiB, plan_gpt, activations  # noqa: E402  (benchmarks/, beside this file)
+from arena_fit import GiB, activations, plan_args, planned  # noqa: E402  (benchmarks/, beside this file)
 from pstar_fx.ir.graph import Role  # noqa: E402
 from pstar_fx.ir.needs import BufKey, all_needs, buf_bytes, static_bytes  # noqa: E402
 from pstar_fx.units import parse_bytes  # noqa: E402
@@ -83,17 +83,21 @@ class Pool:
         b.next, b.size = rest, size
         return rest
 
+    @staticmethod
+    def _absorb(lo: Block, hi: Block) -> Block:
+        """hi (lo's next) made part of lo."""
+        lo.size += hi.size
+        lo.next = hi.next
+        if hi.next:
+            hi.next.prev = lo
+        return lo
+
     def _merge_free(self, b: Block) -> Block:
         """b (free, not in the free list) merged with its free neighbours; the result goes in the free list."""
         for nb in (b.prev, b.next):
             if nb is not None and nb.state == FREE:
                 self._free_remove(nb)
-                lo, hi = (nb, b) if nb is b.prev else (b, nb)
-                lo.size += hi.size
-                lo.next = hi.next
-                if hi.next:
-                    hi.next.prev = lo
-                b = lo
+                b = self._absorb(*((nb, b) if nb is b.prev else (b, nb)))
         self._free_add(b)
         return b
 
@@ -162,10 +166,7 @@ class Pool:
             nb = b.next
             if nb.state == FREE and nb not in [c for c, _ in to_map]:
                 self._free_remove(nb)
-            b.size += nb.size
-            b.next = nb.next
-            if nb.next:
-                nb.next.prev = b
+            self._absorb(b, nb)
         if b.size - size >= self.split_min:
             self._free_add(self._split(b, size, FREE))
         b.state = ALLOC
@@ -190,12 +191,7 @@ class Pool:
             self.dev.mapped -= b.size
             for nb in (b.next, b.prev):                    # merge unmapped neighbours
                 if nb is not None and nb.state == UNMAPPED:
-                    lo_b, hi_b = (nb, b) if nb is b.prev else (b, nb)
-                    lo_b.size += hi_b.size
-                    lo_b.next = hi_b.next
-                    if hi_b.next:
-                        hi_b.next.prev = lo_b
-                    b = lo_b
+                    b = self._absorb(*((nb, b) if nb is b.prev else (b, nb)))
 
     def check(self) -> int:
         """The model's invariants (blocks tile the range in order, the free list is the free blocks, unmapped blocks
@@ -320,14 +316,7 @@ def simulate(g, cap: int, steps: int, order: str = "bytes", keep: str = "none", 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=int, default=54)
-    ap.add_argument("--d-model", type=int, default=5120)
-    ap.add_argument("--heads", type=int, default=40)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--seq", type=int, default=2048)
-    ap.add_argument("--machine", default="h200", choices=["h200", "h100"])
-    ap.add_argument("--device-memory", default="136.6GiB")
-    ap.add_argument("--no-atomic", action="store_true")
+    plan_args(ap)
     ap.add_argument("--over-budget", default="2.4GiB", help="what the device has for torch beyond the budget "
                     "(default 2.4 GiB: an H100's and an H200's peak reserved bytes at the default budget)")
     ap.add_argument("--steps", type=int, default=3)
@@ -337,13 +326,12 @@ def main() -> None:
                     "runtime's on CUDA), up to its room (`room`: the runtime's before), or that and at most this many "
                     "bytes (e.g. 1GiB)")
     ap.add_argument("--quiet", action="store_true", help="counts only")
-    ap.add_argument("--max-split", default="0", help="PYTORCH_CUDA_ALLOC_CONF's max_split_size_mb, as bytes (e.g. "
+    ap.add_argument("--max-split", default=None, help="PYTORCH_CUDA_ALLOC_CONF's max_split_size_mb, as bytes (e.g. "
                     "512MiB; default: unset)")
     args = ap.parse_args()
-    g = plan_gpt(args.layers, args.d_model, args.heads, args.batch, args.seq, args.machine, args.device_memory,
-                 atomic=not args.no_atomic)
+    g = planned(args)
     cap = g.settings.budget + parse_bytes(args.over_budget)
-    per_step = simulate(g, cap, args.steps, args.trim_order, args.keep, parse_bytes(args.max_split))
+    per_step = simulate(g, cap, args.steps, args.trim_order, args.keep, parse_bytes(args.max_split) if args.max_split else 0)
     print(f"{len(g.nodes)} nodes; budget {g.settings.budget / GiB:.2f} GiB, cap {cap / GiB:.2f} GiB")
     for k, retries in enumerate(per_step):
         print(f"step {k}: {len(retries)} retries")

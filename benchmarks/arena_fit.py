@@ -30,13 +30,12 @@ sys.path.insert(0, ROOT)
 
 import pstar_fx as px  # noqa: E402
 from pstar_fx.models.gpt import GPT, GPTConfig, gpt_loss  # noqa: E402
-from pstar_fx.ir.fx_utils import last_uses, storage_bytes, storage_key, tensors_of  # noqa: E402
 from pstar_fx.ir.graph import Role  # noqa: E402
 from pstar_fx.ir.needs import BufKey, all_needs, buf_bytes, static_bytes  # noqa: E402
+from pstar_fx.passes.liveness import analyze  # noqa: E402
 
 GiB = 2 ** 30
 ALIGN = 512          # torch's caching allocator rounds blocks to 512 bytes
-_NOT_ACTIVATION = (Role.PARAM, Role.PARAM_VIEW, Role.BUFFER, Role.CONSTANT)
 
 
 @dataclass
@@ -52,28 +51,15 @@ def _aligned(n: int) -> int:
 
 
 def activations(g) -> tuple[list[list[tuple[int, int]]], list[list[int]]]:
-    """Per node position: the activation storages it makes, (key, bytes), and those freed after it (keys): a
-    storage lives from the node that makes it to the last use of any value sharing it (passes/liveness.py's rule)."""
-    nodes = g.nodes
-    last = last_uses(nodes)
-    excluded, start, stop, size = set(), {}, {}, {}
-    for i, n in enumerate(nodes):
-        role = g.ann[n.name].role
-        for t in tensors_of(n):
-            k = storage_key(t)
-            if role in _NOT_ACTIVATION:
-                excluded.add(k)
-            if k in excluded:
-                continue
-            if k not in start:
-                start[k], size[k] = i, storage_bytes(t)
-            stop[k] = max(stop.get(k, i), last[i])
-    makes: list[list[tuple[int, int]]] = [[] for _ in nodes]
-    frees: list[list[int]] = [[] for _ in nodes]
-    for k in start:
-        if k not in excluded and size[k]:
-            makes[start[k]].append((k, size[k]))
-            frees[stop[k]].append(k)
+    """Per node position: the activation storages it makes, (id, bytes), and those freed after it (ids), by the
+    liveness pass's rule (passes/liveness.py: from the node that makes a storage to the last use of any value
+    sharing it)."""
+    makes: list[list[tuple[int, int]]] = [[] for _ in g.nodes]
+    frees: list[list[int]] = [[] for _ in g.nodes]
+    for k, (first, last, nbytes) in enumerate(analyze(g.nodes, g.ann).storages):
+        if nbytes:
+            makes[first].append((k, nbytes))
+            frees[last].append(k)
     return makes, frees
 
 
@@ -174,21 +160,8 @@ def place(buffers: list[Buffer], n_nodes: int, how: str = "size") -> int:
     return top
 
 
-def plan_gpt(layers: int, d_model: int, heads: int, batch: int, seq: int, machine: str, device_memory: str,
-             atomic: bool = True, prefetch: int | None = None):
-    """pstar-fx-plan's GPT planned unfused for one GPU: the final graph (SystemExit where it does not fit)."""
-    with torch.device("meta"):
-        model = GPT(GPTConfig(vocab=50304, seq=seq, layers=layers, hidden=d_model, heads=heads))
-    tokens = ((batch, seq), torch.long)
-    report = px.plan(model, gpt_loss, tokens, tokens, device_memory=device_memory, gpus_per_node=1,
-                     machine=machine, atomic=atomic, prefetch=prefetch, fuse=False)
-    if report.graph is None:
-        raise SystemExit(f"the model does not fit the budget\n{report}")
-    return report.graph
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def plan_args(ap: argparse.ArgumentParser) -> None:
+    """The GPT and plan flags (pstar-fx-plan's names) that `planned` reads."""
     ap.add_argument("--layers", type=int, default=54)
     ap.add_argument("--d-model", type=int, default=5120)
     ap.add_argument("--heads", type=int, default=40)
@@ -199,13 +172,30 @@ def main() -> None:
     ap.add_argument("--prefetch", type=int, default=None,
                     help="px.compile's prefetch: nodes a fetch may move earlier (default: as far as the room allows)")
     ap.add_argument("--no-atomic", action="store_true")
+
+
+def planned(args):
+    """pstar-fx-plan's GPT planned unfused for one GPU (`plan_args`' flags): the final graph (SystemExit where it
+    does not fit)."""
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab=50304, seq=args.seq, layers=args.layers, hidden=args.d_model, heads=args.heads))
+    tokens = ((args.batch, args.seq), torch.long)
+    report = px.plan(model, gpt_loss, tokens, tokens, device_memory=args.device_memory, gpus_per_node=1,
+                     machine=args.machine, atomic=not args.no_atomic, prefetch=args.prefetch, fuse=False)
+    if report.graph is None:
+        raise SystemExit(f"the model does not fit the budget\n{report}")
+    return report.graph
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    plan_args(ap)
     ap.add_argument("--order", default="size,start,breadth", help="the placement orders to try (see `ordered`)")
     ap.add_argument("--min-bytes", type=float, default=0, help="place only buffers of at least this many bytes")
     args = ap.parse_args()
     min_bytes, orders = int(args.min_bytes), args.order.split(",")
     t0 = time.perf_counter()
-    g = plan_gpt(args.layers, args.d_model, args.heads, args.batch, args.seq, args.machine, args.device_memory,
-                 atomic=not args.no_atomic, prefetch=args.prefetch)
+    g = planned(args)
     plan_s = time.perf_counter() - t0
     buffers, peak = buffers_of(g)
     big = [b for b in buffers if b.size >= min_bytes]

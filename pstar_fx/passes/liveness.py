@@ -24,6 +24,8 @@ class Liveness:
     live: tuple[int, ...]            # per node position: activation bytes alive while it runs
     created: tuple[int, ...]         # per node position: bytes of activation storage it creates
     last_use: tuple[int, ...]        # per node position: position after which its value is freed
+    # every activation storage: (the node position that makes it, the last one it is alive at, its bytes)
+    storages: tuple[tuple[int, int, int], ...] = ()
 
 
 def analyze(nodes: list[fx.Node], ann) -> Liveness:
@@ -56,7 +58,8 @@ def analyze(nodes: list[fx.Node], ann) -> Liveness:
     for i in range(len(nodes)):
         acc += delta[i]
         live.append(acc)
-    return Liveness(tuple(live), tuple(created), tuple(last))
+    storages = tuple((start[k], end[k], size[k]) for k in start if k not in excluded)
+    return Liveness(tuple(live), tuple(created), tuple(last), storages)
 
 
 def liveness(g: TrainGraph) -> TrainGraph:
