@@ -4,21 +4,25 @@ segments, to count its retries (each frees the whole cache, a device synchronisa
     python benchmarks/alloc_sim.py --layers 32 --machine h100 --device-memory 75.98GiB [--no-atomic]
     python benchmarks/alloc_sim.py --layers 54 --device-memory 136.6GiB --steps 3
 
-The step is pstar-fx-plan's GPT planned unfused on one GPU (benchmarks/arena_fit.py's plan). Its allocations, in
-the executor's order: the static bytes at set-up; before each node the device pool's free list trimmed to the node's
-room (the plan's peak less the node's planned bytes), the slot a node takes kept; a fetch takes a slot of its
-buffer's size from the pool (its free list first, by exact size), a release gives it back to the free list (its
-write-back taken as done at once), a node's workspace is taken and given back at the node; every activation storage
-is allocated at the node that makes it and freed after its last use (the liveness rule the executor frees by).
+The step is pstar-fx-plan's GPT planned unfused on one GPU (benchmarks/arena_fit.py's plan, traced for the CPU: its
+graph differs from a CUDA trace in some ops, so node names and counts differ from a GPU run's). Its allocations, in
+the executor's order: the static bytes at set-up; before each node slots written back given back as far as the
+node's room needs (one of the size the node takes first; --drain done: each at its release), then the device pool's
+free list trimmed (--keep none, the runtime's on CUDA: to the slot the node takes; --keep room, the runtime's
+before: to the node's room under the plan's peak); a fetch takes a slot of its buffer's size (the free list first,
+by exact size), a release gives it back, a node's workspace is taken and given back at the node; every activation
+storage is allocated at the node that makes it and freed after its last use (the liveness rule the executor frees
+by).
 
 The allocator model, after torch's CUDACachingAllocator with `expandable_segments:True`: allocations of at most
 1 MiB in a small pool (2 MiB pages), larger ones in a large pool (20 MiB pages), sizes rounded up to 512 bytes; the
-smallest free block that holds a request serves it (split where more than 1 MiB, in the small pool 512 bytes, is
-left); otherwise unmapped address space (with the free block before it) is mapped page by page, while the mapped
-pages of both pools stay within the cap (the budget plus --over-budget: what the device has beside the plan); where
-that fails, every free block's whole pages are unmapped and the request tried again: a retry. Not modelled: memory
-that operators allocate inside themselves (cuBLAS workspaces, attention's temporaries), the compiled regions of a
-fused step, copy streams' reuse rules, write-backs still in flight.
+smallest free block that holds a request serves it, passing over blocks that could grow into unmapped space for the
+next one that reaches less far, as torch does, and split where 512 bytes or more are left; otherwise unmapped address
+space (with the free block before it) is mapped page by page while the mapped pages of both pools stay within the
+cap (the budget plus --over-budget: what the device has beside the plan); where that fails, every free block's whole
+pages are unmapped and the request tried again: a retry. Not modelled: memory operators allocate inside themselves
+(cuBLAS workspaces, attention's temporaries), the compiled regions of a fused step, copy streams' reuse rules, and
+for --max-split torch's release of oversize blocks before a retry.
 """
 from __future__ import annotations
 
@@ -55,7 +59,7 @@ class Device:
     """Physical memory: the pages both pools have mapped, within a cap."""
 
     def __init__(self, cap: int):
-        self.cap, self.mapped, self.retries, self.peak = cap, 0, 0, 0
+        self.cap, self.mapped, self.retries = cap, 0, 0
 
 
 class Pool:
@@ -110,8 +114,17 @@ class Pool:
                 pool.release()
             return self._malloc(size)
 
+    @staticmethod
+    def _reach(b: Block) -> int:
+        """A free block's size with the unmapped range after it (torch's "expandable size")."""
+        return b.size + (b.next.size if b.next is not None and b.next.state == UNMAPPED else 0)
+
     def _malloc(self, size: int) -> Block:
         i = bisect.bisect_left(self.free, (size, -1), key=lambda t: (t[0], t[1]))
+        # torch's best fit in an expandable segment: past blocks that could grow into unmapped space, to the next
+        # one whose reach is smaller
+        while i + 1 < len(self.free) and self._reach(self.free[i + 1][2]) < self._reach(self.free[i][2]):
+            i += 1
         b = self.free[i][2] if i < len(self.free) else None
         cut = self.max_split
         if b is not None and cut and (size < cut <= b.size or size >= cut and b.size >= size + 20 * MiB):
@@ -154,7 +167,6 @@ class Pool:
         if self.dev.mapped + nbytes > self.dev.cap:
             raise OutOfMemory
         self.dev.mapped += nbytes
-        self.dev.peak = max(self.dev.peak, self.dev.mapped)
         if start.state == FREE:
             self._free_remove(start)
         for c, take in to_map:
@@ -167,9 +179,9 @@ class Pool:
             if nb.state == FREE and nb not in [c for c, _ in to_map]:
                 self._free_remove(nb)
             self._absorb(b, nb)
-        if b.size - size >= self.split_min:
-            self._free_add(self._split(b, size, FREE))
         b.state = ALLOC
+        if b.size - size >= self.split_min:
+            self._merge_free(self._split(b, size, FREE))      # (with a free block after it, as torch merges)
         return b
 
     def release(self) -> None:
@@ -205,6 +217,7 @@ class Pool:
                 mapped += b.size
             if b.state == FREE:
                 free.add(id(b))
+                assert b.next is None or b.next.state != FREE, f"two free blocks side by side at {b.next.addr}"
             at += b.size
             b = b.next
         assert free == {id(t[2]) for t in self.free}
@@ -221,8 +234,8 @@ class Torch:
     def __init__(self, cap: int):
         self.dev = Device(cap)
         span = 1 << 50
-        self.small = Pool(self.dev, 2 * MiB, 512, span)
-        self.large = Pool(self.dev, 20 * MiB, SMALL + 1, span)
+        self.small = Pool(self.dev, 2 * MiB, 512, span)     # expandable segments split wherever 512 bytes are
+        self.large = Pool(self.dev, 20 * MiB, 512, span)    # left, in both pools
         self.dev.pools = (self.small, self.large)
 
     def malloc(self, nbytes: int) -> tuple[Pool, Block]:
@@ -272,8 +285,12 @@ class DevicePool:
             self.cached -= k
 
 
-def simulate(g, cap: int, steps: int, order: str = "bytes", keep: str = "none", max_split: int = 0) -> list[list[tuple[int, str, int]]]:
-    """Each step's retries: (node position, node name, bytes asked) for every retry."""
+def simulate(g, cap: int, steps: int, order: str = "bytes", keep: str = "none", max_split: int = 0,
+             drain: str = "room") -> list[list[tuple[int, str, int]]]:
+    """Each step's retries: (node position, node name, bytes asked) for every retry. drain: `room` a slot written
+    back stays counted (draining) until a node's room needs it, as the runtime does (ChunkStore.reclaim; one of the
+    size a node takes, where the free list has none, first, its copy taken as done); `done` every write-back done at
+    its release (the slot given back there)."""
     nodes = g.nodes
     starts, ends = activations(g)            # per node: the activation storages it makes / frees after it
     needs = all_needs(g)
@@ -285,6 +302,7 @@ def simulate(g, cap: int, steps: int, order: str = "bytes", keep: str = "none", 
     pool = DevicePool(torch_, order, keep)
     torch_.malloc(static_bytes(g))           # set-up: module buffers, constants, device-placed states (kept)
     slots = {k: pool.take(buf_bytes(g, k)) for k, _ in plan.carried}
+    draining: collections.deque = collections.deque()        # (bytes, handle), oldest first
     out = []
     for _ in range(steps):
         retries = []
@@ -293,17 +311,32 @@ def simulate(g, cap: int, steps: int, order: str = "bytes", keep: str = "none", 
             a = g.ann[n.name]
             key = BufKey(a.chunk, a.buf) if a.role in (Role.FETCH, Role.RELEASE) else None
             takes = buf_bytes(g, key) if a.role is Role.FETCH else None
+            if draining:
+                if takes and not pool.free[takes]:
+                    j = next((j for j, (nb, _) in enumerate(draining) if nb == takes), None)
+                    if j is not None:
+                        pool.give(*draining[j])
+                        del draining[j]
+                while draining and sum(nb for nb, _ in draining) > (0 if i == len(nodes) - 1 else room[i]):
+                    pool.give(*draining.popleft())
             if pool.cached:
-                pool.trim(room[i] + (takes if takes and pool.free[takes] else 0), takes)
+                held = sum(nb for nb, _ in draining)
+                pool.trim(room[i] + (takes if takes and pool.free[takes] else 0) - held, takes)
             before = torch_.dev.retries
-            if a.role is Role.FETCH:
-                slots[key] = pool.take(takes)
-            elif a.role is Role.RELEASE:
-                pool.give(buf_bytes(g, key), slots.pop(key))
-            if needs[i].workspace:
-                pool.give(needs[i].workspace, pool.take(needs[i].workspace))
-            for k, nbytes in starts[i]:
-                live[k] = torch_.malloc(nbytes)
+            try:
+                if a.role is Role.FETCH:
+                    slots[key] = pool.take(takes)
+                elif a.role is Role.RELEASE and drain == "room" and n.kwargs.get("writeback"):
+                    draining.append((buf_bytes(g, key), slots.pop(key)))
+                elif a.role is Role.RELEASE:
+                    pool.give(buf_bytes(g, key), slots.pop(key))
+                if needs[i].workspace:
+                    pool.give(needs[i].workspace, pool.take(needs[i].workspace))
+                for k, nbytes in starts[i]:
+                    live[k] = torch_.malloc(nbytes)
+            except OutOfMemory:
+                raise SystemExit(f"out of memory at node {i} ({n.name}) even after a retry: the cap "
+                                 f"{cap / GiB:.2f} GiB cannot hold the step as replayed") from None
             if torch_.dev.retries > before:
                 asked = takes or max((b for _, b in starts[i]), default=needs[i].workspace)
                 retries.extend([(i, n.name, asked)] * (torch_.dev.retries - before))
@@ -326,13 +359,20 @@ def main() -> None:
                     "runtime's on CUDA), up to its room (`room`: the runtime's before), or that and at most this many "
                     "bytes (e.g. 1GiB)")
     ap.add_argument("--quiet", action="store_true", help="counts only")
+    ap.add_argument("--drain", default="room", choices=["room", "done"],
+                    help="slots written back: counted until a node's room needs them (`room`, the runtime's), or "
+                    "given back at their release (`done`)")
     ap.add_argument("--max-split", default=None, help="PYTORCH_CUDA_ALLOC_CONF's max_split_size_mb, as bytes (e.g. "
                     "512MiB; default: unset)")
     args = ap.parse_args()
     g = planned(args)
     cap = g.settings.budget + parse_bytes(args.over_budget)
-    per_step = simulate(g, cap, args.steps, args.trim_order, args.keep, parse_bytes(args.max_split) if args.max_split else 0)
-    print(f"{len(g.nodes)} nodes; budget {g.settings.budget / GiB:.2f} GiB, cap {cap / GiB:.2f} GiB")
+    per_step = simulate(g, cap, args.steps, args.trim_order, args.keep,
+                        parse_bytes(args.max_split) if args.max_split else 0, args.drain)
+    print(f"{len(g.nodes)} nodes; budget {g.settings.budget / GiB:.2f} GiB, cap {cap / GiB:.2f} GiB; chunks' states "
+          f"on the device {sum(c.state_home.name == 'DEVICE' for c in g.chunks)}, streamed "
+          f"{sum(c.streamed for c in g.chunks)}, undo {sum(c.undo for c in g.chunks)}; moved "
+          f"{g.plan.h2d_bytes / GiB:.2f} / {g.plan.d2h_bytes / GiB:.2f} GiB")
     for k, retries in enumerate(per_step):
         print(f"step {k}: {len(retries)} retries")
         for i, name, asked in ([] if args.quiet else retries):

@@ -172,6 +172,7 @@ def plan_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--prefetch", type=int, default=None,
                     help="px.compile's prefetch: nodes a fetch may move earlier (default: as far as the room allows)")
     ap.add_argument("--no-atomic", action="store_true")
+    ap.add_argument("--host-memory", default=None, help="px.plan's host_memory (sizes the undo buffers; default: none)")
 
 
 def planned(args):
@@ -181,7 +182,8 @@ def planned(args):
         model = GPT(GPTConfig(vocab=50304, seq=args.seq, layers=args.layers, hidden=args.d_model, heads=args.heads))
     tokens = ((args.batch, args.seq), torch.long)
     report = px.plan(model, gpt_loss, tokens, tokens, device_memory=args.device_memory, gpus_per_node=1,
-                     machine=args.machine, atomic=not args.no_atomic, prefetch=args.prefetch, fuse=False)
+                     machine=args.machine, atomic=not args.no_atomic, prefetch=args.prefetch, fuse=False,
+                     host_memory=args.host_memory)
     if report.graph is None:
         raise SystemExit(f"the model does not fit the budget\n{report}")
     return report.graph

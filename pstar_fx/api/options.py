@@ -197,7 +197,8 @@ def resolve_machine(device: torch.device, precision: Precision, configs: tuple =
     precision, whether this host runs the native update of exact moments (`Machine.native_update`): the native
     kernels build and load here, and no optimizer group (`configs`, each group's options at compile time) asks for
     torch's reference formula (Adam's fused=False, which the runtime applies op by op: the whole step is then planned
-    at torch's route's rate). The native kernel's once-per-process check against torch's bits is not run ahead."""
+    at the rate of torch's fused-kernel route, which that formula is slower than; no rate of its own is modelled).
+    The native kernel's once-per-process check against torch's bits is not run ahead."""
     kind = gpu_named(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
     machine = H200 if kind is None else preset(kind)
     if precision.mixed and (native.kernels() is None or any(getattr(c, "fused", None) is False for c in configs)):

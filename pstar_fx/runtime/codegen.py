@@ -102,7 +102,7 @@ def generate(ex, kinds: tuple[int, ...]) -> tuple[str, dict, list[int]]:
     node_of_line: list[int] = []
     for i, n in enumerate(ex.nodes):
         kind = ex.kinds[i]
-        lines = [f"if store.draining or pool.cached > {ex.room[i] if ex.store.pool.caches else 0} or hooked"
+        lines = [f"if store.draining or pool.cached > ({ex.room[i]} if pool.caches else 0) or hooked"
                  f"{' or interrupts.pending' if i <= ex.holds_from else ''}: before({i})"]
         if kind == ATEN:
             lines.append(f"v{i} = {_call(n, i, src, pos, None)}")

@@ -5,14 +5,15 @@ workspaces) and counts each byte: an allocation past the budget raises.
 
 A given-back buffer is kept in a free list by size (`cached`) and handed out again to the next request of that size.
 The free list holds memory the plan does not count, so its holder bounds it (`trim`), and it is emptied whenever the
-chunks leave the device. On the CPU (several ranks) the executor keeps up to each node's room under the plan's peak
-there, so slots are not faulted in anew at every fetch. On CUDA it keeps only the buffer the next node takes
-(`caches` False): every other given-back slot goes back to torch's caching allocator at once. The plan's room at a
-node is then torch's to use beside the 2 GiB left for it: near a full device, whenever no free block holds a request
-and no page can be mapped, torch frees its whole cache and retries (a device synchronisation), and slots held in the
-free list made that more frequent: benchmarks/alloc_sim.py, which replays a step's allocations through a model of
-torch's allocator, counts 9 retries a step with them (9-11 measured) and 3-5 without at a 10.34B GPT on an H100,
-14-23 and 12-13 at the 17.26B GPT on an H200 (without them: not yet measured on a GPU).
+chunks leave the device. Off CUDA (the CPU) the executor keeps up to each node's room under the plan's peak there,
+so host buffers are not faulted in anew at every fetch. On CUDA it keeps only the buffer the next node takes (`caches`
+False): every other given-back slot goes back to torch's caching allocator before the next node. The plan's room at
+a node is then torch's to use beside the 2 GiB left for it (slots still being written back stay counted until the
+room needs them, ChunkStore.reclaim): near a full device, whenever no free block holds a request and no page can be
+mapped, torch frees its whole cache and retries (a device synchronisation), and slots held in the free list made that
+more frequent. benchmarks/alloc_sim.py replays a step's allocations through a model of torch's allocator: with them
+9-12 retries a step at a 10.34B GPT's atomic step on an H100 (10-13 measured), 8-11 at its `atomic=False` step (9-11
+measured), 18-20 at the 17.26B GPT's on an H200; without them 5-6, 3-5 and 14-15 (not yet measured on a GPU).
 `in_use` is what the plan counts: the buffers handed out and not given back.
 
 On a CPU device with one rank the device's memory is the host's, and a chunk's slot can be its host home itself

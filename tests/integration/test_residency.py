@@ -8,7 +8,7 @@ import functools
 import pytest
 import torch
 
-from pstar_fx.ir import BufKind, ops
+from pstar_fx.ir import BufKind
 from pstar_fx.passes import VerificationError, verify
 from pstar_fx.ir.needs import BufKey
 from pstar_fx.passes.schedule import annotate
