@@ -173,10 +173,11 @@ class Pool:
             if take < c.size:
                 self._split(c, take, UNMAPPED)
             c.state = FREE
+        mapped_now = {id(c) for c, _ in to_map}
         b = start                    # merge the run into one block, then cut the request from its front
         while b.size < size:
             nb = b.next
-            if nb.state == FREE and nb not in [c for c, _ in to_map]:
+            if nb.state == FREE and id(nb) not in mapped_now:      # a free block the run passed through
                 self._free_remove(nb)
             self._absorb(b, nb)
         b.state = ALLOC
@@ -303,6 +304,7 @@ def simulate(g, cap: int, steps: int, order: str = "bytes", keep: str = "none", 
     torch_.malloc(static_bytes(g))           # set-up: module buffers, constants, device-placed states (kept)
     slots = {k: pool.take(buf_bytes(g, k)) for k, _ in plan.carried}
     draining: collections.deque = collections.deque()        # (bytes, handle), oldest first
+    held = 0                                                  # their bytes
     out = []
     for _ in range(steps):
         retries = []
@@ -315,12 +317,13 @@ def simulate(g, cap: int, steps: int, order: str = "bytes", keep: str = "none", 
                 if takes and not pool.free[takes]:
                     j = next((j for j, (nb, _) in enumerate(draining) if nb == takes), None)
                     if j is not None:
+                        held -= takes
                         pool.give(*draining[j])
                         del draining[j]
-                while draining and sum(nb for nb, _ in draining) > (0 if i == len(nodes) - 1 else room[i]):
+                while draining and held > (0 if i == len(nodes) - 1 else room[i]):
+                    held -= draining[0][0]
                     pool.give(*draining.popleft())
             if pool.cached:
-                held = sum(nb for nb, _ in draining)
                 pool.trim(room[i] + (takes if takes and pool.free[takes] else 0) - held, takes)
             before = torch_.dev.retries
             try:
@@ -328,6 +331,7 @@ def simulate(g, cap: int, steps: int, order: str = "bytes", keep: str = "none", 
                     slots[key] = pool.take(takes)
                 elif a.role is Role.RELEASE and drain == "room" and n.kwargs.get("writeback"):
                     draining.append((buf_bytes(g, key), slots.pop(key)))
+                    held += draining[-1][0]
                 elif a.role is Role.RELEASE:
                     pool.give(buf_bytes(g, key), slots.pop(key))
                 if needs[i].workspace:
