@@ -23,12 +23,18 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import bench_models as models  # noqa: E402
 import pstar_fx as px  # noqa: E402
+from pstar_fx.ir import ops  # noqa: E402
+from pstar_fx.ir.needs import BufKey  # noqa: E402
 from pstar_fx.models.gpt import GPTConfig  # noqa: E402
 
 MiB = 2 ** 20
 
 
-def output_bytes(node) -> int:
+def asked_bytes(node, store) -> int:
+    """What a node allocates: a fetch's (or alloc's) slot, else its outputs' bytes."""
+    if node.target in (ops.fetch, ops.alloc):
+        numel, dtype = store.slot_spec(BufKey(node.kwargs["chunk"], node.kwargs["buf"]))
+        return numel * dtype.itemsize
     val = node.meta.get("val")
     vals = val if isinstance(val, (list, tuple)) else [val]
     return sum(v.numel() * v.element_size() for v in vals if isinstance(v, torch.Tensor))
@@ -92,7 +98,8 @@ def main() -> None:
               f"{step.last_step.seconds:.3f} s", flush=True)
     print(step.summary(), flush=True)
     graph = step.final_graph
-    pool = step._compiler.store.pool
+    store = step._compiler.store
+    pool = store.pool
     events = []                 # (step, node index, node, retries, pool in_use, pool cached, allocated, reserved)
     state = dict(last=None, prev=None)
 
@@ -119,14 +126,16 @@ def main() -> None:
     groups = collections.Counter()
     for _, j, node, d, *_ in events:
         role = graph.ann[node.name].role.name if node.name in graph.ann else "?"
-        groups[(role, op_name(node), output_bytes(node) // MiB)] += d
-    print(f"\nretries by the role, op and output (MiB) of the node that ran when they happened ({n_nodes} nodes):")
+        groups[(role, op_name(node), asked_bytes(node, store) // MiB)] += d
+    print(f"\nretries by the role, op and bytes asked (MiB: a fetch's slot, else the outputs) of the node that ran "
+          f"when they happened ({n_nodes} nodes):")
     for (role, op, mib), d in groups.most_common():
         print(f"  {d:4d}  {role:14s} {op:48s} {mib:6d} MiB")
-    print(f"\nthe first {args.show} events: step, node index, node, op, output MiB, retries, pool in use / cached, "
+    print(f"\nthe first {args.show} events: step, node index, node, op, MiB asked, retries, pool in use / cached, "
           "torch allocated / reserved (GiB)")
     for k, j, node, d, used, cached, alloc, res in events[:args.show]:
-        print(f"  {k} {j:6d}/{n_nodes} {node.name[:40]:40s} {op_name(node)[:36]:36s} {output_bytes(node) // MiB:6d} "
+        asked = asked_bytes(node, store) // MiB
+        print(f"  {k} {j:6d}/{n_nodes} {node.name[:40]:40s} {op_name(node)[:36]:36s} {asked:6d} "
               f"{d:2d}  {used / 2**30:7.2f} / {cached / 2**30:6.2f}  {alloc / 2**30:7.2f} / {res / 2**30:7.2f}")
 
 

@@ -199,7 +199,7 @@ def test_freed_slots_stay_within_each_nodes_room_and_are_reused_where_the_pool_c
     def counting_take(numel, dtype, what="slot"):
         hit = bool(pool.free.get((numel, dtype)))
         fresh.append(not hit)
-        at_take.append((pool.cached, numel * dtype.itemsize if hit else 0))
+        at_take.append((pool.cached, numel * dtype.itemsize if hit else 0, pool.in_use + pool.cached))
         return take(numel, dtype, what)
 
     pool.take = counting_take          # an instance attribute of the test's own pool object
@@ -216,7 +216,8 @@ def test_freed_slots_stay_within_each_nodes_room_and_are_reused_where_the_pool_c
         reused = len(fresh) - sum(fresh)
         assert reused >= len(fresh) / 4, f"{reused} of {len(fresh)} takes reused a free-listed slot"
     else:
-        assert all(cached <= kept for cached, kept in at_take), "the free list kept more than the node takes"
-        assert any(kept for _, kept in at_take), "no released slot was ever handed to the next node"
+        assert all(cached <= kept for cached, kept, _ in at_take), "the free list kept more than the node takes"
+        assert any(kept for _, kept, _ in at_take), "no released slot was ever handed to the next node"
+        assert max(total for _, _, total in at_take) <= peak
     ref_losses, _ = eager_run(SMALL, 4)
     assert rel_err(losses, ref_losses[1:]) <= 1e-6
