@@ -32,7 +32,7 @@ import pstar_fx as px  # noqa: E402
 from pstar_fx.models.gpt import GPT, GPTConfig, gpt_loss  # noqa: E402
 from pstar_fx.ir.graph import Role  # noqa: E402
 from pstar_fx.ir.needs import BufKey, all_needs, buf_bytes, static_bytes  # noqa: E402
-from pstar_fx.passes.liveness import analyze  # noqa: E402
+from pstar_fx.passes.liveness import storages  # noqa: E402
 
 GiB = 2 ** 30
 ALIGN = 512          # torch's caching allocator rounds blocks to 512 bytes
@@ -56,7 +56,7 @@ def activations(g) -> tuple[list[list[tuple[int, int]]], list[list[int]]]:
     sharing it)."""
     makes: list[list[tuple[int, int]]] = [[] for _ in g.nodes]
     frees: list[list[int]] = [[] for _ in g.nodes]
-    for k, (first, last, nbytes) in enumerate(analyze(g.nodes, g.ann).storages):
+    for k, (first, last, nbytes) in enumerate(storages(g.nodes, g.ann)):
         if nbytes:
             makes[first].append((k, nbytes))
             frees[last].append(k)

@@ -24,13 +24,12 @@ class Liveness:
     live: tuple[int, ...]            # per node position: activation bytes alive while it runs
     created: tuple[int, ...]         # per node position: bytes of activation storage it creates
     last_use: tuple[int, ...]        # per node position: position after which its value is freed
-    # every activation storage: (the node position that makes it, the last one it is alive at, its bytes)
-    storages: tuple[tuple[int, int, int], ...] = ()
 
 
-def analyze(nodes: list[fx.Node], ann) -> Liveness:
-    """Live activation bytes per node position (see the module docstring for the rule)."""
-    last = last_uses(nodes)
+def storages(nodes: list[fx.Node], ann, last: list[int] | None = None) -> list[tuple[int, int, int]]:
+    """Every activation storage by the module docstring's rule: (the node position that makes it, the last one it
+    is alive at, its bytes). last: last_uses(nodes), where the caller has it."""
+    last = last_uses(nodes) if last is None else last
     excluded: set[int] = set()
     start: dict[int, int] = {}
     end: dict[int, int] = {}
@@ -46,20 +45,23 @@ def analyze(nodes: list[fx.Node], ann) -> Liveness:
             if k not in start:
                 start[k], size[k] = i, storage_bytes(t)
             end[k] = max(end.get(k, i), last[i])
+    return [(start[k], end[k], size[k]) for k in start if k not in excluded]
+
+
+def analyze(nodes: list[fx.Node], ann) -> Liveness:
+    """Live activation bytes per node position (see the module docstring for the rule)."""
+    last = last_uses(nodes)
     delta = [0] * (len(nodes) + 1)
     created = [0] * len(nodes)
-    for k, s in start.items():
-        if k in excluded:
-            continue
-        delta[s] += size[k]
-        delta[end[k] + 1] -= size[k]
-        created[s] += size[k]
+    for s, e, nbytes in storages(nodes, ann, last):
+        delta[s] += nbytes
+        delta[e + 1] -= nbytes
+        created[s] += nbytes
     live, acc = [], 0
     for i in range(len(nodes)):
         acc += delta[i]
         live.append(acc)
-    storages = tuple((start[k], end[k], size[k]) for k in start if k not in excluded)
-    return Liveness(tuple(live), tuple(created), tuple(last), storages)
+    return Liveness(tuple(live), tuple(created), tuple(last))
 
 
 def liveness(g: TrainGraph) -> TrainGraph:
