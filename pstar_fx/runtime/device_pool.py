@@ -13,7 +13,7 @@ room needs them, ChunkStore.reclaim): near a full device, whenever no free block
 mapped, torch frees its whole cache and retries (a device synchronisation), and slots held in the free list made that
 more frequent. benchmarks/alloc_sim.py replays a step's allocations through a model of torch's allocator: with them
 9-12 retries a step at a 10.34B GPT's atomic step on an H100 (10-13 measured), 8-11 at its `atomic=False` step (9-11
-measured), 18-20 at the 17.26B GPT's on an H200; without them 5-6, 3-5 and 14-15 (not yet measured on a GPU).
+measured), 18-20 at the 17.26B GPT's on an H200; without them 5-6, 3-5 and 14-15 (7-8, 4-7 and 15-16 measured).
 `in_use` is what the plan counts: the buffers handed out and not given back.
 
 On a CPU device with one rank the device's memory is the host's, and a chunk's slot can be its host home itself
