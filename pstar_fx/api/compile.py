@@ -15,7 +15,7 @@ def compile(model: nn.Module, *, optimizer: OptimizerSpec | None, device_memory:
             prefetch: int | None = None, max_grad_norm: float | None = None,
             accumulate: int = 1, remat="auto", atomic: bool = True,
             _device_updates: int | None = None, cache_size: int = 8, fuse: bool | None = None,
-            _undo_updates: int | None = None,
+            _undo_updates: int | None = None, _loss_rows=None, _loss_block_bytes: int | None = None,
             host_memory: int | str | None = None, offload_dir=None,
             disk_memory: int | str | None = None) -> Callable[[Callable], CompiledStep]:
     """Compile `step(model, *batch) -> loss` into one training step that fits `device_memory`.
@@ -37,7 +37,9 @@ def compile(model: nn.Module, *, optimizer: OptimizerSpec | None, device_memory:
     them there (the first in the CPU's order, with atomic=False every other one first; more than there are: all)
     instead of the cost model's choice. `_undo_updates` (private, for tests): in an atomic step, update this many of
     the chunks the CPU would update (the last in its order) before the commit, their previous values kept in undo
-    buffers (0: none) instead of the cost model's choice.
+    buffers (0: none) instead of the cost model's choice. `_loss_rows` (private, for tests): when large
+    cross-entropy losses are computed in blocks of rows, a `LossRows` (passes/loss_rows), and `_loss_block_bytes` the
+    fp32 bytes of a block, instead of the defaults (where the step would not fit otherwise; 256 MiB).
     `cache_size` compiled batch signatures are kept (least recently used dropped); `step.reserve(*batch)` compiles
     one up front and keeps it.
     `fuse=True` compiles the compute between chunk operations: each maximal run of compute nodes between two chunk
@@ -70,6 +72,6 @@ def compile(model: nn.Module, *, optimizer: OptimizerSpec | None, device_memory:
                             chunk_size=chunk_size, device=device, debug=debug, prefetch=prefetch,
                             max_grad_norm=max_grad_norm, accumulate=accumulate, remat=remat, atomic=atomic,
                             device_updates=_device_updates, undo_updates=_undo_updates, cache_size=cache_size,
-                            fuse=fuse,
+                            fuse=fuse, loss_rows=_loss_rows, loss_block_bytes=_loss_block_bytes,
                             host_memory=host_memory, offload_dir=offload_dir, disk_memory=disk_memory)
     return wrap

@@ -25,7 +25,7 @@ from ..frontend.trace import FlatBatch, flatten_batch, trace_step
 from ..interrupts import DeferredInterrupt
 from ..ir.graph import Settings, TrainGraph
 from ..ir.needs import early_host_bytes, state_layout
-from ..passes import assign_chunks, canonicalize, liveness, pipeline, run_passes
+from ..passes import assign_chunks, canonicalize, liveness, loss_rows, pipeline, run_passes
 from ..passes.place_optimizer import min_need, place_optimizer
 from ..passes.remat import least_need_graph
 from ..runtime.chunk_store import ChunkStore
@@ -41,7 +41,7 @@ from .warnings import warn_chunk_padding, warn_host_threads
 
 VALUE_RETRACES_WARN = 4   # compiles caused by changed plain Python values, then a warning
 
-STAGE_NAMES = ("traced", "canonical", "chunked", "liveness", "remat", "optimizer_placed", "scheduled")
+STAGE_NAMES = ("traced", "canonical", "loss_rows", "chunked", "liveness", "remat", "optimizer_placed", "scheduled")
 # + "sharded" (2+ ranks), + "fused" (fuse=True)
 
 
@@ -270,7 +270,7 @@ class Compiler:
             interrupts.deliver()
             passes = [p for p in pipeline(chunk_size=self.settings.chunk_size, layout=self.layout, prefetch=0,
                                           world=self.settings.world)
-                      if getattr(p, "func", p) in (canonicalize, assign_chunks, liveness)]
+                      if getattr(p, "func", p) in (canonicalize, loss_rows, assign_chunks, liveness)]
             before = run_passes(traced, passes)[-1]
             if self.remat:
                 before = least_need_graph(before)

@@ -12,7 +12,7 @@ import torch.nn as nn
 
 from ..cost import H200, Machine, gpu_named, preset
 from ..errors import warn
-from ..ir.graph import Precision
+from ..ir.graph import LossRows, Precision
 from ..optim import OptimizerSpec
 from ..runtime import native
 from ..runtime.comm import Comm
@@ -269,3 +269,18 @@ def resolve_tiers(host_memory, offload_dir, disk_memory, comm: Comm | None = Non
         raise ValueError(f"host_memory {host_memory!r} is less than a byte for each of the {local} ranks on this "
                          "node (host_memory is per node, shared by its ranks): pass the node's host memory")
     return host, path, disk
+
+
+def loss_rows_settings(when, block_bytes: int | None) -> dict:
+    """Settings' loss_rows and loss_block_bytes from px.compile's private `_loss_rows` (a LossRows) and
+    `_loss_block_bytes` (bytes > 0); None leaves each at its default."""
+    out: dict = {}
+    if when is not None:
+        if not isinstance(when, LossRows):
+            raise TypeError(f"_loss_rows must be a pstar_fx.ir.graph.LossRows, got {when!r}")
+        out["loss_rows"] = when
+    if block_bytes is not None:
+        if block_bytes <= 0:
+            raise ValueError(f"_loss_block_bytes must be a number of bytes > 0, got {block_bytes!r}")
+        out["loss_block_bytes"] = block_bytes
+    return out

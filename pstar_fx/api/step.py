@@ -31,8 +31,8 @@ from .compiler import Compiler
 from .guarded import run_guarded
 from .live_optimizer import build as build_optimizer
 from .model_state import ModelState, holds_own_values
-from .options import (check_options, check_world, fuse_by_estimate, host_is_device, host_spare, resolve_budget,
-                      resolve_device, resolve_fuse, resolve_machine, resolve_precision, resolve_tiers)
+from .options import (check_options, check_world, fuse_by_estimate, host_is_device, host_spare, loss_rows_settings,
+                      resolve_budget, resolve_device, resolve_fuse, resolve_machine, resolve_precision, resolve_tiers)
 from .summary import Summary, summarize
 from .trace_cache import DEFAULT_MAX_SIZE
 from .warnings import warn_torch_compiled
@@ -81,7 +81,8 @@ class CompiledStep:
                  prefetch: int | None = None, max_grad_norm: float | None = None, accumulate: int = 1, remat="auto",
                  atomic: bool = True, device_updates: int | None = None, undo_updates: int | None = None,
                  cache_size: int = DEFAULT_MAX_SIZE,
-                 fuse: bool | None = None, host_memory=None, offload_dir=None, disk_memory=None):
+                 fuse: bool | None = None, host_memory=None, offload_dir=None, disk_memory=None,
+                 loss_rows=None, loss_block_bytes: int | None = None):
         check_options(model, optimizer, chunk_size=chunk_size, prefetch=prefetch, max_grad_norm=max_grad_norm,
                       accumulate=accumulate, remat=remat, atomic=atomic, cache_size=cache_size, debug=debug)
         if not callable(fn):
@@ -111,7 +112,7 @@ class CompiledStep:
                                  max_grad_norm=None if max_grad_norm is None else float(max_grad_norm),
                                  accumulate=accumulate, world=world,
                                  atomic=atomic, device_updates=device_updates, undo_updates=undo_updates,
-                                 host_budget=host_budget,
+                                 **loss_rows_settings(loss_rows, loss_block_bytes), host_budget=host_budget,
                                  disk_budget=disk_budget, host_is_device=host_is_device(dev, world),
                                  host_default=default_host,
                                  host_spare=host_spare(default_host, world),

@@ -47,8 +47,8 @@ from torch.overrides import TorchFunctionMode
 
 from ..errors import UntraceableError, warn
 from ..interrupts import DeferredInterrupt
-from ..ir.fx_utils import (data_dependent_sizes, is_user_file, loss_seed, mutated_args, output_node, storage_key,
-                           tensors_of, user_frame)
+from ..ir.fx_utils import (data_dependent_sizes, is_user_file, loss_seed, mutated_args, output_node, refresh_views,
+                           storage_key, user_frame)
 from ..ir.graph import (InputInfo, NodeAnn, Phase, Role, Settings, TrainGraph, lazy_modules,
                         to_module)
 from ..ir.outputs import split_outputs
@@ -588,21 +588,6 @@ def _is_plain_cast(n: fx.Node) -> bool:
             and torch.device(kw.get("device", src.device)) == src.device)
 
 
-def _refresh_views(x: fx.Node, old_storage: int) -> None:
-    """x replaced a node whose value had storage old_storage: recompute the fake values of the views of it (they
-    now alias x's storage, which liveness and the schedule must see)."""
-    mode = x.meta["val"].fake_mode
-    stack = list(x.users)
-    while stack:
-        u = stack.pop()
-        if u.op != "call_function" or not any(storage_key(t) == old_storage for t in tensors_of(u)):
-            continue
-        args, kwargs = fx.node.map_arg((u.args, u.kwargs), lambda a: a.meta["val"])
-        with mode:
-            u.meta["val"] = u.target(*args, **kwargs)
-        stack.extend(u.users)
-
-
 def _fold_param_casts(graph: fx.Graph, params: set[fx.Node]) -> None:
     """Mixed precision, after tracing under autocast (in place, on the freshly traced graph).
 
@@ -623,7 +608,7 @@ def _fold_param_casts(graph: fx.Graph, params: set[fx.Node]) -> None:
             graph.erase_node(n)
             if not mid.users:
                 graph.erase_node(mid)
-            _refresh_views(x, old)
+            refresh_views(x, old)
 
     def of_param(n: fx.Node) -> bool:
         while n.op == "call_function" and n.target is torch.ops.aten.detach.default:
@@ -641,7 +626,7 @@ def _fold_param_casts(graph: fx.Graph, params: set[fx.Node]) -> None:
             with val.fake_mode:
                 copy.meta["val"] = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device=val.device)
             user.replace_input_with(n, copy)
-            _refresh_views(copy, storage_key(val))
+            refresh_views(copy, storage_key(val))
         graph.erase_node(n)
 
 

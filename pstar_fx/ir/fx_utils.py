@@ -279,3 +279,18 @@ def private_chains(nodes: list[fx.Node]) -> set[int]:
     written = {k for n in nodes for m in mutated_args(n) for k in storages_of(m)}
     return {k for k in written - bad if k in chain and len(chain[k]) > 1
             and all(r is chain[k][-1] for r in readers.get(k, ()))}
+
+
+def refresh_views(x: fx.Node, old_storage: int) -> None:
+    """x replaced a node whose value had storage old_storage: recompute the fake values of the views of it (they
+    now alias x's storage, which liveness and the schedule must see)."""
+    mode = x.meta["val"].fake_mode
+    stack = list(x.users)
+    while stack:
+        u = stack.pop()
+        if u.op != "call_function" or not any(storage_key(t) == old_storage for t in tensors_of(u)):
+            continue
+        args, kwargs = fx.node.map_arg((u.args, u.kwargs), lambda a: a.meta["val"])
+        with mode:
+            u.meta["val"] = u.target(*args, **kwargs)
+        stack.extend(u.users)

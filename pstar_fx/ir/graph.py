@@ -54,6 +54,16 @@ class Phase(_Enum):
     OUTPUT = "output"
 
 
+class LossRows(_Enum):
+    """When a large cross-entropy loss is computed in blocks of rows (passes/loss_rows)."""
+    NEVER = "never"
+    WHERE_NEEDED = "where needed"    # by the remat pass, only where the step would not fit the budget otherwise
+    ALWAYS = "always"                # by the loss_rows stage, every loss of at least two blocks
+
+
+LOSS_BLOCK_BYTES = 256 * 2 ** 20     # fp32 bytes of a block of rows of a loss's tokens x vocabulary tensors
+
+
 class Role(_Enum):
     PARAM = "param"                  # placeholder of a parameter (before assign_chunks)
     BUFFER = "buffer"                # placeholder of a module buffer (always resident, mutated in place)
@@ -217,6 +227,10 @@ class Settings:
     # tests (px.compile's private `_undo_updates`): this many chunks the CPU would update, the last in its order, update
     # before the commit with an undo buffer (more than there are: all; 0: none); None: the cost model chooses
     undo_updates: int | None = None
+    # large cross-entropy losses in blocks of rows (passes/loss_rows): when, and the fp32 bytes of a block
+    # (px.compile's private `_loss_rows` and `_loss_block_bytes`, for tests)
+    loss_rows: LossRows = LossRows.WHERE_NEEDED
+    loss_block_bytes: int = LOSS_BLOCK_BYTES
     # forward only over a trainer's chunks (optimizer None): the trainer's chunk state layout, whose device-placed
     # states the plan counts (ir.needs.state_layout)
     states: StateLayout | None = None

@@ -1,6 +1,6 @@
 """The pass pipeline: an explicit list of pure `TrainGraph -> TrainGraph` functions, each checked by the verifier.
 
-    canonicalize -> assign_chunks -> liveness -> remat -> place_optimizer -> schedule (-> shard, with 2+ ranks)
+    canonicalize -> loss_rows -> assign_chunks -> liveness -> remat -> place_optimizer -> schedule (-> shard, with 2+ ranks)
     (-> fuse_regions, with fuse=True; fuse_if_faster, which keeps it only where the cost model estimates it faster,
     with fuse_auto)
 """
@@ -14,6 +14,7 @@ from ..ir.graph import TrainGraph
 from .assign_chunks import assign_chunks
 from .canonicalize import canonicalize
 from .liveness import liveness
+from .loss_rows import loss_rows
 from .place_optimizer import place_optimizer
 from .regions import fuse_if_faster, fuse_regions
 from .remat import remat
@@ -36,6 +37,7 @@ def pipeline(*, chunk_size=None, layout=None, prefetch: int | None = None, train
     the preset of its GPU, api/options.resolve_machine)."""
     return [
         canonicalize,
+        loss_rows,
         functools.partial(assign_chunks, chunk_size=chunk_size, layout=layout),
         liveness,
         functools.partial(_remat, enabled=remat, machine=machine),
@@ -65,7 +67,8 @@ def run_passes(g: TrainGraph, passes, after=None) -> list[TrainGraph]:
     return stages
 
 
-__all__ = ["assign_chunks", "canonicalize", "fuse_if_faster", "fuse_regions", "liveness", "place_optimizer", "remat",
+__all__ = ["assign_chunks", "canonicalize", "fuse_if_faster", "fuse_regions", "liveness", "loss_rows",
+           "place_optimizer", "remat",
            "schedule", "shard",
            "collectives", "verify", "pipeline",
            "run_passes", "VerificationError"]

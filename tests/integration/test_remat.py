@@ -125,7 +125,7 @@ def test_remat_changes_no_value(precision, accumulate):
 def _liveness_graph(case):
     step = compiled_step(case, chunk_size=CHUNK)
     traced = trace_step(step._fn, step._model, case.batch(0), step.settings)
-    return run_passes(traced, pipeline(chunk_size=CHUNK)[:3])[-1]
+    return run_passes(traced, pipeline(chunk_size=CHUNK)[:4])[-1]
 
 
 @pytest.mark.parametrize("name", ["gpt_tied", "hf_llama"])
@@ -198,7 +198,7 @@ def test_remat_lowers_the_peak_the_optimizer_states_share():
     tokens = torch.empty(4, 512, dtype=torch.long, device="meta")
     settings = Settings(precision=Precision("bf16"), device=torch.device("cpu"), budget=500 << 20,
                         chunk_size=None, optimizer=planning._layout(model, None))
-    g = run_passes(trace_step(plan_loss, model, (tokens, tokens), settings), pipeline()[:3])[-1]
+    g = run_passes(trace_step(plan_loss, model, (tokens, tokens), settings), pipeline()[:4])[-1]
     segments = find_segments(g)
     out = remat(g)
     recomputed = {segments[n.meta[REMAT].segment].block for n in out.nodes if REMAT in n.meta}

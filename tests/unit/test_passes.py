@@ -23,9 +23,10 @@ def _stages(case_name="gpt_tied", **kw):
 
 def test_stages_in_order_each_stamped():
     stages, _, _ = _stages()
-    assert list(stages) == ["traced", "canonical", "chunked", "liveness", "remat", "optimizer_placed", "scheduled"]
+    assert list(stages) == ["traced", "canonical", "loss_rows", "chunked", "liveness", "remat", "optimizer_placed",
+                            "scheduled"]
     made_by = [g.made_by for g in stages.values()]
-    assert made_by == ["trace_step", "canonicalize", "assign_chunks", "liveness", "remat", "place_optimizer",
+    assert made_by == ["trace_step", "canonicalize", "loss_rows (nothing split)", "assign_chunks", "liveness", "remat", "place_optimizer",
                        "schedule"]
     for name, g in stages.items():
         assert str(g).startswith(f'# stage "{g.stage}" made by {g.made_by}')

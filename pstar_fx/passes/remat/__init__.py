@@ -5,7 +5,10 @@ chosen segment, copies of some of its forward nodes (tagged `node.meta[REMAT]`, 
 first backward node that reads one of the segment's saved values, applying the same ops to the same inputs, and every
 backward use of such a value reads its copy, so the forward value dies in forward. Nothing random is recomputed.
 Liveness annotations are those of the output graph. At an unlimited budget, or one the step fits without
-recomputation (`comfort`, see choice.py), the graph is the input's.
+recomputation (`comfort`, see choice.py), the graph is the input's. The one exception to the first sentence: where
+no choice of segments fits the budget, the step's large cross-entropy losses are first computed in blocks of rows
+(passes/loss_rows, which recomputes each block's log-softmax in backward; the same values), where the settings allow
+it (`Settings.loss_rows`), and the segments chosen on that graph.
 
 How (one module each): segments.py finds the candidate segments, a transformer block at a time; replay.py replays
 liveness for any choice of them without building the graph; choice.py chooses by the cost model; rewrite.py builds
@@ -20,7 +23,8 @@ from ...errors import BudgetError
 from ...ir.graph import Choice, TrainGraph
 from ...ir.needs import all_needs, buf_bytes, static_bytes
 from ...units import format_bytes
-from ..liveness import analyze
+from ..liveness import analyze, liveness
+from ..loss_rows import loss_rows, may_split
 from ..place_optimizer import min_need, place_optimizer
 from .choice import choose, least_need
 from .replay import Replay
@@ -64,11 +68,26 @@ def remat(g: TrainGraph, *, enabled: bool = True, machine: Machine = H200) -> Tr
         chosen = least_need(replay, segments)
         rule = "the least need: the budget holds no cheaper choice"
         if replay.figures(chosen).need > budget:
+            split = _loss_in_rows(g)
+            if split is not None:
+                out = remat(split, enabled=enabled, machine=machine)
+                return _chose(out, f"the cross-entropy loss computed in blocks of rows (passes/loss_rows): without "
+                                   f"that the step needs at least {format_bytes(replay.figures(chosen).need)}, more "
+                                   f"than the budget {format_bytes(budget)}")
             raise _budget_error(apply(g, [s for s in segments if s.id in chosen]), budget)
     out = apply(g, [s for s in segments if s.id in chosen])
     assert replay.live(chosen) == [out.ann[n.name].live_bytes for n in out.nodes], \
         "remat's replay of liveness disagrees with liveness on the rewritten graph"
     return _chose(out.evolve(stage="remat", made_by="remat"), _why(replay, segments, chosen, budget, rule))
+
+
+def _loss_in_rows(g: TrainGraph) -> TrainGraph | None:
+    """g with its large cross-entropy losses in blocks of rows, liveness annotated, where the settings let remat
+    split them and one is not split yet; else None."""
+    if not may_split(g):
+        return None
+    out = loss_rows(g, force=True)
+    return None if out.gm is g.gm else liveness(out)
 
 
 def _chose(g: TrainGraph, why: str) -> TrainGraph:
@@ -96,9 +115,10 @@ def _why(replay: Replay, segments: tuple[Segment, ...], chosen: tuple[int, ...],
 
 def least_need_graph(g: TrainGraph) -> TrainGraph:
     """g with the segments recomputed that give the least need (step.min_device_memory): the smallest budget the
-    step compiles under with recomputation."""
+    step compiles under with recomputation (and its large losses in blocks of rows, as remat's last resort)."""
     if g.settings.optimizer is None:
         return g
+    g = _loss_in_rows(g) or g
     G = GraphFacts(g)
     segments = find_segments(g, G)
     replay = Replay(g, G, None)

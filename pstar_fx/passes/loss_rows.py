@@ -1,0 +1,219 @@
+"""loss_rows: the cross-entropy of a large vocabulary computed in blocks of rows, so that its fp32 tensors are never
+whole.
+
+eager's `F.cross_entropy(logits.float(), targets)` makes, per micro-batch, an fp32 copy of the logits, their
+log-softmax (kept for backward), and in backward the loss's gradient and the log-softmax's: three fp32 tensors of
+tokens x vocabulary alive at once (about 9.4 GiB for 16,384 tokens of a 50,304 vocabulary) beside the half-precision
+logits. Here the forward computes each block of rows' log-softmax and keeps only each row's value at its target;
+backward computes each block's log-softmax again from the logits and its gradient from it. What stays alive between
+them is the logits (half the size of the fp32 log-softmax in mixed precision), and at most a block of each fp32
+tensor at a time.
+
+Invariant after (each rewritten loss, the pattern below, one per micro-batch): every value the graph returns or
+writes has the same bits as before. Row-wise operators (the fp32 conversion, `_log_softmax`, `nll_loss_backward`,
+`_log_softmax_backward_data`) compute each row alone, so a block of rows is the same rows' bits; the loss itself is
+`nll_loss_forward` over a tokens x 1 (or x 2) tensor of the rows' target values, whose reduction adds the same values
+in the same order as over the whole log-softmax (it reads only the target's column, and its order depends on the
+rows alone). Nothing else changes.
+
+The pattern: `ls = _log_softmax(x, 1)` of a 2-D `x` whose only users are `nll_loss_forward(ls, t, None, r, i)`,
+`nll_loss_backward(g, ls, t, None, r, i, w)` and `_log_softmax_backward_data(that, ls, 1, float32)`, the backward
+one's only user; no class weights. `x` is either an fp32 conversion (`_to_copy`) of a contiguous half-precision
+tensor, through views (mixed precision: the blocks convert blocks of it), or is read in blocks itself. A conversion
+of the log-softmax's gradient back to half precision, its only user, is done per block too.
+
+Which losses are split: those whose fp32 tokens x vocabulary tensor is at least two blocks of the settings'
+`loss_block_bytes` (`LOSS_BLOCK_BYTES`, 256 MiB, unless a test sets it). By the settings' `loss_rows`: ALWAYS, this
+stage splits them; WHERE_NEEDED (the default), this stage splits none and the remat pass splits them where the step
+would not fit the budget otherwise: where it fits, the whole tensors cost nothing but room, and the blocks would
+cost the backward's second log-softmax (a few milliseconds at 16k x 50k on an H200) while the room they free would
+go to more optimizer states on the device, which is not always faster (the cost model estimated the 17.26B GPT's
+atomic step 1.4% slower so, by less room for the streamed updates); NEVER, none is split.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.fx as fx
+
+from ..ir.fx_utils import refresh_views, storage_key
+from ..ir.graph import LossRows, NodeAnn, Phase, Role, TrainGraph, copy_graph, to_module
+
+aten = torch.ops.aten
+
+_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Match:
+    log_softmax: fx.Node
+    nll: fx.Node              # nll_loss_forward
+    nll_grad: fx.Node         # nll_loss_backward
+    grad: fx.Node             # _log_softmax_backward_data
+    to_half: fx.Node | None   # its conversion back to half precision, the only user
+    source: fx.Node           # the tensor read in blocks: the half-precision one converted, or x itself
+    convert: fx.Node | None   # the fp32 conversion of source (its kwargs are the blocks')
+    rows: int
+    cols: int
+
+
+def may_split(g: TrainGraph) -> bool:
+    """Whether the remat pass may split g's losses where the step would not fit otherwise."""
+    return g.settings.loss_rows is LossRows.WHERE_NEEDED
+
+
+def loss_rows(g: TrainGraph, force: bool = False) -> TrainGraph:
+    """The stage: g with each large cross-entropy computed in blocks of rows where the settings say ALWAYS, or where
+    `force` (the remat pass's last resort); g's graph otherwise (module docstring: the invariant, the pattern)."""
+    block = g.settings.loss_block_bytes if force or g.settings.loss_rows is LossRows.ALWAYS else 0
+    graph, _ = copy_graph(g)
+    ann = dict(g.ann)
+    split = 0
+    if block > 0:
+        for node in list(graph.nodes):
+            m = _match(node)
+            if m is None or m.rows * m.cols * 4 < 2 * block:
+                continue
+            _rewrite(graph, m, max(1, math.ceil(block / (4 * m.cols))), ann)
+            split += 1
+    if not split:
+        return g.evolve(stage="loss_rows", made_by="loss_rows (nothing split)")
+    graph.lint()
+    names = {n.name for n in graph.nodes}
+    ann = {k: v for k, v in ann.items() if k in names}
+    return g.evolve(gm=to_module(graph, g.gm), stage="loss_rows", ann=ann,
+                    made_by=f"loss_rows ({split} cross-entropy loss{'es' if split > 1 else ''} in blocks of rows)")
+
+
+def _only_user(n: fx.Node) -> fx.Node | None:
+    return next(iter(n.users)) if len(n.users) == 1 else None
+
+
+def _match(ls: fx.Node) -> _Match | None:
+    if ls.op != "call_function" or ls.target is not aten._log_softmax.default:
+        return None
+    x, dim, half_to_float = ls.args
+    xv = x.meta.get("val")
+    if half_to_float or not isinstance(xv, torch.Tensor) or xv.dim() != 2 or dim not in (1, -1) \
+            or xv.dtype is not torch.float32:
+        return None
+    users = {u.target: u for u in ls.users}
+    if len(users) != 3 or len(ls.users) != 3:
+        return None
+    nll, nll_grad = users.get(aten.nll_loss_forward.default), users.get(aten.nll_loss_backward.default)
+    grad = users.get(aten._log_softmax_backward_data.default)
+    if nll is None or nll_grad is None or grad is None:
+        return None
+    if nll.args[0] is not ls or nll.args[2] is not None or len(nll.args) != 5 or nll.kwargs:
+        return None
+    if nll_grad.args[1] is not ls or nll_grad.args[2] is not nll.args[1] or nll_grad.args[3] is not None \
+            or tuple(nll_grad.args[4:6]) != tuple(nll.args[3:5]) or nll_grad.kwargs:
+        return None
+    if grad.args[0] is not nll_grad or grad.args[1] is not ls or grad.args[2] not in (1, -1) \
+            or _only_user(nll_grad) is not grad:
+        return None
+    to_half = _only_user(grad)
+    if to_half is not None and not _is_conversion(to_half):
+        to_half = None
+    source, convert = _source(x)
+    rows, cols = xv.shape
+    return _Match(ls, nll, nll_grad, grad, to_half, source, convert, int(rows), int(cols))
+
+
+def _is_conversion(n: fx.Node) -> bool:
+    """A dtype conversion on the same device and layout, nothing else (`_to_copy(t, dtype=...)`)."""
+    if n.op != "call_function" or n.target is not aten._to_copy.default or len(n.args) != 1:
+        return False
+    src, out = n.args[0].meta.get("val"), n.meta.get("val")
+    if not isinstance(src, torch.Tensor) or not isinstance(out, torch.Tensor):
+        return False
+    return set(n.kwargs) <= {"dtype", "layout", "device"} and out.device == src.device and out.shape == src.shape \
+        and n.kwargs.get("memory_format") is None
+
+
+def _source(x: fx.Node) -> tuple[fx.Node, fx.Node | None]:
+    """What blocks of x's rows are made from: the half-precision tensor x converts (through views of the
+    conversion, each used only on the way to x; the tensor contiguous, so a view of it has x's rows), or x."""
+    n = x
+    while n.op == "call_function" and n.target in _VIEWS and len(n.users) == 1:
+        n = n.args[0]
+    if _is_conversion(n) and (n is x or len(n.users) == 1):
+        src = n.args[0]
+        v = src.meta.get("val")
+        if isinstance(v, torch.Tensor) and v.is_contiguous() and v.dtype in (torch.bfloat16, torch.float16):
+            return src, n
+    return x, None
+
+
+def _rewrite(graph: fx.Graph, m: _Match, block_rows: int, ann: dict) -> None:
+    target, reduction, ignore = m.nll.args[1], m.nll.args[3], m.nll.args[4]
+    fake = m.log_softmax.meta["val"].fake_mode
+    col = 1 if ignore == 0 else 0        # the column of the rows' values: not the ignored index
+
+    def add(target_fn, args, kwargs=None, phase=Phase.FORWARD) -> fx.Node:
+        n = graph.call_function(target_fn, tuple(args), kwargs or {})
+        vals = fx.node.map_arg((n.args, n.kwargs), lambda a: a.meta["val"])
+        with fake:
+            n.meta["val"] = target_fn(*vals[0], **vals[1])
+        if "stack_trace" in m.log_softmax.meta:
+            n.meta["stack_trace"] = m.log_softmax.meta["stack_trace"]
+        ann[n.name] = NodeAnn(role=Role.COMPUTE, phase=phase)
+        return n
+
+    def blocks(phase):
+        """Per block: (start, end, its fp32 log-softmax); the source viewed as rows x vocabulary first."""
+        src = m.source
+        if tuple(src.meta["val"].shape) != (m.rows, m.cols):
+            src = add(aten.view.default, (src, [m.rows, m.cols]), phase=phase)
+        for a in range(0, m.rows, block_rows):
+            b = min(a + block_rows, m.rows)
+            x = add(aten.slice.Tensor, (src, 0, a, b), phase=phase)
+            if m.convert is not None:
+                x = add(aten._to_copy.default, (x,), dict(m.convert.kwargs), phase=phase)
+            yield a, b, add(aten._log_softmax.default, (x, 1, False), phase=phase)
+
+    # forward: each row's value at its target, then the loss over those
+    with graph.inserting_before(m.log_softmax):
+        safe = add(aten.where.ScalarOther, (add(aten.ne.Scalar, (target, ignore)), target, 0))
+        picked = []
+        for a, b, ls in blocks(Phase.FORWARD):
+            t = add(aten.unsqueeze.default, (add(aten.slice.Tensor, (safe, 0, a, b)), 1))
+            picked.append(add(aten.gather.default, (ls, 1, t)))
+        values = add(aten.cat.default, (picked,)) if len(picked) > 1 else picked[0]
+        if col:
+            values = add(aten.cat.default, ([values, values], 1))
+        mapped = add(aten.where.ScalarOther, (add(aten.eq.Scalar, (target, ignore)), target, col))
+    with graph.inserting_before(m.nll):
+        nll = graph.call_function(aten.nll_loss_forward.default, (values, mapped, None, reduction, ignore))
+        nll.meta.update(m.nll.meta)
+        ann[nll.name] = ann[m.nll.name]
+    m.nll.replace_all_uses_with(nll)
+
+    # backward: each block's log-softmax again, its gradient, converted back where the graph did
+    grad_out, weight_total = m.nll_grad.args[0], m.nll_grad.args[6]
+    per_row = reduction == 0             # 'none': the incoming gradient has a row each
+    with graph.inserting_before(m.nll_grad):
+        pieces = []
+        for a, b, ls in blocks(Phase.FORWARD):
+            t = add(aten.slice.Tensor, (target, 0, a, b), phase=Phase.FORWARD)
+            g = add(aten.slice.Tensor, (grad_out, 0, a, b), phase=Phase.BACKWARD) if per_row else grad_out
+            gn = add(aten.nll_loss_backward.default, (g, ls, t, None, reduction, ignore, weight_total),
+                     phase=Phase.BACKWARD)
+            gi = add(aten._log_softmax_backward_data.default, (gn, ls, 1, torch.float32), phase=Phase.BACKWARD)
+            if m.to_half is not None:
+                gi = add(aten._to_copy.default, (gi,), dict(m.to_half.kwargs), phase=Phase.BACKWARD)
+            pieces.append(gi)
+        whole = add(aten.cat.default, (pieces,), phase=Phase.BACKWARD) if len(pieces) > 1 else pieces[0]
+    last = m.to_half if m.to_half is not None else m.grad
+    last.replace_all_uses_with(whole)
+    refresh_views(whole, storage_key(last.meta["val"]))
+    x = m.log_softmax.args[0]
+    for n in (m.to_half, m.grad, m.nll_grad, m.nll, m.log_softmax):
+        if n is not None:
+            graph.erase_node(n)
+    # the whole fp32 tensor the blocks replace, and the views on the way to it, where nothing else reads them
+    while x is not m.source and not x.users and (x.target in _VIEWS or x is m.convert):
+        x, dead = x.args[0], x
+        graph.erase_node(dead)

@@ -1,0 +1,142 @@
+"""A large cross-entropy in blocks of rows (passes/loss_rows): the same bits as the whole loss, less memory, and split
+only where the step would not fit otherwise unless asked."""
+import dataclasses
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import pstar_fx as px
+from pstar_fx.ir.graph import LossRows
+
+from harness import DEVICE, HYPER, eager_run, rel_err
+from models import CASES_BY_NAME, Case, assert_state_close
+
+pytestmark = pytest.mark.cuda
+
+STEPS = 3
+aten = torch.ops.aten
+
+
+def _compiled(case: Case, when: LossRows, *, block=2048, budget=None, precision="fp32"):
+    return px.compile(case.build_model(), optimizer=px.AdamW(**HYPER), device_memory=budget, precision=precision,
+                      device=DEVICE, debug=True, _loss_rows=when, _loss_block_bytes=block)(case.loss_fn)
+
+
+def _train(step, case: Case):
+    losses = [step(*case.batch(i)).item() for i in range(STEPS)]
+    return losses, step.state_dict()
+
+
+def _log_softmaxes(g) -> list[tuple[int, ...]]:
+    return [tuple(n.meta["val"].shape) for n in g.gm.graph.nodes if n.target is aten._log_softmax.default]
+
+
+class Head(nn.Module):
+    """An embedding and a projection onto a large vocabulary: the loss's tensors are most of the step's memory."""
+
+    def __init__(self, vocab=512, d=16):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.mix = nn.Linear(d, d)
+        self.out = nn.Linear(d, vocab)
+
+    def forward(self, idx):
+        return self.out(torch.tanh(self.mix(self.emb(idx))))
+
+
+def _head_case(name, loss, vocab=512, ignore=-100, B=4, T=16) -> Case:
+    def batch(step, gen):
+        idx = torch.randint(0, vocab, (B, T), generator=gen)
+        tgt = torch.randint(0, vocab, (B, T), generator=gen)
+        tgt[0, : T // 2] = ignore
+        if ignore == 0:
+            tgt[1:, :3] = 0                 # ignored rows beside the ones above
+        return idx, tgt
+    return Case(name, lambda: Head(vocab), loss, batch)
+
+
+def _ce(reduction="mean", ignore=-100, cast=True):
+    def loss(model, idx, tgt):
+        logits = model(idx)
+        logits = logits.float() if cast else logits
+        out = F.cross_entropy(logits.flatten(0, 1), tgt.flatten(), ignore_index=ignore, reduction=reduction)
+        return out if reduction != "none" else (out * torch.linspace(0.5, 1.5, out.numel(), device=out.device)).sum()
+    return loss
+
+
+HEAD_CASES = [
+    _head_case("mean", _ce()),
+    _head_case("sum_ignore_0", _ce("sum", ignore=0), ignore=0),
+    _head_case("none_weighted", _ce("none")),
+    _head_case("no_cast_rows_uneven", _ce(cast=False), B=3, T=11),
+]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("case", [CASES_BY_NAME["gpt_tied"], CASES_BY_NAME["hf_llama"]] + HEAD_CASES,
+                         ids=lambda c: c.name)
+def test_blocks_of_rows_train_the_whole_losss_bits(case, precision):
+    """The same losses and final values, bit for bit, as the loss computed whole, under a budget that evicts; the
+    plan's peak measured exactly; in fp32 eager's training to 1e-6."""
+    whole = _compiled(case, LossRows.NEVER, precision=precision)
+    need = whole.min_device_memory(*case.batch(0))
+    budget = int(need * 1.3)
+    whole = _compiled(case, LossRows.NEVER, budget=budget, precision=precision)
+    blocks = _compiled(case, LossRows.ALWAYS, budget=budget, precision=precision)
+    ref_losses, ref_sd = _train(whole, case)
+    losses, sd = _train(blocks, case)
+    split = _log_softmaxes(blocks.graphs["loss_rows"])
+    rows = _log_softmaxes(whole.graphs["loss_rows"])
+    assert len(rows) == 1 and len(split) >= 4, (rows, split)
+    assert all(s[0] < rows[0][0] for s in split) and sum(s[0] for s in split) == 2 * rows[0][0]   # forward + backward
+    assert blocks.graphs["loss_rows"].made_by.startswith("loss_rows (1 cross-entropy loss")
+    assert losses == ref_losses
+    assert all(torch.equal(sd[k], ref_sd[k]) for k in ref_sd), [k for k in ref_sd if not torch.equal(sd[k], ref_sd[k])]
+    assert blocks.last_step.measured_peak == blocks.graphs["scheduled"].plan.predicted_peak <= budget
+    if precision == "fp32":
+        eager_losses, eager_sd = eager_run(case, STEPS)
+        assert rel_err(losses, eager_losses) <= 1e-6, (losses, eager_losses)
+        assert_state_close(sd, eager_sd, rtol=1e-6)
+
+
+def test_the_step_splits_its_loss_only_where_it_would_not_fit_otherwise():
+    """The default (WHERE_NEEDED): at a budget the whole loss fits, nothing is split; below the least budget of the
+    whole loss, where NEVER raises BudgetError, remat splits it and the step trains as the whole loss would; the
+    least budget step.min_device_memory names is the split one's."""
+    case = _head_case("mean", _ce(), vocab=2048)
+    never = _compiled(case, LossRows.NEVER).min_device_memory(*case.batch(0))
+    needed = _compiled(case, LossRows.WHERE_NEEDED).min_device_memory(*case.batch(0))
+    assert needed < 0.85 * never, (needed, never)
+
+    roomy = _compiled(case, LossRows.WHERE_NEEDED, budget=int(never * 1.2))
+    ref_losses, ref_sd = _train(_compiled(case, LossRows.NEVER, budget=int(never * 1.2)), case)
+    assert _train(roomy, case)[0] == ref_losses
+    assert len(_log_softmaxes(roomy.final_graph)) == 1
+    assert not any("cross-entropy" in str(c) for c in roomy.final_graph.choices)
+
+    tight = int((needed + never) / 2)
+    with pytest.raises(px.BudgetError):
+        _train(_compiled(case, LossRows.NEVER, budget=tight), case)
+    step = _compiled(case, LossRows.WHERE_NEEDED, budget=tight)
+    losses, sd = _train(step, case)
+    assert losses == ref_losses
+    assert all(torch.equal(sd[k], ref_sd[k]) for k in ref_sd)
+    assert len(_log_softmaxes(step.final_graph)) > 2
+    assert any("cross-entropy loss computed in blocks of rows" in str(c) for c in step.final_graph.choices)
+    assert step.last_step.measured_peak == step.final_graph.plan.predicted_peak <= tight
+
+
+@pytest.mark.parametrize("loss", [
+    lambda m, i, t: F.cross_entropy(m(i).float().flatten(0, 1), t.flatten(), label_smoothing=0.1),
+    lambda m, i, t: F.cross_entropy(m(i).float().flatten(0, 1), t.flatten(), weight=torch.linspace(
+        0.5, 1.5, 512, device=t.device)),
+], ids=["label_smoothing", "class_weights"])
+def test_losses_outside_the_pattern_stay_whole_and_train(loss):
+    case = dataclasses.replace(_head_case("other", loss), loss_fn=loss)
+    step = _compiled(case, LossRows.ALWAYS)
+    losses, _ = _train(step, case)
+    assert step.graphs["loss_rows"].made_by == "loss_rows (nothing split)"
+    eager_losses, _ = eager_run(case, STEPS)
+    assert rel_err(losses, eager_losses) <= 1e-6
