@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import pstar_fx as px
 from pstar_fx.ir.graph import LossRows
 
-from harness import DEVICE, HYPER, eager_run, rel_err
+from harness import DEVICE, HYPER, eager_run, host_params, rel_err
 from models import CASES_BY_NAME, Case, assert_state_close
 
 pytestmark = pytest.mark.cuda
@@ -78,11 +78,12 @@ HEAD_CASES = [
 @pytest.mark.parametrize("case", [CASES_BY_NAME["gpt_tied"], CASES_BY_NAME["hf_llama"]] + HEAD_CASES,
                          ids=lambda c: c.name)
 def test_blocks_of_rows_train_the_whole_losss_bits(case, precision):
-    """The same losses and final values, bit for bit, as the loss computed whole, under a budget that evicts; the
-    plan's peak measured exactly; in fp32 eager's training to 1e-6."""
+    """The same losses and final values, bit for bit, as the loss computed whole, under a budget that evicts (on a
+    GPU an unlimited one: the blocks' smaller need changes which optimizer states the plan keeps on the device, and
+    torch's CPU and CUDA AdamW kernels round differently); the plan's peak measured exactly; in fp32 eager's training
+    to 1e-6."""
     whole = _compiled(case, LossRows.NEVER, precision=precision)
-    need = whole.min_device_memory(*case.batch(0))
-    budget = int(need * 1.3)
+    budget = None if DEVICE == "cuda" else int(whole.min_device_memory(*case.batch(0)) * 1.3)
     whole = _compiled(case, LossRows.NEVER, budget=budget, precision=precision)
     blocks = _compiled(case, LossRows.ALWAYS, budget=budget, precision=precision)
     ref_losses, ref_sd = _train(whole, case)
@@ -94,7 +95,8 @@ def test_blocks_of_rows_train_the_whole_losss_bits(case, precision):
     assert blocks.graphs["loss_rows"].made_by.startswith("loss_rows (1 cross-entropy loss")
     assert losses == ref_losses
     assert all(torch.equal(sd[k], ref_sd[k]) for k in ref_sd), [k for k in ref_sd if not torch.equal(sd[k], ref_sd[k])]
-    assert blocks.last_step.measured_peak == blocks.graphs["scheduled"].plan.predicted_peak <= budget
+    assert blocks.last_step.measured_peak == blocks.graphs["scheduled"].plan.predicted_peak
+    assert budget is None or blocks.last_step.measured_peak <= budget
     if precision == "fp32":
         eager_losses, eager_sd = eager_run(case, STEPS)
         assert rel_err(losses, eager_losses) <= 1e-6, (losses, eager_losses)
@@ -103,8 +105,8 @@ def test_blocks_of_rows_train_the_whole_losss_bits(case, precision):
 
 def test_the_step_splits_its_loss_only_where_it_would_not_fit_otherwise():
     """The default (WHERE_NEEDED): at a budget the whole loss fits, nothing is split; below the least budget of the
-    whole loss, where NEVER raises BudgetError, remat splits it and the step trains as the whole loss would; the
-    least budget step.min_device_memory names is the split one's."""
+    whole loss, where NEVER raises BudgetError, remat splits it and the step trains as eager does (on the CPU bit for
+    bit as the whole loss at the larger budget); the least budget step.min_device_memory names is the split one's."""
     case = _head_case("mean", _ce(), vocab=2048)
     never = _compiled(case, LossRows.NEVER).min_device_memory(*case.batch(0))
     needed = _compiled(case, LossRows.WHERE_NEEDED).min_device_memory(*case.batch(0))
@@ -121,8 +123,12 @@ def test_the_step_splits_its_loss_only_where_it_would_not_fit_otherwise():
         _train(_compiled(case, LossRows.NEVER, budget=tight), case)
     step = _compiled(case, LossRows.WHERE_NEEDED, budget=tight)
     losses, sd = _train(step, case)
-    assert losses == ref_losses
-    assert all(torch.equal(sd[k], ref_sd[k]) for k in ref_sd)
+    eager_losses, eager_sd = eager_run(case, STEPS, host_params=host_params(step))
+    assert rel_err(losses, eager_losses) <= 1e-6, (losses, eager_losses)
+    assert_state_close(sd, eager_sd, rtol=1e-6)
+    if DEVICE == "cpu":             # one AdamW kernel wherever the states live
+        assert losses == ref_losses
+        assert all(torch.equal(sd[k], ref_sd[k]) for k in ref_sd)
     assert len(_log_softmaxes(step.final_graph)) > 2
     assert any("cross-entropy loss computed in blocks of rows" in str(c) for c in step.final_graph.choices)
     assert step.last_step.measured_peak == step.final_graph.plan.predicted_peak <= tight
