@@ -33,7 +33,6 @@ atomic step 1.4% slower so, by less room for the streamed updates); NEVER, none 
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import torch
 import torch.fx as fx
@@ -76,7 +75,7 @@ def loss_rows(g: TrainGraph, force: bool = False) -> TrainGraph:
             m = _match(node)
             if m is None or m.rows * m.cols * 4 < 2 * block:
                 continue
-            _rewrite(graph, m, max(1, math.ceil(block / (4 * m.cols))), ann)
+            _rewrite(graph, m, max(1, block // (4 * m.cols)), ann)
             split += 1
     if not split:
         return g.evolve(stage="loss_rows", made_by="loss_rows (nothing split)")
@@ -174,8 +173,9 @@ def _rewrite(graph: fx.Graph, m: _Match, block_rows: int, ann: dict) -> None:
                 x = add(aten._to_copy.default, (x,), dict(m.convert.kwargs), phase=phase)
             yield a, b, add(aten._log_softmax.default, (x, 1, False), phase=phase)
 
-    # forward: each row's value at its target, then the loss over those
-    with graph.inserting_before(m.log_softmax):
+    # forward: each row's value at its target, then the loss over those (where the loss was: the target may be
+    # computed after the log-softmax)
+    with graph.inserting_before(m.nll):
         safe = add(aten.where.ScalarOther, (add(aten.ne.Scalar, (target, ignore)), target, 0))
         picked = []
         for a, b, ls in blocks(Phase.FORWARD):
@@ -185,7 +185,6 @@ def _rewrite(graph: fx.Graph, m: _Match, block_rows: int, ann: dict) -> None:
         if col:
             values = add(aten.cat.default, ([values, values], 1))
         mapped = add(aten.where.ScalarOther, (add(aten.eq.Scalar, (target, ignore)), target, col))
-    with graph.inserting_before(m.nll):
         nll = graph.call_function(aten.nll_loss_forward.default, (values, mapped, None, reduction, ignore))
         nll.meta.update(m.nll.meta)
         ann[nll.name] = ann[m.nll.name]

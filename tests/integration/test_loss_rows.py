@@ -71,6 +71,9 @@ HEAD_CASES = [
     _head_case("sum_ignore_0", _ce("sum", ignore=0), ignore=0),
     _head_case("none_weighted", _ce("none")),
     _head_case("no_cast_rows_uneven", _ce(cast=False), B=3, T=11),
+    # the target flattened after the log-softmax is traced, dim=-1
+    _head_case("log_softmax_nll", lambda m, i, t: F.nll_loss(F.log_softmax(m(i).float().flatten(0, 1), -1),
+                                                              t.flatten())),
 ]
 
 

@@ -71,9 +71,12 @@ def remat(g: TrainGraph, *, enabled: bool = True, machine: Machine = H200) -> Tr
             split = _loss_in_rows(g)
             if split is not None:
                 out = remat(split, enabled=enabled, machine=machine)
-                return _chose(out, f"the cross-entropy loss computed in blocks of rows (passes/loss_rows): without "
-                                   f"that the step needs at least {format_bytes(replay.figures(chosen).need)}, more "
-                                   f"than the budget {format_bytes(budget)}")
+                why = Choice("remat", f"the cross-entropy loss computed in blocks of rows (passes/loss_rows): "
+                                      f"without that the step needs at least "
+                                      f"{format_bytes(replay.figures(chosen).need)}, more than the budget "
+                                      f"{format_bytes(budget)}")
+                at = len(g.choices)           # before what remat chose on the graph with the loss in blocks
+                return out.evolve(choices=out.choices[:at] + (why,) + out.choices[at:])
             raise _budget_error(apply(g, [s for s in segments if s.id in chosen]), budget)
     out = apply(g, [s for s in segments if s.id in chosen])
     assert replay.live(chosen) == [out.ann[n.name].live_bytes for n in out.nodes], \
