@@ -15,8 +15,9 @@ the end of the trace), in milliseconds from the step's start:
             cache and maps memory again while the launch queue stays empty), and how many such operators
   gaps      the longest stretches with the compute stream idle, each with what the executor's thread did meanwhile
             (the runtime calls and operators that covered most of the gap) and whether the worker was updating
-With --updates, per step, the chain of host-side updates the step queued (its markers 'pstar-fx commit', 'pstar-fx
-queue the host update of chunk c', 'pstar-fx wait for the copies of chunk c'), in ms from the step's start:
+With --updates (instead; with --all, after the steps), per step, the chain of host-side updates the step queued (its
+markers 'pstar-fx commit', 'pstar-fx queue the host update of chunk c', 'pstar-fx wait for the copies of chunk c'),
+in ms from the step's start:
   commit_host / commit_gpu   the executor's thread at the commit, and the GPU reaching it (its first kernel)
   queued                     the first and last update queued
   first_update / last_end    the chain's first update's start and its last one's end (past the step's wall: the
@@ -282,17 +283,18 @@ def main(argv=None) -> None:
     ap.add_argument("trace")
     ap.add_argument("--gaps", type=int, default=8, help="the longest compute-idle stretches to show per step")
     ap.add_argument("--updates", action="store_true", help="the chain of host-side updates each step queued")
+    ap.add_argument("--all", action="store_true", help="the steps with their gaps, then the update chains")
     args = ap.parse_args(argv)
     events = load(args.trace)
-    if args.updates:
+    if not args.updates or args.all:
+        for s in read(events, args.gaps):
+            gaps = s.pop("gaps")
+            print(json.dumps(s))
+            for g in gaps:
+                print("   gap", json.dumps(g))
+    if args.updates or args.all:
         for s in updates(events):
             print(json.dumps(s))
-        return
-    for s in read(events, args.gaps):
-        gaps = s.pop("gaps")
-        print(json.dumps(s))
-        for g in gaps:
-            print("   gap", json.dumps(g))
 
 
 if __name__ == "__main__":

@@ -52,3 +52,25 @@ def test_time_between_the_workers_operators_inside_its_updates():
     ]
     got = ts.between_ops([run], events)
     assert got == dict(in_ops_ms=35.0, between_ops_ms=15.0, ops=3, longest_between_ms=10.0)
+
+
+def test_all_prints_the_steps_then_their_update_chains(tmp_path, capsys):
+    ts = _trace_steps()
+    ms = 1000.0
+    events = [
+        _x("pstar-fx step 0", "user_annotation", 0, 1000 * ms),
+        _x("ampere_gemm", "kernel", 0, 600 * ms, tid=7, stream=7),
+        _x("pstar-fx commit", "user_annotation", 600 * ms, 1 * ms),
+        _x("pstar-fx queue the host update of chunk 3", "user_annotation", 601 * ms, 1 * ms),
+        _x("pstar-fx host update of chunk 3", "user_annotation", 610 * ms, 50 * ms, tid=2),
+    ]
+    path = tmp_path / "trace.json"
+    path.write_text(__import__("json").dumps(dict(traceEvents=events)))
+    outputs = {}
+    for flags in ([], ["--updates"], ["--all"]):
+        ts.main([str(path)] + flags)
+        outputs[tuple(flags)] = capsys.readouterr().out.splitlines()
+    steps, chains, both = outputs[()], outputs[("--updates",)], outputs[("--all",)]
+    assert steps and chains and steps != chains
+    assert '"compute_idle_ms"' in steps[0] and '"queued"' in chains[0]
+    assert both == steps + chains
