@@ -315,8 +315,11 @@ REMAT = "pstar_remat"                    # node.meta key of a RematTag (passes/r
 @dataclass(frozen=True)
 class RematTag:
     """A forward node's copy that the remat pass placed in backward, to compute the value again there."""
-    segment: int                     # the remat Segment it belongs to
+    segment: int                     # the remat Segment it belongs to (LOSS_ROWS_SEGMENT: a loss's blocks of rows)
     recompute_of: str                # the forward node whose value it computes again
+
+
+LOSS_ROWS_SEGMENT = -1               # RematTag.segment of passes/loss_rows' log-softmax blocks computed again in backward
 
 
 @dataclass(frozen=True)

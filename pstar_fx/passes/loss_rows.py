@@ -38,7 +38,8 @@ import torch
 import torch.fx as fx
 
 from ..ir.fx_utils import refresh_views, storage_key
-from ..ir.graph import LossRows, NodeAnn, Phase, Role, TrainGraph, copy_graph, to_module
+from ..ir.graph import (LOSS_ROWS_SEGMENT, REMAT, LossRows, NodeAnn, Phase, RematTag, Role, TrainGraph,
+                        copy_graph, to_module)
 
 aten = torch.ops.aten
 
@@ -161,24 +162,36 @@ def _rewrite(graph: fx.Graph, m: _Match, block_rows: int, ann: dict) -> None:
         ann[n.name] = NodeAnn(role=Role.COMPUTE, phase=phase)
         return n
 
-    def blocks(phase):
-        """Per block: (start, end, its fp32 log-softmax); the source viewed as rows x vocabulary first."""
+    made: list[fx.Node] = []            # forward's block nodes, in order: backward's are tagged as their recomputes
+
+    def blocks(again: bool):
+        """Per block: (start, end, its fp32 log-softmax); the source viewed as rows x vocabulary first. again: in
+        backward, each node tagged as the recompute of its forward twin (printed so, as remat's copies are)."""
+        twins = iter(list(made))
+
+        def node(fn, args, kwargs=None):
+            n = add(fn, args, kwargs)
+            if again:
+                n.meta[REMAT] = RematTag(segment=LOSS_ROWS_SEGMENT, recompute_of=next(twins).name)
+            else:
+                made.append(n)
+            return n
         src = m.source
         if tuple(src.meta["val"].shape) != (m.rows, m.cols):
-            src = add(aten.view.default, (src, [m.rows, m.cols]), phase=phase)
+            src = node(aten.view.default, (src, [m.rows, m.cols]))
         for a in range(0, m.rows, block_rows):
             b = min(a + block_rows, m.rows)
-            x = add(aten.slice.Tensor, (src, 0, a, b), phase=phase)
+            x = node(aten.slice.Tensor, (src, 0, a, b))
             if m.convert is not None:
-                x = add(aten._to_copy.default, (x,), dict(m.convert.kwargs), phase=phase)
-            yield a, b, add(aten._log_softmax.default, (x, 1, False), phase=phase)
+                x = node(aten._to_copy.default, (x,), dict(m.convert.kwargs))
+            yield a, b, node(aten._log_softmax.default, (x, 1, False))
 
     # forward: each row's value at its target, then the loss over those (where the loss was: the target may be
     # computed after the log-softmax)
     with graph.inserting_before(m.nll):
         safe = add(aten.where.ScalarOther, (add(aten.ne.Scalar, (target, ignore)), target, 0))
         picked = []
-        for a, b, ls in blocks(Phase.FORWARD):
+        for a, b, ls in blocks(again=False):
             t = add(aten.unsqueeze.default, (add(aten.slice.Tensor, (safe, 0, a, b)), 1))
             picked.append(add(aten.gather.default, (ls, 1, t)))
         values = add(aten.cat.default, (picked,)) if len(picked) > 1 else picked[0]
@@ -195,8 +208,8 @@ def _rewrite(graph: fx.Graph, m: _Match, block_rows: int, ann: dict) -> None:
     per_row = reduction == 0             # 'none': the incoming gradient has a row each
     with graph.inserting_before(m.nll_grad):
         pieces = []
-        for a, b, ls in blocks(Phase.FORWARD):
-            t = add(aten.slice.Tensor, (target, 0, a, b), phase=Phase.FORWARD)
+        for a, b, ls in blocks(again=True):
+            t = add(aten.slice.Tensor, (target, 0, a, b))
             g = add(aten.slice.Tensor, (grad_out, 0, a, b), phase=Phase.BACKWARD) if per_row else grad_out
             gn = add(aten.nll_loss_backward.default, (g, ls, t, None, reduction, ignore, weight_total),
                      phase=Phase.BACKWARD)

@@ -8,7 +8,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import pstar_fx as px
-from pstar_fx.ir.graph import LossRows
+from pstar_fx.ir.graph import REMAT, LossRows
 
 from harness import DEVICE, HYPER, eager_run, host_params, rel_err
 from models import CASES_BY_NAME, Case, assert_state_close
@@ -96,6 +96,9 @@ def test_blocks_of_rows_train_the_whole_losss_bits(case, precision):
     assert len(rows) == 1 and len(split) >= 4, (rows, split)
     assert all(s[0] < rows[0][0] for s in split) and sum(s[0] for s in split) == 2 * rows[0][0]   # forward + backward
     assert blocks.graphs["loss_rows"].made_by.startswith("loss_rows (1 cross-entropy loss")
+    again = [n for n in blocks.graphs["loss_rows"].gm.graph.nodes
+             if n.target is aten._log_softmax.default and REMAT in n.meta]
+    assert len(again) == len(split) // 2 and "recompute" in str(blocks.graphs["loss_rows"])
     assert losses == ref_losses
     assert all(torch.equal(sd[k], ref_sd[k]) for k in ref_sd), [k for k in ref_sd if not torch.equal(sd[k], ref_sd[k])]
     assert blocks.last_step.measured_peak == blocks.graphs["scheduled"].plan.predicted_peak
