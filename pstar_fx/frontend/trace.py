@@ -47,8 +47,8 @@ from torch.overrides import TorchFunctionMode
 
 from ..errors import UntraceableError, warn
 from ..interrupts import DeferredInterrupt
-from ..ir.fx_utils import (data_dependent_sizes, is_user_file, loss_seed, mutated_args, output_node, refresh_views,
-                           storage_key, user_frame)
+from ..ir.fx_utils import (data_dependent_sizes, is_plain_cast, is_user_file, loss_seed, mutated_args, output_node,
+                           refresh_views, storage_key, user_frame)
 from ..ir.graph import (InputInfo, NodeAnn, Phase, Role, Settings, TrainGraph, lazy_modules,
                         to_module)
 from ..ir.outputs import split_outputs
@@ -577,17 +577,6 @@ _TO_COPY = torch.ops.aten._to_copy.default
 _EXACT_IN_FP32 = (torch.bfloat16, torch.float16)
 
 
-def _is_plain_cast(n: fx.Node) -> bool:
-    """`_to_copy` that changes only the dtype (same device, strided, no memory format)."""
-    if n.op != "call_function" or n.target is not _TO_COPY or len(n.args) != 1:
-        return False
-    src = n.args[0].meta.get("val") if isinstance(n.args[0], fx.Node) else None
-    kw = n.kwargs
-    return (isinstance(src, torch.Tensor) and set(kw) <= {"dtype", "layout", "device"}
-            and kw.get("layout", torch.strided) == torch.strided
-            and torch.device(kw.get("device", src.device)) == src.device)
-
-
 def _fold_param_casts(graph: fx.Graph, params: set[fx.Node]) -> None:
     """Mixed precision, after tracing under autocast (in place, on the freshly traced graph).
 
@@ -596,10 +585,10 @@ def _fold_param_casts(graph: fx.Graph, params: set[fx.Node]) -> None:
     with no copy saved for backward), and every remaining upcast of a parameter sits right before its only user, a
     fresh copy per user, so a float32 copy of a parameter lives no longer than the op that reads it."""
     for n in list(graph.nodes):
-        if not _is_plain_cast(n) or n.kwargs.get("dtype") not in _EXACT_IN_FP32:
+        if not is_plain_cast(n) or n.kwargs.get("dtype") not in _EXACT_IN_FP32:
             continue
         mid = n.args[0]
-        if not (_is_plain_cast(mid) and mid.kwargs.get("dtype") == torch.float32):
+        if not (is_plain_cast(mid) and mid.kwargs.get("dtype") == torch.float32):
             continue
         x = mid.args[0]
         if x.meta["val"].dtype == n.kwargs["dtype"]:
@@ -616,7 +605,7 @@ def _fold_param_casts(graph: fx.Graph, params: set[fx.Node]) -> None:
         return n in params
 
     for n in list(graph.nodes):
-        if not (_is_plain_cast(n) and of_param(n.args[0]) and len(n.users) > 0):
+        if not (is_plain_cast(n) and of_param(n.args[0]) and len(n.users) > 0):
             continue
         val = n.meta["val"]
         for user in list(n.users):

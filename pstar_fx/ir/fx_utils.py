@@ -294,3 +294,14 @@ def refresh_views(x: fx.Node, old_storage: int) -> None:
         with mode:
             u.meta["val"] = u.target(*args, **kwargs)
         stack.extend(u.users)
+
+
+def is_plain_cast(n: fx.Node) -> bool:
+    """`_to_copy` that changes only the dtype (same device, strided, no memory format)."""
+    if n.op != "call_function" or n.target is not torch.ops.aten._to_copy.default or len(n.args) != 1:
+        return False
+    src = n.args[0].meta.get("val") if isinstance(n.args[0], fx.Node) else None
+    kw = n.kwargs
+    return (isinstance(src, torch.Tensor) and set(kw) <= {"dtype", "layout", "device"}
+            and kw.get("layout", torch.strided) == torch.strided
+            and torch.device(kw.get("device", src.device)) == src.device)

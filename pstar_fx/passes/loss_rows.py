@@ -37,7 +37,7 @@ import dataclasses
 import torch
 import torch.fx as fx
 
-from ..ir.fx_utils import refresh_views, storage_key
+from ..ir.fx_utils import is_plain_cast, refresh_views, storage_key
 from ..ir.graph import (LOSS_ROWS_SEGMENT, REMAT, LossRows, NodeAnn, Phase, RematTag, Role, TrainGraph,
                         copy_graph, to_module)
 
@@ -115,22 +115,11 @@ def _match(ls: fx.Node) -> _Match | None:
             or _only_user(nll_grad) is not grad:
         return None
     to_half = _only_user(grad)
-    if to_half is not None and not _is_conversion(to_half):
+    if to_half is not None and not is_plain_cast(to_half):
         to_half = None
     source, convert = _source(x)
     rows, cols = xv.shape
     return _Match(ls, nll, nll_grad, grad, to_half, source, convert, int(rows), int(cols))
-
-
-def _is_conversion(n: fx.Node) -> bool:
-    """A dtype conversion on the same device and layout, nothing else (`_to_copy(t, dtype=...)`)."""
-    if n.op != "call_function" or n.target is not aten._to_copy.default or len(n.args) != 1:
-        return False
-    src, out = n.args[0].meta.get("val"), n.meta.get("val")
-    if not isinstance(src, torch.Tensor) or not isinstance(out, torch.Tensor):
-        return False
-    return set(n.kwargs) <= {"dtype", "layout", "device"} and out.device == src.device and out.shape == src.shape \
-        and n.kwargs.get("memory_format") is None
 
 
 def _source(x: fx.Node) -> tuple[fx.Node, fx.Node | None]:
@@ -139,7 +128,7 @@ def _source(x: fx.Node) -> tuple[fx.Node, fx.Node | None]:
     n = x
     while n.op == "call_function" and n.target in _VIEWS and len(n.users) == 1:
         n = n.args[0]
-    if _is_conversion(n) and (n is x or len(n.users) == 1):
+    if is_plain_cast(n) and (n is x or len(n.users) == 1):
         src = n.args[0]
         v = src.meta.get("val")
         if isinstance(v, torch.Tensor) and v.is_contiguous() and v.dtype in (torch.bfloat16, torch.float16):
