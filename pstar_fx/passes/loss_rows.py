@@ -10,17 +10,20 @@ them is the logits (half the size of the fp32 log-softmax in mixed precision), a
 tensor at a time.
 
 Invariant after (each rewritten loss, the pattern below, one per micro-batch): every value the graph returns or
-writes has the same bits as before. Row-wise operators (the fp32 conversion, `_log_softmax`, `nll_loss_backward`,
-`_log_softmax_backward_data`) compute each row alone, so a block of rows is the same rows' bits; the loss itself is
-`nll_loss_forward` over a tokens x 1 (or x 2) tensor of the rows' target values, whose reduction adds the same values
-in the same order as over the whole log-softmax (it reads only the target's column, and its order depends on the
-rows alone). Nothing else changes.
+writes has the same bits as before. Row-wise operators (the conversions between dtypes, `_log_softmax`,
+`nll_loss_backward`, `_log_softmax_backward_data`) compute each row alone, so a block of rows is the same rows' bits;
+the loss itself is `nll_loss_forward` over a tokens x 1 (or x 2) tensor of the rows' target values, whose reduction
+adds the same values in the same order as over the whole log-softmax (it reads only the target's column, and its
+order depends on the rows alone). Nothing else changes.
 
-The pattern: `ls = _log_softmax(x, 1)` of a 2-D `x` whose only users are `nll_loss_forward(ls, t, None, r, i)`,
+The pattern: `ls = _log_softmax(x, 1)` of a 2-D fp32 `x` whose only users are `nll_loss_forward(ls, t, None, r, i)`,
 `nll_loss_backward(g, ls, t, None, r, i, w)` and `_log_softmax_backward_data(that, ls, 1, float32)`, the backward
 one's only user; no class weights. `x` is either an fp32 conversion (`_to_copy`) of a contiguous half-precision
 tensor, through views (mixed precision: the blocks convert blocks of it), or is read in blocks itself. A conversion
-of the log-softmax's gradient back to half precision, its only user, is done per block too.
+of the log-softmax's gradient back to half precision, its only user, is done per block too. Or (CUDA's autocast of
+`F.cross_entropy` on bf16 logits: the log-softmax in the logits' dtype, the loss in fp32) `ls` of a half-precision
+`x` read in blocks, the nll ops reading its fp32 conversion, and `_log_softmax_backward_data` reading their
+gradient converted back to `ls`' dtype: each block converts its own log-softmax, and its gradient back.
 
 Which losses are split: those whose fp32 tokens x vocabulary tensor is at least two blocks of the settings'
 `loss_block_bytes` (`LOSS_BLOCK_BYTES`, 256 MiB, unless a test sets it). By the settings' `loss_rows`: ALWAYS, this
@@ -57,6 +60,8 @@ class _Match:
     convert: fx.Node | None   # the fp32 conversion of source (its kwargs are the blocks')
     rows: int
     cols: int
+    up: fx.Node | None = None     # a half-precision log-softmax: its fp32 conversion, which the nll ops read
+    down: fx.Node | None = None   # and their gradient's conversion back, which its backward reads
 
 
 def may_split(g: TrainGraph) -> bool:
@@ -96,30 +101,44 @@ def _match(ls: fx.Node) -> _Match | None:
         return None
     x, dim, half_to_float = ls.args
     xv = x.meta.get("val")
-    if half_to_float or not isinstance(xv, torch.Tensor) or xv.dim() != 2 or dim not in (1, -1) \
-            or xv.dtype is not torch.float32:
+    if half_to_float or not isinstance(xv, torch.Tensor) or xv.dim() != 2 or dim not in (1, -1):
         return None
-    users = {u.target: u for u in ls.users}
-    if len(users) != 3 or len(ls.users) != 3:
+    if xv.dtype is torch.float32:          # the nll ops read the log-softmax itself
+        up, values, below = None, ls, 3
+    elif xv.dtype in (torch.bfloat16, torch.float16):    # they read its fp32 conversion
+        up = next((u for u in ls.users if is_plain_cast(u) and u.kwargs.get("dtype") == torch.float32), None)
+        if up is None or len(up.users) != 2:
+            return None
+        values, below = up, 2
+    else:
+        return None
+    users = {u.target: u for u in values.users}
+    if len(users) != 2 + (up is None) or len(ls.users) != below:
         return None
     nll, nll_grad = users.get(aten.nll_loss_forward.default), users.get(aten.nll_loss_backward.default)
-    grad = users.get(aten._log_softmax_backward_data.default)
+    grad = next((u for u in ls.users if u.target is aten._log_softmax_backward_data.default), None)
     if nll is None or nll_grad is None or grad is None:
         return None
-    if nll.args[0] is not ls or nll.args[2] is not None or len(nll.args) != 5 or nll.kwargs:
+    if nll.args[0] is not values or nll.args[2] is not None or len(nll.args) != 5 or nll.kwargs:
         return None
-    if nll_grad.args[1] is not ls or nll_grad.args[2] is not nll.args[1] or nll_grad.args[3] is not None \
+    if nll_grad.args[1] is not values or nll_grad.args[2] is not nll.args[1] or nll_grad.args[3] is not None \
             or tuple(nll_grad.args[4:6]) != tuple(nll.args[3:5]) or nll_grad.kwargs:
         return None
-    if grad.args[0] is not nll_grad or grad.args[1] is not ls or grad.args[2] not in (1, -1) \
-            or _only_user(nll_grad) is not grad:
+    down = None
+    if up is not None:                     # the gradient converted back to the log-softmax's dtype before its own
+        down = _only_user(nll_grad)
+        if down is None or not is_plain_cast(down) or down.kwargs.get("dtype") != xv.dtype:
+            return None
+    feed = down if down is not None else nll_grad
+    if grad.args[0] is not feed or grad.args[1] is not ls or grad.args[2] not in (1, -1) \
+            or _only_user(feed) is not grad:
         return None
     to_half = _only_user(grad)
     if to_half is not None and not is_plain_cast(to_half):
         to_half = None
-    source, convert = _source(x)
+    source, convert = _source(x) if up is None else (x, None)
     rows, cols = xv.shape
-    return _Match(ls, nll, nll_grad, grad, to_half, source, convert, int(rows), int(cols))
+    return _Match(ls, nll, nll_grad, grad, to_half, source, convert, int(rows), int(cols), up, down)
 
 
 def _source(x: fx.Node) -> tuple[fx.Node, fx.Node | None]:
@@ -154,8 +173,9 @@ def _rewrite(graph: fx.Graph, m: _Match, block_rows: int, ann: dict) -> None:
     made: list[fx.Node] = []            # forward's block nodes, in order: backward's are tagged as their recomputes
 
     def blocks(again: bool):
-        """Per block: (start, end, its fp32 log-softmax); the source viewed as rows x vocabulary first. again: in
-        backward, each node tagged as the recompute of its forward twin (printed so, as remat's copies are)."""
+        """Per block: (start, end, its log-softmax, what the nll ops read: that or its fp32 conversion); the source
+        viewed as rows x vocabulary first. again: in backward, each node tagged as the recompute of its forward twin
+        (printed so, as remat's copies are)."""
         twins = iter(list(made))
 
         def node(fn, args, kwargs=None):
@@ -173,16 +193,17 @@ def _rewrite(graph: fx.Graph, m: _Match, block_rows: int, ann: dict) -> None:
             x = node(aten.slice.Tensor, (src, 0, a, b))
             if m.convert is not None:
                 x = node(aten._to_copy.default, (x,), dict(m.convert.kwargs))
-            yield a, b, node(aten._log_softmax.default, (x, 1, False))
+            ls = node(aten._log_softmax.default, (x, 1, False))
+            yield a, b, ls, ls if m.up is None else node(aten._to_copy.default, (ls,), dict(m.up.kwargs))
 
     # forward: each row's value at its target, then the loss over those (where the loss was: the target may be
     # computed after the log-softmax)
     with graph.inserting_before(m.nll):
         safe = add(aten.where.ScalarOther, (add(aten.ne.Scalar, (target, ignore)), target, 0))
         picked = []
-        for a, b, ls in blocks(again=False):
+        for a, b, _, vals in blocks(again=False):
             t = add(aten.unsqueeze.default, (add(aten.slice.Tensor, (safe, 0, a, b)), 1))
-            picked.append(add(aten.gather.default, (ls, 1, t)))
+            picked.append(add(aten.gather.default, (vals, 1, t)))
         values = add(aten.cat.default, (picked,)) if len(picked) > 1 else picked[0]
         if col:
             values = add(aten.cat.default, ([values, values], 1))
@@ -197,12 +218,14 @@ def _rewrite(graph: fx.Graph, m: _Match, block_rows: int, ann: dict) -> None:
     per_row = reduction == 0             # 'none': the incoming gradient has a row each
     with graph.inserting_before(m.nll_grad):
         pieces = []
-        for a, b, ls in blocks(again=True):
+        for a, b, ls, vals in blocks(again=True):
             t = add(aten.slice.Tensor, (target, 0, a, b))
             g = add(aten.slice.Tensor, (grad_out, 0, a, b), phase=Phase.BACKWARD) if per_row else grad_out
-            gn = add(aten.nll_loss_backward.default, (g, ls, t, None, reduction, ignore, weight_total),
+            gn = add(aten.nll_loss_backward.default, (g, vals, t, None, reduction, ignore, weight_total),
                      phase=Phase.BACKWARD)
-            gi = add(aten._log_softmax_backward_data.default, (gn, ls, 1, torch.float32), phase=Phase.BACKWARD)
+            if m.down is not None:
+                gn = add(aten._to_copy.default, (gn,), dict(m.down.kwargs), phase=Phase.BACKWARD)
+            gi = add(aten._log_softmax_backward_data.default, (gn, ls, 1, m.grad.args[3]), phase=Phase.BACKWARD)
             if m.to_half is not None:
                 gi = add(aten._to_copy.default, (gi,), dict(m.to_half.kwargs), phase=Phase.BACKWARD)
             pieces.append(gi)
@@ -211,7 +234,7 @@ def _rewrite(graph: fx.Graph, m: _Match, block_rows: int, ann: dict) -> None:
     last.replace_all_uses_with(whole)
     refresh_views(whole, storage_key(last.meta["val"]))
     x = m.log_softmax.args[0]
-    for n in (m.to_half, m.grad, m.nll_grad, m.nll, m.log_softmax):
+    for n in (m.to_half, m.grad, m.down, m.nll_grad, m.nll, m.up, m.log_softmax):
         if n is not None:
             graph.erase_node(n)
     # the whole fp32 tensor the blocks replace, and the views on the way to it, where nothing else reads them
