@@ -270,7 +270,8 @@ def _tokens(batch: tuple) -> int:
 
 def model_flops(g: TrainGraph, tokens: int) -> float:
     """6 x parameters x tokens + 12 x B x H x Tq x Tk x D per attention layer of the forward (recompute excluded:
-    the user's checkpoints' and the remat pass's)."""
+    the user's checkpoints' and the remat pass's). Of a graph before fuse_regions: an attention a region holds is
+    not a node of its own."""
     attention = 0.0
     for n in g.nodes:
         tag = n.meta.get(USER_CHECKPOINT)
@@ -412,6 +413,7 @@ def plan(model: nn.Module, loss_fn, *batch, world_size: int = 1, device_memory=N
     n_params = sum(p.numel for p in traced.params)
     n_tokens = tokens if tokens is not None else _tokens(meta_batch)
     model_bytes = sum(p.numel * p.dtype.itemsize for p in traced.params)
+    flops = model_flops(traced, n_tokens)       # the traced graph's: no recompute yet, no attention inside a region
     common = dict(world_size=world_size, ranks_per_node=per_node, precision=prec, params=n_params, tokens=n_tokens,
                   device_memory=budget, host_memory=host, model_bytes=model_bytes, trace_seconds=traced.seconds,
                   passes_seconds=passes_s, traced_on=dev.type, machine=machine, device_headroom=headroom)
@@ -423,7 +425,7 @@ def plan(model: nn.Module, loss_fn, *batch, world_size: int = 1, device_memory=N
         setup = int(per * (2 * prec.dtype.itemsize + state))
         return PlanReport(device_needed=needed, peak_device=None, host_bytes=setup, host_setup_bytes=setup,
                           h2d_bytes=0, d2h_bytes=0, gathered_bytes=0, reduced_bytes=0, chunks=0, states_on_device=0,
-                          trainable_chunks=0, model_flops=6.0 * n_params * n_tokens, cost=None, graph=None, **common)
+                          trainable_chunks=0, model_flops=flops, cost=None, graph=None, **common)
     steady, setup = host_bytes(final), host_setup_bytes(final)
     trainable = [c for c in final.chunks if c.group is ChunkGroup.TRAINABLE]
     p = final.plan
@@ -432,7 +434,7 @@ def plan(model: nn.Module, loss_fn, *batch, world_size: int = 1, device_memory=N
                       reduced_bytes=p.reduced_bytes, chunks=len(final.chunks),
                       states_on_device=sum(c.state_home is StateHome.DEVICE for c in trainable),
                       states_streamed=sum(c.streamed for c in trainable), states_undo=sum(c.undo for c in trainable),
-                      trainable_chunks=len(trainable), model_flops=model_flops(final, n_tokens),
+                      trainable_chunks=len(trainable), model_flops=flops,
                       cost=estimate(final, machine), graph=final, disk_bytes=disk_bytes(final),
                       disk_per_node=disk_bytes(final) * per_node,
                       states_on_disk=sum(c.state_home is StateHome.DISK for c in trainable),

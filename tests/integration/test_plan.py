@@ -290,6 +290,21 @@ def test_model_flops_leave_out_what_remat_recomputes():
     assert tight.model_flops == roomy.model_flops == bench.flops_per_step(bench.n_params(model), cfg, 8)
 
 
+def test_model_flops_count_the_attention_a_fused_region_holds():
+    """fuse=True groups the attention with the compute around it into regions: the model's FLOPs stay those of the
+    unfused plan (they were once counted from the final graph's nodes, and a region hid its attention)."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import gpt as bench
+    cfg = bench.GPTConfig(vocab=256, seq=64, layers=2, hidden=64, heads=4)
+    with torch.device("meta"):
+        model = bench.models.make(bench.models.ModelSpec(bench.models.Kind.GPT, cfg))
+    batch = ((4, 64), torch.long)
+    fused = px.plan(model, bench.models.loss, batch, batch, device="cpu", device_memory="1GB", fuse=True)
+    assert fused.fused and not any(n.target in FORWARD_ATTENTION for n in fused.graph.nodes)
+    assert fused.model_flops == bench.flops_per_step(bench.n_params(model), cfg, 4)
+    assert fused.model_flops > 6.0 * fused.params * fused.tokens
+
+
 # -- the cost model -------------------------------------------------------------------------------------------------
 
 def _traced(fn, *shapes, dtype=torch.bfloat16):
