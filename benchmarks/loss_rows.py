@@ -3,7 +3,8 @@ What computing a large vocabulary's cross-entropy in blocks of rows (passes/loss
 time, measured on this machine (the CPU by default): a small GPT whose loss tensors are most of its memory.
 
     python benchmarks/loss_rows.py                       # 2 x 128 GPT, 32,768 vocabulary, 4 x 256 tokens, fp32
-    python benchmarks/loss_rows.py --device cuda --precision bf16 --batch 8 --seq 2048 --vocab 128256 --block-mib 256
+    python benchmarks/loss_rows.py --device cuda --precision bf16 --batch 8 --seq 2048 --vocab 128256 --block-mib 256 \
+        --layers 4 --hidden 2048 --heads 16 --fuse off
 
 Prints:
   least budgets   step.min_device_memory with the loss whole (px.compile's private _loss_rows=NEVER) and with the
@@ -46,6 +47,9 @@ def main(argv=None) -> None:
     ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--block-mib", type=float, default=16.0)
+    ap.add_argument("--fuse", default="default", choices=["default", "on", "off"],
+                    help="px.compile's fuse: None (its default: on a GPU in bf16, fused where estimated faster), "
+                         "True or False")
     ap.add_argument("--steps", type=int, default=8, help="timed steps per system (after 2 warm-up steps)")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
@@ -59,7 +63,8 @@ def main(argv=None) -> None:
         torch.manual_seed(0)
         model = GPT(cfg)
         return px.compile(model, optimizer=px.AdamW(lr=1e-3), device_memory=budget, precision=args.precision,
-                          device=args.device, debug=debug, _loss_rows=when, _loss_block_bytes=block)(loss_fn)
+                          device=args.device, debug=debug, fuse={"default": None, "on": True, "off": False}[args.fuse],
+                          _loss_rows=when, _loss_block_bytes=block)(loss_fn)
 
     rows, mib = args.batch * args.seq, 2 ** 20
     print(f"GPT {args.layers} x {args.hidden}, vocabulary {args.vocab}, {args.batch} x {args.seq} tokens, "
