@@ -4,6 +4,7 @@ import dataclasses
 
 import pytest
 import torch
+from hypothesis import given, strategies as st
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -176,3 +177,60 @@ def test_blocks_in_compiled_regions_train_as_eager():
     assert rel_err(losses, eager_losses) <= 1e-5, (losses, eager_losses)
     assert_state_close(sd, eager_sd, rtol=1e-5)
     assert step.last_step.measured_peak == step.final_graph.plan.predicted_peak
+
+
+class _Logits(nn.Module):
+    """Logits of any shape from a parameter, so that the loss's rows, vocabulary and dtype are the test's to choose."""
+
+    def __init__(self, rows, vocab, seed):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.w = nn.Parameter(torch.randn(rows, vocab, generator=g) * 3)
+
+    def forward(self, x):
+        return self.w * x
+
+
+@given(rows=st.integers(1, 40), vocab=st.integers(2, 96), block_rows=st.integers(1, 12),
+       reduction=st.sampled_from(["mean", "sum", "none"]), ignore=st.sampled_from([-100, 0, 3]),
+       ignored=st.sampled_from(["some", "none", "all"]), form=st.sampled_from(["fp32", "cast", "half"]),
+       seed=st.integers(0, 2 ** 16))
+def test_any_shape_and_targets_give_the_whole_losss_bits(rows, vocab, block_rows, reduction, ignore, ignored, form,
+                                                         seed):
+    """Property: whatever the rows, the vocabulary, the rows a block holds (uneven last blocks, one row a block,
+    blocks of every row), the reduction and the ignored targets (none, some, all: a mean over no rows is NaN both
+    ways), the blocks give the whole loss's value and gradient bit for bit, in each of the pattern's forms (fp32
+    logits, half logits converted to fp32, a half log-softmax converted for the loss)."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    x = torch.rand(rows, vocab, generator=gen) + 0.5
+    tgt = torch.randint(0, vocab, (rows,), generator=gen)
+    if ignored == "some":
+        tgt[torch.rand(rows, generator=gen) < 0.3] = ignore
+    elif ignored == "all":
+        tgt[:] = ignore
+
+    def loss_fn(m, x, t):
+        z = m(x)
+        if form == "cast":
+            z = z.to(torch.bfloat16).float()
+        if form == "half":
+            ls = torch.log_softmax(z.to(torch.bfloat16), -1, dtype=torch.bfloat16).float()
+            out = F.nll_loss(ls, t, ignore_index=ignore, reduction=reduction)
+        else:
+            out = F.cross_entropy(z, t, ignore_index=ignore, reduction=reduction)
+        return out.sum() if reduction == "none" else out
+
+    def run(when):
+        step = px.compile(_Logits(rows, vocab, seed), optimizer=px.SGD(lr=0.5), device="cpu", fuse=False,
+                          _loss_rows=when, _loss_block_bytes=block_rows * vocab * 4)(loss_fn)
+        losses = [step(x, tgt).item() for _ in range(2)]
+        return step, losses, step.state_dict()["w"]
+
+    whole, whole_losses, whole_w = run(LossRows.NEVER)
+    blocks, losses, w = run(LossRows.ALWAYS)
+    blocks_made = len(_log_softmaxes(blocks.graphs["loss_rows"])) // 2     # forward's and backward's
+    assert blocks_made == (-(-rows // block_rows) if rows >= 2 * block_rows else 0)
+    assert torch.equal(torch.tensor(losses), torch.tensor(whole_losses)) or \
+        (torch.isnan(torch.tensor(losses)).all() and torch.isnan(torch.tensor(whole_losses)).all())
+    assert torch.equal(w, whole_w) or torch.equal(w.isnan(), whole_w.isnan()) and \
+        torch.equal(w.nan_to_num(), whole_w.nan_to_num()), (w - whole_w).abs().max()
