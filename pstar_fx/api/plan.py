@@ -330,7 +330,9 @@ def plan(model: nn.Module, loss_fn, *batch, world_size: int = 1, device_memory=N
     AdamW's states, one group of every parameter). tokens: per rank per step (default: the first integer batch
     tensor's elements). device: the device type the step is traced for (default: "cuda" when torch sees one, else
     "cpu": a CPU-only torch cannot trace for CUDA, and the CPU trace differs only in the attention kernel's name and
-    in autocast's op lists, which keep the same memory for transformers). atomic: as px.compile's. disk_memory:
+    in autocast's op lists, which keep the same memory for transformers; not for `F.cross_entropy` of bf16 logits
+    without `.float()`, which CUDA's autocast computes as a bf16 log-softmax and its fp32 copy, 1.5x the bytes the
+    CPU's fp32 log-softmax keeps from forward to backward). atomic: as px.compile's. disk_memory:
     bytes of a disk tier per GPU (px.compile's offload_dir): with host_memory, the optimizer states that do not fit
     a GPU's share of it (host_memory over the GPUs of a node) are planned on disk, each GPU's shard of them in its
     own files; the report gives the disk bytes per GPU and per node. fuse: as px.compile's fuse=True, the compute
