@@ -53,3 +53,24 @@ def _fuse_default(monkeypatch):
         for precision in Precision:
             monkeypatch.setitem(options.DEFAULT_FUSE, (DEVICE_TYPE, precision), value == "1")
         monkeypatch.setattr(options, "FUSE_IF_FASTER", False)   # fused means fused, whatever the estimate
+
+
+def _cpu_on_a_gpu_machine() -> str | None:
+    import torch
+    if DEVICE_TYPE == "cpu" and torch.cuda.is_available():
+        return ("this machine has CUDA and PSTAR_TEST_DEVICE is not 'cuda': every compiled step ran on the CPU, and "
+                "the cuda-marked tests' GPU checks did nothing (the GPU subset: `PSTAR_TEST_DEVICE=cuda pytest -m cuda "
+                "tests`)")
+    return None
+
+
+def pytest_report_header(config):
+    """Which device the compiled steps run on (shown without -q)."""
+    return [f"pstar-fx tests: steps on {DEVICE_TYPE} (PSTAR_TEST_DEVICE)"]
+
+
+def pytest_terminal_summary(terminalreporter):
+    """On a machine with CUDA and PSTAR_TEST_DEVICE unset, a warning at the end (-q too): the steps ran on the CPU."""
+    why = _cpu_on_a_gpu_machine()
+    if why is not None:
+        terminalreporter.write_line(f"WARNING: {why}", yellow=True, bold=True)
