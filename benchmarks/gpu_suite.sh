@@ -104,6 +104,9 @@ stage() {
       timeout 300 python3 examples/train_gpt.py --device cuda --steps 100 --no-progress --out "$out/example" ;;
     remat)        # a GPT under a budget that fits only with recomputation, against the same GPT unlimited
       timeout 300 python3 benchmarks/remat_check.py --layers 12 --hidden 1024 --heads 16 --batch 8 --seq 1024 ;;
+    loss_rows)    # a 128k vocabulary's loss in blocks of rows against whole: least budgets, a tight step, the time
+      timeout 300 python3 benchmarks/loss_rows.py --device cuda --precision bf16 --batch 8 --seq 2048 \
+          --vocab 128256 --block-mib 256 --layers 4 --hidden 2048 --heads 16 --fuse off ;;
 
     # -- one GPU: pstar-fx beside eager PyTorch and FSDP2 with CPU offload (benchmarks/gpt.py) -------------------
     gpt1b3)       # 1.3B (24 x 2048), 8 x 2048 tokens, unlimited budget: pstar-fx against eager
@@ -176,6 +179,11 @@ stage() {
     gpt17b_profile) # 17.26B, atomic and atomic=False, each with a trace of 3 consecutive steps
       prof17 gpt17b_atomic_prof
       prof17 gpt17b_free_prof --no-atomic ;;
+    gpt17b_default_profile) # 17.26B at the default budget, atomic: a trace of 2 steps, read for its gaps and its
+                  # update chains (trace_steps.py --all), then deleted (about a GiB)
+      gpt17 gpt17b_default_prof --budgets none --profile "$out/prof_default" --profile-steps 2
+      python3 benchmarks/trace_steps.py "$out/prof_default/pstar_none.json.gz" --all 2>&1
+      rm -f "$out/prof_default/"*.json.gz ;;
     gpt17b_threads) # 17.26B with checkpoints, atomic=False, the CPU worker on 14 and on 12 intra-op threads
       gpt17 gpt17b_threads14 --checkpoint on --no-atomic --host-threads 14
       gpt17 gpt17b_threads12 --checkpoint on --no-atomic --host-threads 12 ;;
