@@ -671,14 +671,6 @@ def seconds(n: fx.Node, m: Machine = H200) -> float:
     return node_seconds(n, m)
 
 
-def most_copy_seconds(plan, m: Machine = H200) -> float:
-    """The longest either copy lane can be busy in one step of a scheduled graph with this MemoryPlan, by its bytes each
-    way at the slowest rate the model gives a copy (both ways at once, the CPU updating): an upper bound of the
-    estimate's busy H2D and D2H seconds, whose copies are at most the plan's bytes (a shard with several ranks)."""
-    slowest = min(m.h2d_bytes, m.d2h_bytes, m.duplex_bytes / 2) * min(1.0, m.duplex_cpu_bytes / m.duplex_bytes)
-    return max(plan.h2d_bytes, plan.d2h_bytes) / slowest
-
-
 def copy_seconds(nbytes: int, m: Machine = H200) -> float:
     """A host <-> device copy of nbytes, one way, alone on the link."""
     return nbytes / m.h2d_bytes

@@ -31,7 +31,8 @@ stage splits them; WHERE_NEEDED (the default), this stage splits none and the re
 would not fit the budget otherwise: where it fits, the whole tensors cost nothing but room, and the blocks would
 cost the backward's second log-softmax (a few milliseconds at 16k x 50k on an H200) while the room they free would
 go to more optimizer states on the device, which is not always faster (the cost model estimated the 17.26B GPT's
-atomic step 1.4% slower so, by less room for the streamed updates); NEVER, none is split.
+atomic step no faster so; 6% faster only where a 128k vocabulary meets an 80 GB device, docs/memory.md); NEVER,
+none is split.
 """
 from __future__ import annotations
 

@@ -13,10 +13,11 @@ Every trainable chunk has a `state_home`, chosen from the cost model (`cost.py`)
 their update window on the CPU (the time between the chunk's gradient being final and its next read, less the
 update's own time at the CPU Adam rate; the tightest first, the embedding and first layers in practice), and go to
 the device in that order while every node's minimum need still fits with room for two more chunk buffers. Where
-copies bound that placement's step and the CPU's updates would take less than the device's compute, fewer device
-states may give a faster step (the freed memory keeps parameters resident instead of fetching them again): then
-placements with fewer are scheduled (with the schedule pass's default prefetch, one rank's view) and estimated too,
-and the fastest is kept. Device steps come first, in chunk order (the order the next forward needs
+that placement's estimated step exceeds its compute by more than WAITS and the CPU's updates would take less than
+the device's compute, fewer device states may give a faster step (the freed memory keeps parameters resident
+instead of fetching them again): then placements with 1, 2, 4, 8, ... fewer (the last in rank order back to the
+host) are scheduled (with the schedule pass's default prefetch, one rank's view) and estimated in turn until one is
+no faster, then those halfway to the fastest one's neighbours, and the fastest is kept. Device steps come first, in chunk order (the order the next forward needs
 them). Host steps, which the store's CPU worker runs one after another in graph order while the device goes on, come
 in the order `update_order` chooses from the cost model: each chunk's update can start once its gradient is final
 and written home and the executor has issued its step (with atomic=False right after the chunk's last use; otherwise
@@ -44,7 +45,7 @@ import dataclasses
 
 import torch.fx as fx
 
-from ..cost import H200, Lane, Machine, compute_seconds, cpu_update_rate, estimate, most_copy_seconds
+from ..cost import H200, Machine, compute_seconds, cpu_update_rate, estimate
 from ..errors import BudgetError
 from ..ir import ops
 from ..ir.graph import (BufKind, Choice, ChunkGroup, NodeAnn, Phase, Role, Scheduled, StateHome, TrainGraph,
@@ -56,6 +57,8 @@ from .liveness import analyze
 from .schedule import schedule
 from .offload import host_memory, offload_states
 from .update_sites import choose_streamed, no_stream_reason, no_undo_reason, undo_room
+
+WAITS = 0.01     # fewer device states are tried where the fullest placement's step exceeds its compute by more
 
 
 def min_need(g: TrainGraph) -> int:
@@ -81,34 +84,18 @@ def place_optimizer(g: TrainGraph, machine: Machine = H200) -> TrainGraph:
     program_s = {n.name: s for n, s in zip(all_host.nodes, node_s)}
     best = _placed(g, all_host, most.chunks, machine, node_s, reuse=True)
     best_scheduled = schedule(best) if fewer else None
-    # its copies cannot bound its step when they would take less than the step's compute even at their slowest
-    fullest = (estimate(best_scheduled, machine, program_s=program_s)
-               if fewer and most_copy_seconds(best_scheduled.plan, machine) >= sum(node_s) else None)
+    fullest = estimate(best_scheduled, machine, program_s=program_s) if fewer else None
+    compute = sum(node_s)
     why = [_why_most(most)]
-    if fullest is not None and fullest.bound in (Lane.H2D, Lane.D2H):
-        best_s = fullest.seconds
-        tried = []
+    if fullest is not None and fullest.seconds > compute * (1 + WAITS):
         all_host = with_steps(g, trainable).evolve(chunks=chunks)     # the first was used up by the fullest
-        for homes in fewer:
-            candidate = _placed(g, all_host, homes, machine, node_s)
-            on_device = sum(c.state_home is StateHome.DEVICE for c in homes)
-            try:
-                scheduled = schedule(candidate)
-            except BudgetError:
-                tried.append(f"{on_device}: does not fit")
-                continue
-            host_budget = g.settings.host_budget if g.settings.disk_budget is None else None
-            if host_budget is not None and host_bytes(scheduled) > host_budget:     # (no disk tier to take more)
-                tried.append(f"{on_device}: over {host_memory(g.settings)}")
-                continue
-            seconds = estimate(scheduled, machine, program_s=program_s).seconds
-            tried.append(f"{on_device}: {seconds:.4g} s")
-            if seconds < best_s:
-                best, best_s, best_scheduled = candidate, seconds, scheduled
+        best, best_scheduled, best_s, tried = _fewer_search(g, all_host, most, fewer, best, best_scheduled,
+                                                            fullest.seconds, machine, node_s, program_s)
         kept = sum(c.state_home is StateHome.DEVICE for c in best.chunks)
-        why.append(f"copies bound that placement's step ({fullest.seconds:.4g} s estimated, busiest lane "
-                   f"{fullest.bound.value}), so fewer device states were tried, keeping more parameters resident "
-                   f"instead (device states: estimated step) {'; '.join(tried)}: {kept} kept ({best_s:.4g} s)")
+        why.append(f"that placement's step is estimated {fullest.seconds:.4g} s against its compute's {compute:.4g} "
+                   f"s (busiest lane {fullest.bound.value}), so fewer device states were tried, keeping more "
+                   f"parameters resident instead (device states: estimated step) "
+                   f"{tried}: {kept} kept ({best_s:.4g} s)")
     else:
         why.append(_why_not_fewer(most, fewer, fullest, node_s, machine))
     best, best_scheduled, where = _stream(g, best, best_scheduled, machine, program_s)
@@ -153,11 +140,8 @@ def _why_not_fewer(most: TrainGraph, fewer: list, fullest, node_s: list[float], 
         cpu = sum(shard_numel(c, most.settings.world) for c in host) / cpu_update_rate(most.settings, machine)
         return (f"no fewer device states tried: the CPU's updates ({cpu:.4g} s estimated) would take at least the "
                 f"device's compute ({sum(node_s):.4g} s), and fewer would only add to them")
-    if fullest is None:
-        return ("no fewer device states tried: its copies take less than the step's compute even at their slowest, "
-                "so they cannot bound it")
-    return (f"no fewer device states tried: copies do not bound its step ({fullest.seconds:.4g} s estimated, "
-            f"busiest lane {fullest.bound.value})")
+    return (f"no fewer device states tried: its step is estimated {fullest.seconds:.4g} s, within {WAITS:.0%} of "
+            f"its compute's {sum(node_s):.4g} s")
 
 
 def _stream(g: TrainGraph, best: TrainGraph, best_scheduled: TrainGraph | None, machine: Machine, program_s
@@ -333,11 +317,12 @@ def _arranged(g: TrainGraph, all_host: TrainGraph, order: list[int], host: list[
 
 
 def _fewer_states(most: TrainGraph, ranked: list[int], machine: Machine, node_s: list[float] | None = None
-                  ) -> list[tuple]:
-    """Placements to compare with the fullest one (which place_optimizer compares only when copies bound its step):
-    none when every state fits on the device (nothing to make room for) or when the CPU's updates already take as
-    long as the device's compute (fewer device states would only add to them); otherwise the fullest with its last
-    1, 2 and 4 device-placed chunks (in rank order) moved back to the host."""
+                  ) -> list[int]:
+    """The device-placed chunks placements with fewer device states move back to the host, last first (rank order:
+    those the CPU would have most time for), for place_optimizer to compare with the fullest placement where that
+    one's step waits for copies beyond its compute: none when every state fits on the device (nothing to make room
+    for) or when the CPU's updates already take as long as the device's compute (fewer device states would only add
+    to them)."""
     host_elems = sum(shard_numel(c, most.settings.world) for c in most.chunks
                      if c.group is ChunkGroup.TRAINABLE and c.state_home is StateHome.HOST)
     on_device = [cid for cid in ranked if most.chunks[cid].state_home is StateHome.DEVICE]
@@ -346,13 +331,60 @@ def _fewer_states(most: TrainGraph, ranked: list[int], machine: Machine, node_s:
     compute = sum(compute_seconds(most, machine) if node_s is None else node_s)
     if host_elems / cpu_update_rate(most.settings, machine) >= compute:
         return []
-    out = []
-    for back in sorted({min(b, len(on_device)) for b in (1, 2, 4)}):
-        chunks = list(most.chunks)
-        for cid in on_device[-back:]:
-            chunks[cid] = dataclasses.replace(chunks[cid], state_home=StateHome.HOST)
-        out.append(tuple(chunks))
-    return out
+    return on_device[::-1]
+
+
+def moved_back(most: TrainGraph, fewer: list[int], back: int) -> tuple:
+    """most's chunks with the first `back` of `fewer` (_fewer_states) moved back to the host."""
+    chunks = list(most.chunks)
+    for cid in fewer[:back]:
+        chunks[cid] = dataclasses.replace(chunks[cid], state_home=StateHome.HOST)
+    return tuple(chunks)
+
+
+def _fewer_search(g: TrainGraph, all_host: TrainGraph, most: TrainGraph, fewer: list[int], best: TrainGraph,
+                  best_scheduled: TrainGraph, best_s: float, machine: Machine, node_s: list[float], program_s: dict
+                  ) -> tuple[TrainGraph, TrainGraph, float, str]:
+    """The fastest of the fullest placement (best, its schedule and estimate best_s) and those with 1, 2, 4, 8, ...
+    fewer device states (moved_back), tried in that order until one is estimated no faster than the fastest so far,
+    then those halfway between the fastest and the counts tried beside it. Returns it, its schedule, its estimate
+    and what each placement tried was estimated at (device states: seconds)."""
+    tried: dict[int, float | str] = {0: best_s}          # by how many states fewer
+    kept = 0
+    host_budget = g.settings.host_budget if g.settings.disk_budget is None else None
+
+    def attempt(back: int) -> bool:
+        """Whether the placement `back` fewer was estimated faster than the fastest so far (and is now it)."""
+        nonlocal best, best_scheduled, best_s, kept
+        candidate = _placed(g, all_host, moved_back(most, fewer, back), machine, node_s)
+        try:
+            scheduled = schedule(candidate)
+        except BudgetError:
+            tried[back] = "does not fit"
+            return False
+        if host_budget is not None and host_bytes(scheduled) > host_budget:     # (no disk tier to take more)
+            tried[back] = f"over {host_memory(g.settings)}"
+            return False
+        tried[back] = seconds = estimate(scheduled, machine, program_s=program_s).seconds
+        if seconds < best_s:
+            best, best_scheduled, best_s, kept = candidate, scheduled, seconds, back
+            return True
+        return False
+
+    for back in sorted({min(2 ** i, len(fewer)) for i in range(len(fewer).bit_length() + 1)}):
+        if not attempt(back):
+            break
+    counts = sorted(tried)
+    at = counts.index(kept)
+    for j in (at - 1, at + 1):                # halfway to the counts tried beside the fastest
+        if 0 <= j < len(counts):
+            mid = (kept + counts[j]) // 2
+            if mid not in tried:
+                attempt(mid)
+    full = sum(c.state_home is StateHome.DEVICE for c in most.chunks)
+    listed = "; ".join(f"{full - b}: {v:.4g} s" if isinstance(v, float) else f"{full - b}: {v}"
+                       for b, v in sorted(tried.items()))
+    return best, best_scheduled, best_s, listed
 
 
 def with_steps(g: TrainGraph, order: list[int], host: list[int] = (), early: bool = False,

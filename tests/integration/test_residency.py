@@ -70,7 +70,7 @@ def test_tight_budgets_close_the_cycle_and_match_eager(chunk_size, slack):
 
 
 def test_verifier_checks_that_the_cycle_closes():
-    step = compiled_step(SMALL, budget=tight_budget(SMALL, 1024, 2.5), chunk_size=1024)
+    step = compiled_step(SMALL, budget=tight_budget(SMALL, 1024, 3.0), chunk_size=1024)
     g = step.lower(*SMALL.batch(0))["scheduled"]
     verify(g)
     carried = g.plan.carried
@@ -114,7 +114,7 @@ def test_host_readers_see_device_values():
 def test_load_state_dict_replaces_resident_values(budget):
     """Loading values into a step whose chunks are resident (and stale on the host) replaces them: the next step
     equals, bit for bit, a step that was loaded the same values with nothing resident."""
-    b = None if budget == "unlimited" else tight_budget(SMALL, 1024, 2.5)
+    b = None if budget == "unlimited" else tight_budget(SMALL, 1024, 3.0)
     a = compiled_step(SMALL, budget=b, chunk_size=1024)
     for i in range(2):
         a(*SMALL.batch(i))
