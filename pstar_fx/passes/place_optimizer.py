@@ -13,11 +13,12 @@ Every trainable chunk has a `state_home`, chosen from the cost model (`cost.py`)
 their update window on the CPU (the time between the chunk's gradient being final and its next read, less the
 update's own time at the CPU Adam rate; the tightest first, the embedding and first layers in practice), and go to
 the device in that order while every node's minimum need still fits with room for two more chunk buffers. Where
-that placement's estimated step exceeds its compute by more than WAITS and the CPU's updates would take less than
-the device's compute, fewer device states may give a faster step (the freed memory keeps parameters resident
-instead of fetching them again): then placements with 1, 2, 4, 8, ... fewer (the last in rank order back to the
-host) are scheduled (with the schedule pass's default prefetch, one rank's view) and estimated in turn until one is
-no faster, then those halfway to the fastest one's neighbours, and the fastest is kept. Device steps come first, in chunk order (the order the next forward needs
+that placement's estimated step exceeds its compute by more than WAITS, its busiest lane is the device's or a copy
+lane (WAITED_ON), and the CPU's updates would take less than the device's compute, fewer device states may give a
+faster step (the freed memory keeps parameters resident instead of fetching them again): then placements with 1,
+2, 4, 8, ... fewer (the last in rank order back to the host) are scheduled (with the schedule pass's default
+prefetch, one rank's view) and estimated in turn until one is no faster, then those halfway to the fastest one's
+neighbours, and the fastest is kept. Device steps come first, in chunk order (the order the next forward needs
 them). Host steps, which the store's CPU worker runs one after another in graph order while the device goes on, come
 in the order `update_order` chooses from the cost model: each chunk's update can start once its gradient is final
 and written home and the executor has issued its step (with atomic=False right after the chunk's last use; otherwise
@@ -45,7 +46,7 @@ import dataclasses
 
 import torch.fx as fx
 
-from ..cost import H200, Machine, compute_seconds, cpu_update_rate, estimate
+from ..cost import H200, Lane, Machine, compute_seconds, cpu_update_rate, estimate
 from ..errors import BudgetError
 from ..ir import ops
 from ..ir.graph import (BufKind, Choice, ChunkGroup, NodeAnn, Phase, Role, Scheduled, StateHome, TrainGraph,
@@ -59,6 +60,8 @@ from .offload import host_memory, offload_states
 from .update_sites import choose_streamed, no_stream_reason, no_undo_reason, undo_room
 
 WAITS = 0.01     # fewer device states are tried where the fullest placement's step exceeds its compute by more
+WAITED_ON = (Lane.COMPUTE, Lane.H2D, Lane.D2H)   # and its busiest lane is the device's or a copy's (not the
+                                                 # executor issuing nodes, the CPU updating, or the network)
 
 
 def min_need(g: TrainGraph) -> int:
@@ -87,7 +90,7 @@ def place_optimizer(g: TrainGraph, machine: Machine = H200) -> TrainGraph:
     fullest = estimate(best_scheduled, machine, program_s=program_s) if fewer else None
     compute = sum(node_s)
     why = [_why_most(most)]
-    if fullest is not None and fullest.seconds > compute * (1 + WAITS):
+    if fullest is not None and fullest.seconds > compute * (1 + WAITS) and fullest.bound in WAITED_ON:
         all_host = with_steps(g, trainable).evolve(chunks=chunks)     # the first was used up by the fullest
         best, best_scheduled, best_s, tried = _fewer_search(g, all_host, most, fewer, best, best_scheduled,
                                                             fullest.seconds, machine, node_s, program_s)
@@ -140,6 +143,9 @@ def _why_not_fewer(most: TrainGraph, fewer: list, fullest, node_s: list[float], 
         cpu = sum(shard_numel(c, most.settings.world) for c in host) / cpu_update_rate(most.settings, machine)
         return (f"no fewer device states tried: the CPU's updates ({cpu:.4g} s estimated) would take at least the "
                 f"device's compute ({sum(node_s):.4g} s), and fewer would only add to them")
+    if fullest.bound not in WAITED_ON:
+        return (f"no fewer device states tried: its step is estimated {fullest.seconds:.4g} s, bound by the "
+                f"{fullest.bound.value} lane, which resident parameters do not shorten")
     return (f"no fewer device states tried: its step is estimated {fullest.seconds:.4g} s, within {WAITS:.0%} of "
             f"its compute's {sum(node_s):.4g} s")
 
@@ -320,9 +326,9 @@ def _fewer_states(most: TrainGraph, ranked: list[int], machine: Machine, node_s:
                   ) -> list[int]:
     """The device-placed chunks placements with fewer device states move back to the host, last first (rank order:
     those the CPU would have most time for), for place_optimizer to compare with the fullest placement where that
-    one's step waits for copies beyond its compute: none when every state fits on the device (nothing to make room
-    for) or when the CPU's updates already take as long as the device's compute (fewer device states would only add
-    to them)."""
+    one's step is estimated over its compute: none when every state fits on the device (nothing to make room for) or
+    when the CPU's updates already take as long as the device's compute (fewer device states would only add to
+    them)."""
     host_elems = sum(shard_numel(c, most.settings.world) for c in most.chunks
                      if c.group is ChunkGroup.TRAINABLE and c.state_home is StateHome.HOST)
     on_device = [cid for cid in ranked if most.chunks[cid].state_home is StateHome.DEVICE]

@@ -152,7 +152,7 @@ def test_a_model_built_under_init_empty_trains_sharded(tmp_path):
     check_equal(results, ref_losses, ref_sd, world)
 
 
-@pytest.mark.parametrize("slack", ["x3.0"])
+@pytest.mark.parametrize("slack", ["x2.5"])
 def test_sharded_chunks_cast_from_their_masters_equal_host_homes(tmp_path, slack):
     """bf16 at world size 2 under a budget that keeps some states on the device and still evict those chunks: their
     all-gathers start from the device master (no host home); losses, parameters and optimizer states equal those of

@@ -94,7 +94,7 @@ def test_px_compile_plans_and_estimates_at_its_machines_rates(monkeypatch):
         assert summary.rates == machine.name
         why[machine.name] = " ".join(summary.choices)
         assert "1 of 7 chunks on the device" in why[machine.name]
-    assert "so fewer device states were tried" in why["H200"]
+    assert "no fewer device states tried: its step is estimated" in why["H200"]
     assert "the CPU's updates" in why["slow host"] and "the CPU's updates" not in why["H200"]
 
 
