@@ -18,7 +18,7 @@ from pstar_fx.passes import pipeline, run_passes
 from pstar_fx.passes.liveness import analyze
 from pstar_fx.ir import REMAT, USER_CHECKPOINT
 from pstar_fx.ir.fx_utils import draws_random
-from pstar_fx.passes.remat import GraphFacts, Replay, apply, block_paths, find_segments, remat
+from pstar_fx.passes.remat import GraphFacts, Replay, apply, block_paths, find_segments, light_segments, remat
 from pstar_fx.passes.remat.rewrite import keep_forward_values
 from pstar_fx.frontend.trace import trace_step
 from harness import HYPER, compiled_step, eager_run, rel_err
@@ -135,9 +135,11 @@ def test_replay_is_liveness_of_the_rewritten_graph(name):
     g = _liveness_graph(CASES_BY_NAME[name])
     G = GraphFacts(g)
     segments = find_segments(g, G)
+    light = light_segments(g, G, segments)
+    assert light
     replay = Replay(g, G, None)
-    replay.add(segments)
-    for chosen in [[s] for s in segments] + [list(segments)]:
+    replay.add(segments + light)
+    for chosen in [[s] for s in segments + light] + [list(segments), list(light)]:
         out = apply(g, chosen)
         assert replay.live([s.id for s in chosen]) == list(analyze(out.nodes, out.ann).live)
         px.passes.verify(out)
@@ -160,6 +162,60 @@ def test_segments_are_blocks_cut_after_the_residual_add():
     # later blocks' backward runs first: their recompute comes earlier in the graph
     ats = [s.at for s in segments if s.block is not None]
     assert ats == sorted(ats, reverse=True)
+
+
+def test_light_segments_keep_the_matrix_products_and_attention():
+    """A segment's light variant has its nodes and recomputes only the cheap operations between its compute-bound
+    values (which it keeps): no matrix product or attention, fewer nodes and less compute than the whole segment,
+    and it frees less."""
+    g = _liveness_graph(CASES_BY_NAME["hf_llama"])
+    G = GraphFacts(g)
+    segments = find_segments(g, G)
+    light = light_segments(g, G, segments)
+    whole = {s.start: s for s in segments}
+    heavy = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+             torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
+    assert {v.block for v in light} >= {"model.layers.0", "model.layers.1"}
+    for v in light:
+        s = whole[v.start]
+        assert v.light and not s.light and (v.end, v.block, v.seed) == (s.end, s.block, s.seed)
+        assert v.id > max(x.id for x in segments)
+        assert not [g.nodes[i].target for i in v.recompute if g.nodes[i].target in heavy]
+        assert set(v.recompute) < set(s.recompute) and v.seconds < s.seconds and v.freed <= s.freed
+        assert v.freed > 0
+
+
+def test_light_segments_where_they_suffice_train_bit_for_bit(monkeypatch):
+    """At a budget where recomputing only the cheap operations lets everything fit on the device, remat recomputes
+    no matrix product or attention, says so, and the step trains bit for bit as at an unlimited budget. (The tiny
+    model's recomputes are worth their compute only at rates without a kernel's fixed overhead: the machine the
+    passes weigh at is given those.)"""
+    import pstar_fx.api.step as step_module
+    fast = dataclasses.replace(px.cost.H200, kernel_s=1e-9)
+    monkeypatch.setattr(step_module, "resolve_machine", lambda *a, **k: fast)
+    case = CASES_BY_NAME["hf_llama"]
+    g = _liveness_graph(case)
+    G = GraphFacts(g)
+    segments = find_segments(g, G)
+    light = light_segments(g, G, segments)
+    replay = Replay(g, G, 0)                   # budget 0: comfort's peak is the comfort itself
+    replay.add(segments + light)
+    budget = replay.figures([v.id for v in light]).peak + (1 << 10)
+    assert budget < replay.figures(()).peak
+    runs = []
+    for b in (budget, None):
+        step = _step(case, b)
+        runs.append(([step(*case.batch(i)).item() for i in range(STEPS)], step.state_dict(), step))
+    (tight, tight_sd, step), (free, free_sd, _) = runs
+    stages = step.lower(*case.batch(0))
+    heavy = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
+    copies = [n for n in stages["remat"].nodes if REMAT in n.meta]
+    assert copies and not [n for n in copies if n.target in heavy]
+    (why,) = [c.why for c in stages["remat"].choices]
+    assert re.search(r"recomputes (\d+) of 3 candidate segments, \1 of them only their cheap operations", why), why
+    assert tight == free, (tight, free)
+    for k in free_sd:
+        assert torch.equal(tight_sd[k], free_sd[k]), k
 
 
 def test_block_paths():
@@ -199,9 +255,11 @@ def test_remat_lowers_the_peak_the_optimizer_states_share():
     settings = Settings(precision=Precision("bf16"), device=torch.device("cpu"), budget=500 << 20,
                         chunk_size=None, optimizer=planning._layout(model, None))
     g = run_passes(trace_step(plan_loss, model, (tokens, tokens), settings), pipeline()[:4])[-1]
-    segments = find_segments(g)
+    G = GraphFacts(g)
+    segments = find_segments(g, G)
+    by_id = {s.id: s for s in segments + light_segments(g, G, segments)}
     out = remat(g)
-    recomputed = {segments[n.meta[REMAT].segment].block for n in out.nodes if REMAT in n.meta}
+    recomputed = {by_id[n.meta[REMAT].segment].block for n in out.nodes if REMAT in n.meta}
     assert recomputed >= {f"h.{i}" for i in range(5)}
     if "h.5" in recomputed:        # the last block too only where that lowers the activation peak further
         without_last = apply(g, [s for s in segments if s.block != "h.5"])

@@ -10,7 +10,8 @@ no choice of segments fits the budget, the step's large cross-entropy losses are
 (passes/loss_rows, which recomputes each block's log-softmax in backward; the same values), where the settings allow
 it (`Settings.loss_rows`), and the segments chosen on that graph.
 
-How (one module each): segments.py finds the candidate segments, a transformer block at a time; replay.py replays
+How (one module each): segments.py finds the candidate segments, a transformer block at a time, each whole and as
+a light variant that keeps its matrix products' and attention's outputs; replay.py replays
 liveness for any choice of them without building the graph; choice.py chooses by the cost model; rewrite.py builds
 the graph with the chosen segments recomputed (and undoes the user's own checkpoints where they are not needed).
 """
@@ -29,7 +30,7 @@ from ..place_optimizer import min_need, place_optimizer
 from .choice import choose, least_need
 from .replay import Replay
 from .rewrite import apply, keep_forward_values
-from .segments import GraphFacts, Segment, block_paths, find_segments
+from .segments import GraphFacts, Segment, block_paths, find_segments, light_segments
 
 
 def remat(g: TrainGraph, *, enabled: bool = True, machine: Machine = H200) -> TrainGraph:
@@ -61,8 +62,9 @@ def remat(g: TrainGraph, *, enabled: bool = True, machine: Machine = H200) -> Tr
                                  f"{format_bytes(budget)} the activations fit beside every chunk on the device "
                                  "with them, not without")
     segments = find_segments(g, G, machine)
-    replay.add(segments)
-    chosen = choose(replay, segments, budget)
+    light = light_segments(g, G, segments, machine)
+    replay.add(segments + light)
+    chosen = choose(replay, segments, budget, light)
     rule = "each kept only where it saves more copying than its compute costs or lets the step fit"
     if replay.figures(chosen).need > budget:
         chosen = least_need(replay, segments)
@@ -78,10 +80,10 @@ def remat(g: TrainGraph, *, enabled: bool = True, machine: Machine = H200) -> Tr
                 at = len(g.choices)           # before what remat chose on the graph with the loss in blocks
                 return out.evolve(choices=out.choices[:at] + (why,) + out.choices[at:])
             raise _budget_error(apply(g, [s for s in segments if s.id in chosen]), budget)
-    out = apply(g, [s for s in segments if s.id in chosen])
+    out = apply(g, [s for s in segments + light if s.id in chosen])
     assert replay.live(chosen) == [out.ann[n.name].live_bytes for n in out.nodes], \
         "remat's replay of liveness disagrees with liveness on the rewritten graph"
-    return _chose(out.evolve(stage="remat", made_by="remat"), _why(replay, segments, chosen, budget, rule))
+    return _chose(out.evolve(stage="remat", made_by="remat"), _why(replay, segments + light, chosen, budget, rule))
 
 
 def _loss_in_rows(g: TrainGraph) -> TrainGraph | None:
@@ -108,7 +110,10 @@ def _why(replay: Replay, segments: tuple[Segment, ...], chosen: tuple[int, ...],
         none = ("no segment saves more copying than its compute costs" if not any(s.worthwhile for s in segments)
                 else "no segment worth its compute lowers what exceeds it")
         return f"nothing recomputed: {over}, and {none}"
-    what = (f"recomputes {len(picked)} of {len(segments)} candidate segments ({sum(len(s.recompute) for s in picked)} "
+    light = sum(s.light for s in picked)
+    whole = sum(not s.light for s in segments)
+    part = f", {light} of them only their cheap operations (matrix products and attention kept)" if light else ""
+    what = (f"recomputes {len(picked)} of {whole} candidate segments{part} ({sum(len(s.recompute) for s in picked)} "
             f"nodes, {sum(s.seconds for s in picked):.4g} s of compute estimated), {rule}")
     if before.need > budget:
         return (f"{what}: without them the step needs at least {format_bytes(before.need)}, more than the budget {b}; "
@@ -153,4 +158,4 @@ def _budget_error(g: TrainGraph, budget: int) -> BudgetError:
 
 
 __all__ = ["remat", "least_need_graph", "keep_forward_values", "apply", "choose", "least_need", "find_segments",
-           "block_paths", "GraphFacts", "Replay", "Segment"]
+           "light_segments", "block_paths", "GraphFacts", "Replay", "Segment"]

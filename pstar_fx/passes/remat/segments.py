@@ -20,6 +20,9 @@ getitem of such a node; and whose storage no kept value shares. The recompute is
 ancestors inside the segment, stopping at kept values and at values from outside the segment, which are read as they
 are (kept alive until the recompute); parameter reads are copied with their view chains (a chunk may move between
 forward and backward). A value the recompute needs that cannot be recomputed is kept, and the segment re-examined.
+
+Light variants (`light_segments`): the same segment with its compute-bound values (matrix products, attention) kept
+as well, so that its recompute stops at them and runs only the cheap operations between them.
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ import torch.fx as fx
 
 from ... import cost
 from ...ir import ops
+from ...ir.flops import FORWARD_ATTENTION, MATMUL_FLOPS
 from ...ir.fx_utils import draws_random, last_uses, mutated_args, private_chains, storage_bytes, storage_key, tensors_of
 from ...ir.graph import USER_CHECKPOINT, Phase, Role, TrainGraph
 from ..liveness import _NOT_ACTIVATION
@@ -51,6 +55,7 @@ class Segment:
     freed: int                       # bytes of storages no longer kept from forward into backward
     seconds: float                   # estimated recompute time
     copy_s: float                    # the time to copy `freed` bytes once between host and device
+    light: bool = False              # its compute-bound values kept: only the cheap operations recomputed
 
     @property
     def worthwhile(self) -> bool:
@@ -152,6 +157,13 @@ def _windows(g: TrainGraph, nodes: list[fx.Node]) -> list[tuple[int, int]]:
     return [(0 if k == 0 else seeds[k - 1] + 1, s) for k, s in enumerate(seeds)]
 
 
+def _window_node(g: TrainGraph, n: fx.Node) -> bool:
+    """Whether a node between a micro-batch's start and its loss seed may belong to a segment: a forward operation,
+    not the user's checkpoint recomputing one."""
+    return (n.op == "call_function" and g.ann[n.name].phase is Phase.FORWARD
+            and getattr(n.meta.get(USER_CHECKPOINT), "recompute_of", None) is None)
+
+
 def find_segments(g: TrainGraph, G: GraphFacts | None = None, machine: cost.Machine = cost.H200
                   ) -> tuple[Segment, ...]:
     """The candidate segments of a liveness-stage graph (see the module docstring); those with nothing to free are
@@ -161,9 +173,7 @@ def find_segments(g: TrainGraph, G: GraphFacts | None = None, machine: cost.Mach
     blocks = block_paths(p.name for p in g.params)
     out: list[Segment] = []
     for lo, seed in _windows(g, nodes):
-        window = [i for i in range(lo, seed) if nodes[i].op == "call_function"
-                  and g.ann[nodes[i].name].phase is Phase.FORWARD
-                  and getattr(nodes[i].meta.get(USER_CHECKPOINT), "recompute_of", None) is None]
+        window = [i for i in range(lo, seed) if _window_node(g, nodes[i])]
         runs: list[list] = []                 # [block, first, last]
         for i in window:
             a = g.ann[nodes[i].name]
@@ -186,6 +196,26 @@ def find_segments(g: TrainGraph, G: GraphFacts | None = None, machine: cost.Mach
     return tuple(out)
 
 
+def light_segments(g: TrainGraph, G: GraphFacts, segments: tuple[Segment, ...],
+                   machine: cost.Machine = cost.H200) -> tuple[Segment, ...]:
+    """The light variant of each segment (ids after the last segment's): the same nodes, its compute-bound values
+    (matrix products and attention: `HEAVY`) kept from forward, so that it recomputes only the cheap operations
+    (norms, activations, rotary embeddings, casts) that sit between them. It frees less than the whole segment for
+    far less compute. Left out where it recomputes nothing or all that the segment does."""
+    out: list[Segment] = []
+    next_id = max((s.id for s in segments), default=-1) + 1
+    for s in segments:
+        members = [i for i in range(s.start, s.end) if _window_node(g, G.nodes[i])]
+        v = _segment(G, next_id, s.block, s.start, s.end, members, s.seed, machine, light=True)
+        if v is not None and len(v.recompute) < len(s.recompute):
+            out.append(v)
+            next_id += 1
+    return tuple(out)
+
+
+HEAVY = frozenset(MATMUL_FLOPS) | frozenset(FORWARD_ATTENTION)   # values a light segment keeps
+
+
 def _frontier(G: GraphFacts, seed: int) -> list[int]:
     """Per position p <= seed: bytes of activation storages made before p that a node before the seed, at or after p,
     still reads."""
@@ -206,7 +236,7 @@ def _frontier(G: GraphFacts, seed: int) -> list[int]:
 
 
 def _segment(G: GraphFacts, sid: int, block, start: int, end: int, members: list[int], seed: int,
-             machine: cost.Machine) -> Segment | None:
+             machine: cost.Machine, light: bool = False) -> Segment | None:
     nodes, pos = G.nodes, G.pos
     inside = set(members)
     late = {i: [pos[u] for u in nodes[i].users if pos[u] > seed and u.op != "output"] for i in members}
@@ -215,7 +245,7 @@ def _segment(G: GraphFacts, sid: int, block, start: int, end: int, members: list
         return any((pos[u] not in inside and pos[u] <= seed) or u.op == "output" for u in nodes[i].users)
 
     kept = {i for i in members if not G.param_alias[i]
-            and ((late[i] and not G.recomputable(i)) or read_after(i))}
+            and ((late[i] and not G.recomputable(i)) or read_after(i) or (light and nodes[i].target in HEAVY))}
     outside = {k for i in members for k in G.keys[i] if G.sharers[k][0] not in inside}   # views of outer values
     while True:
         kept_keys = {k for i in kept for k in G.keys[i]} | outside
@@ -253,4 +283,4 @@ def _segment(G: GraphFacts, sid: int, block, start: int, end: int, members: list
                    values=tuple(sorted(values)), inputs=tuple(sorted(inputs)),
                    at=min(p for i in values for p in late[i]), seed=seed, freed=freed,
                    seconds=sum(cost.seconds(nodes[i], machine) for i in recompute),
-                   copy_s=cost.copy_seconds(freed, machine))
+                   copy_s=cost.copy_seconds(freed, machine), light=light)
