@@ -30,6 +30,7 @@ class ModelSpec:
     kind: Kind
     cfg: GPTConfig                # layers, hidden, heads, vocab, seq (the Llama's too)
     intermediate: int = 0         # the Llama's MLP width (0: 8/3 x hidden rounded up to 256)
+    kv_heads: int = 0             # the Llama's key/value heads (0: as many as its heads; Llama 3 8B's: 8)
 
     @property
     def ffn(self) -> int:
@@ -41,8 +42,9 @@ class ModelSpec:
         c = self.cfg
         if self.kind is Kind.GPT:
             return f"GPT {c}"
-        return (f"transformers Llama (layers={c.layers}, hidden={c.hidden}, heads={c.heads}, intermediate={self.ffn}, "
-                f"vocab={c.vocab}, seq={c.seq})")
+        kv = f", kv_heads={self.kv_heads}" if self.kv_heads else ""
+        return (f"transformers Llama (layers={c.layers}, hidden={c.hidden}, heads={c.heads}{kv}, "
+                f"intermediate={self.ffn}, vocab={c.vocab}, seq={c.seq})")
 
 
 def make(spec: ModelSpec) -> nn.Module:
@@ -52,7 +54,7 @@ def make(spec: ModelSpec) -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
     c = spec.cfg
     conf = LlamaConfig(vocab_size=c.vocab, hidden_size=c.hidden, intermediate_size=spec.ffn,
-                       num_hidden_layers=c.layers, num_attention_heads=c.heads, num_key_value_heads=c.heads,
+                       num_hidden_layers=c.layers, num_attention_heads=c.heads, num_key_value_heads=spec.kv_heads or c.heads,
                        max_position_embeddings=c.seq, tie_word_embeddings=False, attn_implementation="sdpa",
                        use_cache=False)
     return LlamaForCausalLM(conf)

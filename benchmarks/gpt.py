@@ -78,7 +78,7 @@ IMPORT_SECONDS = time.perf_counter() - _STARTED     # torch's and pstar-fx's imp
 def spec_of(args, layers: int) -> models.ModelSpec:
     return models.ModelSpec(models.Kind(args.model), GPTConfig(vocab=args.vocab, seq=args.seq, layers=layers,
                                                                hidden=args.hidden, heads=args.heads),
-                            args.intermediate)
+                            args.intermediate, args.kv_heads)
 
 
 def n_params(model) -> int:
@@ -595,6 +595,7 @@ def main():
     ap.add_argument("--model", choices=[k.value for k in models.Kind], default="gpt",
                     help="gpt (the reference GPT) or llama (transformers' LlamaForCausalLM; see benchmarks/bench_models.py)")
     ap.add_argument("--intermediate", type=int, default=0, help="the Llama's MLP width (0: 8/3 x hidden)")
+    ap.add_argument("--kv-heads", type=int, default=0, help="the Llama's key/value heads (0: --heads)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.tiny:
@@ -605,7 +606,8 @@ def main():
     assert args.batch % args.accumulate == 0, "--batch must split evenly into --accumulate micro-batches"
     assert args.warmup >= 1 or not args.init_empty, "--init-empty reports the first step: --warmup 1 or more"
     cfg = spec_of(args, args.layers)
-    passthrough = ["--model", args.model, "--intermediate", str(args.intermediate), "--layers", str(args.layers), "--hidden", str(args.hidden), "--heads", str(args.heads),
+    passthrough = ["--model", args.model, "--intermediate", str(args.intermediate), "--kv-heads", str(args.kv_heads),
+                   "--layers", str(args.layers), "--hidden", str(args.hidden), "--heads", str(args.heads),
                    "--batch", str(args.batch), "--seq", str(args.seq), "--vocab", str(args.vocab),
                    "--warmup", str(args.warmup), "--steps", str(args.steps), "--device", args.device,
                    "--precision", args.precision, "--state-dtype", args.state_dtype, "--checkpoint", args.checkpoint,
