@@ -147,6 +147,10 @@ stage() {
     llama8b)      # transformers' Llama 8B shape (32 x 4096, 14336, vocab 128256, 4 x 2048): eager, pstar-fx default
       gpt llama8b 420 --model llama --layers 32 --hidden 4096 --heads 32 --intermediate 14336 --vocab 128256 \
           --batch 4 --systems eager,pstar --budgets none --timeout 200 ;;
+    llama8b_gqa)  # Llama 3 8B's shape with 8 key/value heads, 4 x 2048: eager, pstar-fx default (on an H200 the remat
+                  # pass recomputes 24 of its blocks light: matrix products and attention kept)
+      gpt llama8b_gqa 420 --model llama --layers 32 --hidden 4096 --heads 32 --kv-heads 8 --intermediate 14336 \
+          --vocab 128256 --batch 4 --systems eager,pstar --budgets none --timeout 200 ;;
     llama13b)     # the Llama-2-13B shape at the default budget, atomic and atomic=False
       gpt llama13b_default 330 "${llama13[@]}" --budgets none
       gpt llama13b_free 330 "${llama13[@]}" --budgets none --no-atomic ;;
