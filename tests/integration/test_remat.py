@@ -165,6 +165,11 @@ def test_segments_are_blocks_cut_after_the_residual_add():
     assert ats == sorted(ats, reverse=True)
 
 
+# the test models' compute-bound ops (their CPU trace): what a light variant keeps and never recomputes
+_HEAVY = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+          torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
+
+
 def test_light_segments_keep_the_matrix_products_and_attention():
     """A segment's light variant has its nodes and recomputes only the cheap operations between its compute-bound
     values (which it keeps): no matrix product or attention, fewer nodes and less compute than the whole segment,
@@ -174,14 +179,12 @@ def test_light_segments_keep_the_matrix_products_and_attention():
     segments = find_segments(g, G)
     light = light_segments(g, G, segments)
     whole = {s.start: s for s in segments}
-    heavy = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
-             torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
     assert {v.block for v in light} >= {"model.layers.0", "model.layers.1"}
     for v in light:
         s = whole[v.start]
         assert v.light and not s.light and (v.end, v.block, v.seed) == (s.end, s.block, s.seed)
         assert v.id > max(x.id for x in segments)
-        assert not [g.nodes[i].target for i in v.recompute if g.nodes[i].target in heavy]
+        assert not [g.nodes[i].target for i in v.recompute if g.nodes[i].target in _HEAVY]
         assert set(v.recompute) < set(s.recompute) and v.seconds < s.seconds and v.freed <= s.freed
         assert v.freed > 0
 
@@ -209,9 +212,8 @@ def test_light_segments_where_they_suffice_train_bit_for_bit(monkeypatch):
         runs.append(([step(*case.batch(i)).item() for i in range(STEPS)], step.state_dict(), step))
     (tight, tight_sd, step), (free, free_sd, _) = runs
     stages = step.lower(*case.batch(0))
-    heavy = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
     copies = [n for n in stages["remat"].nodes if REMAT in n.meta]
-    assert copies and not [n for n in copies if n.target in heavy]
+    assert copies and not [n for n in copies if n.target in _HEAVY]
     (why,) = [c.why for c in stages["remat"].choices]
     assert re.search(r"recomputes (\d+) of 3 candidate segments, \1 of them only their cheap operations", why), why
     assert tight == free, (tight, free)
@@ -219,13 +221,9 @@ def test_light_segments_where_they_suffice_train_bit_for_bit(monkeypatch):
         assert torch.equal(tight_sd[k], free_sd[k]), k
 
 
-_GRAPHS: dict[str, object] = {}
-
-
+@functools.lru_cache(maxsize=None)
 def _cached_liveness_graph(name: str):
-    if name not in _GRAPHS:
-        _GRAPHS[name] = _liveness_graph(GPT_DEEP if name == "gpt_deep" else CASES_BY_NAME[name])
-    return _GRAPHS[name]
+    return _liveness_graph(GPT_DEEP if name == "gpt_deep" else CASES_BY_NAME[name])
 
 
 @settings(max_examples=30, deadline=None)
