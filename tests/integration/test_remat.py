@@ -3,7 +3,7 @@
 Under a budget no plan without recomputation fits (the compile fails with remat=False), the compiled step recomputes,
 fits the budget as planned and measured, and trains exactly as eager PyTorch (fp32, random data, several steps,
 dropout included: random ops are never recomputed). At a budget the step fits without, the graph is unchanged.
-CPU tests (exact fp32 comparisons), not marked cuda.
+CPU tests (exact fp32 comparisons); the light variants' bit-for-bit test is marked cuda too (PSTAR_TEST_DEVICE).
 """
 import dataclasses
 import functools
@@ -22,7 +22,7 @@ from pstar_fx.ir.fx_utils import draws_random
 from pstar_fx.passes.remat import GraphFacts, Replay, apply, block_paths, find_segments, light_segments, remat
 from pstar_fx.passes.remat.rewrite import keep_forward_values
 from pstar_fx.frontend.trace import trace_step
-from harness import HYPER, compiled_step, eager_run, rel_err
+from harness import DEVICE, HYPER, compiled_step, eager_run, rel_err
 from models import CASES_BY_NAME, CHECKPOINT_CASES, GPT, Case, _gpt_batch, assert_state_close, gpt_loss
 
 
@@ -34,9 +34,9 @@ GPT_DEEP = Case("gpt_deep", lambda: GPT(vocab=64, block_size=16, n_layer=4, n_he
                 gpt_loss, functools.partial(_gpt_batch, B=8))
 
 
-def _step(case, budget, remat="auto", **kw):
+def _step(case, budget, remat="auto", device="cpu", **kw):
     return px.compile(case.build_model(), optimizer=px.AdamW(**HYPER), device_memory=budget, chunk_size=CHUNK,
-                      device="cpu", debug=True, remat=remat, **kw)(case.loss_fn)
+                      device=device, debug=True, remat=remat, **kw)(case.loss_fn)
 
 
 def _least(case, remat):
@@ -189,11 +189,12 @@ def test_light_segments_keep_the_matrix_products_and_attention():
         assert v.freed > 0
 
 
+@pytest.mark.cuda
 def test_light_segments_where_they_suffice_train_bit_for_bit(monkeypatch):
     """At a budget where recomputing only the cheap operations lets everything fit on the device, remat recomputes
-    no matrix product or attention, says so, and the step trains bit for bit as at an unlimited budget. (The tiny
-    model's recomputes are worth their compute only at rates without a kernel's fixed overhead: the machine the
-    passes weigh at is given those.)"""
+    no matrix product or attention, says so, and the step trains bit for bit as at an unlimited budget, on the
+    tests' device (both steps unfused: the same kernels). (The tiny model's recomputes are worth their compute only
+    at rates without a kernel's fixed overhead: the machine the passes weigh at is given those.)"""
     import pstar_fx.api.step as step_module
     fast = dataclasses.replace(px.cost.H200, kernel_s=1e-9)
     monkeypatch.setattr(step_module, "resolve_machine", lambda *a, **k: fast)
@@ -208,7 +209,7 @@ def test_light_segments_where_they_suffice_train_bit_for_bit(monkeypatch):
     assert budget < replay.figures(()).peak
     runs = []
     for b in (budget, None):
-        step = _step(case, b)
+        step = _step(case, b, device=DEVICE, fuse=False)
         runs.append(([step(*case.batch(i)).item() for i in range(STEPS)], step.state_dict(), step))
     (tight, tight_sd, step), (free, free_sd, _) = runs
     stages = step.lower(*case.batch(0))
