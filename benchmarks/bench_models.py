@@ -54,7 +54,8 @@ def make(spec: ModelSpec) -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
     c = spec.cfg
     conf = LlamaConfig(vocab_size=c.vocab, hidden_size=c.hidden, intermediate_size=spec.ffn,
-                       num_hidden_layers=c.layers, num_attention_heads=c.heads, num_key_value_heads=spec.kv_heads or c.heads,
+                       num_hidden_layers=c.layers, num_attention_heads=c.heads,
+                       num_key_value_heads=spec.kv_heads or c.heads,
                        max_position_embeddings=c.seq, tie_word_embeddings=False, attn_implementation="sdpa",
                        use_cache=False)
     return LlamaForCausalLM(conf)
