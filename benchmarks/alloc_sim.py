@@ -15,7 +15,8 @@ storage is allocated at the node that makes it and freed after its last use (the
 by).
 
 The allocator model, after torch's CUDACachingAllocator with `expandable_segments:True`: allocations of at most
-1 MiB in a small pool (2 MiB pages), larger ones in a large pool (20 MiB pages), sizes rounded up to 512 bytes; the
+1 MiB in a small pool (2 MiB pages), larger ones in a large pool (20 MiB pages), sizes rounded up to 512 bytes
+(with --roundup N, as torch's roundup_power2_divisions:N rounds them, all but the set-up's); the
 smallest free block that holds a request serves it, passing over blocks that could grow into unmapped space for the
 next one that reaches less far, as torch does, and split where 512 bytes or more are left; otherwise unmapped address
 space (with the free block before it) is mapped page by page while the mapped pages of both pools stay within the
@@ -239,8 +240,14 @@ class Torch:
         self.large = Pool(self.dev, 20 * MiB, 512, span)    # left, in both pools
         self.dev.pools = (self.small, self.large)
 
+    divisions = 0                    # PYTORCH_CUDA_ALLOC_CONF's roundup_power2_divisions (0: unset)
+
     def malloc(self, nbytes: int) -> tuple[Pool, Block]:
         size = max(512, -(-nbytes // 512) * 512)
+        d = self.divisions
+        if d > 1 and size > 512 * d and size & (size - 1):       # torch's roundup_power2_next_division
+            step = (1 << (size.bit_length() - 1)) >> (d.bit_length() - 1)
+            size = -(-size // step) * step
         pool = self.small if size <= SMALL else self.large
         return pool, pool.malloc(size)
 
@@ -287,7 +294,7 @@ class DevicePool:
 
 
 def simulate(g, cap: int, steps: int, order: str = "bytes", keep: str = "none", max_split: int = 0,
-             drain: str = "room") -> list[list[tuple[int, str, int]]]:
+             drain: str = "room", divisions: int = 0) -> list[list[tuple[int, str, int]]]:
     """Each step's retries: (node position, node name, bytes asked) for every retry. drain: `room` a slot written
     back stays counted (draining) until a node's room needs it, as the runtime does (ChunkStore.reclaim; one of the
     size a node takes, where the free list has none, first, its copy taken as done); `done` every write-back done at
@@ -300,8 +307,11 @@ def simulate(g, cap: int, steps: int, order: str = "bytes", keep: str = "none", 
                                    + g.ann[n.name].workspace_bytes) for n in nodes]
     torch_ = Torch(cap)
     torch_.large.max_split = max_split
+    torch_.divisions = divisions
     pool = DevicePool(torch_, order, keep)
+    divisions, torch_.divisions = torch_.divisions, 0    # (set-up: not rounded, as if sized to the rounding's steps)
     torch_.malloc(static_bytes(g))           # set-up: module buffers, constants, device-placed states (kept)
+    torch_.divisions = divisions
     slots = {k: pool.take(buf_bytes(g, k)) for k, _ in plan.carried}
     draining: collections.deque = collections.deque()        # (bytes, handle), oldest first
     held = 0                                                  # their bytes
@@ -368,11 +378,13 @@ def main() -> None:
                     "given back at their release (`done`)")
     ap.add_argument("--max-split", default=None, help="PYTORCH_CUDA_ALLOC_CONF's max_split_size_mb, as bytes (e.g. "
                     "512MiB; default: unset)")
+    ap.add_argument("--roundup", type=int, default=0, help="PYTORCH_CUDA_ALLOC_CONF's roundup_power2_divisions "
+                    "(a power of two: sizes rounded up to that many steps between powers of two; default: unset)")
     args = ap.parse_args()
     g = planned(args)
     cap = g.settings.budget + parse_bytes(args.over_budget)
     per_step = simulate(g, cap, args.steps, args.trim_order, args.keep,
-                        parse_bytes(args.max_split) if args.max_split else 0, args.drain)
+                        parse_bytes(args.max_split) if args.max_split else 0, args.drain, args.roundup)
     print(f"{len(g.nodes)} nodes; budget {g.settings.budget / GiB:.2f} GiB, cap {cap / GiB:.2f} GiB; chunks' states "
           f"on the device {sum(c.state_home.name == 'DEVICE' for c in g.chunks)}, streamed "
           f"{sum(c.streamed for c in g.chunks)}, undo {sum(c.undo for c in g.chunks)}; moved "
