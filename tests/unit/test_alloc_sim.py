@@ -97,3 +97,16 @@ def test_the_replay_runs_a_planned_step_under_both_pool_policies():
         assert counts[keep][1] == counts[keep][2], counts       # the steady state repeats
     # the free list kept to each node's room retries where keeping none does not (as at 10-17B, replayed)
     assert counts["room"][1] > counts["none"][1], counts
+
+
+@pytest.mark.parametrize("divisions, asked, served", [
+    (4, 1200 * MiB, 1280 * MiB),       # between 1024 and 2048 MiB in steps of 256
+    (4, 1024 * MiB, 1024 * MiB),       # a power of two stays
+    (8, 600 * MiB, 640 * MiB),         # between 512 and 1024 in steps of 64
+    (8, 3000, 3072),                   # at most 512 x 8 bytes: only to 512
+    (0, 1200 * MiB + 1, 1200 * MiB + 512),
+])
+def test_roundup_follows_torchs_power2_divisions(divisions, asked, served):
+    t = Torch(cap=4096 * MiB)
+    t.divisions = divisions
+    assert t.malloc(asked)[1].size == served
