@@ -239,8 +239,7 @@ class Torch:
         self.small = Pool(self.dev, 2 * MiB, 512, span)     # expandable segments split wherever 512 bytes are
         self.large = Pool(self.dev, 20 * MiB, 512, span)    # left, in both pools
         self.dev.pools = (self.small, self.large)
-
-    divisions = 0                    # PYTORCH_CUDA_ALLOC_CONF's roundup_power2_divisions (0: unset)
+        self.divisions = 0           # PYTORCH_CUDA_ALLOC_CONF's roundup_power2_divisions (0: unset)
 
     def malloc(self, nbytes: int) -> tuple[Pool, Block]:
         size = max(512, -(-nbytes // 512) * 512)
@@ -307,11 +306,9 @@ def simulate(g, cap: int, steps: int, order: str = "bytes", keep: str = "none", 
                                    + g.ann[n.name].workspace_bytes) for n in nodes]
     torch_ = Torch(cap)
     torch_.large.max_split = max_split
-    torch_.divisions = divisions
     pool = DevicePool(torch_, order, keep)
-    divisions, torch_.divisions = torch_.divisions, 0    # (set-up: not rounded, as if sized to the rounding's steps)
     torch_.malloc(static_bytes(g))           # set-up: module buffers, constants, device-placed states (kept)
-    torch_.divisions = divisions
+    torch_.divisions = divisions             # (the set-up not rounded, as if sized to the rounding's steps)
     slots = {k: pool.take(buf_bytes(g, k)) for k, _ in plan.carried}
     draining: collections.deque = collections.deque()        # (bytes, handle), oldest first
     held = 0                                                  # their bytes
