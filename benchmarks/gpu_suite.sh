@@ -154,9 +154,10 @@ stage() {
     llama13b)     # the Llama-2-13B shape at the default budget, atomic and atomic=False
       gpt llama13b_default 330 "${llama13[@]}" --budgets none
       gpt llama13b_free 330 "${llama13[@]}" --budgets none --no-atomic ;;
-    llama13b_b8)  # the Llama-2-13B shape at 8 x 2048 tokens: the default settings (fuse=None: regions where the cost
-                  # model estimates the step faster with them, as it does for this plan), then fuse=False
-      gpt llama13b_b8 330 "${llama13[@]}" --budgets none --batch 8
+    llama13b_b8)  # the Llama-2-13B shape at 8 x 2048 tokens, the default settings (fuse=None: regions where the cost
+                  # model estimates the step faster with them, as it does for this plan); one run, within one call
+      gpt llama13b_b8 330 "${llama13[@]}" --budgets none --batch 8 ;;
+    llama13b_b8_unfused) # the same with fuse=False (its own stage: the two runs need more than a 600 s call)
       gpt llama13b_b8_unfused 330 "${llama13[@]}" --budgets none --batch 8 --no-fuse ;;
     state_rates)  # compressed moments' update rates: the host's native kernel, the GPU's Triton kernel, and the GPU's
       # kernel against the native one bit for bit
