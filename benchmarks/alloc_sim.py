@@ -293,11 +293,12 @@ class DevicePool:
 
 
 def simulate(g, cap: int, steps: int, order: str = "bytes", keep: str = "none", max_split: int = 0,
-             drain: str = "room", divisions: int = 0) -> list[list[tuple[int, str, int]]]:
+             drain: str = "room", divisions: int = 0, empty: bool = False) -> list[list[tuple[int, str, int]]]:
     """Each step's retries: (node position, node name, bytes asked) for every retry. drain: `room` a slot written
     back stays counted (draining) until a node's room needs it, as the runtime does (ChunkStore.reclaim; one of the
     size a node takes, where the free list has none, first, its copy taken as done); `done` every write-back done at
-    its release (the slot given back there)."""
+    its release (the slot given back there). empty: torch's cache emptied at each step's start (every free block's
+    whole pages unmapped, as torch.cuda.empty_cache() does)."""
     nodes = g.nodes
     starts, ends = activations(g)            # per node: the activation storages it makes / frees after it
     needs = all_needs(g)
@@ -314,6 +315,9 @@ def simulate(g, cap: int, steps: int, order: str = "bytes", keep: str = "none", 
     held = 0                                                  # their bytes
     out = []
     for _ in range(steps):
+        if empty:
+            for p in torch_.dev.pools:
+                p.release()
         retries = []
         live = {}
         for i, n in enumerate(nodes):
@@ -377,11 +381,13 @@ def main() -> None:
                     "512MiB; default: unset)")
     ap.add_argument("--roundup", type=int, default=0, help="PYTORCH_CUDA_ALLOC_CONF's roundup_power2_divisions "
                     "(a power of two: sizes rounded up to that many steps between powers of two; default: unset)")
+    ap.add_argument("--empty-cache", action="store_true", help="empty torch's cache at each step's start")
     args = ap.parse_args()
     g = planned(args)
     cap = g.settings.budget + parse_bytes(args.over_budget)
     per_step = simulate(g, cap, args.steps, args.trim_order, args.keep,
-                        parse_bytes(args.max_split) if args.max_split else 0, args.drain, args.roundup)
+                        parse_bytes(args.max_split) if args.max_split else 0, args.drain, args.roundup,
+                        args.empty_cache)
     print(f"{len(g.nodes)} nodes; budget {g.settings.budget / GiB:.2f} GiB, cap {cap / GiB:.2f} GiB; chunks' states "
           f"on the device {sum(c.state_home.name == 'DEVICE' for c in g.chunks)}, streamed "
           f"{sum(c.streamed for c in g.chunks)}, undo {sum(c.undo for c in g.chunks)}; moved "

@@ -79,8 +79,8 @@ def test_the_model_keeps_its_invariants(ops):
 
 def test_the_replay_runs_a_planned_step_under_both_pool_policies():
     """simulate() on a small GPT planned with no room for the allocator beyond its budget: three steps under each
-    pool policy, every retry at a node of the graph, the same count in the steady steps, and the model's invariants
-    checked after each step (inside simulate)."""
+    pool policy (and with the cache emptied at each step's start), every retry at a node of the graph, the same count
+    in the steady steps, and the model's invariants checked after each step (inside simulate)."""
     import argparse
     ap = argparse.ArgumentParser()
     alloc_sim.plan_args(ap)
@@ -88,15 +88,15 @@ def test_the_replay_runs_a_planned_step_under_both_pool_policies():
                           "--device-memory", "400MiB"])
     g = alloc_sim.planned(args)
     counts = {}
-    for keep in ("room", "none"):
-        per_step = alloc_sim.simulate(g, g.settings.budget, 3, keep=keep)      # no room beyond the budget
+    for keep, empty in (("room", False), ("none", False), ("none", True)):    # and torch's cache emptied at each
+        per_step = alloc_sim.simulate(g, g.settings.budget, 3, keep=keep, empty=empty)    # step's start
         assert len(per_step) == 3
         for retries in per_step:
             assert all(0 <= i < len(g.nodes) and g.nodes[i].name == name and asked > 0 for i, name, asked in retries)
-        counts[keep] = [len(r) for r in per_step]
-        assert counts[keep][1] == counts[keep][2], counts       # the steady state repeats
+        counts[keep, empty] = [len(r) for r in per_step]
+        assert counts[keep, empty][1] == counts[keep, empty][2], counts       # the steady state repeats
     # the free list kept to each node's room retries where keeping none does not (as at 10-17B, replayed)
-    assert counts["room"][1] > counts["none"][1], counts
+    assert counts["room", False][1] > counts["none", False][1], counts
 
 
 @pytest.mark.parametrize("divisions, asked, served", [
