@@ -62,6 +62,11 @@ class Device:
     def __init__(self, cap: int):
         self.cap, self.mapped, self.retries = cap, 0, 0
 
+    def release(self) -> None:
+        """Every pool's free blocks' whole pages unmapped (torch.cuda.empty_cache(), and a retry's first half)."""
+        for pool in self.pools:
+            pool.release()
+
 
 class Pool:
     """One expandable segment: blocks over an address range, each allocated, free (mapped) or unmapped."""
@@ -111,8 +116,7 @@ class Pool:
             return self._malloc(size)
         except OutOfMemory:
             self.dev.retries += 1
-            for pool in self.dev.pools:
-                pool.release()
+            self.dev.release()
             return self._malloc(size)
 
     @staticmethod
@@ -316,8 +320,7 @@ def simulate(g, cap: int, steps: int, order: str = "bytes", keep: str = "none", 
     out = []
     for _ in range(steps):
         if empty:
-            for p in torch_.dev.pools:
-                p.release()
+            torch_.dev.release()
         retries = []
         live = {}
         for i, n in enumerate(nodes):
