@@ -1,6 +1,7 @@
 """Where planning a GPT's step goes, pass by pass: trace once, then run each pass of the pipeline in turn, timing it,
 under cProfile for the passes named in --profile. Runs on any machine (the model on the meta device, as
-`python -m pstar_fx.plan`), with the cyclic garbage collector paused as px.compile pauses it.
+`pstar-fx-plan`, whose flags it takes: --fuse or --fuse-if-faster add the fused stage), with the cyclic garbage
+collector paused as px.compile pauses it.
 
     python3 benchmarks/profile_passes.py --layers 54 --d-model 5120 --heads 40 --batch 8 --checkpoint \\
         --device-memory 137GiB --no-atomic --profile assign_chunks,schedule
@@ -29,7 +30,7 @@ from pstar_fx.units import parse_bytes  # noqa: E402
 
 
 def main() -> None:
-    ap = _parser()             # the GPT and plan flags of `python -m pstar_fx.plan`
+    ap = _parser()             # the GPT and plan flags of `pstar-fx-plan`
     ap.description = __doc__
     ap.add_argument("--profile", default="", help="comma-separated pass names (and trace) to run under cProfile")
     ap.add_argument("--top", type=int, default=25)
@@ -71,7 +72,9 @@ def main() -> None:
         return out
 
     g = timed("trace", trace_step, gpt_loss, model, (tokens, tokens), settings)
-    for p in pipeline(chunk_size=args.chunk_size, world=args.world_size):
+    fuse = args.fuse or args.fuse_if_faster       # the fused stage last, as px.compile runs it (fuse=None: the
+    for p in pipeline(chunk_size=args.chunk_size, world=args.world_size,   # default on a GPU)
+                      fuse=fuse, fuse_auto=args.fuse_if_faster):
         g = timed(getattr(p, "func", p).__name__, p, g)
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+from typing import NamedTuple
 
 import torch
 import torch.fx as fx
@@ -41,12 +42,22 @@ def fuse_regions(g: TrainGraph) -> TrainGraph:
     assert g.plan is not None, "fuse_regions runs on a scheduled graph"
     nodes = g.nodes
     runs = _runs(g, nodes)
+    fusible = [_fusible(g, n) for n in nodes]
+    made = _Made()            # segments and regions of the runs not halved, kept for the next build
     while True:
-        fused, region_run = _build(g, nodes, runs)
+        fused, region_run = _build(g, nodes, runs, fusible, made)
         over = _over_budget(fused, region_run)
         if not over:
             return fused
         runs = [half for r in runs for half in (_halve(r) if r in over else (r,))]
+
+
+@dataclasses.dataclass
+class _Made:
+    """What fuse_regions' builds share: each run's segments and each segment's region, by span (a run split in two
+    for the budget gets new ones; the others' are the same in every build)."""
+    segments: dict = dataclasses.field(default_factory=dict)     # run -> _segments(run)
+    regions: dict = dataclasses.field(default_factory=dict)      # segment (a tuple of positions) -> _Region
 
 
 def fuse_if_faster(g: TrainGraph, machine: Machine = H200) -> TrainGraph:
@@ -136,9 +147,10 @@ def _halve(run: tuple[int, int]) -> tuple[tuple[int, int], ...]:
     return ((lo, mid), (mid, hi))
 
 
-def _segments(g: TrainGraph, nodes: list[fx.Node], run: tuple[int, int], pos) -> list[list[int]]:
+def _segments(g: TrainGraph, nodes: list[fx.Node], run: tuple[int, int], fusible: list[bool]) -> list[list[int]]:
     """The run's regions: maximal sequences of fusible compute nodes (parameter views and gradient writes skipped
-    over), adjusted until no member's non-tensor value (a tuple) is read outside it and every input is a tensor."""
+    over), adjusted until no member's non-tensor value (a tuple) is read outside it and every input is a tensor.
+    fusible: _fusible of each node, by position."""
     lo, hi = run
     bad: set[int] = set()
     while True:
@@ -147,7 +159,7 @@ def _segments(g: TrainGraph, nodes: list[fx.Node], run: tuple[int, int], pos) ->
             role = g.ann[nodes[i].name].role
             if role is not Role.COMPUTE:
                 continue
-            if i in bad or not _fusible(g, nodes[i]):
+            if i in bad or not fusible[i]:
                 if cur:
                     segs.append(cur)
                 cur = []
@@ -189,14 +201,17 @@ def _worth(nodes: list[fx.Node], seg: list[int]) -> bool:
 
 # -- building the fused graph -------------------------------------------------------------------------------------
 
-def _build(g: TrainGraph, nodes: list[fx.Node], runs: list[tuple[int, int]]) -> tuple[TrainGraph, dict]:
+def _build(g: TrainGraph, nodes: list[fx.Node], runs: list[tuple[int, int]], fusible: list[bool], made: _Made
+           ) -> tuple[TrainGraph, dict]:
     """The fused graph, and the run each region node (and each view and write moved around one) came from. Between a
     region's first and last member there are only parameter views and gradient writes (a region is a maximal sequence
-    of fusible nodes skipping only those): the views are taken before the region, the writes made after it."""
-    pos = {n: i for i, n in enumerate(nodes)}
+    of fusible nodes skipping only those): the views are taken before the region, the writes made after it. `made`
+    holds the segments and regions of earlier builds, reused where their run is unchanged, and gains this build's."""
     starts: dict[int, tuple[list[int], tuple[int, int]]] = {}
     for run in runs:
-        for seg in _segments(g, nodes, run, pos):
+        if run not in made.segments:
+            made.segments[run] = _segments(g, nodes, run, fusible)
+        for seg in made.segments[run]:
             starts[seg[0]] = (seg, run)
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
@@ -221,7 +236,10 @@ def _build(g: TrainGraph, nodes: list[fx.Node], runs: list[tuple[int, int]]) -> 
             if g.ann[nodes[j].name].role is Role.PARAM_VIEW:
                 copy(j)
                 region_run[env[nodes[j]].name] = run
-        for name in _add_region(g, graph, env, ann, [nodes[j] for j in seg], regions):
+        key = tuple(seg)
+        if key not in made.regions:
+            made.regions[key] = _region([nodes[j] for j in seg])
+        for name in _add_region(g, graph, env, ann, made.regions[key], regions):
             region_run[name] = run
         regions += 1
         for j in span:        # (a write moved after the region keeps its gradient alive longer: the run's too)
@@ -235,8 +253,20 @@ def _build(g: TrainGraph, nodes: list[fx.Node], runs: list[tuple[int, int]]) -> 
     return sched.evolve(plan=plan, stage="fused", made_by="fuse_regions"), region_run
 
 
-def _add_region(g: TrainGraph, graph: fx.Graph, env, ann, members: list[fx.Node], index: int) -> list[str]:
-    """Add the region node of `members` and a getitem per output; their names."""
+class _Region(NamedTuple):
+    """A region's members (graph order), the nodes outside it they read (its inputs, in order), the members read
+    outside it (its outputs), its fx graph as a module, and its workspace bytes."""
+    members: list[fx.Node]
+    inputs: list[fx.Node]
+    outputs: list[fx.Node]
+    gm: fx.GraphModule
+    workspace: int
+
+
+def _region(members: list[fx.Node]) -> _Region:
+    """The region of these compute nodes: its inputs and outputs, and a graph of its own that computes them. Its
+    module's Python code is generated only when asked for (the runtime compiles it; a plan never does): about 2 ms a
+    region, and a 17B GPT's step has 500 regions, built again for each build of fuse_regions."""
     inside = set(members)
     inputs: list[fx.Node] = []
     for m in members:
@@ -258,14 +288,19 @@ def _add_region(g: TrainGraph, graph: fx.Graph, env, ann, members: list[fx.Node]
         new.meta["val"] = m.meta["val"]
         sub_env[m] = new
     sub.output(tuple(sub_env[o] for o in outputs))
-    spec = ops.RegionSpec(index=index, gm=fx.GraphModule(torch.nn.Module(), sub), nodes=len(members),
-                          workspace=_workspace(members, outputs, inputs))
-    phase = g.ann[members[-1].name].phase
-    node = graph.call_function(ops.region, tuple(env[a] for a in inputs), {"spec": spec}, name=f"region_{index}")
-    node.meta["val"] = tuple(o.meta["val"] for o in outputs)
+    return _Region(members, inputs, outputs, to_module(sub, torch.nn.Module()),
+                   _workspace(members, outputs, inputs))
+
+
+def _add_region(g: TrainGraph, graph: fx.Graph, env, ann, r: _Region, index: int) -> list[str]:
+    """Add the region node of `r` and a getitem per output; their names."""
+    spec = ops.RegionSpec(index=index, gm=r.gm, nodes=len(r.members), workspace=r.workspace)
+    phase = g.ann[r.members[-1].name].phase
+    node = graph.call_function(ops.region, tuple(env[a] for a in r.inputs), {"spec": spec}, name=f"region_{index}")
+    node.meta["val"] = tuple(o.meta["val"] for o in r.outputs)
     ann[node.name] = NodeAnn(role=Role.REGION, phase=phase, workspace_bytes=spec.workspace)
     names = [node.name]
-    for k, o in enumerate(outputs):
+    for k, o in enumerate(r.outputs):
         get = graph.call_function(operator.getitem, (node, k), name=o.name)
         get.meta = dict(o.meta)
         env[o] = get
