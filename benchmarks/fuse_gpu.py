@@ -12,10 +12,11 @@ Each system runs in this process one after the other, the model rebuilt from the
 freed between them. Eager: the model on the device in fp32, torch.autocast(bf16), torch.optim.AdamW(fused=True).
 torch.compile: the same with the model's forward compiled (default mode). eager-cudnn and torch.compile-cudnn (not run
 unless named in --systems): the same with cuDNN's attention kernel first (torch 2.11 with CUDA 13 already puts it
-first on Hopper GPUs; older builds put flash attention first). pstar-fx: px.compile(precision=bf16,
-device_memory=--budget), px.AdamW(fused=None), fuse=False and fuse=True; its compile time is the first step's, and
-for fuse=True the summary's line (regions, nodes fused, seconds compiling, cache hits) is printed; each pstar-fx
-system's step.summary() is printed after its steps.
+first on Hopper GPUs; older builds put flash attention first). torch.compile-autotune (named only): mode
+"max-autotune-no-cudagraphs". pstar-fx: px.compile(precision=bf16, device_memory=--budget), px.AdamW(fused=None),
+fuse=False and fuse=True, and (named only) pstar-autotune: fuse=True with _autotune=True (the regions' kernels chosen
+by timing); its compile time is the first step's, and for fuse=True the summary's line (regions, nodes fused,
+seconds compiling, cache hits) is printed; each pstar-fx system's step.summary() is printed after its steps.
 """
 import argparse
 import contextlib
@@ -51,11 +52,12 @@ def build(args):
     return GPT(GPTConfig(vocab=args.vocab, seq=args.seq, layers=args.layers, hidden=args.hidden, heads=args.heads))
 
 
-def eager(args, device, data, compiled: bool, cudnn: bool = False):
-    """cudnn: torch's SDPA with cuDNN's attention kernel first (benchmarks/attention_kernels.py times the kernels)."""
+def eager(args, device, data, compiled: bool, cudnn: bool = False, mode: str | None = None):
+    """cudnn: torch's SDPA with cuDNN's attention kernel first (benchmarks/attention_kernels.py times the kernels);
+    mode: torch.compile's."""
     model = build(args).to(device)
     opt = torch.optim.AdamW(model.parameters(), **HYPER, fused=device.type == "cuda")
-    fwd = torch.compile(model) if compiled else model
+    fwd = torch.compile(model, mode=mode) if compiled else model
     half = args.precision != "fp32"
 
     def step(x, y):
@@ -72,10 +74,10 @@ def eager(args, device, data, compiled: bool, cudnn: bool = False):
     return step
 
 
-def pstar(args, device, data, fuse: bool):
+def pstar(args, device, data, fuse: bool, autotune: bool = False):
     model = build(args)
     return px.compile(model, optimizer=px.AdamW(**HYPER), device_memory=args.budget, device=device,
-                      precision=args.precision, fuse=fuse)(loss_fn)
+                      precision=args.precision, fuse=fuse, _autotune=autotune)(loss_fn)
 
 
 def timed(make, device, data, warmup):
@@ -127,18 +129,20 @@ def main():
               "torch.compile": lambda: eager(args, device, data, True),
               "eager-cudnn": lambda: eager(args, device, data, False, cudnn=True),
               "torch.compile-cudnn": lambda: eager(args, device, data, True, cudnn=True),
+              "torch.compile-autotune": lambda: eager(args, device, data, True, mode="max-autotune-no-cudagraphs"),
               "pstar": lambda: pstar(args, device, data, False),
-              "pstar-fused": lambda: pstar(args, device, data, True)}
+              "pstar-fused": lambda: pstar(args, device, data, True),
+              "pstar-autotune": lambda: pstar(args, device, data, True, autotune=True)}
     medians = {}
     for name in args.systems.split(","):
         med, compile_s, fused = timed(makers[name], device, data, args.warmup)
         medians[name] = med
-        print(f"{name:>14s}: median step {med:.4f} s, compile + first step {compile_s:.1f} s"
+        print(f"{name:>22s}: median step {med:.4f} s, compile + first step {compile_s:.1f} s"
               + (f"; fused: {fused}" if fused else ""), flush=True)
     if "eager" in medians:
         for name, m in medians.items():
             if name != "eager":
-                print(f"{name:>14s} / eager: {m / medians['eager']:.3f}")
+                print(f"{name:>22s} / eager: {m / medians['eager']:.3f}")
 
 
 if __name__ == "__main__":
