@@ -33,7 +33,8 @@ class Summary:
     estimated_seconds: float | None = None  # the cost model's steady-state step (None off CUDA)
     rates: str = "H200"                     # the GPU whose rates the cost model estimated with (Machine.name;
     #                                         where the host updates exact moments by torch's route, that too)
-    measured_seconds: float | None = None   # the last step's wall time, call to return
+    measured_seconds: float | None = None   # the last step's time: on CUDA on the device, first operation to
+    #                                         last (StepStats.device_seconds); elsewhere call to return
     alloc_retries: int | None = None        # the last step's caching-allocator retries (CUDA)
     states_streamed: int = 0                # of the chunks whose states live on the host: updated on the device
     states_undo: int = 0                    # of them: updated by the CPU before the commit, with undo buffers
@@ -111,7 +112,8 @@ def summarize(g: TrainGraph, compiled: Compiled, last: StepStats | None, prec: P
         default_budget=None if default_budget is None else str(default_budget),
         estimated_seconds=_estimated(g, compiled),
         rates=compiled.machine.name + (compiled.machine.host_route if prec.mixed else ""),
-        measured_seconds=None if last is None else last.seconds,
+        measured_seconds=None if last is None else last.seconds if last.device_seconds is None else
+        last.device_seconds,
         alloc_retries=None if last is None else last.alloc_retries,
         fused=_fused(compiled),
         states_on_disk=len(disk), host_bytes=host_bytes(g), host_budget=g.settings.host_budget,

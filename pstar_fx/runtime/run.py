@@ -44,7 +44,10 @@ def run_training_step(executor: Executor, tensors: list[torch.Tensor], interrupt
     per_node: list[int] | None = [] if debug else None
     retries = alloc_retries(store.device)
     disk = (store.disk.read_bytes, store.disk.written_bytes) if store.disk is not None else (0, 0)
+    events = _timing_events(store.device)
     outputs, peak = executor.run(inputs, scale, rt, interrupts, trace_peaks=per_node, before_node=before_node)
+    if events is not None:
+        events[1].record()
     if store.disk is not None:
         disk = (store.disk.read_bytes - disk[0], store.disk.written_bytes - disk[1])
     if retries is not None:
@@ -59,10 +62,21 @@ def run_training_step(executor: Executor, tensors: list[torch.Tensor], interrupt
         scaler.update(rt.skip)
     stats = StepStats(measured_peak=peak, h2d_bytes=rt.h2d, d2h_bytes=rt.d2h, skipped=rt.skip,
                       seconds=time.perf_counter() - started, lr=tuple(c.lr for c in rt.cfg), _grad_norm=rt.grad_norm,
-                      alloc_retries=retries, disk_read_bytes=disk[0], disk_write_bytes=disk[1])
+                      alloc_retries=retries, disk_read_bytes=disk[0], disk_write_bytes=disk[1], _events=events)
     if per_node is not None:
         check_measured(g, per_node)
     return StepRun(outputs, stats, per_node)
+
+
+def _timing_events(device: torch.device) -> tuple | None:
+    """CUDA: a start event, recorded now on the current stream (it completes when the device reaches the step's
+    work, after whatever it was still running), and an end event to record after the step (StepStats.device_seconds);
+    None elsewhere."""
+    if device.type != "cuda":
+        return None
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    return start, end
 
 
 def returned(g: TrainGraph, outputs: list[torch.Tensor]):

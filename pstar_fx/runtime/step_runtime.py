@@ -48,6 +48,18 @@ class StepStats:
     alloc_retries: int | None = None  # CUDA: the caching allocator's retries during the step (each frees its cache)
     disk_read_bytes: int = 0         # the disk tier: optimizer-state bytes read from and written to offload_dir
     disk_write_bytes: int = 0
+    _events: tuple | None = None     # CUDA: timing events recorded before and after the step's work on the device
+
+    @property
+    def device_seconds(self) -> float | None:
+        """CUDA: the step's time on the device, from its first operation to its last (the device may still be
+        busy when the call returns: `seconds` counts to the return). None elsewhere. Reading it waits for the
+        step's end on the device."""
+        if self._events is None:
+            return None
+        start, end = self._events
+        end.synchronize()
+        return start.elapsed_time(end) / 1000
 
     @property
     def grad_norm(self) -> float | None:

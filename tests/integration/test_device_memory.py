@@ -87,11 +87,18 @@ def test_device_out_of_memory_is_a_budget_error_naming_the_node_and_changes_noth
 
 
 def test_summary_shows_the_step_time():
+    """The summary's measured step: on CUDA the step's time on the device, first operation to last (the call may
+    return before the device is done), elsewhere the call's wall time."""
     step = compiled_step(CASE, chunk_size=256)
     step(*CASE.batch(0))
     s = step.summary()
     assert s.measured_seconds is not None and s.measured_seconds > 0
     on_cuda = step.settings.device.type == "cuda"
+    last = step.last_step
+    if on_cuda:
+        assert s.measured_seconds == last.device_seconds
+    else:
+        assert last.device_seconds is None and s.measured_seconds == last.seconds
     assert (s.estimated_seconds is not None) == on_cuda and (s.alloc_retries is not None) == on_cuda
     text = str(s)
     assert "step time" in text and f"{s.measured_seconds:.3f} s measured" in text
