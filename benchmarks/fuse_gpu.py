@@ -13,10 +13,11 @@ freed between them. Eager: the model on the device in fp32, torch.autocast(bf16)
 torch.compile: the same with the model's forward compiled (default mode). eager-cudnn and torch.compile-cudnn (not run
 unless named in --systems): the same with cuDNN's attention kernel first (torch 2.11 with CUDA 13 already puts it
 first on Hopper GPUs; older builds put flash attention first). torch.compile-autotune (named only): mode
-"max-autotune-no-cudagraphs". pstar-fx: px.compile(precision=bf16, device_memory=--budget), px.AdamW(fused=None),
-fuse=False and fuse=True, and (named only) pstar-autotune: fuse=True with _autotune=True (the regions' kernels chosen
-by timing); its compile time is the first step's, and for fuse=True the summary's line (regions, nodes fused,
-seconds compiling, cache hits) is printed; each pstar-fx system's step.summary() is printed after its steps.
+"max-autotune-no-cudagraphs" (matrix products chosen among cuBLAS and Triton templates by timing them; on an H100
+cuBLAS won every one of the 1.3B GPT's, and the step was no faster). pstar-fx: px.compile(precision=bf16,
+device_memory=--budget), px.AdamW(fused=None), fuse=False and fuse=True; its compile time is the first step's, and
+for fuse=True the summary's line (regions, nodes fused, seconds compiling, cache hits) is printed; each pstar-fx
+system's step.summary() is printed after its steps.
 """
 import argparse
 import contextlib
@@ -74,10 +75,10 @@ def eager(args, device, data, compiled: bool, cudnn: bool = False, mode: str | N
     return step
 
 
-def pstar(args, device, data, fuse: bool, autotune: bool = False):
+def pstar(args, device, data, fuse: bool):
     model = build(args)
     return px.compile(model, optimizer=px.AdamW(**HYPER), device_memory=args.budget, device=device,
-                      precision=args.precision, fuse=fuse, _autotune=autotune)(loss_fn)
+                      precision=args.precision, fuse=fuse)(loss_fn)
 
 
 def timed(make, device, data, warmup):
@@ -131,8 +132,7 @@ def main():
               "torch.compile-cudnn": lambda: eager(args, device, data, True, cudnn=True),
               "torch.compile-autotune": lambda: eager(args, device, data, True, mode="max-autotune-no-cudagraphs"),
               "pstar": lambda: pstar(args, device, data, False),
-              "pstar-fused": lambda: pstar(args, device, data, True),
-              "pstar-autotune": lambda: pstar(args, device, data, True, autotune=True)}
+              "pstar-fused": lambda: pstar(args, device, data, True)}
     medians = {}
     for name in args.systems.split(","):
         med, compile_s, fused = timed(makers[name], device, data, args.warmup)

@@ -17,7 +17,7 @@ def compile(model: nn.Module, *, optimizer: OptimizerSpec | None, device_memory:
             _device_updates: int | None = None, cache_size: int = 8, fuse: bool | None = None,
             _undo_updates: int | None = None, _loss_rows=None, _loss_block_bytes: int | None = None,
             host_memory: int | str | None = None, offload_dir=None,
-            disk_memory: int | str | None = None, _autotune: bool = False) -> Callable[[Callable], CompiledStep]:
+            disk_memory: int | str | None = None) -> Callable[[Callable], CompiledStep]:
     """Compile `step(model, *batch) -> loss` into one training step that fits `device_memory`.
 
     Use as a decorator: `@px.compile(model, optimizer=px.AdamW(lr=3e-4))` over `def step(model, x, y): ...`;
@@ -48,29 +48,20 @@ def compile(model: nn.Module, *, optimizer: OptimizerSpec | None, device_memory:
     `fuse=None` takes the default for the device type and precision (api/options.py DEFAULT_FUSE: for bf16 and fp16
     on CUDA with one rank where Triton is installed, fused where the cost model estimates the step no slower so,
     passes/regions.py fuse_if_faster; unfused otherwise). Training steps only.
-    `_autotune` (private, for benchmarks until measured): fused regions compiled with their kernels chosen by timing
-    candidates (Inductor's max-autotune for matrix products, its reductions' configurations timed) instead of its
-    deterministic choices: a longer first compile, which times kernels on the device, and a region compiled again
-    without Inductor's cache (another machine, a cleared cache) may choose other kernels and differ in the last bits.
     `host_memory` bounds what pstar-fx keeps in host memory (None: the host's memory less a margin, or with a disk
     tier what it has available at compile time less that margin), per node: each of several ranks gets its
     share; `offload_dir`, a directory on a local disk, gives a third home to the optimizer states that do not fit
     it, up to `disk_memory` bytes per rank (None: the free space there), each rank in files of its own. See
     docs/memory.md, "The disk tier".
     """
-    if not isinstance(_autotune, bool):
-        raise ValueError(f"_autotune must be True or False, got {_autotune!r}")
-    if _autotune and fuse is False:
-        raise ValueError("_autotune=True tunes the kernels of fused regions, and fuse=False makes none: leave fuse "
-                         "None or True")
     for name, value in (("_device_updates", _device_updates), ("_undo_updates", _undo_updates)):
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
             raise ValueError(f"{name} must be a number of chunks >= 0 (or None), got {value!r}")
     def wrap(fn: Callable) -> CompiledStep:
         if optimizer is None:
             if (max_grad_norm is not None or accumulate != 1 or not atomic or _device_updates is not None or fuse
-                    or _undo_updates is not None or _autotune):
-                raise ValueError("max_grad_norm, accumulate, atomic, fuse and _autotune belong to training steps; a "
+                    or _undo_updates is not None):
+                raise ValueError("max_grad_norm, accumulate, atomic and fuse belong to training steps; a "
                                  "forward-only function (optimizer=None) takes none of them")
             if host_memory is not None or offload_dir is not None or disk_memory is not None:
                 raise ValueError("host_memory, offload_dir and disk_memory place optimizer states; a forward-only "
@@ -82,6 +73,5 @@ def compile(model: nn.Module, *, optimizer: OptimizerSpec | None, device_memory:
                             max_grad_norm=max_grad_norm, accumulate=accumulate, remat=remat, atomic=atomic,
                             device_updates=_device_updates, undo_updates=_undo_updates, cache_size=cache_size,
                             fuse=fuse, loss_rows=_loss_rows, loss_block_bytes=_loss_block_bytes,
-                            host_memory=host_memory, offload_dir=offload_dir, disk_memory=disk_memory,
-                            autotune=_autotune)
+                            host_memory=host_memory, offload_dir=offload_dir, disk_memory=disk_memory)
     return wrap

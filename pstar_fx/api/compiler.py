@@ -113,13 +113,12 @@ class Compiler:
 
     def __init__(self, fn: Callable, model: nn.Module, settings: Settings, comm: Comm | None, optimizer, *,
                  remat: bool, prefetch: int | None, cache_size: int = DEFAULT_MAX_SIZE, fuse: bool = False,
-                 fuse_auto: bool = False, autotune: bool = False, offload_dir: str | None = None,
-                 machine: Machine = H200):
+                 fuse_auto: bool = False, offload_dir: str | None = None, machine: Machine = H200):
         self.fn = fn
         self.machine = machine           # the rates the passes weigh their choices at (api/options.resolve_machine)
         self.fuse = fuse
         self.fuse_auto = fuse_auto       # fuse=None: the regions kept only where the cost model estimates them faster
-        self.regions = RegionCompiler(autotune)   # fused regions compiled for any signature, shared by the next
+        self.regions = RegionCompiler()  # fused regions compiled for any signature, shared by the next
         self.model = model
         self.settings = settings
         self.comm = comm

@@ -82,7 +82,7 @@ class CompiledStep:
                  atomic: bool = True, device_updates: int | None = None, undo_updates: int | None = None,
                  cache_size: int = DEFAULT_MAX_SIZE,
                  fuse: bool | None = None, host_memory=None, offload_dir=None, disk_memory=None,
-                 loss_rows=None, loss_block_bytes: int | None = None, autotune: bool = False):
+                 loss_rows=None, loss_block_bytes: int | None = None):
         check_options(model, optimizer, chunk_size=chunk_size, prefetch=prefetch, max_grad_norm=max_grad_norm,
                       accumulate=accumulate, remat=remat, atomic=atomic, cache_size=cache_size, debug=debug)
         if not callable(fn):
@@ -123,8 +123,7 @@ class CompiledStep:
         self._lock = threading.RLock()       # held by a step, save and load: another thread never sees half a step
         self._compiler = self._compiler_class(traced_fn, model, self.settings, self._comm, self._optimizer,
                                               remat=remat is not False, prefetch=prefetch, cache_size=cache_size,
-                                              fuse=fuse, fuse_auto=fuse_auto, autotune=autotune,
-                                              offload_dir=offload,
+                                              fuse=fuse, fuse_auto=fuse_auto, offload_dir=offload,
                                               machine=resolve_machine(dev, prec, configs))
         self._model_state = ModelState(self, model, self._compiler, self._comm, self._lock)
         self._scaler = LossScaler() if prec is Precision.FP16 else None

@@ -88,12 +88,10 @@ def _input_key(t: torch.Tensor) -> tuple:
 
 
 class RegionCompiler:
-    """Compiles regions, keeping each compiled callable by its region's code and input metadata. autotune: kernels
-    chosen by timing them (_compile_config)."""
+    """Compiles regions, keeping each compiled callable by its region's code and input metadata."""
 
-    def __init__(self, autotune: bool = False):
+    def __init__(self):
         self._cache: dict[tuple, Callable[[list], list]] = {}
-        self.autotune = autotune
 
     def compile_all(self, specs: list[RegionSpec], between: Callable[[], None] | None = None
                     ) -> tuple[list[Callable[[list], list]], RegionStats]:
@@ -131,7 +129,7 @@ class RegionCompiler:
             return fn
         hits = _cache_hits()
         try:
-            fn = _compile(spec.gm, vals, self.autotune)
+            fn = _compile(spec.gm, vals)
         except Exception as e:  # noqa: BLE001 - any Inductor failure: the region runs eagerly
             warn(f"pstar-fx: fuse=True could not compile {spec!r} ({type(e).__name__}: {str(e)[:200]}); "
                  "it runs eagerly")
@@ -182,8 +180,7 @@ def _cache_hits() -> int:
     return counters["inductor"]["fxgraph_cache_hit"]
 
 
-def _compile(gm: torch.fx.GraphModule, vals: list[torch.Tensor], autotune: bool = False
-             ) -> Callable[[list], list]:
+def _compile(gm: torch.fx.GraphModule, vals: list[torch.Tensor]) -> Callable[[list], list]:
     from torch._guards import TracingContext, tracing
     from torch._inductor.compile_fx import compile_fx_inner
     from torch._inductor.decomposition import select_decomp_table
@@ -197,23 +194,21 @@ def _compile(gm: torch.fx.GraphModule, vals: list[torch.Tensor], autotune: bool 
                  .as_strided(v.shape, v.stride(), v.storage_offset()) for v in vals]
         decomposed = make_fx(gm, decomposition_table=select_decomp_table())(*fakes)
     _keep_output_strides(decomposed, gm)
-    with tracing(TracingContext(mode)), _compile_config(autotune):
+    with tracing(TracingContext(mode)), _compile_config():
         compiled = compile_fx_inner(decomposed, fakes)
     if getattr(compiled, "_boxed_call", False):
         return compiled
     return lambda args: compiled(*args)
 
 
-def _compile_config(autotune: bool = False):
+def _compile_config():
     """Inductor's settings over a region's compile (the module docstring says why), each where this torch has it:
     its deterministic mode (the kernels carry it: their reductions keep one configuration), and Triton's own kernel
-    launcher rather than Inductor's static one (the compiled module keeps the launcher it was built with). With
-    autotune (px.compile's `_autotune`): not deterministic, so that reductions' configurations are timed, and
-    matrix products chosen among cuBLAS and Inductor's Triton templates by timing them (`max_autotune_gemm`)."""
+    launcher rather than Inductor's static one (the compiled module keeps the launcher it was built with)."""
     import torch._inductor.config as inductor_config
-    wanted = (("deterministic", not autotune), ("use_static_cuda_launcher", False),
-              ("max_autotune_gemm", autotune))
-    return inductor_config.patch({name: value for name, value in wanted if hasattr(inductor_config, name)})
+    settings = {name: value for name, value in (("deterministic", True), ("use_static_cuda_launcher", False))
+                if hasattr(inductor_config, name)}
+    return inductor_config.patch(settings)
 
 
 def _keep_output_strides(compiled: torch.fx.GraphModule, traced: torch.fx.GraphModule) -> None:

@@ -164,12 +164,8 @@ def test_fuse_option_checked():
     case = CASES_BY_NAME["mlp_mse"]
     with pytest.raises(ValueError, match="fuse must be True, False or None"):
         _step(case, fuse="yes")
-    with pytest.raises(ValueError, match="fuse and _autotune belong to training steps"):
+    with pytest.raises(ValueError, match="fuse belong to training steps"):
         px.compile(case.build_model(), optimizer=None, fuse=True)(case.loss_fn)
-    with pytest.raises(ValueError, match="fuse=False makes none"):
-        _step(case, fuse=False, _autotune=True)
-    with pytest.raises(ValueError, match="_autotune must be True or False"):
-        _step(case, _autotune="max")
 
 
 def test_the_default_is_per_device_and_precision(monkeypatch):
@@ -305,21 +301,18 @@ def test_inductors_compile_workers_are_shut_down_after_regions_compile(monkeypat
     assert events == ["compile", "shutdown", "compile", "shutdown"] and stats.relaid == 1
 
 
-@pytest.mark.parametrize("autotune", [False, True])
-def test_regions_compile_deterministic_and_with_tritons_launcher(monkeypatch, autotune):
+def test_regions_compile_deterministic_and_with_tritons_launcher(monkeypatch):
     """Inductor would pick a reduction's configuration by timing it at the first call (on a GPU: two compiles of one
     region could sum in different orders); regions compile with torch._inductor.config.deterministic set, which the
     generated kernels carry. And with Triton's own kernel launcher, which lets the GIL go while it launches, not
-    Inductor's static one (compiled_regions.py says why). With autotune (px.compile's _autotune) the kernels are
-    chosen by timing instead: not deterministic, matrix products tuned. The settings are left as they were."""
+    Inductor's static one (compiled_regions.py says why). Both settings are left as they were."""
     import torch._inductor.compile_fx as compile_fx
     import torch._inductor.config as inductor_config
     from pstar_fx.runtime.compiled_regions import RegionCompiler
 
-    names = [n for n in ("deterministic", "use_static_cuda_launcher", "max_autotune_gemm")
-             if hasattr(inductor_config, n)]
+    names = [n for n in ("deterministic", "use_static_cuda_launcher") if hasattr(inductor_config, n)]
     if not names:
-        pytest.skip("this torch's Inductor has none of the settings")
+        pytest.skip("this torch's Inductor has neither setting")
     seen = []
     inner = compile_fx.compile_fx_inner
 
@@ -329,43 +322,13 @@ def test_regions_compile_deterministic_and_with_tritons_launcher(monkeypatch, au
     monkeypatch.setattr(compile_fx, "compile_fx_inner", spy)
     before = {n: getattr(inductor_config, n) for n in names}
     spec, f = _rotary_region()
-    (fn,), stats = RegionCompiler(autotune).compile_all([spec])
+    (fn,), stats = RegionCompiler().compile_all([spec])
     x, y = torch.randn(3, 5, 32), torch.randn(3, 5, 16)
     for got, want in zip(fn([x, y]), f(x, y)):
         assert torch.equal(got, want)
-    want = {"deterministic": not autotune, "use_static_cuda_launcher": False, "max_autotune_gemm": autotune}
+    want = {"deterministic": True, "use_static_cuda_launcher": False}
     assert seen == [{n: want[n] for n in names}]
     assert {n: getattr(inductor_config, n) for n in names} == before
-
-
-def test_autotune_reaches_every_region_compile_and_trains_as_unfused(monkeypatch):
-    """px.compile(fuse=True, _autotune=True): every region of the step compiles with Inductor's kernels chosen by
-    timing (not deterministic, matrix products tuned), and the step trains as the unfused one does, under a budget
-    that evicts, its plan measured exactly."""
-    import torch._inductor.compile_fx as compile_fx
-    import torch._inductor.config as inductor_config
-
-    if not hasattr(inductor_config, "max_autotune_gemm"):
-        pytest.skip("this torch's Inductor has no max_autotune_gemm")
-    seen = []
-    inner = compile_fx.compile_fx_inner
-
-    def spy(*args, **kwargs):
-        seen.append((inductor_config.max_autotune_gemm, getattr(inductor_config, "deterministic", False)))
-        return inner(*args, **kwargs)
-    monkeypatch.setattr(compile_fx, "compile_fx_inner", spy)
-    case = CASES_BY_NAME["mlp_ce"]
-    budget = int(tight_budget(case, CHUNK) * 1.05)
-    losses = {}
-    for fuse, autotune in ((False, False), (True, True)):
-        step = _step(case, budget, fuse=fuse, _autotune=autotune)
-        losses[fuse] = [step(*case.batch(i)).item() for i in range(STEPS)]
-    g = step.graphs["fused"]
-    _check_regions(g)
-    assert max(fetch_counts(g).values()) >= 2                     # it evicts
-    assert step.last_step.measured_peak == g.plan.predicted_peak <= budget
-    assert seen and all(s == (True, False) for s in seen), seen
-    assert rel_err(losses[True], losses[False]) <= 1e-5, losses
 
 
 def test_a_compiled_region_keeps_its_outputs_traced_strides():
@@ -512,7 +475,7 @@ def test_ctrl_c_is_taken_between_region_compiles_and_what_compiled_is_kept(monke
     from pstar_fx.runtime import compiled_regions
     compiled_now = []
     monkeypatch.setattr(compiled_regions, "_compile",      # (no Inductor: the region's own graph, eagerly)
-                        lambda gm, vals, autotune: compiled_now.append(gm) or (lambda args: gm(*args)))
+                        lambda gm, vals: compiled_now.append(gm) or (lambda args: gm(*args)))
     case = small_batches(CASES_BY_NAME["gpt_tied"])
     budget = tight_budget(case, chunk_size=256)          # (chunk moves between the compute: several regions)
     step = px.compile(case.build_model(), optimizer=px.AdamW(**HYPER), device="cpu", fuse=True, chunk_size=256,
