@@ -99,6 +99,7 @@ def summarize(g: TrainGraph, compiled: Compiled, last: StepStats | None, prec: P
     disk = disk_chunks(g)
     moved = sum(aligned(state_bytes(c, prec, 1, state_layout(g.settings))) for c in disk)   # whole 4 KiB blocks
     store = compiled.executor.store
+    on_device = None if last is None else last.device_seconds
     return Summary(
         chunks=len(g.chunks), chunk_size=g.chunk_size, chunk_bytes=g.chunk_size * prec.dtype.itemsize,
         own_chunks=own, model_data_bytes=model_data, budget=g.settings.budget,
@@ -112,8 +113,7 @@ def summarize(g: TrainGraph, compiled: Compiled, last: StepStats | None, prec: P
         default_budget=None if default_budget is None else str(default_budget),
         estimated_seconds=_estimated(g, compiled),
         rates=compiled.machine.name + (compiled.machine.host_route if prec.mixed else ""),
-        measured_seconds=None if last is None else last.seconds if last.device_seconds is None else
-        last.device_seconds,
+        measured_seconds=on_device if on_device is not None else None if last is None else last.seconds,
         alloc_retries=None if last is None else last.alloc_retries,
         fused=_fused(compiled),
         states_on_disk=len(disk), host_bytes=host_bytes(g), host_budget=g.settings.host_budget,

@@ -265,8 +265,8 @@ class _Region(NamedTuple):
 
 def _region(members: list[fx.Node]) -> _Region:
     """The region of these compute nodes: its inputs and outputs, and a graph of its own that computes them. Its
-    module's Python code is generated only when asked for (the runtime compiles it; a plan never does): about 2 ms a
-    region, and a 17B GPT's step has 500 regions, built again for each build of fuse_regions."""
+    module's Python code is generated only when asked for (the runtime compiles it; a plan never does): a
+    millisecond or two a region, and a 17B GPT's step has 500."""
     inside = set(members)
     inputs: list[fx.Node] = []
     for m in members:
