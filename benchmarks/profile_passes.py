@@ -72,9 +72,9 @@ def main() -> None:
         return out
 
     g = timed("trace", trace_step, gpt_loss, model, (tokens, tokens), settings)
-    fuse = args.fuse or args.fuse_if_faster       # the fused stage last, as px.compile runs it (fuse=None: the
-    for p in pipeline(chunk_size=args.chunk_size, world=args.world_size,   # default on a GPU)
-                      fuse=fuse, fuse_auto=args.fuse_if_faster):
+    # the fused stage last, as px.compile runs it (--fuse-if-faster: fuse=None, the default on a GPU)
+    for p in pipeline(chunk_size=args.chunk_size, world=args.world_size, fuse=args.fuse or args.fuse_if_faster,
+                      fuse_auto=args.fuse_if_faster):
         g = timed(getattr(p, "func", p).__name__, p, g)
 
 
