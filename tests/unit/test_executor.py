@@ -5,6 +5,7 @@ import torch
 from pstar_fx.runtime.device_pool import DevicePool
 from pstar_fx.ir.fx_utils import tensors_in
 from pstar_fx.runtime.executor import Executor
+from pstar_fx.runtime.step_runtime import StepStats
 
 
 def test_tensors_of_plain_and_nested_values_in_pytree_order():
@@ -31,3 +32,21 @@ def test_compact_copies_values_whose_storage_is_larger_than_planned():
     pair = Executor._compact((view, base), [4, 400], pool)           # nested: each leaf on its own
     assert pair[0] is not view and pair[0].untyped_storage().nbytes() == 4 and pair[1] is base
     assert Executor._compact((view, base), [4], pool)[0] is view      # a plan that does not match: left alone
+
+
+def test_device_seconds_waits_for_the_steps_end_and_reads_the_events_milliseconds_as_seconds():
+    """StepStats.device_seconds (CUDA: the step's time on the device, from events recorded around it) waits for the
+    end event, then reads the events' elapsed milliseconds as seconds; None where none were recorded (off CUDA)."""
+    calls = []
+
+    class Event:
+        def synchronize(self):
+            calls.append("synchronize")
+
+        def elapsed_time(self, end):
+            calls.append("elapsed")
+            return 1234.5
+
+    stats = StepStats(measured_peak=0, h2d_bytes=0, d2h_bytes=0, skipped=False, _events=(Event(), Event()))
+    assert stats.device_seconds == 1234.5 / 1000 and calls == ["synchronize", "elapsed"]
+    assert StepStats(measured_peak=0, h2d_bytes=0, d2h_bytes=0, skipped=False).device_seconds is None
