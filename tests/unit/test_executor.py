@@ -1,5 +1,5 @@
 """The executor's value bookkeeping: which tensors a node's value holds (fx_utils.tensors_in), and values whose
-storage is larger than the plan assumed."""
+storage is larger than the plan assumed; and the step time its stats read on the device."""
 import torch
 
 from pstar_fx.runtime.device_pool import DevicePool
