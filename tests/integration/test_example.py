@@ -31,16 +31,37 @@ def _bytes(s: str) -> float:
     return float(value) * {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[unit]
 
 
+# the resume tests' common run: 40 steps of the tiny GPT, every step's loss logged
+WHOLE = [sys.executable, "examples/train_gpt.py", "--model", "tiny", "--steps", "40", "--device", "cpu",
+         "--log-every", "1", "--eval-every", "1000", "--no-progress"]
+
+
+def _losses(text: str) -> dict[str, str]:
+    return dict(re.findall(r"^step +(\d+) \| loss (\d+\.\d+)", text, re.M))
+
+
+@pytest.fixture(scope="module")
+def whole_run(tmp_path_factory) -> dict[str, str]:
+    """The uninterrupted run the resumed ones must equal: each step's loss, as printed."""
+    out = subprocess.run([*WHOLE, "--out", str(tmp_path_factory.mktemp("whole"))], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    losses = _losses(out.stdout)
+    assert sorted(map(int, losses)) == list(range(40)), out.stdout
+    return losses
+
+
 @pytest.mark.slow
-def test_train_gpt_example_resumes_exactly(tmp_path):
-    """Stopped after step 19 and resumed with --resume in a new process: the same losses as one run of 40 steps."""
+def test_train_gpt_example_resumes_exactly(tmp_path, whole_run):
+    """Stopped after step 19 and resumed with --resume in a new process: the same losses as one run of 40 steps
+    (logged every 13 steps here: how often it logs changes no value)."""
     def run(*extra, out):
         args = [sys.executable, "examples/train_gpt.py", "--model", "tiny", "--steps", "40", "--device", "cpu",
                 "--log-every", "13", "--eval-every", "1000", "--no-progress", "--out", str(out), *extra]
         res = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300)
         assert res.returncode == 0, res.stderr[-3000:]
-        return dict(re.findall(r"^step +(\d+) \| loss (\d+\.\d+)", res.stdout, re.M))
-    whole = run(out=tmp_path / "a")
+        return _losses(res.stdout)
+    whole = whole_run
     first = run("--stop-after", "19", out=tmp_path / "b")
     second = run("--resume", out=tmp_path / "b")
     assert set(first) == {"0", "13", "19"} and set(second) == {"26", "39"}
@@ -79,19 +100,12 @@ def test_benchmark_times_pstar_fx_and_reports_its_plan(tmp_path):
 
 
 @pytest.mark.slow
-def test_train_gpt_example_saves_on_ctrl_c_and_resumes_exactly(tmp_path):
+def test_train_gpt_example_saves_on_ctrl_c_and_resumes_exactly(tmp_path, whole_run):
     """Ctrl-C mid-run: the example saves a checkpoint of the steps done (pstar-fx completes or undoes the step it
     interrupts) and exits with 130; --resume then gives an uninterrupted run's losses; resuming a finished run
     trains nothing and still prints the plan."""
     import signal
-    base = [sys.executable, "examples/train_gpt.py", "--model", "tiny", "--steps", "40", "--device", "cpu",
-            "--log-every", "1", "--eval-every", "1000", "--no-progress"]
-
-    def losses(text):
-        return dict(re.findall(r"^step +(\d+) \| loss (\d+\.\d+)", text, re.M))
-    whole = subprocess.run([*base, "--out", str(tmp_path / "a")], cwd=ROOT, capture_output=True, text=True,
-                           timeout=300)
-    assert whole.returncode == 0, whole.stderr[-3000:]
+    base = WHOLE
     proc = subprocess.Popen([*base, "--out", str(tmp_path / "b")], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     seen = []
@@ -108,7 +122,7 @@ def test_train_gpt_example_saves_on_ctrl_c_and_resumes_exactly(tmp_path):
                              text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed from {tmp_path / 'b' / 'ckpt'} at step {done}" in resumed.stdout
-    first, second, want = losses("".join(seen) + rest), losses(resumed.stdout), losses(whole.stdout)
+    first, second, want = _losses("".join(seen) + rest), _losses(resumed.stdout), whole_run
     assert min(int(k) for k in second) == done and len(second) == 40 - done
     for k, v in {**first, **second}.items():
         assert v == want[k], (k, v, want[k])

@@ -8,6 +8,7 @@ import os
 import torch
 
 import pstar_fx as px
+from pstar_fx.api import options
 from pstar_fx.ir import Role, ops
 
 from models import Case, assert_state_close
@@ -131,8 +132,17 @@ def compiled_run(case: Case, steps: int, **kw):
 
 def tight_budget(case: Case, chunk_size: int, slack: float = 1.05) -> int:
     """A budget just above the least this case can run in: most chunks cannot stay on the device."""
+    settings = (options.CPU_DEVICE_IS_HOST, options.FUSE_IF_FASTER,
+                tuple(sorted(options.DEFAULT_FUSE.items(), key=str)))
+    return int(_least_memory(case, chunk_size, settings) * slack)
+
+
+@functools.lru_cache(maxsize=None)
+def _least_memory(case: Case, chunk_size: int, settings: tuple) -> int:
+    """The least device memory a step of `case` runs in: a pure function of the case, the chunk size and the
+    module-level options the tests change (`settings`, part of the key), so worked out (a compile) once a process."""
     step = compiled_step(case, chunk_size=chunk_size)
-    return int(step.min_device_memory(*case.batch(0)) * slack)
+    return step.min_device_memory(*case.batch(0))
 
 
 def host_params(step) -> set[str]:
