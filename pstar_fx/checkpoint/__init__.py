@@ -69,10 +69,9 @@ it, and nothing is made beside the link; links that loop are refused. File syste
 cause (disk full, read-only, permission denied).
 
 The modules: save_load.py (the atomic save and the verified load, both formats), plain.py and sharded.py (the two
-formats; sharded.py, with torch.distributed.checkpoint, imported at the first sharded save or load), meta.py (the
-RNG states and the loss scaler, in both), files.py (manifest, checksums, the layout on disk), checks.py (contents
-checked before anything is applied), dcp_storage.py (DCP's writer and reader, its metadata as JSON, the weights_only
-planner). All of them read and write a step only through the `StepState` it hands over (step_state.py).
+formats), files.py (manifest, checksums, the layout on disk), checks.py (contents checked before anything is
+applied), dcp_storage.py (DCP's writer and reader, its metadata as JSON, the weights_only planner). All of them read
+and write a step only through the `StepState` it hands over (step_state.py).
 """
 from .plain import FILES
 from .save_load import load, save

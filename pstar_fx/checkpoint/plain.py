@@ -16,8 +16,7 @@ import os
 import torch
 
 from ..errors import CheckpointError
-from . import checks, files
-from .meta import rng_state
+from . import checks, files, sharded
 from .step_state import StepState
 
 FORMAT = 1
@@ -38,7 +37,7 @@ def _meta(state: StepState, left_out: list[str]) -> dict:
     scaler = state.scaler
     return {"format": FORMAT, "precision": state.settings.precision.value, "device": state.settings.device.type,
             "loss_scaler": None if scaler is None else dataclasses.asdict(scaler),
-            "rng": rng_state(state.settings.device), "state_dtype": checks.state_dtype_of(state),
+            "rng": sharded.rng_state(state.settings.device), "state_dtype": checks.state_dtype_of(state),
             "left_out": list(left_out)}
 
 

@@ -10,13 +10,16 @@ import os
 import shutil
 import time
 
+from torch.distributed.checkpoint.api import CheckpointException
+
 from ..errors import CheckpointError, DistributedError
 from ..interrupts import DeferredInterrupt
 from ..ir.graph import StateHome
 from ..runtime.comm import collective_call, digest64, raised_by_collective
 from ..runtime.host_memory import local_ranks, spare_host_bytes
 from ..units import format_bytes
-from . import checks, files, meta, plain
+from . import checks, dcp_storage, files, plain
+from . import sharded as sharded_format
 from .step_state import StepState
 
 
@@ -79,13 +82,6 @@ def _gather(comm, value: dict) -> dict:
     return {k: v for d in every for k, v in d.items()}
 
 
-def _sharded():
-    """The sharded format (sharded.py), imported at the first sharded save or load rather than with pstar_fx:
-    torch.distributed.checkpoint, which it needs, takes about a second of a process's start to import."""
-    from . import sharded
-    return sharded
-
-
 def _save_error(e: BaseException, path: str, tmp: str, rank: int) -> BaseException:
     """What to raise for a failed part of a save: DCP's wrapper (around any rank's exception, Ctrl-C too) undone, a
     file system error in it naming the file (this rank's data files, where DCP does not say which) and the cause.
@@ -98,7 +94,6 @@ def _save_error(e: BaseException, path: str, tmp: str, rank: int) -> BaseExcepti
             return files.described(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), tmp, f"step.save({path!r}): "
                                    "writing")
         return OSError(errno.EIO, f"step.save({path!r}): writing under {tmp}: torch's file writer failed ({e})")
-    from torch.distributed.checkpoint.api import CheckpointException
     if not isinstance(e, CheckpointException):
         return e
     inner = (e.failures.get(rank) or next(iter(e.failures.values()), (e, None)))[0]
@@ -207,7 +202,7 @@ def _write(state: StepState, path: str, target: str, tmp: str, old: str, as_shar
 
     def write():
         if as_sharded:
-            return _sharded().save(state, tmp, state.model_values)      # DCP's metadata on rank 0
+            return sharded_format.save(state, tmp, state.model_values)      # DCP's metadata on rank 0
         if rank == 0:
             for name in files.DATA_FILES:
                 file = os.path.join(tmp, name)
@@ -226,7 +221,7 @@ def _write(state: StepState, path: str, target: str, tmp: str, old: str, as_shar
     def finish():
         if rank == 0:
             manifest = files.Manifest(files.Kind.SHARDED if as_sharded else files.Kind.PLAIN, sums,
-                                      _sharded().storage.metadata_to_json(md) if as_sharded else None)
+                                      dcp_storage.metadata_to_json(md) if as_sharded else None)
             file = os.path.join(tmp, files.MANIFEST_OF[manifest.kind])
             _described(lambda: files.write_manifest(tmp, manifest), file, f"step.save({path!r}): writing")
     _every_rank(comm, path, tmp, finish)
@@ -321,21 +316,20 @@ def _load(state: StepState, path: str) -> None:
                          "then step.load")
     manifest = _open(state.comm, path)
     if manifest.kind is files.Kind.SHARDED:
-        sharded = _sharded()
-        whole = sharded.read(state, path, manifest)
+        whole = sharded_format.read(state, path, manifest)
         if whole is not None:
-            model_sd, opt_sd, saved_meta = whole
-            checks.optimizer_state(state, opt_sd, f"{path}/{sharded.META}")
-            _apply(state, model_sd, opt_sd, saved_meta, path)
+            model_sd, opt_sd, meta = whole
+            checks.optimizer_state(state, opt_sd, f"{path}/{sharded_format.META}")
+            _apply(state, model_sd, opt_sd, meta, path)
         return
-    model_sd, opt_sd, saved_meta = plain.read_checked(state, path)
-    _apply(state, model_sd, opt_sd, saved_meta, path)
+    model_sd, opt_sd, meta = plain.read_checked(state, path)
+    _apply(state, model_sd, opt_sd, meta, path)
 
 
-def _apply(state: StepState, model_sd: dict, opt_sd: dict, saved_meta: dict, path: str) -> None:
+def _apply(state: StepState, model_sd: dict, opt_sd: dict, meta: dict, path: str) -> None:
     """Whole values into the step: through its chunks when it holds the model, else into the model and the
     optimizer (the next step takes them)."""
-    left_out = set(saved_meta.get("left_out", ()))          # frozen parameters the model keeps its own values for
+    left_out = set(meta.get("left_out", ()))          # frozen parameters the model keeps its own values for
     ref = {k: v for k, v in state.model.state_dict(keep_vars=True).items() if k not in left_out}   # keys, shapes
     if set(model_sd) != set(ref) or any(tuple(v.shape) != tuple(ref[k].shape) for k, v in model_sd.items()):
         wrong = sorted(set(model_sd) ^ set(ref)) or [k for k, v in model_sd.items() if v.shape != ref[k].shape]
@@ -354,5 +348,5 @@ def _apply(state: StepState, model_sd: dict, opt_sd: dict, saved_meta: dict, pat
         # values only in the chunks, so the step takes it first
         state.fill_if_empty()
         state.load_model_values(model_sd, not left_out)   # into the chunks when the step holds them, else the model
-        meta.apply_meta(state, saved_meta)
+        sharded_format.apply_meta(state, meta)
         state.clear_broken()

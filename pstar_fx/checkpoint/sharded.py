@@ -60,7 +60,6 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from ..errors import CheckpointError
 from ..ir.graph import ChunkGroup, Role, StateHome
 from . import checks, files
-from .meta import apply_meta, rng_state
 from . import dcp_storage as storage
 from .step_state import StepState
 
@@ -155,6 +154,13 @@ def _unpack(data, path: str, key: str):
     except Exception as e:   # noqa: BLE001 - whatever the unpickler refused, named with its entry
         raise CheckpointError(f"step.load: {path!r}: the entry {key!r} holds something other than tensors and plain "
                               f"values (torch.load(weights_only=True) refused it: {type(e).__name__}: {e})") from None
+
+
+def rng_state(device: torch.device) -> dict:
+    out = {"torch_cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        out["torch_cuda"] = torch.cuda.get_rng_state(device)
+    return out
 
 
 def _meta(state: StepState) -> dict:
@@ -584,3 +590,14 @@ def _load_targets(st, comm, group: set[int], params, stepped, plan: dict[int, fl
             parts["exp_avg_sq"].zero_()
         parts["step"].fill_(plan[cid])
     return entries, moments
+
+
+def apply_meta(state: StepState, meta: dict) -> None:
+    """The loss scaler and this rank's RNG states."""
+    if state.scaler is not None and meta["loss_scaler"] is not None:
+        for k, v in meta["loss_scaler"].items():
+            setattr(state.scaler, k, v)
+    rng = meta["rng"]
+    torch.set_rng_state(rng["torch_cpu"])
+    if "torch_cuda" in rng and state.settings.device.type == "cuda":
+        torch.cuda.set_rng_state(rng["torch_cuda"], state.settings.device)

@@ -502,12 +502,12 @@ def test_ctrl_c_during_a_load_comes_after_the_whole_load(saved, target, monkeypa
     beside the old parameters."""
     import signal
     step, paths, after_two = saved
-    apply_meta = ckpt.save_load.meta.apply_meta
+    apply_meta = ckpt.save_load.sharded_format.apply_meta
 
     def interrupted(*args):
         signal.raise_signal(signal.SIGINT)       # arrives after the optimizer state went in, before the rest
         return apply_meta(*args)
-    monkeypatch.setattr(ckpt.save_load.meta, "apply_meta", interrupted)
+    monkeypatch.setattr(ckpt.save_load.sharded_format, "apply_meta", interrupted)
     with pytest.raises(KeyboardInterrupt):
         step.load(paths["plain"])
     monkeypatch.undo()
