@@ -56,17 +56,15 @@ def test_train_gpt_example_resumes_exactly(tmp_path, whole_run):
     """Stopped after step 19 and resumed with --resume in a new process: the same losses as one run of 40 steps
     (logged every 13 steps here: how often it logs changes no value)."""
     def run(*extra, out):
-        args = [sys.executable, "examples/train_gpt.py", "--model", "tiny", "--steps", "40", "--device", "cpu",
-                "--log-every", "13", "--eval-every", "1000", "--no-progress", "--out", str(out), *extra]
-        res = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300)
+        res = subprocess.run([*WHOLE, "--log-every", "13", "--out", str(out), *extra], cwd=ROOT, capture_output=True,
+                             text=True, timeout=300)    # (the later --log-every wins)
         assert res.returncode == 0, res.stderr[-3000:]
         return _losses(res.stdout)
-    whole = whole_run
     first = run("--stop-after", "19", out=tmp_path / "b")
     second = run("--resume", out=tmp_path / "b")
     assert set(first) == {"0", "13", "19"} and set(second) == {"26", "39"}
     for k in ("0", "13", "26", "39"):
-        assert (first.get(k) or second.get(k)) == whole[k], (k, whole, first, second)
+        assert (first.get(k) or second.get(k)) == whole_run[k], (k, whole_run, first, second)
 
 
 @pytest.mark.slow
@@ -105,8 +103,7 @@ def test_train_gpt_example_saves_on_ctrl_c_and_resumes_exactly(tmp_path, whole_r
     interrupts) and exits with 130; --resume then gives an uninterrupted run's losses; resuming a finished run
     trains nothing and still prints the plan."""
     import signal
-    base = WHOLE
-    proc = subprocess.Popen([*base, "--out", str(tmp_path / "b")], cwd=ROOT, stdout=subprocess.PIPE,
+    proc = subprocess.Popen([*WHOLE, "--out", str(tmp_path / "b")], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     seen = []
     for line in proc.stdout:
@@ -118,7 +115,7 @@ def test_train_gpt_example_saves_on_ctrl_c_and_resumes_exactly(tmp_path, whole_r
     assert proc.returncode == 130, err[-3000:]
     done = int(re.search(r"checkpoint of the (\d+) steps done", rest).group(1))
     assert 11 <= done < 40, rest
-    resumed = subprocess.run([*base, "--out", str(tmp_path / "b"), "--resume"], cwd=ROOT, capture_output=True,
+    resumed = subprocess.run([*WHOLE, "--out", str(tmp_path / "b"), "--resume"], cwd=ROOT, capture_output=True,
                              text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed from {tmp_path / 'b' / 'ckpt'} at step {done}" in resumed.stdout
@@ -126,7 +123,7 @@ def test_train_gpt_example_saves_on_ctrl_c_and_resumes_exactly(tmp_path, whole_r
     assert min(int(k) for k in second) == done and len(second) == 40 - done
     for k, v in {**first, **second}.items():
         assert v == want[k], (k, v, want[k])
-    again = subprocess.run([*base, "--out", str(tmp_path / "b"), "--resume"], cwd=ROOT, capture_output=True,
+    again = subprocess.run([*WHOLE, "--out", str(tmp_path / "b"), "--resume"], cwd=ROOT, capture_output=True,
                            text=True, timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "nothing left to train" in again.stdout and "predicted peak:" in again.stdout
