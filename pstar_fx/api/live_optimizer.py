@@ -41,6 +41,7 @@ from ..ir.graph import ChunkGroup
 from ..optim import (ADAM_STATE, OptimizerLayout, OptimizerSpec, StateDtype, StateLayout, TorchConfig, check_group,
                      check_options, is_adam, probe)
 from ..runtime.comm import collective_call
+from ..runtime.store_values import full_dtype
 from .agreement import compare_contents
 
 _STEP_EXPLAINED = ("step.optimizer is driven by the compiled step: calling step(*batch) runs forward, backward and "
@@ -203,7 +204,8 @@ class _Live:
                                          device=t.device if on_device else "cpu") for k in scalars}
                 for k in vectors:
                     v = parts[k][p.offset:p.offset + p.numel].view(p.shape)
-                    entry[k] = v.to(device=t.device, dtype=t.dtype if t.is_floating_point() else v.dtype, copy=True)
+                    # (fp32 as the chunks hold them, for a half-precision parameter: torch would keep its dtype)
+                    entry[k] = v.to(device=t.device, dtype=full_dtype(v, t), copy=True)
                 out[name] = entry
         return out
 
@@ -355,6 +357,8 @@ class _Live:
         super().load_state_dict(state_dict)
         loaded = {self._name_of[id(t)]: s for t, s in self.state.items() if isinstance(t, torch.Tensor)}
         self.state.clear()
+        for name, key, value in self._wider_states(state_dict):
+            loaded[name][key] = value
         try:
             self.configs()
             if self._store is not None:
@@ -365,6 +369,22 @@ class _Live:
         except BaseException:
             self.param_groups = old_groups
             raise
+
+
+    def _wider_states(self, state_dict):
+        """(name, key, value) for each state in `state_dict` of a floating dtype wider than its parameter's (the
+        fp32 states of a half-precision parameter, as step.optimizer.state_dict() gives them): torch's
+        load_state_dict casts those to the parameter's dtype, and the chunks keep them as they were saved."""
+        groups = state_dict.get("param_groups", [])
+        saved = [i for g in groups for i in g.get("params", ())]
+        ours = {i: t for i, t in zip(saved, (t for g in self.param_groups for t in g["params"]))}
+        for i, states in state_dict.get("state", {}).items():
+            t = ours.get(i)
+            if t is None or not isinstance(states, dict):
+                continue
+            for k, v in states.items():
+                if torch.is_tensor(v) and v.dim() > 0 and full_dtype(v, t) is not t.dtype:
+                    yield self._name_of[id(t)], k, v.detach().clone()
 
 
 class CompiledAdamW(_Live, torch.optim.AdamW):

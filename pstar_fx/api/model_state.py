@@ -49,6 +49,7 @@ from ..frontend.init_empty import fill_chunks, is_empty
 from ..interrupts import DeferredInterrupt
 from ..ir.graph import Role
 from ..runtime.comm import Comm, collective_call
+from ..runtime.store_values import full_dtype, full_where_rounded
 from ..units import format_bytes
 from .agreement import check_same_values, compare_contents
 
@@ -85,6 +86,9 @@ class ModelHold:
         self.names = names           # every state name of the model's tensors -> (PARAM or BUFFER, the store's name)
         self.lock = lock             # the step's: giving back waits for a step running on another thread
         self.giving_back = False     # inside give_back, which reads the held tensors' metadata
+        # the model was given back and no step has taken it since: the store still has the full-precision values,
+        # of which the model's half-precision parameters hold only the rounding (ModelState.take, _current)
+        self.given_back = False
         self.hooks: list = []         # the state_dict post-hooks on the model's modules while it is held
         # per state dict being made (by id, while it lives): the copy of each held value, so tied tensors share one
         self._copies: dict[int, tuple[weakref.ref, dict[str, torch.Tensor]]] = {}
@@ -124,6 +128,7 @@ class ModelHold:
                           for n, t in held.items()}
                 drop_weight_refs(model)
                 release(held, copies)
+                self.given_back = True
             finally:
                 self.giving_back = False
             if not any(holder(t) is self for t in model_tensors(model).values()):
@@ -462,6 +467,10 @@ class ModelState:
             **{n: (Role.PARAM, p.name) for p in tables.params for n in (p.name,) + p.aliases},
             **{n: (Role.BUFFER, b.name) for b in tables.buffers for n in (b.name,) + b.aliases}}
         self.hold: ModelHold | None = None     # this step's claim on the model's values, once its chunks took them
+        # full-precision values loaded while the model holds its own values (load_state_dict, a checkpoint's load)
+        # for parameters of a narrower dtype, by the store's name: the next take prefers each over the model's
+        # value where that is still its rounding
+        self.loaded_full: dict[str, torch.Tensor] = {}
 
     def holds(self) -> bool:
         """Whether this step's chunks hold every tensor of the model now (it has run, and no sync_model() or other
@@ -497,10 +506,16 @@ class ModelState:
         # a model built under px.init_empty() is initialised in the chunks themselves (see pstar_fx.frontend.init_empty)
         params, buffers = fill_chunks(store, {p.name: named[p.name] for p in self.compiler.layout[0]},
                                       {b.name: tensors[b.name] for b in self.compiler.tables.buffers})
-        store.values.load_params(params)
+        params = {n: full_where_rounded(self.loaded_full[n], v) if n in self.loaded_full else v
+                  for n, v in params.items()}
+        # the store keeps the full-precision values it gave back where the model still holds their rounding
+        keep = self.hold is not None and self.hold.store is store and self.hold.given_back
+        store.values.load_params(params, keep_full=keep)
         store.values.load_buffers(buffers)
+        self.loaded_full = {}
         if self.hold is None or self.hold.store is not store:
             self.hold = ModelHold(self._step(), self.model, store, self.names, self.lock)
+        self.hold.given_back = False
         hold(self.model, self.hold)
 
     def fill_if_empty(self) -> None:
@@ -535,11 +550,37 @@ class ModelState:
         return self._current()
 
     def _current(self) -> dict[str, torch.Tensor]:
+        """state_dict's values: each parameter at the full precision the step holds it at (wider than a half-precision
+        model's own dtype), also where the model holds its own values but only as the rounding of full-precision
+        ones this step gave back or was loaded with (`_full_of_own`)."""
         tensors = model_tensors(self.model)
         first = {id(t): n for n, t in tensors.items()}
         values = current_values(self.model)
-        return {key: values[first[id(like)]].to(device=like.device, dtype=like.dtype, copy=True)
+        values.update(self._full_of_own(tensors))
+        return {key: values[first[id(like)]].to(device=like.device, dtype=full_dtype(values[first[id(like)]], like),
+                                                copy=True)
                 for key, like in self.model.state_dict(keep_vars=True).items()}
+
+    def _full_of_own(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """For the model's parameters that hold their own values (no step holds them) in a dtype narrower than the
+        step's, where full-precision values are known (loaded into the model while it held its own values, or in
+        this step's store since it gave the model back): those values wherever the model still holds their
+        rounding, the model's elsewhere (its edits), as the next step would take them; by model_tensors' name.
+        Sharded: a collective where the store is read (every rank has given the model back alike)."""
+        own = {n: t for n, t in tensors.items() if holder(t) is None and n in self.names
+               and self.names[n][0] is Role.PARAM and t.is_floating_point() and torch.finfo(t.dtype).bits < 32}
+        if not own:
+            return {}
+        out = {}
+        hold = self.hold
+        if hold is not None and hold.given_back and hold.store is self.compiler.store:
+            out.update(hold.values(sorted(own)))
+        for n in own:
+            full = self.loaded_full.get(self.names[n][1])
+            if full is not None:
+                out[n] = full
+        return {n: full_where_rounded(v, own[n].detach()) for n, v in out.items()
+                if full_dtype(v, own[n]) is not own[n].dtype}
 
     def load_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True,
                         compared: bool = False) -> IncompatibleKeys:
@@ -598,6 +639,13 @@ class ModelState:
             for h in holders(self.model):
                 h.give_back()               # the model's values must be real before they are overwritten
             self.model.load_state_dict(state_dict, strict=strict)
+            for k, v in state_dict.items():     # values the model's narrower parameters hold only rounded
+                if k in self.names and self.names[k][0] is Role.PARAM:
+                    name = self.names[k][1]
+                    if torch.is_tensor(v) and full_dtype(v, ref[k]) is not ref[k].dtype:
+                        self.loaded_full[name] = v.detach().clone()
+                    else:
+                        self.loaded_full.pop(name, None)
             return IncompatibleKeys(missing, unexpected)
         pv, bv = {}, {}
         for k, v in state_dict.items():

@@ -12,7 +12,7 @@ import math
 import torch
 
 from ..errors import CheckpointError
-from ..ir.graph import Precision
+from ..ir.graph import Precision, Role
 from ..optim import StateDtype
 from ..runtime.step_runtime import LossScaler
 from .step_state import StepState
@@ -30,7 +30,8 @@ def _count(x) -> bool:
 
 def model_state(state: StepState, sd, where: str, left_out=()) -> None:
     """`sd` holds exactly this model's state_dict keys but those `left_out` (parameters this step does not train:
-    the model keeps its own values for them), each a tensor of the model's shape and dtype."""
+    the model keeps its own values for them), each a tensor of the model's shape and dtype (or fp32, for a parameter
+    of a half-precision dtype: saved at the full precision the step holds it at)."""
     ref = state.model.state_dict(keep_vars=True)
     if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
         raise CheckpointError(f"step.load: {where} is not a state dict of tensors")
@@ -45,9 +46,14 @@ def model_state(state: StepState, sd, where: str, left_out=()) -> None:
     if wrong:
         raise CheckpointError(f"step.load: {where} was saved from another model: keys differ ({wrong[:3]})")
     for k, v in sd.items():
-        if tuple(v.shape) != tuple(ref[k].shape) or v.dtype != ref[k].dtype:
+        like = ref[k].dtype
+        # a half-precision parameter is saved at the full precision its chunks hold it at (fp32), or as the model's
+        # own value where the model held it
+        dtypes = (like, torch.float32) if like.is_floating_point and torch.finfo(like).bits < 32 and \
+            state.names.get(k, (None,))[0] is Role.PARAM else (like,)
+        if tuple(v.shape) != tuple(ref[k].shape) or v.dtype not in dtypes:
             raise CheckpointError(f"step.load: {where} was saved from another model: '{k}' is {v.dtype} of shape "
-                                  f"{tuple(v.shape)}, this model's is {ref[k].dtype} of shape {tuple(ref[k].shape)}")
+                                  f"{tuple(v.shape)}, this model's is {like} of shape {tuple(ref[k].shape)}")
 
 
 def _plain(x) -> bool:

@@ -35,6 +35,27 @@ def staged_copy(dst: torch.Tensor, src: torch.Tensor, stage: torch.Tensor) -> No
         dst[a:b].copy_(buf[:b - a])
 
 
+def full_dtype(value: torch.Tensor, like: torch.Tensor) -> torch.dtype:
+    """The dtype a full-precision `value` (a parameter or an optimizer state, as the chunks hold it) is handed out in
+    for a model tensor `like`: value's own where it is a floating dtype of more bits than like's (a half-precision
+    model's parameter, held in fp32, and its fp32 states), else like's (or value's, for a non-floating `like`)."""
+    if not like.is_floating_point():
+        return value.dtype
+    if value.is_floating_point() and torch.finfo(value.dtype).bits > torch.finfo(like.dtype).bits:
+        return value.dtype
+    return like.dtype
+
+
+def full_where_rounded(full: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """`value`, except where it is `full` rounded to value's dtype (narrower than full's): there `full` (in full's
+    dtype, on value's device)."""
+    if not (value.is_floating_point() and full.is_floating_point()) or \
+            torch.finfo(value.dtype).bits >= torch.finfo(full.dtype).bits:
+        return value
+    full = full.to(value.device)
+    return torch.where(full.to(value.dtype) == value, full, value.to(full.dtype))
+
+
 class StoreValues:
     """The values of one ChunkStore, `store.values` (made by the store, which this module does not import)."""
 
@@ -42,9 +63,13 @@ class StoreValues:
         self.store = store
         self.frozen_full: dict[str, torch.Tensor] = {}   # mixed precision: frozen parameters at full precision
 
-    def load_params(self, values: dict[str, torch.Tensor]) -> None:
+    def load_params(self, values: dict[str, torch.Tensor], keep_full: bool = False) -> None:
         """Fill the chunks (and the fp32 masters in mixed precision) from full-precision values. Resident slots go
-        home first (the next step brings back what its plan starts from), so no slot keeps an old value."""
+        home first (the next step brings back what its plan starts from), so no slot keeps an old value.
+
+        keep_full: the chunks hold full-precision values that a model of half-precision parameters was given back
+        rounded (sync_model): wherever a given value narrower than the chunk's full precision is that rounding, the
+        full-precision value stays (elementwise), and the rest is taken from `values` (the user's edits)."""
         self.store.evict_all()
         for name, v in values.items():
             p = self.store.params[name]
@@ -56,6 +81,8 @@ class StoreValues:
                 if self.store.precision.mixed and c.group is ChunkGroup.TRAINABLE:
                     master = self.store.master(c.id)[lo:hi]
                     self.store.states_written(c.id)       # (a disk chunk's: read in, written back before a step)
+                    if keep_full:
+                        value = full_where_rounded(master, value)
                     if self.store.pin and value.is_cuda and not master.is_cuda and home is not None:
                         # a host master is pageable (a GPU copies into it at 6-7 GB/s): staged through the
                         # pinned home, which is written after
@@ -64,6 +91,8 @@ class StoreValues:
                         master.copy_(value.to(torch.float32))
                     # (a disk chunk's states go back to their file when another is read in: one at a time)
                     self.store.let_go_when_another_opens(c.id)
+                elif keep_full and home is not None:
+                    value = full_where_rounded(home[lo:hi], value)
                 if home is not None:
                     home[lo:hi].copy_(value.to(c.dtype))
             if self.store.precision.mixed and c.group is not ChunkGroup.TRAINABLE:

@@ -1,0 +1,144 @@
+"""A model whose parameters are bfloat16 or float16 (a `from_pretrained(..., torch_dtype=torch.bfloat16)` model):
+the step holds each one at full precision (fp32, in the chunks or as the fp32 master) and updates it there, so the
+model's own half-precision tensor can only hold it rounded. Every way the values leave the step and come back must
+keep the full-precision values where nothing changed them: `step.state_dict()` and checkpoints hand them out in fp32,
+loading them restores them whether or not the step holds the model yet, and `sync_model()` followed by more steps
+trains on as if the model had never been given back. A value the user changes in between is trained on as changed.
+Each run is held to an uninterrupted run bit for bit, on random data."""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import pstar_fx as px
+
+STEPS, BREAK = 6, 3
+
+
+def _model(dtype):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 3)).to(dtype)
+
+
+def _batches(dtype):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(6, 8, generator=g).to(dtype), torch.randint(0, 3, (6,), generator=g)) for _ in range(STEPS)]
+
+
+def _loss(model, x, y):
+    return F.cross_entropy(model(x).float(), y)
+
+
+def _step(dtype, precision, budget=None):
+    return px.compile(_model(dtype), optimizer=px.AdamW(lr=3e-4, weight_decay=0.1), device="cpu",
+                      precision=precision, device_memory=budget)(_loss)
+
+
+def _run(dtype, precision, between=None, budget=None):
+    """Losses and final full-precision values of STEPS steps; `between(step) -> step` runs after BREAK of them."""
+    step = _step(dtype, precision, budget)
+    batches = _batches(dtype)
+    losses = [step(*b).item() for b in batches[:BREAK]]
+    if between is not None:
+        step = between(step)
+    losses += [step(*b).item() for b in batches[BREAK:]]
+    return losses, step.state_dict()
+
+
+def _same(a, b):
+    (la, sa), (lb, sb) = a, b
+    assert la == lb
+    assert sa.keys() == sb.keys() and all(sa[k].dtype == sb[k].dtype and torch.equal(sa[k], sb[k]) for k in sa)
+
+
+CASES = [(torch.bfloat16, "fp32"), (torch.bfloat16, "bf16"), (torch.float16, "fp32")]
+
+
+@pytest.mark.parametrize("dtype,precision", CASES)
+def test_state_dict_hands_out_full_precision(dtype, precision):
+    """Parameters in fp32 (what the step holds), not rounded to the model's dtype; a step moved them off its grid."""
+    step = _step(dtype, precision)
+    for b in _batches(dtype)[:BREAK]:
+        step(*b)
+    sd = step.state_dict()
+    assert all(v.dtype is torch.float32 for v in sd.values())
+    assert any(not torch.equal(v, v.to(dtype).float()) for v in sd.values())
+
+
+@pytest.mark.parametrize("budget,sharded", [(None, False), ("6KiB", False), (None, True)])
+@pytest.mark.parametrize("dtype,precision", CASES)
+def test_a_checkpoint_resumes_bit_for_bit(tmp_path, dtype, precision, budget, sharded):
+    """Saved after BREAK steps (plain files, or the sharded format), loaded into a fresh step (before its first
+    step: into the model, which can hold only rounded values), and trained on: the uninterrupted run's losses and
+    values; the plain files hold the parameters and Adam's moments in fp32."""
+    def resume(step):
+        step.save(tmp_path / "ckpt", sharded=sharded)
+        fresh = _step(dtype, precision, budget)
+        fresh.load(tmp_path / "ckpt")
+        return fresh
+    _same(_run(dtype, precision, resume, budget), _run(dtype, precision, budget=budget))
+    if not sharded:
+        values = torch.load(tmp_path / "ckpt" / "model.pt", weights_only=True)
+        states = torch.load(tmp_path / "ckpt" / "optimizer.pt", weights_only=True)["state"]
+        assert all(v.dtype is torch.float32 for v in values.values())
+        assert all(s[k].dtype is torch.float32 for s in states.values() for k in ("exp_avg", "exp_avg_sq"))
+
+
+@pytest.mark.parametrize("dtype,precision", CASES)
+def test_a_checkpoint_loaded_and_saved_again_before_any_step_keeps_full_precision(tmp_path, dtype, precision):
+    step = _step(dtype, precision)
+    for b in _batches(dtype)[:BREAK]:
+        step(*b)
+    step.save(tmp_path / "a")
+    fresh = _step(dtype, precision)
+    fresh.load(tmp_path / "a")
+    fresh.save(tmp_path / "b")
+    a = torch.load(tmp_path / "a" / "model.pt", weights_only=True)
+    b = torch.load(tmp_path / "b" / "model.pt", weights_only=True)
+    assert a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("dtype,precision", CASES)
+def test_sync_model_then_more_steps_trains_as_if_never_given_back(dtype, precision):
+    def sync(step):
+        model = step.sync_model()
+        assert all(p.dtype is dtype for p in model.parameters())       # the model's own, rounded values
+        full = step.state_dict()                                        # still the full-precision ones
+        assert all(torch.equal(p, full[n].to(dtype)) for n, p in model.named_parameters())
+        assert any(not torch.equal(full[n], p.float()) for n, p in model.named_parameters())
+        return step
+    _same(_run(dtype, precision, sync), _run(dtype, precision))
+
+
+@pytest.mark.parametrize("dtype,precision", CASES)
+def test_load_state_dict_of_its_own_state_dict_changes_nothing(dtype, precision):
+    def reload(step):
+        step.load_state_dict(step.state_dict())
+        return step
+    _same(_run(dtype, precision, reload), _run(dtype, precision))
+
+
+@pytest.mark.parametrize("dtype,precision", CASES)
+def test_a_parameter_edited_after_sync_model_is_trained_as_edited(dtype, precision):
+    """The edited row is taken from the model (its half-precision value); every other element keeps its full
+    value, in state_dict() before the next step and in training after it: the same run as one that loads the edit
+    into the step's full-precision values."""
+    edit = torch.randn(16, generator=torch.Generator().manual_seed(5)).to(dtype)
+
+    def in_the_model(step):
+        full = step.state_dict()
+        model = step.sync_model()
+        with torch.no_grad():
+            model[2].weight[1].copy_(edit)
+        now = step.state_dict()
+        assert torch.equal(now["2.weight"][1], edit.float())
+        assert torch.equal(now["2.weight"][[0, 2]], full["2.weight"][[0, 2]])
+        assert all(torch.equal(now[k], full[k]) for k in full if k != "2.weight")
+        return step
+
+    def loaded(step):
+        sd = step.state_dict()
+        sd["2.weight"][1] = edit.float()
+        step.load_state_dict(sd)
+        return step
+    _same(_run(dtype, precision, in_the_model), _run(dtype, precision, loaded))
