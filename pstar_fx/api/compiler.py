@@ -19,6 +19,7 @@ import torch.nn as nn
 
 from ..cost import H200, Machine
 from ..errors import warn
+from ..frontend.batch import check_has_data
 from ..frontend.model_tensors import global_hooks_key, model_tables, module_key, params_key
 from ..frontend.python_state import ModuleScalars, changes, closure_key, snapshot
 from ..frontend.trace import FlatBatch, flatten_batch, trace_step
@@ -156,6 +157,7 @@ class Compiler:
         them. `interrupts` is held by the caller: a Ctrl-C is delivered after the trace and after each pass (nothing
         is set up yet), and otherwise waits for the caller's next safe point."""
         flat = flatten_batch(batch)
+        check_has_data(flat, "step(*batch)")
         if not self.warned_input_grad and any(t.requires_grad for t in flat.tensors):
             self.warned_input_grad = True
             warn("a batch tensor requires grad: pstar-fx differentiates the loss with respect to the model's "

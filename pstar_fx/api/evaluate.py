@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from ..frontend.batch import check_has_data
 from ..frontend.trace import FlatBatch, flatten_batch, trace_step
 from ..interrupts import DeferredInterrupt
 from ..ir.graph import Precision
@@ -54,6 +55,7 @@ class EvalCompiler(Compiler):
     def get(self, batch, interrupts: DeferredInterrupt, prefix: tuple = ()) -> tuple[Compiled, FlatBatch]:
         trainer = self.trainer()
         flat = flatten_batch(batch)
+        check_has_data(flat, "step(*batch)")
         base = (flat.signature, self.model_key(), None if trainer is None else id(trainer._compiler.store))
         compiled = None
         for outcomes in self.variants.candidates(base, prefix):      # one per guard outcomes (Compiler.get)

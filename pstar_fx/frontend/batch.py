@@ -67,3 +67,13 @@ def flatten_batch(batch: tuple) -> FlatBatch:
         consts.append((leaf_name(path), type(x), "nan" if x != x else x))    # (NaN != NaN: a new key every call)
     sig = BatchSignature(spec, tuple((tuple(x.shape), x.dtype) for x in tensors), tuple(consts))
     return FlatBatch(tensors, spec, constants, sig)
+
+
+def check_has_data(flat: FlatBatch, call: str) -> None:
+    """A step runs on real batch tensors: one on the meta device (shape and dtype only, which px.plan accepts) raises
+    ValueError naming it, before anything is traced or run."""
+    meta = [i for i, t in enumerate(flat.tensors) if t.is_meta]
+    if meta:
+        raise ValueError(f"{call}: batch tensor {meta[0]} (of shape {tuple(flat.tensors[meta[0]].shape)}) is on the "
+                         "meta device, which holds no data to run on: pass real tensors (px.plan takes meta "
+                         "tensors, for planning without running)")

@@ -567,10 +567,23 @@ def _reject_param_mutation(gm: fx.GraphModule, ann, recorder: _SourceRecorder) -
                 op = node.target
                 short = getattr(getattr(op, "overloadpacket", None), "__name__", "")
                 frame = next((f for name, f in recorder.calls if name == short and f is not None), None)
+                # (an in-place call inside a torch function, such as F.embedding's max_norm, is not seen by the
+                # recorder: the node's own source line, the user's call of that function, names it)
+                where = _where(frame) if frame is not None else _stack_line(node)
                 raise UntraceableError(
                     f"cannot trace the training step: operation {op} updates parameter "
-                    f"'{ann[root.name].param}' in place {_where(frame)}; pstar-fx owns the parameters and only its "
-                    "optimizer updates them. Compute a new tensor instead of writing into the parameter.")
+                    f"'{ann[root.name].param}' in place {where}; pstar-fx owns the parameters and only its "
+                    f"optimizer updates them. {_MUTATION_HINTS.get(short, _MUTATION_HINT)}")
+
+
+_MUTATION_HINT = "Compute a new tensor instead of writing into the parameter."
+_MUTATION_HINTS = {   # in-place parameter updates that torch functions make themselves, by the op's name
+    "embedding_renorm_": (
+        "nn.Embedding(max_norm=...) (F.embedding's max_norm) rescales the rows it looks up inside the weight "
+        "itself at every forward: drop max_norm, or bound the rows' norms out of place in the forward (look up "
+        "rows of weight * (max_norm / weight.norm(dim=1, keepdim=True)).clamp(max=1)), which trains differently "
+        "from the in-place form."),
+}
 
 
 _TO_COPY = torch.ops.aten._to_copy.default

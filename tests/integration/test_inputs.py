@@ -385,6 +385,15 @@ def test_a_batch_tensor_that_requires_grad_is_warned_of_once():
         step(x, torch.randn(3, 2))
 
 
+@pytest.mark.parametrize("optimizer", [px.AdamW(lr=1e-3), None])
+def test_a_batch_tensor_on_the_meta_device_is_named_before_anything_runs(optimizer):
+    """Meta tensors are for px.plan; a step given one says which, and the step stays usable."""
+    step = px.compile(TwoNames(), optimizer=optimizer, device=DEVICE)(_mse)
+    with pytest.raises(ValueError, match=r"batch tensor 1 \(of shape \(3, 2\)\) is on the meta device.*px\.plan"):
+        step(torch.randn(3, 4), torch.randn(3, 2, device="meta"))
+    assert torch.isfinite(step(torch.randn(3, 4), torch.randn(3, 2)))
+
+
 def test_constants_change_the_signature_and_unhashable_ones_are_named():
     a = flatten_batch((torch.randn(2), {"epoch": 1})).signature
     b = flatten_batch((torch.randn(2), {"epoch": 2})).signature

@@ -49,6 +49,21 @@ def test_inplace_parameter_update_names_op_param_and_line():
     assert f"test_trace.py:{line_of(__file__, 'MARK-inplace')}" in msg
 
 
+def test_embedding_max_norm_names_the_users_call_and_what_to_do():
+    """F.embedding's max_norm renormalises the weight in place inside torch, out of the recorder's sight: the error
+    names the user's line that called it, and says to drop max_norm or bound the norms out of place."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(20, 16, max_norm=1.0), nn.Flatten(), nn.Linear(16 * 7, 3))
+
+    def step(m, x, y):
+        return F.cross_entropy(m(x), y)  # MARK-embedding
+    with pytest.raises(px.UntraceableError) as e:
+        _compile(model, step)(torch.randint(0, 20, (4, 7)), torch.randint(0, 3, (4,)))
+    msg = str(e.value)
+    assert "aten.embedding_renorm_" in msg and "'0.weight'" in msg and "drop max_norm" in msg
+    assert f"test_trace.py\", line {line_of(__file__, 'MARK-embedding')}" in msg
+
+
 def test_non_scalar_loss_is_rejected():
     with pytest.raises(px.UntraceableError, match="0-d tensor"):
         _compile(_mlp(), lambda m, x: m(x))(torch.randn(3, 4))
