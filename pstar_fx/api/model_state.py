@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn as nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..errors import DistributedError, ModelHeldError, warn
 from ..frontend.init_empty import fill_chunks, is_empty
@@ -75,6 +76,20 @@ AFTER_LOAD = ("Nothing was loaded (where other steps held the model, some of the
 _WORKER_THREADS = "pstar-fx"      # the name prefix of pstar-fx's own threads (runtime/host_updates, host_memory)
 
 
+class Mark:
+    """A model tensor as it is now: its storage (weakly) and its version counter. `still(t)`: t is that tensor with
+    the same storage, not changed in place since (a write through `.data`, which keeps the version, is caught by the
+    values themselves: see full_where_rounded). A step that takes the model and gives it back makes new storages."""
+
+    def __init__(self, t: torch.Tensor):
+        self.storage = StorageWeakRef(t.untyped_storage())
+        self.version = t._version
+
+    def still(self, t: torch.Tensor) -> bool:
+        return (not self.storage.expired() and t._version == self.version
+                and StorageWeakRef(t.untyped_storage()).cdata == self.storage.cdata)
+
+
 class ModelHold:
     """A compiled step's claim on a model's values: its chunk store, and where each of the model's tensors lives in
     it. Shared by the step and by the model's HeldTensors (see the module docstring)."""
@@ -86,9 +101,10 @@ class ModelHold:
         self.names = names           # every state name of the model's tensors -> (PARAM or BUFFER, the store's name)
         self.lock = lock             # the step's: giving back waits for a step running on another thread
         self.giving_back = False     # inside give_back, which reads the held tensors' metadata
-        # the model was given back and no step has taken it since: the store still has the full-precision values,
-        # of which the model's half-precision parameters hold only the rounding (ModelState.take, _current)
-        self.given_back = False
+        # the model's half-precision parameters as this hold gave them back (their rounding of the store's
+        # full-precision values), by model_tensors' name: while one is still that very tensor, unchanged (`Mark`),
+        # the store's values are its full-precision ones (ModelState.take, _current)
+        self.given_back: dict[str, Mark] = {}
         self.hooks: list = []         # the state_dict post-hooks on the model's modules while it is held
         # per state dict being made (by id, while it lives): the copy of each held value, so tied tensors share one
         self._copies: dict[int, tuple[weakref.ref, dict[str, torch.Tensor]]] = {}
@@ -128,7 +144,8 @@ class ModelHold:
                           for n, t in held.items()}
                 drop_weight_refs(model)
                 release(held, copies)
-                self.given_back = True
+                self.given_back = {n: Mark(t) for n, t in held.items() if self.names[n][0] is Role.PARAM
+                                   and full_dtype(values[n], t) is not t.dtype}
             finally:
                 self.giving_back = False
             if not any(holder(t) is self for t in model_tensors(model).values()):
@@ -468,9 +485,9 @@ class ModelState:
             **{n: (Role.BUFFER, b.name) for b in tables.buffers for n in (b.name,) + b.aliases}}
         self.hold: ModelHold | None = None     # this step's claim on the model's values, once its chunks took them
         # full-precision values loaded while the model holds its own values (load_state_dict, a checkpoint's load)
-        # for parameters of a narrower dtype, by the store's name: the next take prefers each over the model's
-        # value where that is still its rounding
-        self.loaded_full: dict[str, torch.Tensor] = {}
+        # for parameters of a narrower dtype, with the Mark of the model's tensor they were loaded into, by
+        # model_tensors' name: while it is still that tensor, unchanged, they are its full-precision values
+        self.loaded_full: dict[str, tuple[torch.Tensor, Mark]] = {}
 
     def holds(self) -> bool:
         """Whether this step's chunks hold every tensor of the model now (it has run, and no sync_model() or other
@@ -506,16 +523,19 @@ class ModelState:
         # a model built under px.init_empty() is initialised in the chunks themselves (see pstar_fx.frontend.init_empty)
         params, buffers = fill_chunks(store, {p.name: named[p.name] for p in self.compiler.layout[0]},
                                       {b.name: tensors[b.name] for b in self.compiler.tables.buffers})
-        params = {n: full_where_rounded(self.loaded_full[n], v) if n in self.loaded_full else v
-                  for n, v in params.items()}
-        # the store keeps the full-precision values it gave back where the model still holds their rounding
-        keep = self.hold is not None and self.hold.store is store and self.hold.given_back
+        # a half-precision parameter that is still the tensor this step gave back (or loaded full-precision values
+        # into), unchanged, keeps its full-precision values where it holds their rounding
+        for n, (full, mark) in self.loaded_full.items():
+            if mark.still(tensors[n]):
+                params[self.names[n][1]] = full_where_rounded(full, tensors[n].detach())
+        given = self.hold.given_back if self.hold is not None and self.hold.store is store else {}
+        keep = {self.names[n][1] for n, mark in given.items() if n not in self.loaded_full and mark.still(tensors[n])}
         store.values.load_params(params, keep_full=keep)
         store.values.load_buffers(buffers)
         self.loaded_full = {}
         if self.hold is None or self.hold.store is not store:
             self.hold = ModelHold(self._step(), self.model, store, self.names, self.lock)
-        self.hold.given_back = False
+        self.hold.given_back = {}
         hold(self.model, self.hold)
 
     def fill_if_empty(self) -> None:
@@ -562,25 +582,21 @@ class ModelState:
                 for key, like in self.model.state_dict(keep_vars=True).items()}
 
     def _full_of_own(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """For the model's parameters that hold their own values (no step holds them) in a dtype narrower than the
-        step's, where full-precision values are known (loaded into the model while it held its own values, or in
-        this step's store since it gave the model back): those values wherever the model still holds their
-        rounding, the model's elsewhere (its edits), as the next step would take them; by model_tensors' name.
-        Sharded: a collective where the store is read (every rank has given the model back alike)."""
+        """For the model's half-precision parameters that hold their own values (no step holds them) and are still
+        the tensors this step gave back or loaded full-precision values into, unchanged: those full-precision
+        values wherever the tensor holds their rounding (the tensor's own elsewhere: writes through `.data`), as
+        the next step would take them; by model_tensors' name. Sharded: a collective where this step's store is
+        read (the same names on every rank)."""
         own = {n: t for n, t in tensors.items() if holder(t) is None and n in self.names
                and self.names[n][0] is Role.PARAM and t.is_floating_point() and torch.finfo(t.dtype).bits < 32}
-        if not own:
-            return {}
-        out = {}
+        out = {n: full_where_rounded(full, own[n].detach()) for n, (full, mark) in self.loaded_full.items()
+               if n in own and mark.still(own[n])}
         hold = self.hold
         if hold is not None and hold.given_back and hold.store is self.compiler.store:
-            out.update(hold.values(sorted(own)))
-        for n in own:
-            full = self.loaded_full.get(self.names[n][1])
-            if full is not None:
-                out[n] = full
-        return {n: full_where_rounded(v, own[n].detach()) for n, v in out.items()
-                if full_dtype(v, own[n]) is not own[n].dtype}
+            stored = hold.values(sorted(n for n in own if n in hold.given_back))
+            out.update({n: full_where_rounded(v, own[n].detach()) for n, v in stored.items()
+                        if n not in out and hold.given_back[n].still(own[n])})
+        return out
 
     def load_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True,
                         compared: bool = False) -> IncompatibleKeys:
@@ -639,13 +655,13 @@ class ModelState:
             for h in holders(self.model):
                 h.give_back()               # the model's values must be real before they are overwritten
             self.model.load_state_dict(state_dict, strict=strict)
+            tensors = model_tensors(self.model)
+            first = {id(t): n for n, t in tensors.items()}
             for k, v in state_dict.items():     # values the model's narrower parameters hold only rounded
-                if k in self.names and self.names[k][0] is Role.PARAM:
-                    name = self.names[k][1]
-                    if torch.is_tensor(v) and full_dtype(v, ref[k]) is not ref[k].dtype:
-                        self.loaded_full[name] = v.detach().clone()
-                    else:
-                        self.loaded_full.pop(name, None)
+                if k in self.names and self.names[k][0] is Role.PARAM and torch.is_tensor(v) \
+                        and full_dtype(v, ref[k]) is not ref[k].dtype:
+                    n = first[id(ref[k])]
+                    self.loaded_full[n] = (v.detach().clone(), Mark(tensors[n]))
             return IncompatibleKeys(missing, unexpected)
         pv, bv = {}, {}
         for k, v in state_dict.items():

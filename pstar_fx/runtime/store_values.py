@@ -63,13 +63,13 @@ class StoreValues:
         self.store = store
         self.frozen_full: dict[str, torch.Tensor] = {}   # mixed precision: frozen parameters at full precision
 
-    def load_params(self, values: dict[str, torch.Tensor], keep_full: bool = False) -> None:
+    def load_params(self, values: dict[str, torch.Tensor], keep_full: set[str] = frozenset()) -> None:
         """Fill the chunks (and the fp32 masters in mixed precision) from full-precision values. Resident slots go
         home first (the next step brings back what its plan starts from), so no slot keeps an old value.
 
-        keep_full: the chunks hold full-precision values that a model of half-precision parameters was given back
-        rounded (sync_model): wherever a given value narrower than the chunk's full precision is that rounding, the
-        full-precision value stays (elementwise), and the rest is taken from `values` (the user's edits)."""
+        keep_full: parameters whose full-precision values the chunks hold and a half-precision model was given
+        rounded (sync_model), unchanged since: wherever the given value is that rounding, the full-precision value
+        stays (elementwise), and the rest is taken from `values` (writes the model's version counter missed)."""
         self.store.evict_all()
         for name, v in values.items():
             p = self.store.params[name]
@@ -81,7 +81,7 @@ class StoreValues:
                 if self.store.precision.mixed and c.group is ChunkGroup.TRAINABLE:
                     master = self.store.master(c.id)[lo:hi]
                     self.store.states_written(c.id)       # (a disk chunk's: read in, written back before a step)
-                    if keep_full:
+                    if name in keep_full:
                         value = full_where_rounded(master, value)
                     if self.store.pin and value.is_cuda and not master.is_cuda and home is not None:
                         # a host master is pageable (a GPU copies into it at 6-7 GB/s): staged through the
@@ -91,7 +91,7 @@ class StoreValues:
                         master.copy_(value.to(torch.float32))
                     # (a disk chunk's states go back to their file when another is read in: one at a time)
                     self.store.let_go_when_another_opens(c.id)
-                elif keep_full and home is not None:
+                elif name in keep_full and home is not None:
                     value = full_where_rounded(home[lo:hi], value)
                 if home is not None:
                     home[lo:hi].copy_(value.to(c.dtype))

@@ -120,9 +120,9 @@ def test_load_state_dict_of_its_own_state_dict_changes_nothing(dtype, precision)
 
 @pytest.mark.parametrize("dtype,precision", CASES)
 def test_a_parameter_edited_after_sync_model_is_trained_as_edited(dtype, precision):
-    """The edited row is taken from the model (its half-precision value); every other element keeps its full
-    value, in state_dict() before the next step and in training after it: the same run as one that loads the edit
-    into the step's full-precision values."""
+    """A parameter changed in place is taken as the model holds it (the whole tensor: its version counter moved);
+    every other one keeps its full values, in state_dict() before the next step and in training after it: the
+    same run as one that loads those values into the step."""
     edit = torch.randn(16, generator=torch.Generator().manual_seed(5)).to(dtype)
 
     def in_the_model(step):
@@ -131,9 +131,27 @@ def test_a_parameter_edited_after_sync_model_is_trained_as_edited(dtype, precisi
         with torch.no_grad():
             model[2].weight[1].copy_(edit)
         now = step.state_dict()
-        assert torch.equal(now["2.weight"][1], edit.float())
-        assert torch.equal(now["2.weight"][[0, 2]], full["2.weight"][[0, 2]])
+        assert torch.equal(now["2.weight"], model[2].weight.float())
         assert all(torch.equal(now[k], full[k]) for k in full if k != "2.weight")
+        return step
+
+    def loaded(step):
+        sd = step.state_dict()
+        sd["2.weight"] = sd["2.weight"].to(dtype)
+        sd["2.weight"][1] = edit
+        step.load_state_dict({k: v.float() for k, v in sd.items()})
+        return step
+    _same(_run(dtype, precision, in_the_model), _run(dtype, precision, loaded))
+
+
+@pytest.mark.parametrize("dtype,precision", CASES)
+def test_a_write_through_data_after_sync_model_is_taken_elementwise(dtype, precision):
+    """`.data` writes keep the version counter: the values tell, element by element (the row written is taken, the
+    rest keeps its full values)."""
+    edit = torch.randn(16, generator=torch.Generator().manual_seed(5)).to(dtype)
+
+    def through_data(step):
+        step.sync_model()[2].weight.data[1] = edit
         return step
 
     def loaded(step):
@@ -141,4 +159,68 @@ def test_a_parameter_edited_after_sync_model_is_trained_as_edited(dtype, precisi
         sd["2.weight"][1] = edit.float()
         step.load_state_dict(sd)
         return step
-    _same(_run(dtype, precision, in_the_model), _run(dtype, precision, loaded))
+    _same(_run(dtype, precision, through_data), _run(dtype, precision, loaded))
+
+
+def _frozen_lr(step):
+    """The step's values stay as they are at its next step (what it took is what it holds after)."""
+    for g in step.optimizer.param_groups:
+        g["lr"] = 0.0
+    return step
+
+
+@pytest.mark.parametrize("dtype,precision", CASES)
+def test_values_loaded_into_the_model_after_sync_model_replace_the_full_ones(dtype, precision):
+    """A state dict in the model's own dtype, loaded after sync_model() (into the model, through the step or
+    eagerly), is what the step trains from: none of its elements falls back to the old full-precision values,
+    however many of them round to the same half-precision value."""
+    batches = _batches(dtype)
+    for how in ("step", "eager"):
+        step = _step(dtype, precision)
+        for b in batches[:BREAK]:
+            step(*b)
+        other = {k: (v + 1e-3 * torch.randn_like(v)).to(dtype) for k, v in step.state_dict().items()}
+        model = step.sync_model()
+        step.load_state_dict(other) if how == "step" else model.load_state_dict(other)
+        assert all(torch.equal(v, other[k].float()) for k, v in step.state_dict().items())
+        _frozen_lr(step)(*batches[BREAK])
+        assert all(torch.equal(v, other[k].float()) for k, v in step.state_dict().items()), how
+
+
+@pytest.mark.parametrize("dtype,precision", CASES)
+def test_a_step_taking_the_model_back_from_another_takes_that_ones_values(dtype, precision):
+    """Two training steps on one model: each takes the other's values as the model holds them, never its own older
+    full-precision ones (given back or loaded), which the other step's training made stale."""
+    batches = _batches(dtype)
+    for loads in (False, True):
+        a = _step(dtype, precision)
+        model = a._model
+        b = px.compile(model, optimizer=px.AdamW(lr=1e-2), device="cpu", precision=precision)(_loss)
+        a(*batches[0])
+        if loads:
+            sd = a.state_dict()
+            a.sync_model()
+            a.load_state_dict(sd)                 # full values, into the model (no step holds it)
+        for x in batches[1:3]:
+            b(*x)
+        trained = b.state_dict()
+        _frozen_lr(a)(*batches[3])
+        assert all(torch.equal(v, trained[k].to(dtype).float()) for k, v in a.state_dict().items()), loads
+
+
+@pytest.mark.parametrize("dtype,precision", CASES)
+def test_a_checkpoint_saved_after_an_evaluation_took_the_model_resumes_as_the_step_goes_on(tmp_path, dtype,
+                                                                                        precision):
+    """sync_model(), then an evaluation step takes the model (into chunks of its own, as the model holds it), then
+    the training step saves: the checkpoint holds what the training step goes on from."""
+    batches = _batches(dtype)
+    step = _step(dtype, precision)
+    for b in batches[:BREAK]:
+        step(*b)
+    model = step.sync_model()
+    px.compile(model, optimizer=None, device="cpu", precision=precision)(_loss)(*batches[0])
+    step.save(tmp_path / "ckpt")
+    fresh = _step(dtype, precision)
+    fresh.load(tmp_path / "ckpt")
+    assert [step(*b).item() for b in batches[BREAK:]] == [fresh(*b).item() for b in batches[BREAK:]]
+    _same(([], step.state_dict()), ([], fresh.state_dict()))
