@@ -377,14 +377,17 @@ class _Live:
         load_state_dict casts those to the parameter's dtype, and the chunks keep them as they were saved."""
         groups = state_dict.get("param_groups", [])
         saved = [i for g in groups for i in g.get("params", ())]
-        ours = {i: t for i, t in zip(saved, (t for g in self.param_groups for t in g["params"]))}
+        ours = {i: (t, gi) for i, (t, gi) in zip(saved, ((t, gi) for gi, g in enumerate(self.param_groups)
+                                                         for t in g["params"]))}
         for i, states in state_dict.get("state", {}).items():
-            t = ours.get(i)
-            if t is None or not isinstance(states, dict):
+            t, gi = ours.get(i, (None, None))
+            if t is None or not isinstance(states, dict) or not t.is_floating_point():
                 continue
+            vectors, _ = self.state_keys(gi)         # (the 0-d ones, such as Adam's step, are not the parameter's)
             for k, v in states.items():
-                if torch.is_tensor(v) and v.dim() > 0 and full_dtype(v, t) is not t.dtype:
-                    yield self._name_of[id(t)], k, v.detach().clone()
+                if k in vectors and torch.is_tensor(v) and torch.finfo(t.dtype).bits < 32 \
+                        and full_dtype(v, t) is not t.dtype:
+                    yield self._name_of[id(t)], k, v.detach().to(torch.float32, copy=True)
 
 
 class CompiledAdamW(_Live, torch.optim.AdamW):

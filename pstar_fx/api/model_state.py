@@ -570,15 +570,21 @@ class ModelState:
         return self._current()
 
     def _current(self) -> dict[str, torch.Tensor]:
-        """state_dict's values: each parameter at the full precision the step holds it at (wider than a half-precision
-        model's own dtype), also where the model holds its own values but only as the rounding of full-precision
-        ones this step gave back or was loaded with (`_full_of_own`)."""
+        """state_dict's values: what this step would train from next. A parameter this step holds, at the full
+        precision it holds it at (wider than a half-precision model's own dtype); one the model holds as the
+        rounding of full-precision values this step gave back or was loaded with, those (`_full_of_own`); any
+        other (the model's own, or another step's, which this step would take as the model holds it) in the
+        model's dtype."""
         tensors = model_tensors(self.model)
         first = {id(t): n for n, t in tensors.items()}
         values = current_values(self.model)
-        values.update(self._full_of_own(tensors))
-        return {key: values[first[id(like)]].to(device=like.device, dtype=full_dtype(values[first[id(like)]], like),
-                                                copy=True)
+        full = self._full_of_own(tensors)
+        values.update(full)
+        mine = {n for n, t in tensors.items() if self.hold is not None and holder(t) is self.hold} | set(full)
+
+        def dtype(n: str, like: torch.Tensor) -> torch.dtype:
+            return full_dtype(values[n], like) if n in mine else like.dtype
+        return {key: values[first[id(like)]].to(device=like.device, dtype=dtype(first[id(like)], like), copy=True)
                 for key, like in self.model.state_dict(keep_vars=True).items()}
 
     def _full_of_own(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -657,11 +663,12 @@ class ModelState:
             self.model.load_state_dict(state_dict, strict=strict)
             tensors = model_tensors(self.model)
             first = {id(t): n for n, t in tensors.items()}
-            for k, v in state_dict.items():     # values the model's narrower parameters hold only rounded
+            for k, v in state_dict.items():     # values the model's half-precision parameters hold only rounded
                 if k in self.names and self.names[k][0] is Role.PARAM and torch.is_tensor(v) \
+                        and ref[k].is_floating_point() and torch.finfo(ref[k].dtype).bits < 32 \
                         and full_dtype(v, ref[k]) is not ref[k].dtype:
-                    n = first[id(ref[k])]
-                    self.loaded_full[n] = (v.detach().clone(), Mark(tensors[n]))
+                    n = first[id(ref[k])]      # (held in fp32, as the step would hold them: a float64 value rounded)
+                    self.loaded_full[n] = (v.detach().to(torch.float32, copy=True), Mark(tensors[n]))
             return IncompatibleKeys(missing, unexpected)
         pv, bv = {}, {}
         for k, v in state_dict.items():

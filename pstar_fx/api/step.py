@@ -273,8 +273,9 @@ class CompiledStep:
 
     @_locked
     def state_dict(self, *, rank0_only: bool = False) -> dict[str, torch.Tensor]:
-        """Keys and shapes of model.state_dict(), full-precision values (fp32 masters in mixed precision): the
-        current values wherever they are (this step's chunks, another step's, or the model). With several ranks a
+        """Keys and shapes of model.state_dict(), full-precision values (fp32 masters in mixed precision; fp32 for a
+        half-precision parameter): the current values wherever they are (this step's chunks, another step's, or the
+        model), as this step would train from them next (another step's in the model's dtype). With several ranks a
         collective (every rank calls it) that gathers every value on every rank; rank0_only: on rank 0 only (the
         others return {}), chunk by chunk (pstar_fx.runtime.store_values.StoreValues.gather_to_rank0)."""
         with collective_call(self._comm, "step.state_dict()", "The step's values are as they were."):

@@ -74,6 +74,9 @@ class StoreValues:
         for name, v in values.items():
             p = self.store.params[name]
             c = self.store.chunks[p.chunk]
+            frozen_mixed = self.store.precision.mixed and c.group is not ChunkGroup.TRAINABLE
+            if frozen_mixed and name in keep_full and name in self.frozen_full:     # (its full value is kept whole)
+                v = full_where_rounded(self.frozen_full[name], v.detach())
             flat = v.detach().reshape(-1)
             lo, hi, src = self._own(c, p.offset, p.numel)
             if lo < hi:   # (converted where the value is: from a GPU, only the converted part is copied)
@@ -95,7 +98,7 @@ class StoreValues:
                     value = full_where_rounded(home[lo:hi], value)
                 if home is not None:
                     home[lo:hi].copy_(value.to(c.dtype))
-            if self.store.precision.mixed and c.group is not ChunkGroup.TRAINABLE:
+            if frozen_mixed:
                 # a frozen parameter has no master; keep its full-precision value for state_dict()
                 self.frozen_full[name] = v.detach().to("cpu", copy=True)
 
@@ -241,9 +244,10 @@ class StoreValues:
     def gather_to_rank0(self, names: dict[str, tuple[Role, str]], ref: dict[str, torch.Tensor]
                         ) -> dict[str, torch.Tensor]:
         """Several ranks (a collective): the state dict `ref` describes (its keys; `names` maps each to PARAM or
-        BUFFER and the store's name), whole, on rank 0, each value copied to the device and dtype of ref's; the
-        other ranks get {}. Chunk by chunk, each rank's shard of the full-precision values goes to rank 0 only
-        (torch.distributed.gather), so the other ranks never hold more than their own shards."""
+        BUFFER and the store's name), whole, on rank 0, each value copied to the device of ref's, in its dtype (fp32
+        for a half-precision parameter: full_dtype); the other ranks get {}. Chunk by chunk, each rank's shard of
+        the full-precision values goes to rank 0 only (torch.distributed.gather), so the other ranks never hold more
+        than their own shards."""
         st = self.store
         comm = st.comm
         rank0 = comm.rank == 0
@@ -275,5 +279,5 @@ class StoreValues:
         for key, like in ref.items():
             kind, name = names[key]
             src = values[name] if kind is Role.PARAM else st.buffers[name]
-            out[key] = src.detach().to(device=like.device, dtype=like.dtype, copy=True)
+            out[key] = src.detach().to(device=like.device, dtype=full_dtype(src, like), copy=True)
         return out

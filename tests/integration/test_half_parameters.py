@@ -15,9 +15,21 @@ import pstar_fx as px
 STEPS, BREAK = 6, 3
 
 
+class _Scaled(nn.Sequential):
+    """Two layers, a 0-d trained scale (its Adam states 0-d too) and a frozen shift."""
+
+    def __init__(self):
+        super().__init__(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 3))
+        self.scale = nn.Parameter(torch.tensor(1.3))
+        self.shift = nn.Parameter(torch.randn(3), requires_grad=False)
+
+    def forward(self, x):
+        return super().forward(x) * self.scale + self.shift
+
+
 def _model(dtype):
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 3)).to(dtype)
+    return _Scaled().to(dtype)
 
 
 def _batches(dtype):
@@ -61,7 +73,7 @@ def test_state_dict_hands_out_full_precision(dtype, precision):
     for b in _batches(dtype)[:BREAK]:
         step(*b)
     sd = step.state_dict()
-    assert all(v.dtype is torch.float32 for v in sd.values())
+    assert all(v.dtype is torch.float32 for k, v in sd.items() if k != "shift")   # (frozen: as it was given)
     assert any(not torch.equal(v, v.to(dtype).float()) for v in sd.values())
 
 
@@ -80,8 +92,9 @@ def test_a_checkpoint_resumes_bit_for_bit(tmp_path, dtype, precision, budget, sh
     if not sharded:
         values = torch.load(tmp_path / "ckpt" / "model.pt", weights_only=True)
         states = torch.load(tmp_path / "ckpt" / "optimizer.pt", weights_only=True)["state"]
-        assert all(v.dtype is torch.float32 for v in values.values())
+        assert all(v.dtype is torch.float32 for k, v in values.items() if k != "shift")
         assert all(s[k].dtype is torch.float32 for s in states.values() for k in ("exp_avg", "exp_avg_sq"))
+        assert len(states) == 5                   # the 0-d scale's states too (the frozen shift has none)
 
 
 @pytest.mark.parametrize("dtype,precision", CASES)
@@ -139,7 +152,8 @@ def test_a_parameter_edited_after_sync_model_is_trained_as_edited(dtype, precisi
         sd = step.state_dict()
         sd["2.weight"] = sd["2.weight"].to(dtype)
         sd["2.weight"][1] = edit
-        step.load_state_dict({k: v.float() for k, v in sd.items()})
+        sd["2.weight"] = sd["2.weight"].float()
+        step.load_state_dict(sd)
         return step
     _same(_run(dtype, precision, in_the_model), _run(dtype, precision, loaded))
 
@@ -224,3 +238,50 @@ def test_a_checkpoint_saved_after_an_evaluation_took_the_model_resumes_as_the_st
     fresh.load(tmp_path / "ckpt")
     assert [step(*b).item() for b in batches[BREAK:]] == [fresh(*b).item() for b in batches[BREAK:]]
     _same(([], step.state_dict()), ([], fresh.state_dict()))
+
+
+@pytest.mark.parametrize("dtype,precision", CASES)
+def test_a_checkpoint_saved_while_another_step_holds_the_model_resumes_as_the_step_goes_on(tmp_path, dtype,
+                                                                                          precision):
+    """Another training step (on the whole model, or on a part of it) took the model and trained it: this step
+    would take its values as the model holds them, so its state_dict() and checkpoint hold those."""
+    batches = _batches(dtype)
+    for part in (False, True):
+        step = _step(dtype, precision)
+        model = step._model
+        for b in batches[:BREAK]:
+            step(*b)
+        other = px.compile(model[0] if part else model, optimizer=px.AdamW(lr=1e-2), device="cpu",
+                           precision=precision)(lambda m, x: m(x).float().square().mean() if part else _loss(m, *x))
+        other(batches[0][0]) if part else other(batches[0])
+        step.save(tmp_path / f"ckpt{part}")
+        fresh = _step(dtype, precision)
+        fresh.load(tmp_path / f"ckpt{part}")
+        assert [step(*b).item() for b in batches[BREAK:]] == [fresh(*b).item() for b in batches[BREAK:]], part
+        _same(([], step.state_dict()), ([], fresh.state_dict()))
+
+
+@pytest.mark.parametrize("dtype,precision", CASES)
+def test_a_float64_state_dict_loaded_before_the_first_step_is_held_in_fp32(tmp_path, dtype, precision):
+    step = _step(dtype, precision)
+    wide = {k: v.double() + 1e-4 for k, v in _model(dtype).state_dict().items()}
+    step.load_state_dict(wide)
+    before = step.state_dict()
+    assert all(v.dtype is torch.float32 and torch.equal(v, wide[k].float()) for k, v in before.items())
+    step.save(tmp_path / "ckpt")
+    fresh = _step(dtype, precision)
+    fresh.load(tmp_path / "ckpt")
+    batches = _batches(dtype)
+    assert [step(*b).item() for b in batches] == [fresh(*b).item() for b in batches]
+
+
+@pytest.mark.parametrize("dtype,precision", CASES)
+def test_a_frozen_parameter_keeps_the_full_values_loaded_into_the_step_across_sync_model(dtype, precision):
+    step = _step(dtype, precision)
+    batches = _batches(dtype)
+    step(*batches[0])
+    full = {k: v.float() + 1e-3 for k, v in step.state_dict().items()}     # off the half-precision grid
+    step.load_state_dict(full)
+    step.sync_model()
+    step(*batches[1])
+    assert torch.equal(step.state_dict()["shift"], full["shift"])
