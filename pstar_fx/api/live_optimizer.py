@@ -370,7 +370,6 @@ class _Live:
             self.param_groups = old_groups
             raise
 
-
     def _wider_states(self, state_dict):
         """(name, key, value) for each state in `state_dict` of a floating dtype wider than its parameter's (the
         fp32 states of a half-precision parameter, as step.optimizer.state_dict() gives them): torch's
