@@ -41,7 +41,7 @@ from ..ir.graph import ChunkGroup
 from ..optim import (ADAM_STATE, OptimizerLayout, OptimizerSpec, StateDtype, StateLayout, TorchConfig, check_group,
                      check_options, is_adam, probe)
 from ..runtime.comm import collective_call
-from ..runtime.store_values import full_dtype
+from ..runtime.store_values import full_dtype, half_precision
 from .agreement import compare_contents
 
 _STEP_EXPLAINED = ("step.optimizer is driven by the compiled step: calling step(*batch) runs forward, backward and "
@@ -384,7 +384,7 @@ class _Live:
                 continue
             vectors, _ = self.state_keys(gi)         # (the 0-d ones, such as Adam's step, are not the parameter's)
             for k, v in states.items():
-                if k in vectors and torch.is_tensor(v) and torch.finfo(t.dtype).bits < 32 \
+                if k in vectors and torch.is_tensor(v) and half_precision(t.dtype) \
                         and full_dtype(v, t) is not t.dtype:
                     yield self._name_of[id(t)], k, v.detach().to(torch.float32, copy=True)
 

@@ -50,7 +50,7 @@ from ..frontend.init_empty import fill_chunks, is_empty
 from ..interrupts import DeferredInterrupt
 from ..ir.graph import Role
 from ..runtime.comm import Comm, collective_call
-from ..runtime.store_values import full_dtype, full_where_rounded
+from ..runtime.store_values import full_dtype, full_where_rounded, half_precision
 from ..units import format_bytes
 from .agreement import check_same_values, compare_contents
 
@@ -594,7 +594,7 @@ class ModelState:
         the next step would take them; by model_tensors' name. Sharded: a collective where this step's store is
         read (the same names on every rank)."""
         own = {n: t for n, t in tensors.items() if holder(t) is None and n in self.names
-               and self.names[n][0] is Role.PARAM and t.is_floating_point() and torch.finfo(t.dtype).bits < 32}
+               and self.names[n][0] is Role.PARAM and half_precision(t.dtype)}
         out = {n: full_where_rounded(full, own[n].detach()) for n, (full, mark) in self.loaded_full.items()
                if n in own and mark.still(own[n])}
         hold = self.hold
@@ -665,7 +665,7 @@ class ModelState:
             first = {id(t): n for n, t in tensors.items()}
             for k, v in state_dict.items():     # values the model's half-precision parameters hold only rounded
                 if k in self.names and self.names[k][0] is Role.PARAM and torch.is_tensor(v) \
-                        and ref[k].is_floating_point() and torch.finfo(ref[k].dtype).bits < 32 \
+                        and half_precision(ref[k].dtype) \
                         and full_dtype(v, ref[k]) is not ref[k].dtype:
                     n = first[id(ref[k])]      # (held in fp32, as the step would hold them: a float64 value rounded)
                     self.loaded_full[n] = (v.detach().to(torch.float32, copy=True), Mark(tensors[n]))

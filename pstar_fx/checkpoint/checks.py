@@ -15,6 +15,7 @@ from ..errors import CheckpointError
 from ..ir.graph import Precision, Role
 from ..optim import StateDtype
 from ..runtime.step_runtime import LossScaler
+from ..runtime.store_values import half_precision
 from .step_state import StepState
 
 _SCALER_FIELDS = {f.name for f in dataclasses.fields(LossScaler)}
@@ -49,7 +50,7 @@ def model_state(state: StepState, sd, where: str, left_out=()) -> None:
         like = ref[k].dtype
         # a half-precision parameter is saved at the full precision its chunks hold it at (fp32), or as the model's
         # own value where the model held it
-        dtypes = (like, torch.float32) if like.is_floating_point and torch.finfo(like).bits < 32 and \
+        dtypes = (like, torch.float32) if half_precision(like) and \
             state.names.get(k, (None,))[0] is Role.PARAM else (like,)
         if tuple(v.shape) != tuple(ref[k].shape) or v.dtype not in dtypes:
             raise CheckpointError(f"step.load: {where} was saved from another model: '{k}' is {v.dtype} of shape "

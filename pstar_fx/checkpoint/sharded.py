@@ -59,6 +59,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from ..errors import CheckpointError
 from ..ir.graph import ChunkGroup, Role, StateHome
+from ..runtime.store_values import half_precision
 from . import checks, files
 from . import dcp_storage as storage
 from .step_state import StepState
@@ -396,7 +397,7 @@ def _check(state: StepState, md, path: str) -> tuple[list[str], list[str], list[
     # a parameter is saved at full precision: fp32 when its chunks hold it, the model's dtype when the model does
     for n in params + buffers:
         like = ref[n].dtype
-        dtypes = (like, torch.float32) if like.is_floating_point and like != torch.float32 and n in param_names \
+        dtypes = (like, torch.float32) if half_precision(like) and n in param_names \
             else (like,)
         try:
             _tensor(saved, f"model.{n}", shapes[n], dtypes, path)

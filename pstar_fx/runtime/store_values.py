@@ -35,6 +35,12 @@ def staged_copy(dst: torch.Tensor, src: torch.Tensor, stage: torch.Tensor) -> No
         dst[a:b].copy_(buf[:b - a])
 
 
+def half_precision(dtype: torch.dtype) -> bool:
+    """A floating dtype of fewer bits than fp32 (bfloat16, float16): a parameter of it is held in fp32 by a step,
+    and handed out so (full_dtype)."""
+    return dtype.is_floating_point and torch.finfo(dtype).bits < 32
+
+
 def full_dtype(value: torch.Tensor, like: torch.Tensor) -> torch.dtype:
     """The dtype a full-precision `value` (a parameter or an optimizer state, as the chunks hold it) is handed out in
     for a model tensor `like`: value's own where it is a floating dtype of more bits than like's (a half-precision
