@@ -12,6 +12,10 @@ import torch.nn.functional as F
 
 import pstar_fx as px
 
+from harness import DEVICE
+
+pytestmark = pytest.mark.cuda
+
 STEPS, BREAK = 6, 3
 
 
@@ -34,7 +38,8 @@ def _model(dtype):
 
 def _batches(dtype):
     g = torch.Generator().manual_seed(1)
-    return [(torch.randn(6, 8, generator=g).to(dtype), torch.randint(0, 3, (6,), generator=g)) for _ in range(STEPS)]
+    return [(torch.randn(6, 8, generator=g).to(DEVICE, dtype), torch.randint(0, 3, (6,), generator=g).to(DEVICE))
+            for _ in range(STEPS)]
 
 
 def _loss(model, x, y):
@@ -42,7 +47,7 @@ def _loss(model, x, y):
 
 
 def _step(dtype, precision, budget=None):
-    return px.compile(_model(dtype), optimizer=px.AdamW(lr=3e-4, weight_decay=0.1), device="cpu",
+    return px.compile(_model(dtype), optimizer=px.AdamW(lr=3e-4, weight_decay=0.1), device=DEVICE,
                       precision=precision, device_memory=budget)(_loss)
 
 
@@ -209,7 +214,7 @@ def test_a_step_taking_the_model_back_from_another_takes_that_ones_values(dtype,
     for loads in (False, True):
         a = _step(dtype, precision)
         model = a._model
-        b = px.compile(model, optimizer=px.AdamW(lr=1e-2), device="cpu", precision=precision)(_loss)
+        b = px.compile(model, optimizer=px.AdamW(lr=1e-2), device=DEVICE, precision=precision)(_loss)
         a(*batches[0])
         if loads:
             sd = a.state_dict()
@@ -232,7 +237,7 @@ def test_a_checkpoint_saved_after_an_evaluation_took_the_model_resumes_as_the_st
     for b in batches[:BREAK]:
         step(*b)
     model = step.sync_model()
-    px.compile(model, optimizer=None, device="cpu", precision=precision)(_loss)(*batches[0])
+    px.compile(model, optimizer=None, device=DEVICE, precision=precision)(_loss)(*batches[0])
     step.save(tmp_path / "ckpt")
     fresh = _step(dtype, precision)
     fresh.load(tmp_path / "ckpt")
@@ -251,7 +256,7 @@ def test_a_checkpoint_saved_while_another_step_holds_the_model_resumes_as_the_st
         model = step._model
         for b in batches[:BREAK]:
             step(*b)
-        other = px.compile(model[0] if part else model, optimizer=px.AdamW(lr=1e-2), device="cpu",
+        other = px.compile(model[0] if part else model, optimizer=px.AdamW(lr=1e-2), device=DEVICE,
                            precision=precision)(lambda m, x: m(x).float().square().mean() if part else _loss(m, *x))
         other(batches[0][0]) if part else other(batches[0])
         step.save(tmp_path / f"ckpt{part}")
