@@ -6,6 +6,7 @@ the same model, seed and data: every logged loss, grad norm and learning rate, e
 weights agree. Tolerance: 1e-5 relative on losses and norms and 1e-6 absolute on weights, the suite's fp32 bound for
 a compiled step against eager (docs/design.md#numerics); on this CPU they agree bit for bit. Saving at step k and
 `resume_from_checkpoint` continues bit for bit; `save_model` writes safetensors that `from_pretrained` loads.
+Under PSTAR_TEST_DEVICE=cuda both trainers run on the GPU (`use_cpu=False`), at the same tolerances.
 """
 import os
 
@@ -17,6 +18,10 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, 
 
 from pstar_fx.integrations.hf import PstarTrainer  # noqa: E402
 from pstar_fx.integrations.hf import _stack  # noqa: E402
+
+from harness import DEVICE  # noqa: E402
+
+pytestmark = pytest.mark.cuda
 
 T, V = 16, 64
 
@@ -59,7 +64,7 @@ def arguments(out, **kw) -> TrainingArguments:
     base = dict(output_dir=str(out), per_device_train_batch_size=4, per_device_eval_batch_size=4,
                 gradient_accumulation_steps=2, learning_rate=1e-2, warmup_steps=2, lr_scheduler_type="linear",
                 weight_decay=0.1, max_grad_norm=0.5, num_train_epochs=2, logging_steps=1, eval_strategy="steps",
-                eval_steps=4, save_strategy="no", seed=0, use_cpu=True, disable_tqdm=True, report_to=[])
+                eval_steps=4, save_strategy="no", seed=0, use_cpu=DEVICE == "cpu", disable_tqdm=True, report_to=[])
     base.update(kw)
     return TrainingArguments(**base)
 
@@ -72,6 +77,16 @@ def train(cls, out, **kw):
         record.trainer = trainer
     trainer.train()
     return trainer, record
+
+
+def cpu_state(model) -> dict[str, torch.Tensor]:
+    """model.state_dict() on the CPU (on a GPU the plain Trainer's model is on the device; PstarTrainer's is where
+    the step gave its values back)."""
+    return {k: v.cpu() for k, v in model.state_dict().items()}
+
+
+def on_device_of(model, x: torch.Tensor) -> torch.Tensor:
+    return x.to(next(model.parameters()).device)
 
 
 def close(a: dict, b: dict, keys=("loss", "grad_norm", "eval_loss")) -> None:
@@ -107,11 +122,12 @@ def test_trains_like_a_plain_trainer(tmp_path):
     assert {names[id(p)] for p in px_groups[0]["params"]} == {eager_names[i] for i in decay}
 
     # train() gave the values back: the model is usable eagerly, and equal to the plain Trainer's
-    trained = px_trainer.model.state_dict()
-    for k, v in eager.model.state_dict().items():
+    trained = cpu_state(px_trainer.model)
+    for k, v in cpu_state(eager.model).items():
         torch.testing.assert_close(trained[k], v, rtol=0, atol=1e-6)
     batch = Tokens(4, seed=3).ids
-    torch.testing.assert_close(px_trainer.model(batch).logits, eager.model(batch).logits, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(px_trainer.model(on_device_of(px_trainer.model, batch)).logits.cpu(),
+                               eager.model(on_device_of(eager.model, batch)).logits.cpu(), rtol=1e-5, atol=1e-6)
 
     # evaluate() and predict() outside training: the forward-only pstar-fx function equals eager
     test = Tokens(8, seed=4)
@@ -121,7 +137,7 @@ def test_trains_like_a_plain_trainer(tmp_path):
     torch.testing.assert_close(torch.as_tensor(px_pred.predictions), torch.as_tensor(eager_pred.predictions),
                                rtol=1e-5, atol=1e-5)
     assert (px_pred.label_ids == eager_pred.label_ids).all()
-    px_trainer.model(batch)                        # usable again after evaluate() / predict()
+    px_trainer.model(on_device_of(px_trainer.model, batch))          # usable again after evaluate() / predict()
 
     px_trainer.save_model(str(tmp_path / "saved"))
     assert os.path.isfile(tmp_path / "saved" / "model.safetensors")
@@ -145,8 +161,8 @@ def test_resume_from_checkpoint_continues_bit_for_bit(tmp_path):
     losses = {round(log["epoch"], 3): log["loss"] for log in whole_rec.logs if "loss" in log}
     again = {round(log["epoch"], 3): log["loss"] for log in record.logs if "loss" in log}
     assert len(again) == 5 and all(again[e] == losses[e] for e in again), (losses, again)
-    final = whole.model.state_dict()
-    for k, v in resumed.model.state_dict().items():
+    final = cpu_state(whole.model)
+    for k, v in cpu_state(resumed.model).items():
         assert torch.equal(v, final[k]), k
 
 
@@ -232,8 +248,8 @@ def test_dynamic_padding_with_accumulation_trains_like_a_plain_trainer(tmp_path)
     assert len(px_rec.logs) == len(plain_rec.logs) == 4 + 1
     for a, b in zip(px_rec.logs[:-1], plain_rec.logs[:-1]):
         close(a, b)
-    trained = px_trainer.model.state_dict()
-    for k, v in plain.model.state_dict().items():
+    trained = cpu_state(px_trainer.model)
+    for k, v in cpu_state(plain.model).items():
         torch.testing.assert_close(trained[k], v, rtol=0, atol=1e-4, msg=k)
 
 
@@ -305,8 +321,8 @@ def test_a_plain_trainer_resumes_a_pstar_fx_checkpoint_exactly(tmp_path):
     assert all(g["fused"] is True for g in groups)
     plain = Trainer(model=tiny_gpt2(), args=arguments(tmp_path / "plain", **kw), train_dataset=Tokens(32, seed=1))
     plain.train(resume_from_checkpoint=str(ckpt))
-    final = whole.model.state_dict()
-    for k, v in plain.model.state_dict().items():
+    final = cpu_state(whole.model)
+    for k, v in cpu_state(plain.model).items():
         torch.testing.assert_close(v, final[k], rtol=0, atol=1e-6, msg=k)
 
 
@@ -322,11 +338,11 @@ def test_train_interrupted_gives_the_model_back_with_the_trained_values(tmp_path
                            callbacks=[Interrupt()])
     with pytest.raises(KeyboardInterrupt):
         trainer.train()
-    trained = trainer.step.state_dict()
+    trained = {k: v.cpu() for k, v in trainer.step.state_dict().items()}
     assert trainer.step.last_step is not None
-    for k, v in model.state_dict().items():        # the model's own tensors: no step holds it
+    for k, v in cpu_state(model).items():          # the model's own tensors: no step holds it
         assert torch.equal(v, trained[k]), k
-    model(Tokens(2, seed=3).ids)                   # usable eagerly (a held model raises ModelHeldError)
+    model(on_device_of(model, Tokens(2, seed=3).ids))       # usable eagerly (a held model raises ModelHeldError)
 
 
 def test_a_lora_checkpoint_holds_the_adapters_and_resumes_bit_for_bit(tmp_path):
@@ -346,6 +362,6 @@ def test_a_lora_checkpoint_holds_the_adapters_and_resumes_bit_for_bit(tmp_path):
     assert trained and set(saved) == trained, "the frozen base is left out"
     resumed = PstarTrainer(model=lora(), args=arguments(tmp_path / "resumed", **kw), train_dataset=Tokens(32, seed=1))
     resumed.train(resume_from_checkpoint=str(ckpt))
-    final = whole.model.state_dict()
-    for k, v in resumed.model.state_dict().items():
+    final = cpu_state(whole.model)
+    for k, v in cpu_state(resumed.model).items():
         assert torch.equal(v, final[k]), k
