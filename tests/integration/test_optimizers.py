@@ -1,6 +1,8 @@
 """Optimizers other than Adam: px.SGD, px.Lion and torch's elementwise optimizers through px.optim_from_torch, each
 against eager torch.optim on random data (fp32, 1e-6), with states on the device and on the host; the plan's state
-bytes; checkpoints; and the clear errors for optimizers that cannot run on flat chunks."""
+bytes; checkpoints; and the clear errors for optimizers that cannot run on flat chunks. Under PSTAR_TEST_DEVICE=cuda
+the training test runs on the GPU (each optimizer's device update; the host-placed chunks' updates on the CPU)."""
+import functools
 import os
 
 import pytest
@@ -14,7 +16,7 @@ from pstar_fx.ir.needs import state_bytes, state_layout
 from pstar_fx.optim import probe
 from pstar_fx.runtime.optimizers import host_update
 
-from harness import fetch_counts, rel_err
+from harness import DEVICE, fetch_counts, host_params, rel_err
 from models import CASES_BY_NAME, assert_state_close
 
 CASE = CASES_BY_NAME["mlp_ce"]
@@ -43,34 +45,77 @@ def describe(name, params=None, **override):
     return make(params, **opts) if make is not None else px.optim_from_torch(cls, params, **opts)
 
 
-def compiled(name, budget=None, **kw):
+def compiled(name, budget=None, device="cpu", **kw):
     model = CASE.build_model()
     kw.setdefault("chunk_size", CHUNK)
-    return px.compile(model, optimizer=describe(name), device="cpu", device_memory=budget, debug=True,
+    return px.compile(model, optimizer=describe(name), device=device, device_memory=budget, debug=True,
                       **kw)(CASE.loss_fn)
 
 
-def eager(name, steps):
+class EagerSplit:
+    """The eager torch optimizer `cls` over the model on `device`, the parameters named in `host` updated on the CPU
+    on copies (as pstar-fx does for chunks whose states it placed on the host: on a GPU, torch's CPU and CUDA kernels
+    may round differently). state_dict() as one optimizer over model.parameters() would give it (states on the CPU)."""
+
+    def __init__(self, model, cls, opts, host=()):
+        self.order = list(model.named_parameters())
+        self.copies = {n: p.detach().cpu().clone() for n, p in self.order if n in host}
+        device = [p for n, p in self.order if n not in host]
+        self.opts = [cls(ps, **opts) for ps in (device, list(self.copies.values())) if ps]
+
+    def step(self):
+        for n, p in self.order:
+            if n in self.copies:
+                self.copies[n].grad = p.grad.cpu()
+        for opt in self.opts:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for n, p in self.order:
+                if n in self.copies:
+                    p.copy_(self.copies[n])
+                    p.grad = None
+
+    def state_dict(self):
+        if not self.copies:
+            return self.opts[0].state_dict()
+        state = {}
+        for i, (n, p) in enumerate(self.order):
+            held = self.copies.get(n, p)
+            for opt in self.opts:
+                if held in opt.state:
+                    state[i] = {k: torch.as_tensor(v).cpu() if torch.is_tensor(v) else v
+                                for k, v in opt.state[held].items()}
+        group = {k: v for k, v in self.opts[0].state_dict()["param_groups"][0].items() if k != "params"}
+        return {"state": state, "param_groups": [{**group, "params": list(range(len(self.order)))}]}
+
+
+def eager(name, steps, host=(), device="cpu"):
+    """`steps` steps of the eager optimizer on `device`, the parameters named in `host` updated on the CPU."""
     _, cls, opts = OPTIMIZERS[name]
-    model = CASE.build_model()
-    opt = cls(model.parameters(), **opts)
+    model = CASE.build_model().to(device)
+    opt = EagerSplit(model, cls, opts, host)
     losses = []
     for i in range(steps):
-        loss = CASE.loss_fn(model, *CASE.batch(i))
+        loss = CASE.loss_fn(model, *[x.to(device) for x in CASE.batch(i)])
         loss.backward()
         opt.step()
-        opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
     return losses, model.state_dict(), opt
 
 
+@functools.lru_cache(maxsize=None)
+def tight_on(device: str) -> int:
+    """A budget just above the least the case runs in on `device`: most chunks are evicted and most states live on
+    the host. Probed with two micro-batches, the most any test here asks for (a later micro-batch's gradient is made
+    before it is added into its chunk; the first one's is computed in the chunk)."""
+    probe_step = compiled("sgd_plain", accumulate=2, device=device)
+    return int(probe_step.min_device_memory(*CASE.batch(0)) * 1.05)
+
+
 @pytest.fixture(scope="module")
 def tight():
-    """A budget just above the least the case runs in: most chunks are evicted and most states live on the host.
-    Probed with two micro-batches, the most any test here asks for (a later micro-batch's gradient is made before it
-    is added into its chunk; the first one's is computed in the chunk)."""
-    probe_step = compiled("sgd_plain", accumulate=2)
-    return int(probe_step.min_device_memory(*CASE.batch(0)) * 1.05)
+    return tight_on("cpu")
 
 
 def assert_optimizer_state_close(step, opt):
@@ -84,13 +129,16 @@ def assert_optimizer_state_close(step, opt):
         [{k: v for k, v in g.items() if k != "params"} for g in theirs["param_groups"]]
 
 
+@pytest.mark.cuda
 @pytest.mark.parametrize("placement", ["device", "host"])
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
-def test_each_optimizer_trains_as_eager(name, placement, tight):
-    budget = tight if placement == "host" else None
-    step = compiled(name, budget)
+def test_each_optimizer_trains_as_eager(name, placement):
+    """On DEVICE (the GPU under PSTAR_TEST_DEVICE=cuda): states on the device, or most on the host (updated by the
+    CPU, as the eager reference does for those parameters)."""
+    budget = tight_on(DEVICE) if placement == "host" else None
+    step = compiled(name, budget, device=DEVICE)
     losses = [step(*CASE.batch(i)).item() for i in range(STEPS)]
-    ref_losses, ref_sd, opt = eager(name, STEPS)
+    ref_losses, ref_sd, opt = eager(name, STEPS, host_params(step), device=DEVICE)
     g = step.graphs["scheduled"]
     homes = {c.state_home for c in g.chunks if c.state_home is not None}
     if placement == "host":
