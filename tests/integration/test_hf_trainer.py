@@ -6,7 +6,8 @@ the same model, seed and data: every logged loss, grad norm and learning rate, e
 weights agree. Tolerance: 1e-5 relative on losses and norms and 1e-6 absolute on weights, the suite's fp32 bound for
 a compiled step against eager (docs/design.md#numerics); on this CPU they agree bit for bit. Saving at step k and
 `resume_from_checkpoint` continues bit for bit; `save_model` writes safetensors that `from_pretrained` loads.
-Under PSTAR_TEST_DEVICE=cuda both trainers run on the GPU (`use_cpu=False`), at the same tolerances.
+Under PSTAR_TEST_DEVICE=cuda both trainers run on the GPU (`use_cpu=False`): the logged figures at the same
+tolerance, the weights to WEIGHTS_ATOL (see there).
 """
 import os
 
@@ -24,6 +25,11 @@ from harness import DEVICE  # noqa: E402
 pytestmark = pytest.mark.cuda
 
 T, V = 16, 64
+# The final weights of a pstar-fx run against a plain Trainer's. On the CPU they agree bit for bit (1e-6 is the
+# suite's fp32 bound). On a GPU the compiled step sums some gradients in another order than eager code (the tied
+# embedding's two uses, a bias's rows), and Adam turns the last-bit differences of near-zero gradients into visible
+# ones: GPT-2's key bias, whose exact gradient is 0 (the softmax ignores it), ended 1.1e-5 apart on an H100.
+WEIGHTS_ATOL = 1e-6 if DEVICE == "cpu" else 1e-4
 
 
 class Tokens(torch.utils.data.Dataset):
@@ -124,7 +130,7 @@ def test_trains_like_a_plain_trainer(tmp_path):
     # train() gave the values back: the model is usable eagerly, and equal to the plain Trainer's
     trained = cpu_state(px_trainer.model)
     for k, v in cpu_state(eager.model).items():
-        torch.testing.assert_close(trained[k], v, rtol=0, atol=1e-6)
+        torch.testing.assert_close(trained[k], v, rtol=0, atol=WEIGHTS_ATOL, msg=lambda m, k=k: f"{k}: {m}")
     batch = Tokens(4, seed=3).ids
     torch.testing.assert_close(px_trainer.model(on_device_of(px_trainer.model, batch)).logits.cpu(),
                                eager.model(on_device_of(eager.model, batch)).logits.cpu(), rtol=1e-5, atol=1e-6)
@@ -323,7 +329,7 @@ def test_a_plain_trainer_resumes_a_pstar_fx_checkpoint_exactly(tmp_path):
     plain.train(resume_from_checkpoint=str(ckpt))
     final = cpu_state(whole.model)
     for k, v in cpu_state(plain.model).items():
-        torch.testing.assert_close(v, final[k], rtol=0, atol=1e-6, msg=k)
+        torch.testing.assert_close(v, final[k], rtol=0, atol=WEIGHTS_ATOL, msg=lambda m, k=k: f"{k}: {m}")
 
 
 class Interrupt(TrainerCallback):

@@ -48,6 +48,7 @@ def describe(name, params=None, **override):
 def compiled(name, budget=None, device="cpu", **kw):
     model = CASE.build_model()
     kw.setdefault("chunk_size", CHUNK)
+    kw.setdefault("precision", "fp32")           # (px.compile's default on CUDA is bf16)
     return px.compile(model, optimizer=describe(name), device=device, device_memory=budget, debug=True,
                       **kw)(CASE.loss_fn)
 
@@ -105,17 +106,19 @@ def eager(name, steps, host=(), device="cpu"):
 
 
 @functools.lru_cache(maxsize=None)
-def tight_on(device: str) -> int:
-    """A budget just above the least the case runs in on `device`: most chunks are evicted and most states live on
-    the host. Probed with two micro-batches, the most any test here asks for (a later micro-batch's gradient is made
-    before it is added into its chunk; the first one's is computed in the chunk)."""
-    probe_step = compiled("sgd_plain", accumulate=2, device=device)
+def tight_on(device: str, name: str = "sgd_plain", accumulate: int = 1) -> int:
+    """A budget just above the least the case runs in on `device` with optimizer `name`: most chunks are evicted and
+    most states live on the host."""
+    probe_step = compiled(name, accumulate=accumulate, device=device)
     return int(probe_step.min_device_memory(*CASE.batch(0)) * 1.05)
 
 
 @pytest.fixture(scope="module")
 def tight():
-    return tight_on("cpu")
+    """The CPU's tight budget for the tests on the CPU, probed with two micro-batches, the most any of them asks for
+    (a later micro-batch's gradient is made before it is added into its chunk; the first one's is computed in the
+    chunk)."""
+    return tight_on("cpu", accumulate=2)
 
 
 def assert_optimizer_state_close(step, opt):
@@ -135,7 +138,7 @@ def assert_optimizer_state_close(step, opt):
 def test_each_optimizer_trains_as_eager(name, placement):
     """On DEVICE (the GPU under PSTAR_TEST_DEVICE=cuda): states on the device, or most on the host (updated by the
     CPU, as the eager reference does for those parameters)."""
-    budget = tight_on(DEVICE) if placement == "host" else None
+    budget = tight_on(DEVICE, name) if placement == "host" else None
     step = compiled(name, budget, device=DEVICE)
     losses = [step(*CASE.batch(i)).item() for i in range(STEPS)]
     ref_losses, ref_sd, opt = eager(name, STEPS, host_params(step), device=DEVICE)
