@@ -79,11 +79,14 @@ def _has_reentrant_checkpoint(fn) -> bool:
 
 def gradients(loss: torch.Tensor, leaves: list[torch.Tensor]) -> list[torch.Tensor | None]:
     """d loss / d leaves (None where the loss does not reach a leaf). A reentrant checkpoint refuses
-    torch.autograd.grad, so then the gradients are accumulated into the (fresh) leaves by `.backward()`, as eager
-    training does."""
+    torch.autograd.grad, so then the gradients are accumulated into the leaves by `.backward()`, as eager training
+    does, each leaf's `.grad` cleared first: with gradient accumulation the same leaves serve every micro-batch, and
+    autograd would add this micro-batch's gradients into the previous one's tensors in place (which the caller holds
+    as that micro-batch's gradients)."""
     if not _has_reentrant_checkpoint(loss.grad_fn):
         return list(torch.autograd.grad(loss, leaves, allow_unused=True))
-    assert all(leaf.grad is None for leaf in leaves)
+    for leaf in leaves:
+        leaf.grad = None
     torch.autograd.backward(loss)
     return [leaf.grad for leaf in leaves]
 
