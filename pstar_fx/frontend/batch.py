@@ -1,6 +1,7 @@
 """A step's batch as its tensor leaves plus what rebuilds it, and the signature a compiled trace is keyed by."""
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import optree
@@ -62,6 +63,9 @@ def flatten_batch(batch: tuple) -> FlatBatch:
         try:
             hash(x)
         except TypeError:
+            if isinstance(x, Mapping):
+                raise TypeError(f"step(*batch): {leaf_name(path)} is a {type(x).__name__}, a mapping but not a "
+                                "dict: pass dict(...) of it (a tokenizer's or collator's BatchEncoding too)") from None
             raise TypeError(f"step(*batch): {leaf_name(path)} is a {type(x).__name__}, neither a tensor nor "
                             "hashable; pass tensors (in tuples, lists or dicts) and plain constants") from None
         consts.append((leaf_name(path), type(x), "nan" if x != x else x))    # (NaN != NaN: a new key every call)

@@ -20,7 +20,8 @@ Trainer does, and what pstar-fx does instead:
   compiled step updated already), so the Trainer's scheduler sets the lr every compiled step reads.
 - `max_grad_norm`: clipping inside the step; the logged grad_norm is `step.last_step.grad_norm`.
 - Evaluation (`evaluate()`, `eval_strategy`, `predict()`): a forward-only pstar-fx function
-  (`px.compile(model, optimizer=None)`) over the same `compute_loss`, reading the training step's chunks in place.
+  (`px.compile(model, optimizer=None)`) over the same `compute_loss`, reading the training step's chunks in place;
+  compiled again for a new model (`model_init`).
 - Saving (`save_steps`, `save_model`): the values are given back to the model (`sync_model`) and saved by the Trainer
   in Hugging Face format (safetensors); a checkpoint-N folder also holds `pstar_fx/` (`step.save`: model, optimizer,
   loss scaler, RNG), which `resume_from_checkpoint` loads (`step.load`), so a resumed run continues bit for bit.
@@ -32,6 +33,7 @@ auto_find_batch_size, NEFTune, Liger kernels.
 """
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -60,6 +62,7 @@ class PstarTrainer(Trainer):
         self._remat, self._atomic = remat, atomic
         self._step: CompiledStep | None = None
         self._eval = None                          # the forward-only function, compiled at the first evaluation
+        self._eval_model = None                    # the model it was compiled for (model_init may build another)
         self._group: list[dict] = []               # micro-batches of the accumulation group so far
         self._group_size = 0
         self._group_items = None                   # the group's num_items_in_batch
@@ -111,14 +114,33 @@ class PstarTrainer(Trainer):
         loss = self.compute_loss(model, inputs, num_items_in_batch=n)
         return loss * scale if scale != 1 else loss
 
+    def get_train_dataloader(self):
+        """The Trainer's, checked before training starts: every accumulation group the run reaches must be whole."""
+        loader = super().get_train_dataloader()
+        try:
+            batches = len(loader)
+        except TypeError:            # an iterable dataset: get_batch_samples checks each group as it comes
+            return loader
+        k, args = self.args.gradient_accumulation_steps, self.args
+        per_epoch = max(math.ceil(batches / k), 1)                  # the Trainer's updates per epoch
+        steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * per_epoch)
+        if batches % k and steps >= per_epoch:
+            raise ValueError(self._short_group(batches % k, f"{batches} batches per epoch"))
+        return loader
+
+    def _short_group(self, size: int, where: str) -> str:
+        k, b = self.args.gradient_accumulation_steps, self.args.per_device_train_batch_size
+        return (f"PstarTrainer: {where} leave a last accumulation group of {size} micro-batches, not "
+                f"gradient_accumulation_steps={k}: the pstar-fx step is compiled for groups of {k}. Make the batches "
+                f"per epoch a multiple of {k}: train on a multiple of per_device_train_batch_size x "
+                f"gradient_accumulation_steps = {b * k} examples (dataloader_drop_last=True alone drops only a short "
+                "last batch, not a short group), choose a gradient_accumulation_steps that divides the batches per "
+                "epoch, or stop before the epoch's end with max_steps")
+
     def get_batch_samples(self, epoch_iterator, num_batches: int, device):
         batch_samples, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
         if batch_samples and len(batch_samples) != self.args.gradient_accumulation_steps:
-            raise ValueError(
-                f"PstarTrainer: an accumulation group of {len(batch_samples)} micro-batches, not "
-                f"gradient_accumulation_steps={self.args.gradient_accumulation_steps}: the pstar-fx step is compiled "
-                "for whole groups. Make the number of batches per epoch a multiple of gradient_accumulation_steps "
-                "(the dataset size, per_device_train_batch_size, dataloader_drop_last=True)")
+            raise ValueError(self._short_group(len(batch_samples), "the training data's batches"))
         self._group, self._group_size, self._group_items = [], len(batch_samples), num_items
         return batch_samples, num_items
 
@@ -181,7 +203,7 @@ class PstarTrainer(Trainer):
         if return_loss is None:
             return_loss = self.can_return_loss
         has_loss = has_labels or (not self.label_names and bool(return_loss))
-        inputs = self._prepare_inputs(inputs)
+        inputs = dict(self._prepare_inputs(inputs))       # (a collator's BatchEncoding is a mapping, not a dict)
         if ignore_keys is None:
             config = getattr(self.model, "config", None)
             ignore_keys = [] if config is None else getattr(config, "keys_to_ignore_at_inference", ["cache"])
@@ -191,10 +213,11 @@ class PstarTrainer(Trainer):
                            for name in self.label_names)
             labels = labels[0] if len(labels) == 1 else labels
         num_items = self._get_num_items_in_batch([inputs], self.args.device) if has_loss else None
-        if self._eval is None:
+        if self._eval is None or self._eval_model is not self.model:
             opts = self._options
             self._eval = px_compile(self.model, optimizer=None, precision=opts.precision, device=opts.device,
                                     **self._memory)(self._eval_outputs)
+            self._eval_model = self.model
         out = self._eval(inputs, num_items, has_loss, prediction_loss_only)
         loss = out.get("loss")
         if prediction_loss_only:

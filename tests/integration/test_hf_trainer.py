@@ -371,3 +371,54 @@ def test_a_lora_checkpoint_holds_the_adapters_and_resumes_bit_for_bit(tmp_path):
     final = cpu_state(whole.model)
     for k, v in cpu_state(resumed.model).items():
         assert torch.equal(v, final[k]), k
+
+
+def test_evaluate_takes_a_collators_batch_encoding(tmp_path):
+    """transformers' collators return a BatchEncoding (a mapping, not a dict): evaluation takes it as the plain
+    Trainer does (training already did: the group is stacked into a dict)."""
+    def collate(features):
+        return transformers.BatchEncoding({k: torch.stack([f[k] for f in features]) for k in features[0]})
+    losses = {}
+    for cls in (PstarTrainer, Trainer):
+        trainer = cls(model=tiny_gpt2(), args=arguments(tmp_path / cls.__name__), eval_dataset=Tokens(8, seed=2),
+                      data_collator=collate)
+        losses[cls] = trainer.evaluate()["eval_loss"]
+    assert losses[PstarTrainer] == pytest.approx(losses[Trainer], rel=1e-5)
+
+
+def test_model_init_evaluates_each_trials_model(tmp_path):
+    """model_init (what hyperparameter_search uses) builds a new model at each train(): evaluation scores that one,
+    as the plain Trainer's does, not the model evaluated first."""
+    scores = {}
+    for cls in (PstarTrainer, Trainer):
+        seeds = iter(range(4))
+
+        def init():
+            torch.manual_seed(next(seeds))
+            return GPT2LMHeadModel(GPT2Config(vocab_size=V, n_positions=T, n_embd=32, n_layer=2, n_head=2,
+                                              resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+        trainer = cls(model_init=init, args=arguments(tmp_path / cls.__name__, max_steps=3, eval_strategy="no"),
+                      train_dataset=Tokens(32, seed=1), eval_dataset=Tokens(8, seed=2))
+        scores[cls] = []
+        for _ in range(2):
+            trainer.train()
+            scores[cls].append(trainer.evaluate()["eval_loss"])
+    assert scores[Trainer][0] != scores[Trainer][1]
+    assert scores[PstarTrainer] == pytest.approx(scores[Trainer], rel=1e-5)
+
+
+def test_a_short_last_accumulation_group_is_refused_before_training(tmp_path):
+    """8 batches an epoch at gradient_accumulation_steps=3 leave a group of 2, which the compiled step cannot take:
+    refused before the first step, saying what to change (dataloader_drop_last=True does not help); with max_steps
+    ending before the epoch's last group the run goes ahead."""
+    def make(**kw):
+        return PstarTrainer(model=tiny_gpt2(), args=arguments(tmp_path, gradient_accumulation_steps=3,
+                                                              eval_strategy="no", dataloader_drop_last=True, **kw),
+                            train_dataset=Tokens(32, seed=1))
+    trainer = make(num_train_epochs=1)
+    with pytest.raises(ValueError, match=r"8 batches per epoch leave a last accumulation group of 2 .*12 examples"):
+        trainer.train()
+    assert trainer.state.global_step == 0 and (trainer.step is None or trainer.step.last_step is None)
+    ahead = make(max_steps=2)
+    ahead.train()
+    assert ahead.state.global_step == 2

@@ -1,6 +1,7 @@
 """Tracing and inputs: a model never left changed by a failed trace, autocast mixed precision with inputs in
 their own dtype, grad-mode and argument errors, the budget a step needs, signature stability and the trace cache,
 chunk padding, float64 inputs."""
+import collections
 import subprocess
 import sys
 import warnings
@@ -400,6 +401,8 @@ def test_constants_change_the_signature_and_unhashable_ones_are_named():
     assert a != b and a.without_constants() == b.without_constants()
     with pytest.raises(TypeError, match=r"batch\[1\]\['tags'\] is a set.*neither a tensor nor hashable"):
         flatten_batch((torch.randn(2), {"tags": {1, 2}, "x": torch.randn(1)}))
+    with pytest.raises(TypeError, match=r"batch\[0\] is a UserDict, a mapping but not a dict: pass dict\(\.\.\.\)"):
+        flatten_batch((collections.UserDict(x=torch.randn(2)),))      # (transformers' BatchEncoding is one)
     nan = flatten_batch((torch.randn(2), float("nan"))).signature
     assert nan == flatten_batch((torch.randn(2), float("nan"))).signature      # NaN != NaN: not a new key each call
 
