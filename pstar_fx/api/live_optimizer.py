@@ -36,7 +36,8 @@ import copy
 import torch
 import torch.nn as nn
 
-from ..errors import DistributedError
+from ..checkpoint.checks import optimizer_state_dict
+from ..errors import CheckpointError, DistributedError
 from ..ir.graph import ChunkGroup
 from ..optim import (ADAM_STATE, OptimizerLayout, OptimizerSpec, StateDtype, StateLayout, TorchConfig, check_group,
                      check_options, is_adam, probe)
@@ -353,6 +354,10 @@ class _Live:
         return {f"{n} {k}": v for n, s in states.items() for k, v in (s.items() if isinstance(s, dict) else [("", s)])}
 
     def _load(self, state_dict) -> None:
+        try:            # all of it checked before any of it is applied: a refused state dict changes nothing
+            optimizer_state_dict(self, state_dict, "the state dict", call="step.optimizer.load_state_dict")
+        except CheckpointError as e:
+            raise ValueError(str(e)) from None
         old_groups = self.param_groups
         super().load_state_dict(state_dict)
         loaded = {self._name_of[id(t)]: s for t, s in self.state.items() if isinstance(t, torch.Tensor)}

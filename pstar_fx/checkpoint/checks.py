@@ -7,6 +7,8 @@ what is wrong; none changes anything.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 import math
 
 import torch
@@ -64,68 +66,84 @@ def _plain(x) -> bool:
     return x is None or isinstance(x, (bool, int, float, str))
 
 
-def param_groups(opt, groups, where: str) -> None:
+@functools.cache
+def _option_names() -> frozenset[str]:
+    """The options torch.optim's optimizers' constructors take (lr, betas, momentum, ...): a group key among them
+    that this optimizer does not take marks another optimizer's group; any other key (a scheduler's 'initial_lr',
+    torch's 'param_names', a name of the user's) rides along, as torch keeps it."""
+    names = set()
+    for cls in vars(torch.optim).values():
+        if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer):
+            names |= set(inspect.signature(cls.__init__).parameters)
+    return frozenset(names - {"self", "params", "args", "kwargs"})
+
+
+def param_groups(opt, groups, where: str, call: str = "step.load") -> None:
     """Saved param_groups fit this optimizer: as many groups, each over the same parameter indices as its state_dict()
-    packs them, with options the optimizer accepts."""
+    packs them, with the options the optimizer takes (and no other optimizer's: `_option_names`)."""
     index: dict[int, int] = {}
     want = [[index.setdefault(id(t), len(index)) for t in g["params"]] for g in opt.param_groups]
     if not isinstance(groups, list) or len(groups) != len(want):
-        raise CheckpointError(f"step.load: {where}: the optimizer's param_groups are not {len(want)} groups like "
+        raise CheckpointError(f"{call}: {where}: the optimizer's param_groups are not {len(want)} groups like "
                               "this optimizer's (saved from another model or another grouping)")
     for i, (g, w) in enumerate(zip(groups, want)):
         if not isinstance(g, dict) or not all(isinstance(k, str) for k in g) or g.get("params") != w:
-            raise CheckpointError(f"step.load: {where}: param_groups[{i}] does not hold the parameters this "
+            raise CheckpointError(f"{call}: {where}: param_groups[{i}] does not hold the parameters this "
                                   "optimizer's group holds (saved from another model or another grouping)")
         if not all(_plain(v) for k, v in g.items() if k != "params"):
-            raise CheckpointError(f"step.load: {where}: param_groups[{i}] has options that are not plain values")
-        mine = set(opt.param_groups[i]) - {"params"}
-        if set(g) - {"params"} != mine:
+            raise CheckpointError(f"{call}: {where}: param_groups[{i}] has options that are not plain values")
+        mine, saved = set(opt.defaults), set(g) - {"params"}
+        if mine - saved or (saved - mine) & _option_names():
             raise CheckpointError(
-                f"step.load: {where}: param_groups[{i}] has the options {sorted(set(g) - {'params'})}, "
+                f"{call}: {where}: param_groups[{i}] has the options {sorted(saved & _option_names())}, "
                 f"torch.optim.{opt.torch_class.__name__}'s are {sorted(mine)}: saved from another optimizer (load it "
                 "into a step compiled with that optimizer)")
         try:
-            opt.check_group(f"step.load: {where}: param_groups[{i}]", g)
+            opt.check_group(f"{call}: {where}: param_groups[{i}]", g)
         except KeyError as e:
-            raise CheckpointError(f"step.load: {where}: param_groups[{i}] lacks the option {e}") from None
+            raise CheckpointError(f"{call}: {where}: param_groups[{i}] lacks the option {e}") from None
         except ValueError as e:
             raise CheckpointError(str(e)) from None
 
 
 def optimizer_state(state: StepState, sd, where: str) -> None:
+    """optimizer_state_dict over the step's optimizer, for step.load."""
+    optimizer_state_dict(state.optimizer, sd, where)
+
+
+def optimizer_state_dict(opt, sd, where: str, call: str = "step.load") -> None:
     """The optimizer's state dict in torch's format over this optimizer: groups as `param_groups` checks, and each
     state entry an index of one of its parameters with the keys its group keeps (`state_keys`): floating tensors of
     its shape (Adam's 'exp_avg', 'exp_avg_sq'), finite 0-d numbers (Adam's 'step' a whole number >= 1)."""
-    opt = state.optimizer
     if not isinstance(sd, dict) or set(sd) != {"state", "param_groups"} or not isinstance(sd["state"], dict):
-        raise CheckpointError(f"step.load: {where} is not an optimizer state dict ({{'state', 'param_groups'}})")
-    param_groups(opt, sd["param_groups"], where)
+        raise CheckpointError(f"{call}: {where} is not an optimizer state dict ({{'state', 'param_groups'}})")
+    param_groups(opt, sd["param_groups"], where, call)
     index = opt.entries()
     for i, s in sd["state"].items():
         if not _count(i) or not 0 <= i < len(index):
-            raise CheckpointError(f"step.load: {where}: state for parameter index {i!r}, this optimizer has "
+            raise CheckpointError(f"{call}: {where}: state for parameter index {i!r}, this optimizer has "
                                   f"{len(index)} parameters")
         shape = tuple(index[i][0].shape)
         group = next(gi for gi, g in enumerate(opt.param_groups) if any(t is index[i][0] for t in g["params"]))
         vectors, scalars = opt.state_keys(group, sd["param_groups"][group])
         if not isinstance(s, dict) or set(s) != set(vectors + scalars) \
                 or not all(isinstance(v, torch.Tensor) for v in s.values()):
-            raise CheckpointError(f"step.load: {where}: the state of parameter {i} ('{index[i][1]}') is not "
+            raise CheckpointError(f"{call}: {where}: the state of parameter {i} ('{index[i][1]}') is not "
                                   f"{opt.torch_class.__name__}'s {', '.join(scalars + vectors)} tensors (saved from "
                                   "another optimizer, or with other options)")
         for key in scalars:
             value = s[key]
             if value.numel() != 1 or value.dtype.is_complex or value.dtype == torch.bool \
                     or not math.isfinite(float(value.reshape(()))):
-                raise CheckpointError(f"step.load: {where}: '{key}' of parameter {i} ('{index[i][1]}') is not a "
+                raise CheckpointError(f"{call}: {where}: '{key}' of parameter {i} ('{index[i][1]}') is not a "
                                       "finite number")
         if opt.is_adam and not _whole(float(s["step"].reshape(()))):
-            raise CheckpointError(f"step.load: {where}: the step count of parameter {i} ('{index[i][1]}') is not a "
+            raise CheckpointError(f"{call}: {where}: the step count of parameter {i} ('{index[i][1]}') is not a "
                                   "whole number >= 1")
         for key in vectors:
             v = s[key]
             if not v.is_floating_point() or tuple(v.shape) != shape:
-                raise CheckpointError(f"step.load: {where}: '{key}' of parameter {i} ('{index[i][1]}') is {v.dtype} "
+                raise CheckpointError(f"{call}: {where}: '{key}' of parameter {i} ('{index[i][1]}') is {v.dtype} "
                                       f"of shape {tuple(v.shape)}, not a floating tensor of shape {shape}")
 
 

@@ -329,3 +329,28 @@ def test_a_checkpoint_leaving_out_what_the_step_trains_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"frozen=False\) leaves frozen parameters out of plain files"):
         a.save(tmp_path / "s", sharded=True, frozen=False)
     assert not (tmp_path / "s").exists()
+
+
+@pytest.mark.parametrize("scheduler_at", ["save", "load"])
+def test_a_schedulers_initial_lr_does_not_make_the_checkpoint_anothers(tmp_path, scheduler_at):
+    """A scheduler adds 'initial_lr' to the groups. A checkpoint saved with one loads into a step that has none yet
+    (its scheduler made after the load), and one saved without into a step that has one, as eager torch's
+    load_state_dict takes them; the run goes on as the uninterrupted one."""
+    def make():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 3))
+        return px.compile(model, optimizer=px.AdamW(lr=1e-2), device="cpu")(
+            lambda m, x, y: torch.nn.functional.cross_entropy(m(x), y))
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(6, 8, generator=g), torch.randint(0, 3, (6,), generator=g)) for _ in range(4)]
+    step = make()
+    if scheduler_at == "save":
+        torch.optim.lr_scheduler.LambdaLR(step.optimizer, lambda i: 1.0)
+    for b in batches[:2]:
+        step(*b)
+    step.save(tmp_path / "ckpt")
+    fresh = make()
+    if scheduler_at == "load":
+        torch.optim.lr_scheduler.LambdaLR(fresh.optimizer, lambda i: 1.0)
+    fresh.load(tmp_path / "ckpt")
+    assert [step(*b).item() for b in batches[2:]] == [fresh(*b).item() for b in batches[2:]]

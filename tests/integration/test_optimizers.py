@@ -343,10 +343,17 @@ def test_adam_with_decoupled_weight_decay_is_adamw_and_another_optimizers_state_
     adagrad = torch.optim.Adagrad(model.parameters(), lr=0.1)
     CASE.loss_fn(model, *CASE.batch(0)).backward()
     adagrad.step()
+    sgd = px.compile(CASE.build_model(), optimizer=px.SGD(lr=0.1, momentum=0.9), device="cpu")(CASE.loss_fn)
+    sgd(*CASE.batch(0))
     before = step.optimizer.state_dict()
-    with pytest.raises(ValueError, match="the group has no betas: not an Adam group"):
-        step.optimizer.load_state_dict(adagrad.state_dict())
-    assert step.optimizer.param_groups[0]["betas"] == before["param_groups"][0]["betas"]
+    for other in (adagrad.state_dict(), sgd.optimizer.state_dict()):
+        with pytest.raises(ValueError, match=r"load_state_dict: the state dict: param_groups\[0\] has the options "
+                                             r"\[.*\], torch.optim.AdamW's are \[.*'betas'.*saved from another optimizer"):
+            step.optimizer.load_state_dict(other)
+        after = step.optimizer.state_dict()            # checked before anything was applied: nothing changed
+        assert after["param_groups"] == before["param_groups"]
+        assert all(torch.equal(v, after["state"][i][k]) for i, s in before["state"].items() for k, v in s.items())
+    step(*CASE.batch(1))
 
 
 def test_an_update_that_reads_whole_tensors_is_detected():
