@@ -347,8 +347,9 @@ def test_adam_with_decoupled_weight_decay_is_adamw_and_another_optimizers_state_
     sgd(*CASE.batch(0))
     before = step.optimizer.state_dict()
     for other in (adagrad.state_dict(), sgd.optimizer.state_dict()):
-        with pytest.raises(ValueError, match=r"load_state_dict: the state dict: param_groups\[0\] has the options "
-                                             r"\[.*\], torch.optim.AdamW's are \[.*'betas'.*saved from another optimizer"):
+        refused = (r"load_state_dict: the state dict: param_groups\[0\] has the options \[.*\], "
+                   r"torch.optim.AdamW's are \[.*'betas'.*saved from another optimizer")
+        with pytest.raises(ValueError, match=refused):
             step.optimizer.load_state_dict(other)
         after = step.optimizer.state_dict()            # checked before anything was applied: nothing changed
         assert after["param_groups"] == before["param_groups"]
