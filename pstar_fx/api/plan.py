@@ -116,6 +116,7 @@ class PlanReport:
     states_on_disk: int = 0          # trainable chunks whose optimizer states live on disk
     device_headroom: int = 0         # device memory left beside the plan when the budget is the machine's
     fused: tuple[int, int] | None = None   # fuse=True: (regions, the compute nodes they replace)
+    disk_memory: int | None = None   # the disk tier's capacity per GPU (disk_memory; None: no disk tier)
 
     @property
     def device_per_gpu(self) -> int:
@@ -127,7 +128,8 @@ class PlanReport:
         """Each tier's bytes against its capacity: the device per GPU, host memory and disk per node."""
         return (TierUse(Tier.DEVICE, self.device_per_gpu, self.device_memory),
                 TierUse(Tier.HOST, self.host_per_node, self.host_memory),
-                TierUse(Tier.DISK, self.disk_per_node, None))
+                TierUse(Tier.DISK, self.disk_per_node,
+                        None if self.disk_memory is None else self.disk_memory * self.ranks_per_node))
 
     @property
     def shortfalls(self) -> tuple[TierUse, ...]:
@@ -418,7 +420,8 @@ def plan(model: nn.Module, loss_fn, *batch, world_size: int = 1, device_memory=N
     flops = model_flops(traced, n_tokens)       # the traced graph's: no recompute yet, no attention inside a region
     common = dict(world_size=world_size, ranks_per_node=per_node, precision=prec, params=n_params, tokens=n_tokens,
                   device_memory=budget, host_memory=host, model_bytes=model_bytes, trace_seconds=traced.seconds,
-                  passes_seconds=passes_s, traced_on=dev.type, machine=machine, device_headroom=headroom)
+                  passes_seconds=passes_s, traced_on=dev.type, machine=machine, device_headroom=headroom,
+                  disk_memory=disk)
     if final is None:
         # no plan: the host figure is an estimate, every state on the host and every gradient written back
         params = sum(p.numel for p in traced.params if p.trainable)

@@ -27,6 +27,7 @@ import torch
 
 from ..cost import GPU, H200
 from ..models.gpt import GPT, GPTConfig, gpt_loss
+from ..errors import BudgetError
 from ..optim import AdamW
 from .plan import PlanReport, plan, resolve_machine
 
@@ -94,7 +95,9 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
-def main(argv=None) -> PlanReport:
+def main(argv=None) -> PlanReport | None:
+    """Prints the plan's report and returns it; None where no plan exists (a disk tier too small: the BudgetError's
+    message printed instead)."""
     parser = _parser()
     args = parser.parse_args(argv)
     if args.d_model % args.heads:
@@ -125,6 +128,9 @@ def main(argv=None) -> PlanReport:
                       max_grad_norm=args.max_grad_norm, machine=machine, atomic=not args.no_atomic,
                       optimizer=optimizer, disk_memory=args.disk_memory,
                       fuse=None if args.fuse_if_faster else args.fuse)
+    except BudgetError as e:                 # the disk tier too small for what host memory leaves it: no plan
+        print(f"DOES NOT FIT: {e}", file=sys.stderr)
+        return None
     except (ValueError, TypeError) as e:     # an option out of its range (px.compile's checks): a usage error
         parser.error(str(e))
     print(f"GPT {args.layers} layers x d={args.d_model}, {args.heads} heads, seq {args.seq}, vocab {args.vocab}"
@@ -135,7 +141,8 @@ def main(argv=None) -> PlanReport:
 
 def run(argv=None) -> int:
     """The console script (`pstar-fx-plan`): exit status 0 when the model fits, 1 when it does not."""
-    return 0 if main(argv).fits else 1
+    report = main(argv)
+    return 0 if report is not None and report.fits else 1
 
 
 if __name__ == "__main__":

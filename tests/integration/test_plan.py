@@ -219,16 +219,25 @@ def test_command_line_no_fit_and_px_plan_survive_importing_the_module(capsys):
 
 def test_command_line_plans_compressed_states_and_a_disk_tier(tmp_path, capsys):
     """--state-dtype int8 plans smaller optimizer states (less host memory than exact ones at the same budget);
-    --disk-memory with --host-memory plans the states that do not fit it on disk; --disk-memory alone is refused."""
-    from pstar_fx.api.plan_cli import main
+    --disk-memory with --host-memory plans the states that do not fit it on disk (the tier's capacity in `tiers`);
+    --disk-memory alone is refused."""
+    from pstar_fx.api.plan_cli import main, run
     tight = [*GPT_ARGS, "--device-memory", "1MB", "--gpus-per-node", "1"]
     exact, int8 = main(tight), main([*tight, "--state-dtype", "int8"])
     assert 0 < int8.host_bytes < exact.host_bytes
     on_disk = main([*tight, "--host-memory", str(exact.host_bytes * 2 // 3), "--disk-memory", "1GB"])
     assert on_disk.states_on_disk > 0 and on_disk.disk_bytes > 0 and on_disk.fits
+    disk = next(t for t in on_disk.tiers if t.tier.name == "DISK")
+    assert disk.capacity == 10**9 and disk.used == on_disk.disk_per_node and disk.fits
     with pytest.raises(SystemExit) as refused:
         main([*tight, "--disk-memory", "1GB"])
     assert refused.value.code == 2 and "--disk-memory plans a disk tier" in capsys.readouterr().err
+    # a disk tier too small: no plan; the reason on stderr and exit status 1 (does not fit), no traceback
+    small = [*tight, "--host-memory", str(exact.host_bytes * 2 // 3), "--disk-memory", "1KB"]
+    assert main(small) is None
+    err = capsys.readouterr().err
+    assert "DOES NOT FIT: disk_memory 1000 B (1000 bytes) is too small" in err and "Traceback" not in err
+    assert run(small) == 1
 
 
 @pytest.mark.parametrize("flags, says", [
