@@ -184,6 +184,11 @@ def check_group(cls: type, where: str, opts: Mapping[str, Any], *, construction:
     return opts
 
 
+def refuse_state_dtype(where: str, name: str):
+    raise ValueError(f"{where}: state_dtype is supported by px.Adam and px.AdamW only (their moments are what it "
+                     f"compresses); {name} keeps its states in fp32: drop state_dtype")
+
+
 def optim_from_torch(torch_class: type, params=None, **options) -> OptimizerSpec:
     """A torch.optim optimizer class (or a torch.optim.Optimizer subclass of your own) with its constructor's
     arguments, for px.compile: its update runs on chunk views (module docstring). Raises a ValueError naming the
@@ -203,8 +208,7 @@ def optim_from_torch(torch_class: type, params=None, **options) -> OptimizerSpec
     name = torch_class.__name__
     where = f"px.optim_from_torch({name})"
     if "state_dtype" in options:
-        raise ValueError(f"{where}: state_dtype is supported by px.Adam and px.AdamW only (their moments are what "
-                         f"it compresses); {name} keeps its states in fp32: drop state_dtype")
+        refuse_state_dtype(where, name)
     refuse_known(torch_class, where)
     groups = param_groups(name, params)
     defaults = check_group(torch_class, where, options, construction=True, strict=True)
@@ -225,7 +229,8 @@ def SGD(params=None, lr: float = 1e-3, momentum: float = 0.0, dampening: float =
     """SGD with torch.optim.SGD's arguments and meaning (torch's update, on chunk views). Without momentum it keeps
     no state: the plan counts 0 state bytes (in fp32; mixed precision keeps the fp32 master). A state_dtype is
     refused (ValueError): only px.Adam / px.AdamW compress their states."""
-    extra = {} if state_dtype is None else {"state_dtype": state_dtype}
+    if state_dtype is not None:
+        refuse_state_dtype("px.SGD", "SGD")
     return optim_from_torch(torch.optim.SGD, params, lr=lr, momentum=momentum, dampening=dampening,
                             weight_decay=weight_decay, nesterov=nesterov, maximize=maximize, foreach=foreach,
-                            differentiable=differentiable, fused=fused, **extra)
+                            differentiable=differentiable, fused=fused)

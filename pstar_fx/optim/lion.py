@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .elementwise import optim_from_torch
+from .elementwise import optim_from_torch, refuse_state_dtype
 from .spec import OptimizerSpec
 
 
@@ -54,6 +54,6 @@ def Lion(params=None, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99)
          maximize: bool = False, state_dtype=None) -> OptimizerSpec:
     """Lion (LionOptimizer's arguments and meaning) on chunk views; one per-element state, no step count. A
     state_dtype is refused (ValueError): only px.Adam / px.AdamW compress their states."""
-    extra = {} if state_dtype is None else {"state_dtype": state_dtype}
-    return optim_from_torch(LionOptimizer, params, lr=lr, betas=betas, weight_decay=weight_decay, maximize=maximize,
-                            **extra)
+    if state_dtype is not None:
+        refuse_state_dtype("px.Lion", "Lion")
+    return optim_from_torch(LionOptimizer, params, lr=lr, betas=betas, weight_decay=weight_decay, maximize=maximize)
