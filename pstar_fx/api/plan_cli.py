@@ -26,8 +26,8 @@ import sys
 import torch
 
 from ..cost import GPU, H200
-from ..models.gpt import GPT, GPTConfig, gpt_loss
 from ..errors import BudgetError
+from ..models.gpt import GPT, GPTConfig, gpt_loss
 from ..optim import AdamW
 from .plan import PlanReport, plan, resolve_machine
 

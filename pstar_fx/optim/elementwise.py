@@ -24,7 +24,7 @@ import functools
 import inspect
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, NoReturn
 
 import torch
 
@@ -184,7 +184,8 @@ def check_group(cls: type, where: str, opts: Mapping[str, Any], *, construction:
     return opts
 
 
-def refuse_state_dtype(where: str, name: str):
+def refuse_state_dtype(where: str, name: str) -> NoReturn:
+    """The ValueError for a state_dtype given to an optimizer other than Adam's (`where` names the call)."""
     raise ValueError(f"{where}: state_dtype is supported by px.Adam and px.AdamW only (their moments are what it "
                      f"compresses); {name} keeps its states in fp32: drop state_dtype")
 
