@@ -315,11 +315,18 @@ class _Live:
         self.load_compared(state_dict, compared=False)
 
     def load_compared(self, state_dict, compared: bool) -> None:
-        """load_state_dict; `compared`: the ranks compared what it comes from already (step.load, the checkpoint's
-        files), so with several ranks they check only that each is in it."""
+        """load_state_dict; `compared`: step.load, which compared the checkpoint's files across the ranks and checked
+        the state dict already (checkpoint/checks), so with several ranks they check only that each is in it."""
         comm = None if self._store is None else self._store.comm
-        if comm is not None and not compared:
-            self._check_same(comm, state_dict)
+        if not compared:
+            if comm is not None:
+                self._check_same(comm, state_dict)
+            # all of it checked before any of it is applied, as step.load's checks do (after the ranks agree that
+            # they hold the same state dict, so every rank refuses it alike): a refused state dict changes nothing
+            try:
+                optimizer_state_dict(self, state_dict, "the state dict", call="step.optimizer.load_state_dict")
+            except CheckpointError as e:
+                raise ValueError(str(e)) from None
         with collective_call(comm, LOAD, AFTER_WRITE, check=compared):
             self._load(state_dict)
 
@@ -354,10 +361,6 @@ class _Live:
         return {f"{n} {k}": v for n, s in states.items() for k, v in (s.items() if isinstance(s, dict) else [("", s)])}
 
     def _load(self, state_dict) -> None:
-        try:            # all of it checked before any of it is applied: a refused state dict changes nothing
-            optimizer_state_dict(self, state_dict, "the state dict", call="step.optimizer.load_state_dict")
-        except CheckpointError as e:
-            raise ValueError(str(e)) from None
         old_groups = self.param_groups
         super().load_state_dict(state_dict)
         loaded = {self._name_of[id(t)]: s for t, s in self.state.items() if isinstance(t, torch.Tensor)}
