@@ -17,9 +17,9 @@ that placement's estimated step exceeds its compute by more than WAITS, its busi
 lane (WAITED_ON), and the CPU's updates would take less than the device's compute, fewer device states may give a
 faster step (the freed memory keeps parameters resident instead of fetching them again): then placements with 1,
 2, 4, 8, ... fewer (the last in rank order back to the host) are scheduled (with the schedule pass's default
-prefetch, one rank's view) and estimated in turn until one is no faster, then those halfway to the fastest one's
-neighbours, and the fastest is kept. Device steps come first, in chunk order (the order the next forward needs
-them). Host steps, which the store's CPU worker runs one after another in graph order while the device goes on, come
+prefetch; on several ranks sharded, as the step runs) and estimated in turn until one is no faster, then those
+halfway to the fastest one's neighbours, and the fastest is kept. Device steps come first, in chunk order (the
+order the next forward needs them). Host steps, which the store's CPU worker runs one after another in graph order while the device goes on, come
 in the order `update_order` chooses from the cost model: each chunk's update can start once its gradient is final
 and written home and the executor has issued its step (with atomic=False right after the chunk's last use; otherwise
 after the commit, which the cost model has it issue when the device reaches the commit: every update released at
@@ -56,6 +56,7 @@ from ..ir.needs import (NO_NEEDS, all_needs, buf_bytes, host_bytes, needs, shard
 from ..units import format_bytes
 from .liveness import analyze
 from .schedule import schedule
+from .shard import shard
 from .offload import host_memory, offload_states
 from .update_sites import choose_streamed, no_stream_reason, no_undo_reason, undo_room
 
@@ -87,7 +88,7 @@ def place_optimizer(g: TrainGraph, machine: Machine = H200) -> TrainGraph:
     program_s = {n.name: s for n, s in zip(all_host.nodes, node_s)}
     best = _placed(g, all_host, most.chunks, machine, node_s, reuse=True)
     best_scheduled = schedule(best) if fewer else None
-    fullest = estimate(best_scheduled, machine, program_s=program_s) if fewer else None
+    fullest = _estimated(best_scheduled, machine, program_s) if fewer else None
     compute = sum(node_s)
     why = [_why_most(most)]
     if fullest is not None and fullest.seconds > compute * (1 + WAITS) and fullest.bound in WAITED_ON:
@@ -115,6 +116,12 @@ def place_optimizer(g: TrainGraph, machine: Machine = H200) -> TrainGraph:
         return out
     return out.evolve(scheduled=Scheduled(out.gm, out.ann, out.chunks, out.settings,
                                           best_scheduled.evolve(choices=choices)))
+
+
+def _estimated(scheduled: TrainGraph, machine: Machine, program_s: dict):
+    """The cost model's estimate of a scheduled placement as it will run: on several ranks after the shard pass (its
+    fetches all-gathers of shards, its host copies and updates per shard), not one rank's view of whole chunks."""
+    return estimate(shard(scheduled) if scheduled.settings.world > 1 else scheduled, machine, program_s=program_s)
 
 
 def _why_most(most: TrainGraph) -> str:
@@ -371,7 +378,7 @@ def _fewer_search(g: TrainGraph, all_host: TrainGraph, most: TrainGraph, fewer: 
         if host_budget is not None and host_bytes(scheduled) > host_budget:     # (no disk tier to take more)
             tried[back] = f"over {host_memory(g.settings)}"
             return False
-        tried[back] = seconds = estimate(scheduled, machine, program_s=program_s).seconds
+        tried[back] = seconds = _estimated(scheduled, machine, program_s).seconds
         if seconds < best_s:
             best, best_scheduled, best_s, kept = candidate, scheduled, seconds, back
             return True

@@ -152,11 +152,13 @@ def test_a_model_built_under_init_empty_trains_sharded(tmp_path):
     check_equal(results, ref_losses, ref_sd, world)
 
 
-@pytest.mark.parametrize("slack", ["x2.5"])
+@pytest.mark.parametrize("slack", ["x4.5"])
 def test_sharded_chunks_cast_from_their_masters_equal_host_homes(tmp_path, slack):
     """bf16 at world size 2 under a budget that keeps some states on the device and still evict those chunks: their
     all-gathers start from the device master (no host home); losses, parameters and optimizer states equal those of
-    the same plan with host homes, bitwise, with fewer bytes moved host -> device."""
+    the same plan with host homes, bitwise, with fewer bytes moved host -> device. (At 4.5 times the least budget
+    the plan keeps some chunks' states on the device and gathers them from their masters within the step; at 3
+    times and less the cost model finds the step faster with every state on the host.)"""
     world, batch, steps = 2, 4, 3
     args = ("--case", "hf_llama", "--batch", batch, "--steps", steps, "--precision", "bf16", "--budget", slack,
             "--chunk-size", 1024)

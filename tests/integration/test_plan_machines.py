@@ -335,3 +335,19 @@ def test_a_fused_plan_times_its_regions():
         main([*GPT_ARGS, "--fuse", "--fuse-if-faster"])
     with pytest.raises(ValueError, match="fuse must be True, False or None"):
         _plan(fuse="yes")
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_the_placement_search_estimates_the_step_as_it_runs(world):
+    """place_optimizer compares its placements by the estimate of the step as it will run: on several ranks after
+    the shard pass (all-gathers of shards, host copies of shards), not one rank's view of whole chunks, whose copies
+    are world times larger. The placement kept is estimated in its why line at the plan's final step time."""
+    need, _ = _need(world)
+    slow = dataclasses.replace(H200, matmul_flops=H200.matmul_flops / 1e4, hbm_bytes=H200.hbm_bytes / 1e4,
+                               fp32_matmul_flops=H200.fp32_matmul_flops / 1e4, h2d_bytes=H200.h2d_bytes / 1e3,
+                               d2h_bytes=H200.d2h_bytes / 1e3, host_node_s=1e-8)
+    rep = _plan(world_size=world, device_memory=int(need * 1.3), machine=slow)
+    why = [c.why for c in rep.graph.choices if c.made_by == "place_optimizer"]
+    assert why[1].startswith("that placement's step is estimated"), why     # copies bound it: fewer were tried
+    kept = rep.states_on_device
+    assert f"{kept} kept ({rep.step_seconds:.4g} s)" in why[1], (why[1], rep.step_seconds)
