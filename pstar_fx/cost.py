@@ -58,7 +58,6 @@ against (device memory per GPU, host memory per node, GPUs per node): `preset("h
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import enum
 import functools
 from dataclasses import dataclass, field
@@ -75,192 +74,9 @@ from .ir.graph import BufKind, Role, Settings, TrainGraph, UpdateSite
 from .ir.needs import (BufKey, all_needs, buf_bytes, from_master, shard_numel, state_bytes, state_layout,
                        undo_bytes)
 from .optim import ADAM_STATE
-from .units import format_bytes, parse_bytes
+from .machines import GPU, H200, Machine, gpu_named, preset  # noqa: F401 (re-exported: pstar_fx.cost.Machine, ...)
 
 INF = float("inf")
-GiB = 1 << 30
-
-
-# Machine fields that are fractions of 1
-_FRACTIONS = ("cpu_adam_under_copies", "cpu_adam_beside_backward", "cpu_adam_beside_fused", "fused_fraction",
-              "attention_efficiency", "flash_attention_efficiency", "efficient_attention_efficiency")
-
-
-@dataclass(frozen=True)
-class Machine:
-    """Rates of one GPU, its share of the host, and the network between GPUs. Bytes and FLOPs per second."""
-    # measured on one H200 (docs/measurements.md)
-    matmul_flops: float = 752e12         # bf16 matmul 8192^3
-    hbm_bytes: float = 4.2e12            # device-to-device copy, bytes read + written per second
-    h2d_bytes: float = 55e9              # pinned host->device, alone
-    d2h_bytes: float = 55e9              # pinned device->host, alone
-    duplex_bytes: float = 88e9           # both directions at once, the two together
-    duplex_cpu_bytes: float = 74e9       # both directions at once while the CPU runs AdamW, the two together
-    cpu_adam: float = 4.1e9              # parameters per second, torch's fused CPU AdamW, fp32 (3.85-4.40 measured)
-    cpu_adam_mixed: float = 2.48e9       # the same with the bf16 gradient converted in, the bf16 parameter out
-    # pstar-fx's one-pass update of exact Adam moments in mixed precision (runtime/native/adam.c) against torch's
-    # three-pass route above, where the host runs it (`native_update`: its C compiler built the kernel). Measured on
-    # the 17.26B GPT's atomic step at one plan (42 chunks streamed), H200 machine, 2026-12-06: the CPU worker 33.6-38.4
-    # ms an update against 54.9 ms by torch's route (1.43-1.63x; benchmarks/results/gpt17b_native_h200_2026-12-06.md);
-    # on the 2-core CI machine, alone, 1.52-1.54x (benchmarks/results/native_update_h200_2026-12-06.md). The
-    # fractions below (beside backward, beside a fused step) were fitted with torch's route; not yet measured on it
-    native_exact_speedup: float = 1.5
-    native_update: bool = True           # the host updates exact mixed-precision moments by the native kernel
-    cpu_adam_under_copies: float = 2.7 / 4.1   # CPU AdamW's rate while copies run, as a fraction of its rate alone
-    # fitted to the 17.26B GPT's atomic=False step at the default budget (8fba29b, 4.183 s measured, the CPU worker
-    # 47 ms an update: benchmarks/results/gpt17b_default_budget_rows_h200.md; planned on the CPU: 3.785 s without
-    # it, 4.195 s with it): the CPU's updates during
-    # backward, beside the executor issuing the step, run at this fraction of the rates above (an atomic step's
-    # updates after the commit ran as modelled: 55 ms an update under copies measured, 56 ms modelled)
-    cpu_adam_beside_backward: float = 0.9
-    # fitted to the 10.34B GPT's atomic=False step on two H100 machines, fused against unfused in one call each
-    # (benchmarks/results/fused_cpu_updates_h100_2026-12-05.md: the CPU worker 35.2 against 27.6 ms an update, and
-    # 56.5 against 42.3; the 17.26B GPT's on the H200, 56 against 47, with Inductor's static launcher): beside a
-    # fused step's backward (atomic=False) the CPU's updates run at this fraction of the rates above, for a cause
-    # not established (not Inductor's compile workers, none of which ran during the steps). After the commit (the
-    # atomic step) they ran as modelled: the fused 17.26B GPT's 55 ms an update, 56 modelled
-    cpu_adam_beside_fused: float = 0.77
-    gpu_adam: float = 123e9              # parameters per second, torch's fused AdamW on the GPU
-    # ASSUMED: bytes per second the CPU worker copies in host memory (an undo buffer's copy of a chunk's states), the
-    # rate cpu_adam_mixed would give at the ratio measured on a 2-core CI machine (a 402 MB state buffer copied in
-    # 58.9 ms, a 33.6M-element mixed update in 64.5 ms, one thread: 13 bytes copied per element updated)
-    host_copy_bytes: float = 32e9
-    # fitted (least squares) to the three compute-bound steps measured on the H200 (BENCHMARKS.md):
-    # GPT 1.3B at 8 x 2048 tokens (pstar-fx unlimited 0.2997 s; model 0.290 s), 1.3B at 4 x 2048 (eager
-    # 0.149-0.154 s; model 0.169 s), 4.24B at 4 x 2048 (eager 0.417-0.426 s; model 0.412 s)
-    kernel_s: float = 20e-6              # per kernel, beyond its FLOPs or bytes (launch gaps, small-kernel tails)
-    # fitted to two fused steps against their unfused runs (BENCHMARKS.md: the Llama-2-13B shape at 8 x 2048 tokens,
-    # 3.941 s fused against 4.034 s, a ratio of 0.977; the GPT 6.66B, 0.652 against 0.674-0.676 s, 0.965-0.967;
-    # modelled 0.968 and 0.968): a fused region's non-matmul work moves this fraction of the bytes its unfused
-    # kernels move (their launches become one)
-    fused_fraction: float = 0.9
-    # attention kernels' FLOP rates (forward and backward together, causal, bf16) as fractions of matmul_flops,
-    # measured at the benchmarks' shapes (8 x 16 and 8 x 40 heads of 128, 2048 tokens; benchmarks/attention_kernels.py):
-    # cuDNN's 443-466 TFLOP/s, flash 234-246, memory-efficient 114-118. attention_efficiency is the kernel torch
-    # picks on the machine by default (cuDNN's on the H200 with torch 2.11 and CUDA 13), and the rate of attention
-    # traced on the CPU (px.plan's default device)
-    attention_efficiency: float = 0.6
-    flash_attention_efficiency: float = 0.32
-    efficient_attention_efficiency: float = 0.15
-    # ASSUMED, not measured here
-    fp32_matmul_flops: float = 60e12     # fp32 without TF32 (torch's default): the H200 data sheet's 67, rounded down
-    host_node_s: float = 10e-6           # the executor's Python per node
-    launch_queue: int = 1024             # kernels the host may launch ahead of the compute stream before a launch
-    #                                      blocks (CUDA's queue of pending work; "Command Buffer Full" in a profile)
-    nvlink_bus_bytes: float = 370e9      # NCCL all-gather / reduce-scatter bus bandwidth among the GPUs of one node
-    #                                      (NVLink 4 with NVSwitch; a typical nccl-tests figure for 8 H100/H200)
-    network_bus_bytes: float = 360e9     # the same across nodes: 8 x 400 Gb/s NICs per node, one per GPU
-    #                                      (rail-optimised; rings spread over the NICs), at 90% of line rate
-    collective_latency_s: float = 50e-6  # per collective, beyond its bytes
-    gpus_per_node: int = 8
-    disk_read_bytes: float = 2.3e9       # the disk tier (offload_dir): the lent H200 machine's disk, direct I/O in
-    disk_write_bytes: float = 2.0e9      # 16 MiB blocks (dd, BENCHMARKS.md); a local NVMe drive does 2-3x more
-    # sizes px.plan checks a plan against (None: not given, not checked); bytes, or strings such as "1.5TB"
-    device_memory: int | None = None     # one GPU's memory, as torch reports its total
-    host_memory: int | None = None       # host memory of one node, shared by its GPUs
-    name: str = "H200"                   # what the report calls the GPU
-
-    def __post_init__(self):
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            if f.name in ("device_memory", "host_memory"):
-                if v is not None:
-                    try:
-                        object.__setattr__(self, f.name, parse_bytes(v))
-                    except (TypeError, ValueError) as e:
-                        raise ValueError(f"Machine.{f.name} must be bytes or a size such as '1.5TB', or None: "
-                                         f"{e}") from None
-            elif f.name in ("gpus_per_node", "launch_queue"):
-                if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                    raise ValueError(f"Machine.{f.name} must be an integer >= 1, got {v!r}")
-            elif f.name == "native_update":
-                if not isinstance(v, bool):
-                    raise ValueError(f"Machine.native_update must be True or False, got {v!r}")
-            elif f.name == "name":
-                if not isinstance(v, str):
-                    raise ValueError(f"Machine.name must be a string, got {v!r}")
-            elif (not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v < INF
-                  or (f.name in _FRACTIONS and v > 1)):
-                raise ValueError(f"Machine.{f.name} must be a positive finite number"
-                                 f"{' at most 1' if f.name in _FRACTIONS else ''}, got {v!r}")
-
-    def bus_bytes(self, world: int) -> float:
-        """NCCL bus bandwidth of a collective over `world` ranks (a ring: each rank sends (w-1)/w of the buffer)."""
-        return self.nvlink_bus_bytes if world <= self.gpus_per_node else min(self.nvlink_bus_bytes,
-                                                                              self.network_bus_bytes)
-
-    def with_pcie(self, bytes_per_s: float) -> Machine:
-        """This machine with host->device copies at `bytes_per_s` alone; device->host and the both-ways rates
-        scaled by the same factor (the measured ratios between them kept)."""
-        if not isinstance(bytes_per_s, (int, float)) or isinstance(bytes_per_s, bool) or not 0 < bytes_per_s < INF:
-            raise ValueError(f"a PCIe rate must be positive bytes per second, got {bytes_per_s!r}")
-        f = bytes_per_s / self.h2d_bytes
-        return dataclasses.replace(self, h2d_bytes=float(bytes_per_s), d2h_bytes=self.d2h_bytes * f,
-                                   duplex_bytes=self.duplex_bytes * f, duplex_cpu_bytes=self.duplex_cpu_bytes * f)
-
-    def with_cpu_adam(self, params_per_s: float) -> Machine:
-        """This machine with the host's fp32 AdamW at `params_per_s` per GPU; the mixed-precision rate and the host's
-        copy rate scaled by the same factor."""
-        if not isinstance(params_per_s, (int, float)) or isinstance(params_per_s, bool) or not 0 < params_per_s < INF:
-            raise ValueError(f"a CPU update rate must be positive parameters per second, got {params_per_s!r}")
-        f = params_per_s / self.cpu_adam
-        return dataclasses.replace(self, cpu_adam=float(params_per_s), cpu_adam_mixed=self.cpu_adam_mixed * f,
-                                   host_copy_bytes=self.host_copy_bytes * f)
-
-    def describe(self) -> str:
-        """One line: the GPU, how many per node, their memory and the node's host memory (and where the hosts update
-        exact mixed-precision moments by torch's route, not the native kernel, that)."""
-        dev = "memory not given" if self.device_memory is None else format_bytes(self.device_memory)
-        host = ("host memory not given" if self.host_memory is None
-                else f"{format_bytes(self.host_memory)} of host memory per node")
-        return f"{self.gpus_per_node} x {self.name} ({dev}) per node, {host}{self.host_route}"
-
-    @property
-    def host_route(self) -> str:
-        """What the reports add to the machine's name where its hosts update exact mixed-precision moments by
-        torch's route, not the native kernel ("" where they use the kernel)."""
-        return "" if self.native_update else ", host updates by torch's route (not the native kernel)"
-
-
-H200 = Machine()       # the H200 machine's rates; no sizes (px.plan's budgets are then the caller's)
-
-
-class GPU(enum.Enum):
-    """The GPUs `preset` knows."""
-    H200 = "h200"
-    H100 = "h100"
-
-
-# One GPU of each kind and its share of the host. The H200's rates and memory were measured (docs/measurements.md);
-# the H100's are ASSUMED: the same GH100 die and clocks as the H200 (so its matmul rate), 3.35 of the H200's 4.8 TB/s
-# HBM (its memory-bound rates scaled by 3.35 / 4.8), the same PCIe 5 x16 link, NVLink 4 and host share (copy and CPU
-# rates).
-_GPUS: Mapping[GPU, Machine] = MappingProxyType({
-    GPU.H200: dataclasses.replace(H200, device_memory=int(139.8 * GiB), name="H200"),   # torch's total, measured
-    GPU.H100: dataclasses.replace(H200, hbm_bytes=H200.hbm_bytes * 3.35 / 4.8, gpu_adam=H200.gpu_adam * 3.35 / 4.8,
-                                  device_memory=int(79.1 * GiB), name="H100"),   # 80 GB as torch reports it, assumed
-})
-
-
-def gpu_named(name: str) -> GPU | None:
-    """The preset GPU a device's name is (`torch.cuda.get_device_name`, e.g. "NVIDIA H100 80GB HBM3"), or None for a
-    GPU the cost model has no rates of (the PCIe and NVL H100s: other clocks and memory than the SXM part's)."""
-    words = name.upper().replace("-", " ").split()
-    if "PCIE" in words or "NVL" in words:
-        return None
-    return next((g for g in GPU if g.name in words), None)
-
-
-def preset(gpu: str | GPU, *, gpus_per_node: int = 8, host_memory: int | str | None = None) -> Machine:
-    """A node of `gpus_per_node` GPUs of one kind ("h200", "h100") with `host_memory` bytes of host memory (or a
-    size such as "1.5TB"; None: not checked). Every GPU is assumed to get what one GPU of the measured H200 machine
-    got: its own PCIe 5 x16 link, 16 host cores for its updates, its share of host memory bandwidth."""
-    try:
-        kind = GPU(gpu.lower() if isinstance(gpu, str) else gpu)
-    except ValueError:
-        raise ValueError(f"unknown machine {gpu!r}: use one of {', '.join(repr(g.value) for g in GPU)}, or pass a "
-                         "pstar_fx.cost.Machine with the rates and sizes of yours") from None
-    return dataclasses.replace(_GPUS[kind], gpus_per_node=gpus_per_node, host_memory=host_memory)
 
 
 class Lane(enum.Enum):
@@ -296,6 +112,18 @@ class StepCost:
     busy: Mapping[Lane, float]            # seconds each lane works during one steady-state step
     flops: float                          # FLOPs of the matmul, convolution and attention nodes (recompute too)
     machine: Machine = field(repr=False, default=H200)
+    # seconds the compute stream idles during a steady-state step, by the lane it waits for: a copy bringing a chunk
+    # in (h2d) or a write-back freeing its slot (d2h), a collective (comm), the CPU's updates (cpu, also where the
+    # executor's thread waited for one and issued late), the disk, or the executor's thread issuing nodes (host);
+    # the step is the compute lane's busy time plus these
+    waits: Mapping[Lane, float] = field(default_factory=lambda: MappingProxyType(dict.fromkeys(Lane, 0.0)))
+
+    def waits_line(self) -> str:
+        """The compute stream's idle time in a steady-state step, and what it waits for, largest first."""
+        idle = sum(self.waits.values())
+        parts = ", ".join(f"{k.value} {v:.3f}" for k, v in sorted(self.waits.items(), key=lambda kv: -kv[1])
+                          if v >= 0.0005)
+        return f"{idle:.3f} s of the {self.seconds:.3f} s step" + (f", waiting for {parts}" if parts else "")
 
     @property
     def bound(self) -> Lane:
@@ -417,6 +245,26 @@ class _Sim:
         self.bg = background if background is not None else self.lanes
         self.free = {lane: 0.0 for lane in Lane}
         self.step = 0
+        self.waits: dict[int, dict[Lane, float]] = {}   # per step: the compute stream's idle time, by its cause
+        self.host_cause = Lane.HOST      # what the executor's thread last waited for (it issues late because of it)
+
+    def wait_compute(self, until: float, cause: Lane) -> None:
+        """The compute stream idles until `until`, waiting for `cause` (HOST: the executor's thread issuing)."""
+        idle = until - self.free[Lane.COMPUTE]
+        if idle > 0:
+            if cause is Lane.HOST:
+                cause = self.host_cause
+            waits = self.waits.setdefault(self.step, dict.fromkeys(Lane, 0.0))
+            waits[cause] += idle
+            self.free[Lane.COMPUTE] = until
+        elif cause is Lane.HOST:
+            self.host_cause = Lane.HOST      # the thread is ahead of the device again
+
+    def wait_host(self, until: float, cause: Lane) -> None:
+        """The executor's thread waits until `until` for `cause` before it issues the next node."""
+        if until > self.free[Lane.HOST]:
+            self.free[Lane.HOST] = until
+            self.host_cause = cause
 
     # a piece of work whose rate depends on which other lanes are busy
     def _run(self, lane: Lane, start: float, work: float, rate: Callable[[dict[Lane, bool]], float],
@@ -510,6 +358,17 @@ def _simulate(g: TrainGraph, m: Machine, node_s: list[float], background, steps:
     free = sim.free
     ends = []
     launched: list[float] = []           # end times of the compute stream's kernels, in launch order
+    by: dict[BufKey, Lane] = {}          # the lane that brings each buffer's device contents (its ready time)
+
+    def arrives(k: BufKey) -> tuple[float, Lane]:
+        return ready.get(k, 0.0), by.get(k, Lane.COMPUTE)
+
+    def on_compute(deps: list[tuple[float, Lane]], seconds: float) -> float:
+        """A kernel on the compute stream once every dependency (time, the lane it waits for) is met. Its end."""
+        t, cause = max(deps, key=lambda d: d[0])
+        sim.wait_compute(t, cause)
+        return sim._fixed(Lane.COMPUTE, t, seconds)
+
     for step in range(steps):
         sim.step = step
         reduced.clear()
@@ -519,41 +378,51 @@ def _simulate(g: TrainGraph, m: Machine, node_s: list[float], background, steps:
             program = a.role in _PROGRAM
             launches = (node_s[i] > 0 or a.role is Role.WRITE_GRAD) if program else True
             if launches and len(launched) >= m.launch_queue:
-                free[Lane.HOST] = max(free[Lane.HOST], launched[-m.launch_queue])   # the launch queue is full
+                sim.wait_host(launched[-m.launch_queue], Lane.HOST)   # the launch queue is full
             issue = sim._fixed(Lane.HOST, free[Lane.HOST], m.host_node_s)
             if program:
                 # a chunk buffer's first use waits for what brings it (fetch, gather, reduce)
-                t = max([issue] + [ready.get(k, 0.0) for k in needs[i].resident])
+                deps = [(issue, Lane.HOST)] + [arrives(k) for k in needs[i].resident]
                 seconds = node_s[i]
                 if a.role is Role.WRITE_GRAD and n.target is not ops.compute_grad:   # a copy, or an addition
                     grad = val(n.args[0])
                     seconds = _tensor_bytes(grad) * (3 if n.kwargs.get("accumulate") else 2) / m.hbm_bytes + m.kernel_s
                 if seconds > 0:
-                    launched.append(sim._fixed(Lane.COMPUTE, t, seconds))
+                    launched.append(on_compute(deps, seconds))
                 continue
             c = g.chunks[a.chunk] if a.chunk is not None else None
             key = BufKey(a.chunk, a.buf) if a.buf is not None else None
             compute_at = max(issue, free[Lane.COMPUTE])           # the compute stream reaches this point
             if a.role is Role.FETCH and n.target is ops.alloc:
-                ready[key] = sim._fixed(Lane.COMPUTE, compute_at, c.nbytes / m.hbm_bytes + m.kernel_s)
+                ready[key] = on_compute([(issue, Lane.HOST)], c.nbytes / m.hbm_bytes + m.kernel_s)
+                by[key] = Lane.COMPUTE
             elif a.role is Role.FETCH:
                 gather = n.target is ops.all_gather
                 after_update = updated.get(a.chunk, 0.0) if a.buf is BufKind.PARAM else 0.0
                 if world > 1:                 # the executor's thread waits for the update, then issues the gather
-                    free[Lane.HOST] = max(free[Lane.HOST], after_update)
+                    sim.wait_host(after_update, Lane.CPU)
                     compute_at = max(compute_at, after_update)
                 part = _shard_bytes(c, world) if gather or (world > 1 and a.chunk in reduced) else buf_bytes(g, key)
                 if from_master(g, a):         # cast from the fp32 master on the device (4 bytes read per element)
-                    done = sim._fixed(Lane.COMPUTE, compute_at, part * 3 / m.hbm_bytes + m.kernel_s)
+                    deps = [(issue, Lane.HOST)] + ([(after_update, Lane.CPU)] if world > 1 else [])
+                    done = on_compute(deps, part * 3 / m.hbm_bytes + m.kernel_s)
+                    by[key] = Lane.COMPUTE
                 else:
-                    done = sim.copy(Lane.H2D, max(compute_at, home.get(key, 0.0), after_update), part)
+                    # (what the copy waited for to start, where it did not wait for the copies before it)
+                    start, cause = max([(compute_at, Lane.H2D), (home.get(key, 0.0), Lane.D2H),
+                                        (after_update, Lane.CPU)], key=lambda d: d[0])
+                    by[key] = cause if start > free[Lane.H2D] else Lane.H2D
+                    done = sim.copy(Lane.H2D, start, part)
                     reading[a.chunk] = done
+                if gather:                    # (it waits for the copy, or for the collectives before it)
+                    by[key] = by[key] if done > free[Lane.COMM] else Lane.COMM
                 ready[key] = sim.collective(done, c.nbytes) if gather else done
             elif a.role is Role.RELEASE:
                 t = max(compute_at, ready.get(key, 0.0))          # a collective still writing it finishes first
                 if n.kwargs["writeback"]:
                     whole = world == 1 or (a.buf is BufKind.GRAD and a.chunk not in reduced)
-                    free[Lane.HOST] = max(free[Lane.HOST], updated.get(a.chunk, 0.0))
+                    sim.wait_host(updated.get(a.chunk, 0.0), Lane.CPU)
+                    late = free[Lane.HOST] > max(t, free[Lane.D2H]) and sim.host_cause is Lane.CPU
                     done = sim.copy(Lane.D2H, max(t, free[Lane.HOST]),
                                     buf_bytes(g, key) if whole else _shard_bytes(c, world))
                     home[key] = done
@@ -562,39 +431,40 @@ def _simulate(g: TrainGraph, m: Machine, node_s: list[float], background, steps:
                     # cannot tell, so it takes the longest wait; except for a streamed update's states, whose
                     # write-backs the next chunk's copy and update overlap
                     if a.buf is not BufKind.STATES:
-                        free[Lane.COMPUTE] = max(free[Lane.COMPUTE], done)
+                        sim.wait_compute(done, Lane.CPU if late else Lane.D2H)
                 else:
-                    free[Lane.COMPUTE] = max(free[Lane.COMPUTE], t)
+                    sim.wait_compute(*max([(issue, Lane.HOST), arrives(key)], key=lambda d: d[0]))
                 ready.pop(key, None)
             elif a.role is Role.REDUCE_SCATTER:
                 gkey = BufKey(a.chunk, c.grad_buf())
-                divided = sim._fixed(Lane.COMPUTE, max(compute_at, ready.get(gkey, 0.0)),
-                                     2 * c.nbytes / m.hbm_bytes + m.kernel_s)
+                divided = on_compute([(issue, Lane.HOST), arrives(gkey)], 2 * c.nbytes / m.hbm_bytes + m.kernel_s)
                 ready[gkey] = sim.collective(divided, c.nbytes)
+                by[gkey] = Lane.COMM
                 reduced.add(a.chunk)
                 if g.settings.max_grad_norm is not None:   # the shard's norm: the compute stream waits for it
-                    free[Lane.COMPUTE] = max(free[Lane.COMPUTE], ready[gkey])
+                    sim.wait_compute(ready[gkey], Lane.COMM)
             elif a.role is Role.COMMIT:
                 if undo:       # the executor's thread waits there, and the step returns after it (the commit's wait)
                     waited = max(updated.get(c, 0.0) for c in undo)
-                    free[Lane.HOST] = max(free[Lane.HOST], waited)
-                t = sim._fixed(Lane.COMPUTE, compute_at, m.kernel_s)
+                    sim.wait_host(waited, Lane.CPU)
+                t = on_compute([(issue, Lane.HOST)], m.kernel_s)
                 if world > 1:
                     t = sim.collective(t, 8)
-                    free[Lane.COMPUTE] = max(free[Lane.COMPUTE], t)
+                    sim.wait_compute(t, Lane.COMM)
                 if g.settings.precision.dtype is torch.float16:
-                    free[Lane.HOST] = max(free[Lane.HOST], t)      # the overflow flag is read on the host
+                    sim.wait_host(t, Lane.HOST)          # the overflow flag is read on the host
                 commit_at = t
             elif a.role is Role.OPTIMIZER_STEP and c.update_site is UpdateSite.DEVICE:
                 # (a streamed chunk's too: it waits for its states' fetch, their write-back is a release)
                 keys = [BufKey(c.id, b) for b in c.buffers()] + ([BufKey(c.id, BufKind.STATES)] if c.streamed else [])
                 numel = shard_numel(c, world)
                 convert = numel * 12 / m.hbm_bytes if g.settings.precision.mixed else 0.0
-                t = max([compute_at] + [ready.get(k, 0.0) for k in keys])
                 rate = m.gpu_adam / state_layout(g.settings).device_update_cost
-                done = sim._fixed(Lane.COMPUTE, t, numel / rate + convert + m.kernel_s)
+                done = on_compute([(issue, Lane.HOST)] + [arrives(k) for k in keys],
+                                  numel / rate + convert + m.kernel_s)
                 if n.kwargs.get("gather", False):               # the updated chunk is gathered again
                     ready[BufKey(c.id, BufKind.PARAM)] = sim.collective(done, c.nbytes)
+                    by[BufKey(c.id, BufKind.PARAM)] = Lane.COMM
             elif a.role is Role.OPTIMIZER_STEP:
                 t = max(issue, reading.get(c.id, 0.0), states_read.get(c.id, 0.0),
                         *(home.get(BufKey(c.id, b), 0.0) for b in BufKind))
@@ -612,10 +482,12 @@ def _simulate(g: TrainGraph, m: Machine, node_s: list[float], background, steps:
                                                          nbytes / m.disk_write_bytes)
             elif a.role is Role.OUTPUT:
                 # the step waits for its disk writes, and for its updates ahead of the commit
-                end = max([free[Lane.COMPUTE], waited] + list(slot_free.values()))
+                end, cause = max([(free[Lane.COMPUTE], Lane.COMPUTE), (waited, Lane.CPU)]
+                                 + [(t, Lane.DISK) for t in slot_free.values()], key=lambda d: d[0])
                 if world > 1:                                   # the loss, averaged over the ranks
-                    end = sim.collective(end, 4)
-                free[Lane.HOST] = max(free[Lane.HOST], end)      # the caller reads the loss
+                    end, cause = sim.collective(end, 4), Lane.COMM
+                sim.wait_compute(end, cause)                    # (the next step's kernels come after it)
+                sim.wait_host(end, Lane.HOST)                   # the caller reads the loss
                 ends.append(end)
     return sim, ends
 
@@ -662,8 +534,9 @@ def estimate(g: TrainGraph, machine: Machine = H200, *, steps: int = 3,
     last = steps - 1
     busy = {lane: sim.lanes[lane].busy(last) for lane in Lane}
     total = sum(_program_flops(n, g.ann[n.name].role) for n in g.nodes)
+    waits = sim.waits.get(last, dict.fromkeys(Lane, 0.0))
     return StepCost(seconds=ends[-1] - ends[-2], first_seconds=ends[0], busy=MappingProxyType(busy), flops=total,
-                    machine=machine)
+                    machine=machine, waits=MappingProxyType(waits))
 
 
 def seconds(n: fx.Node, m: Machine = H200) -> float:

@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from ..cost import H200, Machine
+from ..cost import H200, Machine, StepCost
 from ..errors import warn
 from ..frontend.batch import check_has_data
 from ..frontend.model_tensors import global_hooks_key, model_tables, module_key, params_key
@@ -98,7 +98,7 @@ class Compiled:
     executor: Executor
     setup_seconds: float = 0.0       # the store (on the first compile), the executor, the garbage collection
     set_up_until: float = 0.0        # perf_counter() when the executor was made
-    estimated_seconds: float | None = None   # the cost model's step time, once step.summary() has asked (CUDA)
+    estimated: StepCost | None = None   # the cost model's step, once step.summary() has asked (CUDA)
     machine: Machine = H200          # the rates the passes planned at and the estimate is made with
     outcomes: tuple = ()             # what its trace decided at each guard, in order (ir/guards.py)
 

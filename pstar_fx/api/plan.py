@@ -221,6 +221,7 @@ class PlanReport:
                               f"bound by {self.bounded_by.value} (busiest lane: {self.cost.bound.value}, "
                               f"{self.cost.busy[self.cost.bound]:.3f} s)"),
                 ("lanes busy (s)", busy),
+                ("compute idle", self.cost.waits_line()),
                 ("speed", f"{self.tflops:.4g} TFLOP/s per GPU (6 x params x tokens + attention: "
                           f"{self.model_flops / 1e12:.4g} TFLOP per GPU per step), "
                           f"{self.tokens * w / self.cost.seconds:,.0f} tokens/s in all"),

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..cost import estimate
+from ..cost import StepCost, estimate
 from ..ir.graph import ChunkGroup, Precision, StateHome, TrainGraph
 from ..ir.needs import aligned, disk_bytes, disk_chunks, host_bytes, state_bytes, state_layout
 from ..runtime.step_runtime import StepStats
@@ -31,6 +31,7 @@ class Summary:
     compile_seconds: tuple[float, float, float] = (0.0, 0.0, 0.0)   # trace, passes, set-up (store and executor)
     default_budget: str | None = None       # device_memory=None on a GPU: how the budget was chosen
     estimated_seconds: float | None = None  # the cost model's steady-state step (None off CUDA)
+    estimated_idle: str | None = None       # its compute stream's idle time and what it waits for (StepCost.waits)
     rates: str = "H200"                     # the GPU whose rates the cost model estimated with (Machine.name;
     #                                         where the host updates exact moments by torch's route, that too)
     measured_seconds: float | None = None   # the last step's time: on CUDA on the device, first operation to
@@ -80,6 +81,7 @@ class Summary:
                            f"{self.estimated_seconds:.3f} s estimated (the cost model's {self.rates} rates)") + ", "
                           + ("-" if self.measured_seconds is None else f"{self.measured_seconds:.3f} s measured")
                           + ("" if self.alloc_retries is None else f", {self.alloc_retries} allocator retries")),
+        ] + ([("compute idle", self.estimated_idle + " (estimated)")] if self.estimated_idle is not None else []) + [
             ("graph", f"{self.nodes} nodes"),
             ("compiled in", "{:.1f} s trace + {:.1f} s passes + {:.1f} s set-up".format(*self.compile_seconds)),
         ] + ([("fused", self.fused)] if self.fused is not None else [])
@@ -100,6 +102,7 @@ def summarize(g: TrainGraph, compiled: Compiled, last: StepStats | None, prec: P
     moved = sum(aligned(state_bytes(c, prec, 1, state_layout(g.settings))) for c in disk)   # whole 4 KiB blocks
     store = compiled.executor.store
     on_device = None if last is None else last.device_seconds
+    cost = _estimated(g, compiled)
     return Summary(
         chunks=len(g.chunks), chunk_size=g.chunk_size, chunk_bytes=g.chunk_size * prec.dtype.itemsize,
         own_chunks=own, model_data_bytes=model_data, budget=g.settings.budget,
@@ -111,7 +114,8 @@ def summarize(g: TrainGraph, compiled: Compiled, last: StepStats | None, prec: P
                          sum(st.seconds for name, st in compiled.stages.items() if name != "traced"),
                          compiled.setup_seconds),
         default_budget=None if default_budget is None else str(default_budget),
-        estimated_seconds=_estimated(g, compiled),
+        estimated_seconds=None if cost is None else cost.seconds,
+        estimated_idle=None if cost is None else cost.waits_line(),
         rates=compiled.machine.name + (compiled.machine.host_route if prec.mixed else ""),
         measured_seconds=on_device if on_device is not None else None if last is None else last.seconds,
         alloc_retries=None if last is None else last.alloc_retries,
@@ -132,11 +136,11 @@ def _fused(compiled: Compiled) -> str | None:
     return str(compiled.executor.region_stats)
 
 
-def _estimated(g: TrainGraph, compiled: Compiled) -> float | None:
-    """The cost model's steady-state step time of g on CUDA, computed once per compiled signature (seconds of CPU
-    for a large graph); None on the CPU, where a GPU's rates mean nothing."""
+def _estimated(g: TrainGraph, compiled: Compiled) -> StepCost | None:
+    """The cost model's steady-state step of g on CUDA, computed once per compiled signature (seconds of CPU for a
+    large graph); None on the CPU, where a GPU's rates mean nothing."""
     if g.settings.device.type != "cuda" or g.plan is None:
         return None
-    if compiled.estimated_seconds is None:
-        compiled.estimated_seconds = estimate(g, compiled.machine).seconds
-    return compiled.estimated_seconds
+    if compiled.estimated is None:
+        compiled.estimated = estimate(g, compiled.machine)
+    return compiled.estimated

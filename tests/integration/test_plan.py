@@ -365,6 +365,31 @@ def test_step_time_grows_when_moving_bytes_gets_slower(world, h2d, d2h, cpu, com
     assert slow.flops == fast.flops
 
 
+@given(world=st.sampled_from([1, 2]), slowed=st.sampled_from([None, Lane.H2D, Lane.D2H, Lane.CPU, Lane.COMM]),
+       factor=st.floats(10, 1e4), atomic=st.booleans())
+def test_the_compute_streams_idle_time_is_the_step_less_its_work_by_what_it_waits_for(world, slowed, factor,
+                                                                                        atomic):
+    """StepCost.waits accounts for the step: the compute lane's busy time plus its waits is the step, every wait is
+    one of the lanes, never negative; and slowing one lane far enough makes the compute stream wait for that lane
+    most (a copy, the CPU's updates, or the collectives)."""
+    g = _moving_graphs()[world - 1]
+    if not atomic:
+        if world > 1:
+            return
+        g = g.evolve(settings=dataclasses.replace(g.settings, atomic=False))
+    rates = {Lane.H2D: ("h2d_bytes", "duplex_bytes", "duplex_cpu_bytes"), Lane.D2H: ("d2h_bytes",),
+             Lane.CPU: ("cpu_adam", "cpu_adam_mixed"), Lane.COMM: ("nvlink_bus_bytes", "network_bus_bytes")}
+    m = H200 if slowed is None else dataclasses.replace(
+        H200, **{f: getattr(H200, f) / factor for f in rates[slowed]})
+    c = cost.estimate(g, m)
+    assert set(c.waits) == set(Lane) and min(c.waits.values()) >= 0
+    assert c.busy[Lane.COMPUTE] + sum(c.waits.values()) == pytest.approx(c.seconds, rel=1e-9)
+    assert c.waits_line().startswith(f"{sum(c.waits.values()):.3f} s of the {c.seconds:.3f} s step")
+    if slowed is not None and factor >= 1000 and (slowed is not Lane.COMM or world > 1):
+        assert max(c.waits, key=c.waits.get) is slowed, (slowed, dict(c.waits))
+        assert f"waiting for {slowed.value} " in c.waits_line()
+
+
 def test_fewer_bytes_moved_take_less_time():
     """Budgets from tight to unlimited: the estimated step never gets slower (what the planner minimises; the bytes
     moved need not fall with it: streamed states and device-state chunks may move more bytes for a shorter step),

@@ -2,7 +2,7 @@
 
 Read from the source with `ast` (nothing is imported), so the rules hold for code paths no test runs.
 
-    leaves (errors, units, optim, interrupts, models)  <-  ir  <-  frontend, cost  <-  passes  <-  runtime
+    leaves (errors, units, optim, interrupts, models)  <-  ir, machines  <-  frontend, cost  <-  passes  <-  runtime
         <-  checkpoint  <-  api  <-  integrations (optional libraries: transformers)  <-  pstar_fx/__init__.py
 
 A module may import a module of its own folder or of a lower layer, never one of its layer or above (a leaf imports
@@ -20,7 +20,8 @@ import pytest
 import pstar_fx
 
 PACKAGE = os.path.dirname(pstar_fx.__file__)
-LAYERS = {"errors": 0, "units": 0, "optim": 0, "interrupts": 0, "models": 0, "ir": 1, "frontend": 2, "cost": 2,
+LAYERS = {"errors": 0, "units": 0, "optim": 0, "interrupts": 0, "models": 0, "ir": 1, "machines": 1, "frontend": 2,
+          "cost": 2,
           "passes": 3, "runtime": 4, "checkpoint": 5, "api": 6, "integrations": 7,
           "": 8}      # "": pstar_fx/__init__.py, which imports no integration (they import optional libraries)
 FORBIDDEN = {"runtime": {"frontend", "passes"}}
