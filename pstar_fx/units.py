@@ -18,7 +18,7 @@ def parse_bytes(value: int | str, name: str = "device_memory") -> int:
     if isinstance(value, int):
         if value <= 0:
             raise ValueError(f"{name} must be positive, got {value}")
-        return value
+        return _at_most_exabytes(value, name, value)
     if not isinstance(value, str):
         raise TypeError(f"{name} must be an int or a string like '8GiB', not {type(value).__name__}")
     m = _PATTERN.match(value)
@@ -26,9 +26,19 @@ def parse_bytes(value: int | str, name: str = "device_memory") -> int:
     if m is None or unit not in _UNITS:
         raise ValueError(f"{name}: cannot read {value!r} as a size: use bytes or a number with one of "
                          "B, KB, MB, GB, TB, KiB, MiB, GiB, TiB (for example '8GiB')")
-    n = int(float(m.group(1)) * _UNITS[unit])
-    if n <= 0:
+    n = float(m.group(1)) * _UNITS[unit]
+    if not n >= 1:
         raise ValueError(f"{name} must be positive, got {value!r}")
+    return _at_most_exabytes(int(min(n, 2.0 ** 63)), name, value)
+
+
+MAX_BYTES = 2 ** 60      # an exbibyte: more than any machine has, and within the 64-bit counts torch's calls take
+
+
+def _at_most_exabytes(n: int, name: str, value) -> int:
+    if n > MAX_BYTES:
+        raise ValueError(f"{name}: {value!r} is more than any machine has (at most {MAX_BYTES} bytes, 1 EiB); "
+                         "give the memory the machine has, or None for no limit where the option allows it")
     return n
 
 

@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 
 from ..frontend.batch import check_has_data
+from ..frontend.model_tensors import check_unchanged
 from ..frontend.trace import FlatBatch, flatten_batch, trace_step
 from ..interrupts import DeferredInterrupt
 from ..ir.graph import Precision
@@ -128,6 +129,7 @@ class CompiledEval(CompiledStep):
         # training step takes in again) must stay normal tensors, which a later training step writes in place: the
         # call runs outside inference mode, without autograd (run_forward's no_grad)
         with torch.inference_mode(False), DeferredInterrupt() as interrupts:
+            check_unchanged(self._model, self._compiler.tables)
             if self._comm is not None:     # before its first collective (a compile's own included)
                 check_same_step(self._comm, batch, self._model, self._compiler.model_key(portable=True),
                                 holds_own_values(self._model))

@@ -107,6 +107,7 @@ class _Live:
     # -- what the runtime reads at every step ---------------------------------------------------------------------
     def configs(self) -> tuple:
         """Each group's options for the step about to run, checked before anything changes."""
+        self._refuse_written_state()
         if [[id(t) for t in g["params"]] for g in self.param_groups] != self._ids:
             raise ValueError("step.optimizer.param_groups: the parameters of the groups changed after px.compile; "
                              "pstar-fx lays out its chunks by group, so keep each group's 'params' as compiled "
@@ -115,6 +116,18 @@ class _Live:
         # what torch's step() wrapper records, so that lr_scheduler does not warn that it ran before a step
         self._opt_called = True
         return out
+
+    def _refuse_written_state(self) -> None:
+        """`self.state` stays empty (the states live in the chunks): an entry there was written by the user, whose
+        value no step would read; refused, and dropped, rather than ignored or handed out by state_dict(). (An empty
+        entry is what reading `.state[p]` leaves, torch's state being a defaultdict: dropped quietly.)"""
+        written = any(v != {} for v in self.state.values())
+        self.state.clear()
+        if written:
+            raise ValueError("step.optimizer.state was written to: pstar-fx keeps the optimizer's states in its "
+                             "chunks, not in .state (which stays empty), so the write would be ignored. Read them "
+                             "with step.optimizer.state_dict() and write them with step.optimizer.load_state_dict("
+                             "...); the write was dropped")
 
     def check_group(self, where: str, g) -> object:
         """One group's options, checked (ValueError naming `where` and the option): Adam's AdamConfig, or the
@@ -235,7 +248,10 @@ class _Live:
                 raise ValueError(
                     f"optimizer load_state_dict: parameters {have[:3]} have state but {missing[:3]} of the same "
                     "pstar-fx chunk have none; pstar-fx steps all parameters of a chunk together, so load a state "
-                    "in which these parameters have all stepped, or none")
+                    "in which these parameters have all stepped, or none. Where the state comes from a run that "
+                    f"did not train {missing[:3]} (frozen with requires_grad=False, or unused by its loss), freeze "
+                    "them here too before px.compile, or start this optimizer's state anew (load the model's values "
+                    "alone: step.load_state_dict(model values))")
             vectors, scalars = self.state_keys(group_of[have[0]])
             for n in have:
                 if set(states[n]) != set(vectors + scalars):
@@ -294,6 +310,7 @@ class _Live:
                 states = self._read()
         else:
             states = {n: {k: v.clone() for k, v in s.items()} for n, s in (self._pending or {}).items()}
+        self._refuse_written_state()
         for t, name, _ in self.entries():
             if name in states and t not in self.state:
                 self.state[t] = states[name]

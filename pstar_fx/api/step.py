@@ -19,6 +19,7 @@ from .. import checkpoint
 from ..checkpoint import StepState
 from ..errors import CommitError, PstarError
 from ..frontend import torch_compile
+from ..frontend.model_tensors import check_unchanged
 from ..interrupts import DeferredInterrupt
 from ..ir.graph import Precision, Settings, TrainGraph
 from ..optim import OptimizerSpec
@@ -30,7 +31,8 @@ from .agreement import check_same_step
 from .compiler import Compiler
 from .guarded import run_guarded
 from .live_optimizer import build as build_optimizer
-from .model_state import ModelState, holds_own_values
+from .model_state import holds_own_values
+from .step_model import ModelState
 from .options import (check_options, check_world, fuse_by_estimate, host_is_device, host_spare, loss_rows_settings,
                       resolve_budget, resolve_device, resolve_fuse, resolve_machine, resolve_precision, resolve_tiers)
 from .summary import Summary, summarize
@@ -69,6 +71,13 @@ def _locked(method):
         with self._lock:
             return method(self, *args, **kwargs)
     return locked
+
+
+class Stages(dict):
+    """step.graphs: the stages by name; a name it has not says which it has."""
+
+    def __missing__(self, key):
+        raise KeyError(f"no stage {key!r}: this step's stages are {', '.join(map(repr, self))}")
 
 
 class CompiledStep:
@@ -160,7 +169,7 @@ class CompiledStep:
             try:    # again on another trace where a guard sees another outcome than its trace took (guarded.py)
                 compiled, flat, run = run_guarded(self._compiler, batch, interrupts, attempt)
             except CommitError as e:
-                self._broken = str(e)
+                self._mark_broken(str(e))
                 raise
             self._last_stats = run.stats
             if run.per_node is not None:
@@ -184,6 +193,7 @@ class CompiledStep:
         rank, before this step's first collective (a compile's own included)."""
         if self._broken is not None:
             raise CommitError(self._broken)
+        check_unchanged(self._model, self._compiler.tables)
         if torch.is_inference_mode_enabled() or not torch.is_grad_enabled():
             ctx = "torch.inference_mode()" if torch.is_inference_mode_enabled() else "torch.no_grad()"
             raise PstarError(f"pstar-fx step called under {ctx}; a training step needs grad mode; use "
@@ -238,7 +248,7 @@ class CompiledStep:
         """Every stage of the latest compiled signature, in pipeline order ("traced" first, "scheduled" last)."""
         if self._compiler.latest is None:
             raise RuntimeError("nothing is compiled yet: call the step once (or step.lower(*batch))")
-        return dict(self._compiler.latest.stages)
+        return Stages(self._compiler.latest.stages)
 
     @property
     def final_graph(self) -> TrainGraph:
@@ -297,6 +307,9 @@ class CompiledStep:
         leaves out the parameters the step does not train (plain files): a load keeps the model's own values for
         them, so load it into a model built with the same frozen values (a fine-tune's base weights). Refused
         (CommitError) after a step failed past its commit point: its values are not one step's."""
+        if sharded is not None and not isinstance(sharded, bool) or not isinstance(frozen, bool):
+            raise TypeError(f"step.save: sharded must be None, True or False and frozen True or False; got "
+                            f"sharded={sharded!r}, frozen={frozen!r}")
         if self._broken is not None:
             raise CommitError(f"step.save({str(path)!r}) refused: the values are not consistent since a step failed "
                               f"after its commit point (saving them could replace a good checkpoint): "
@@ -320,7 +333,11 @@ class CompiledStep:
                          mark_broken=self._mark_broken, clear_broken=self._clear_broken)
 
     def _mark_broken(self, why: str) -> None:
+        """The step failed after its commit point: it refuses to run, save or hand its values out (CommitError)
+        until a checkpoint's load has written every value."""
         self._broken = why
+        self._model_state.broken = why
 
     def _clear_broken(self) -> None:
         self._broken = None
+        self._model_state.broken = None

@@ -31,6 +31,18 @@ def _count(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def key_differences(saved, model) -> str:
+    """Which keys a checkpoint's state dict lacks and which it has beyond the model's, as load_state_dict names
+    them: a few of each, with the counts."""
+    def listed(keys: list) -> str:
+        return f"{len(keys)} ({', '.join(map(str, keys[:4]))}{', ...' if len(keys) > 4 else ''})"
+    missing = sorted(set(model) - set(saved), key=str)
+    unexpected = sorted(set(saved) - set(model), key=str)
+    parts = ([f"missing from the checkpoint: {listed(missing)}"] if missing else []) + \
+        ([f"not in this model: {listed(unexpected)}"] if unexpected else [])
+    return "; ".join(parts)
+
+
 def model_state(state: StepState, sd, where: str, left_out=()) -> None:
     """`sd` holds exactly this model's state_dict keys but those `left_out` (parameters this step does not train:
     the model keeps its own values for them), each a tensor of the model's shape and dtype (or fp32, for a parameter
@@ -45,9 +57,8 @@ def model_state(state: StepState, sd, where: str, left_out=()) -> None:
                               "parameters")
     left_out = set(left_out)
     ref = {k: v for k, v in ref.items() if k not in left_out}
-    wrong = sorted(set(sd) ^ set(ref), key=str)
-    if wrong:
-        raise CheckpointError(f"step.load: {where} was saved from another model: keys differ ({wrong[:3]})")
+    if set(sd) != set(ref):
+        raise CheckpointError(f"step.load: {where} was saved from another model: {key_differences(sd, ref)}")
     for k, v in sd.items():
         like = ref[k].dtype
         # a half-precision parameter is saved at the full precision its chunks hold it at (fp32), or as the model's

@@ -24,6 +24,9 @@ from .step_state import StepState
 
 
 def _norm(path) -> str:
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"step.save/load: the checkpoint directory must be a str or os.PathLike, not "
+                        f"{type(path).__name__}")
     p = os.path.normpath(os.fspath(path))
     if p in (".", "/", ""):
         raise ValueError(f"step.save/load: give a checkpoint directory name (e.g. 'ckpt'), got {path!r}")
@@ -331,10 +334,14 @@ def _apply(state: StepState, model_sd: dict, opt_sd: dict, meta: dict, path: str
     optimizer (the next step takes them)."""
     left_out = set(meta.get("left_out", ()))          # frozen parameters the model keeps its own values for
     ref = {k: v for k, v in state.model.state_dict(keep_vars=True).items() if k not in left_out}   # keys, shapes
-    if set(model_sd) != set(ref) or any(tuple(v.shape) != tuple(ref[k].shape) for k, v in model_sd.items()):
-        wrong = sorted(set(model_sd) ^ set(ref)) or [k for k, v in model_sd.items() if v.shape != ref[k].shape]
-        raise CheckpointError(f"step.load: {path!r} was saved from another model: keys or shapes differ "
-                              f"({wrong[:3]})")
+    if set(model_sd) != set(ref):
+        raise CheckpointError(f"step.load: {path!r} was saved from another model: "
+                              f"{checks.key_differences(model_sd, ref)}")
+    shapes = [f"{k} {tuple(v.shape)} (the model's {tuple(ref[k].shape)})" for k, v in model_sd.items()
+              if tuple(v.shape) != tuple(ref[k].shape)]
+    if shapes:
+        raise CheckpointError(f"step.load: {path!r} was saved from another model: shapes differ: "
+                              f"{'; '.join(shapes[:3])}{' ...' if len(shapes) > 3 else ''}")
     # Ctrl-C waits until every value is in (then comes as a KeyboardInterrupt after a whole load): a load cut short
     # would leave the checkpoint's optimizer states beside the old parameters
     with DeferredInterrupt():

@@ -390,10 +390,14 @@ def _check(state: StepState, md, path: str) -> tuple[list[str], list[str], list[
     param_names = set(params)
     have = {k: tuple(v.size) if isinstance(v, TensorStorageMetadata) else None
             for k, v in saved.items() if k.startswith("model.")}
-    if set(have) != set(want) or any(have[k] != want[k] for k in want):
-        wrong = sorted(set(have) ^ set(want)) or [k for k in want if have[k] != want[k]]
-        raise CheckpointError(f"step.load: {path!r} was saved from another model: keys or shapes differ "
-                              f"({[k.removeprefix('model.') for k in wrong[:3]]})")
+    if set(have) != set(want):
+        names = ({k.removeprefix("model."): v for k, v in d.items()} for d in (have, want))
+        raise CheckpointError(f"step.load: {path!r} was saved from another model: "
+                              f"{checks.key_differences(*names)}")
+    differ = [f"{k.removeprefix('model.')} {have[k]} (the model's {want[k]})" for k in want if have[k] != want[k]]
+    if differ:
+        raise CheckpointError(f"step.load: {path!r} was saved from another model: shapes differ: "
+                              f"{'; '.join(differ[:3])}{' ...' if len(differ) > 3 else ''}")
     # a parameter is saved at full precision: fp32 when its chunks hold it, the model's dtype when the model does
     for n in params + buffers:
         like = ref[n].dtype

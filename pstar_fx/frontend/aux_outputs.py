@@ -107,9 +107,11 @@ def describe_aux(aux, name: str = "aux") -> tuple[AuxOutputs, list[torch.Tensor]
         if isinstance(x, torch.Tensor):
             tensors.append(x)
         elif isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-            raise UntraceableError(f"the step function returned {where}, a size that depends on tensor values; "
-                                   "return it as a tensor (for example the result's numel as torch.tensor ops "
-                                   "compute it) or leave it out")
+            kind = {torch.SymInt: "an int", torch.SymFloat: "a float", torch.SymBool: "a bool"}[type(x)]
+            raise UntraceableError(f"the step function returned {where}, {kind} read from a tensor's value "
+                                   "(.item(), float(t), int(t), or a size that depends on values): a compiled step "
+                                   "computes no Python number anew at each call; return the tensor itself (e.g. "
+                                   "acc instead of acc.item()) and read it after the step")
         elif not isinstance(x, _CONSTANTS):
             cache = " (a model's cache of keys and values: call the model with use_cache=False)"
             raise UntraceableError(f"the step function returned {where} of type {type(x).__name__}; its leaves "

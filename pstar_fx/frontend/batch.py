@@ -59,6 +59,11 @@ def flatten_batch(batch: tuple) -> FlatBatch:
     consts = []
     for path, x in zip(paths, leaves):
         if isinstance(x, torch.Tensor):
+            if x.is_nested or x.layout != torch.strided:
+                kind = "nested" if x.is_nested else str(x.layout).removeprefix("torch.")
+                raise TypeError(f"step(*batch): {leaf_name(path)} is a {kind} tensor; pstar-fx steps take dense "
+                                "(strided) tensors: pass x.to_dense(), or pad a nested tensor's rows into one "
+                                "(torch.nested.to_padded_tensor)")
             continue
         try:
             hash(x)

@@ -49,6 +49,41 @@ def model_tables(model: nn.Module) -> ModelTables:
     return ModelTables(params, buffers)
 
 
+def changes_since(model: nn.Module, tables: ModelTables) -> list[str]:
+    """What of the model's parameters and buffers differs from `tables` (model_tables when the step was made): a
+    tensor added or removed (by any of its state_dict names), or one of another shape or dtype. Empty where nothing
+    did. Read past the tensors' __torch_function__ (a held tensor's shape and dtype are its own)."""
+    with torch._C.DisableTorchFunctionSubclass():
+        now = {"parameter": {n: t for n, t in model.named_parameters(remove_duplicate=False)},
+               "buffer": {n: t for n, t in model.named_buffers(remove_duplicate=False) if t is not None}}
+        out = []
+        for kind, infos in (("parameter", tables.params), ("buffer", tables.buffers)):
+            known = {}
+            for info in infos:
+                for name in (info.name, *info.aliases):
+                    known[name] = info
+            out += [f"{kind} '{n}' was added" for n in now[kind] if n not in known]
+            out += [f"{kind} '{n}' was removed" for n in known if n not in now[kind]]
+            for n, info in known.items():
+                t = now[kind].get(n)
+                if t is not None and (tuple(t.shape), t.dtype) != (info.shape, info.dtype):
+                    out.append(f"{kind} '{n}' is now {tuple(t.shape)} {t.dtype}, was {info.shape} {info.dtype}")
+    return out
+
+
+def check_unchanged(model: nn.Module, tables: ModelTables) -> None:
+    """Refuse a model whose parameters or buffers changed since px.compile (changes_since): its chunks were laid out
+    for the tensors it had then."""
+    changes = changes_since(model, tables)
+    if changes:
+        more = f" (and {len(changes) - 3} more)" if len(changes) > 3 else ""
+        raise ValueError(
+            f"the model changed since px.compile: {'; '.join(changes[:3])}{more}. pstar-fx lays out a model's "
+            "chunks for the parameters and buffers it has when compiled, and holds their values there. Change the "
+            "model before px.compile; to change it later, call step.sync_model() (the model gets its values back), "
+            "undo or make the change, and compile a new step for the changed model")
+
+
 HELD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)   # what a chunk (or its fp32 master) holds exactly
 
 
@@ -85,14 +120,48 @@ def slots(model: nn.Module) -> list[tuple[str, str, nn.Module, str, torch.Tensor
 
 @contextlib.contextmanager
 def model_restored(model: nn.Module):
-    """Whatever happens inside, every parameter and buffer slot of the model holds its original tensor afterwards."""
+    """Whatever happens inside, every parameter and buffer slot of the model holds its original tensor afterwards,
+    and a slot made inside (a parameter or buffer the step function registered on the model) is removed again; where
+    nothing else failed, that is refused (UntraceableError): the step's chunks hold the tensors the model had."""
     saved = [(kind, mod, name, t) for _, kind, mod, name, t in slots(model)]
+    known = {(id(mod), kind, name) for kind, mod, name, _ in saved}
     try:
         yield
     finally:
         for kind, mod, name, t in saved:
             if getattr(mod, kind).get(name) is not t:
                 getattr(mod, kind)[name] = t
+        added = [(full, kind, mod, name) for full, kind, mod, name, _ in slots(model)
+                 if (id(mod), kind, name) not in known]
+        for _, kind, mod, name in added:
+            del getattr(mod, kind)[name]
+    if added:
+        what = ", ".join(f"{'parameter' if kind == '_parameters' else 'buffer'} {full!r}"
+                         for full, kind, _, _ in added[:3]) + (" ..." if len(added) > 3 else "")
+        raise UntraceableError(f"the step function adds {what} to the model (register_buffer, a new nn.Parameter "
+                               "or module assigned to it): pstar-fx holds the tensors the model had when compiled, "
+                               "so add it before px.compile, or keep the tensor in a local variable")
+
+
+def storage_ids(given: dict) -> dict:
+    """Each substituted tensor's storage, by functional_call key: `check_data_kept` compares them after the step."""
+    return {key: t.untyped_storage()._cdata for key, t in given.items() if isinstance(t, torch.Tensor)}
+
+
+def check_data_kept(given: dict, before: dict, buffer_slots: dict[str, str]) -> None:
+    """Refuse a step that assigned `.data` of a parameter or buffer (`module.bias.data = t`): the assignment swaps
+    the tensor's storage behind the trace's back (no operation records it), so the graph would go on reading the old
+    value, silently unlike eager code."""
+    for key, was in before.items():
+        if given[key].untyped_storage()._cdata != was:
+            where = key[2:]
+            if key in buffer_slots:
+                raise UntraceableError(f"the step assigns buffer {where!r}.data, which a trace cannot record: write "
+                                       "the new value in place instead (buffer.copy_(value) under torch.no_grad())")
+            raise UntraceableError(f"the step assigns parameter {where!r}.data, which a trace cannot record: pstar-fx "
+                                   "holds parameters in chunks, and only its optimizer changes them; compute with "
+                                   "the new value without assigning it, or change the parameter outside the step "
+                                   "(step.sync_model(), change it, compile a new step)")
 
 
 def write_rebound(given: dict, after: dict, buffer_slots: dict[str, str], bufs: dict) -> None:
@@ -109,7 +178,9 @@ def write_rebound(given: dict, after: dict, buffer_slots: dict[str, str], bufs: 
         where = key[2:]
         if name is None:
             raise UntraceableError(f"the step rebinds parameter {where!r} (assigns it a new tensor): pstar-fx "
-                                   "holds parameters in chunks; update its value in place under torch.no_grad()")
+                                   "holds parameters in chunks, and only its optimizer changes them; compute with "
+                                   "the new tensor without assigning it to the module, or change the parameter "
+                                   "outside the step (step.sync_model(), change it, compile a new step)")
         if not isinstance(new, torch.Tensor) or new.shape != bufs[name].shape or new.dtype != bufs[name].dtype:
             got = (f"a tensor of shape {tuple(new.shape)} and dtype {new.dtype}" if isinstance(new, torch.Tensor)
                    else type(new).__name__)

@@ -262,6 +262,24 @@ def python_draws() -> Iterator[list[str]]:
         drawn.extend(name for (name, get), old in zip(gens, before) if get() != old)
 
 
+@contextlib.contextmanager
+def torch_generators_set() -> Iterator[list[str]]:
+    """Yields a list that, once the block ends, names torch's global generators (the CPU's, each initialised CUDA
+    device's) whose state changed during it. A trace draws nothing from them (its random operations are recorded,
+    and draw when the graph runs), so one that changed was seeded or set by the step function (torch.manual_seed
+    inside it), which a compiled step would not do again, or drawn from by another thread meanwhile."""
+    cpu = torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else []
+    moved: list[str] = []
+    try:
+        yield moved
+    finally:
+        if not torch.equal(torch.get_rng_state(), cpu):
+            moved.append("torch's CPU generator")
+        moved.extend(f"torch's generator of cuda:{i}" for i, state in enumerate(cuda)
+                     if not torch.equal(torch.cuda.get_rng_state(i), state))
+
+
 def snapshot(model: nn.Module, fn: Callable) -> dict[str, tuple]:
     """Every plain value the two keys cover, by where it lives: each module's scalars (by module name) and the
     step function's closure and globals (by name)."""

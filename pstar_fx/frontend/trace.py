@@ -56,9 +56,11 @@ from . import (backward_calls, fake_fixes, method_caches, moe_rewrites, rnn_kern
                user_checkpoint)
 from .aux_outputs import AuxCollector, describe_aux, own_aux_storage, split_returned
 from .batch import BatchSignature, FlatBatch, flatten_batch, leaf_name  # noqa: F401 (re-exported)
+from .graph_checks import reject_generators, reject_sparse
 from .guards import GuardingShapeEnv, insert_guards, tried_both_ways
-from .model_tensors import ModelTables, gradient_hooks, model_restored, model_tables, slots, write_rebound
-from .python_state import changes, python_draws, snapshot
+from .model_tensors import (ModelTables, check_data_kept, gradient_hooks, model_restored, model_tables, slots,
+                            storage_ids, write_rebound)
+from .python_state import changes, python_draws, snapshot, torch_generators_set
 
 
 
@@ -302,9 +304,16 @@ def trace_step(fn, model: nn.Module, batch: tuple, settings: Settings, assume: t
     one of torch's C++ callbacks can abort the process. `values`: python_state.snapshot(model, fn) taken just
     before, where the caller has one (else it is taken here), to tell the values the trace writes."""
     before = snapshot(model, fn) if values is None else values
-    with DeferredInterrupt(), python_draws() as drawn:
+    with DeferredInterrupt(), python_draws() as drawn, torch_generators_set() as seeded:
         graph = tried_both_ways(lambda taken, false_at: _trace_step(fn, model, batch, settings, taken, false_at),
                                 assume)
+    if seeded:
+        raise UntraceableError(
+            f"the step function set the state of {' and '.join(seeded)} while it was traced (torch.manual_seed, "
+            "torch.set_rng_state, ... inside it): a compiled step runs the traced graph, whose random operations "
+            "draw from the generator as it runs, and does not seed it again, so every step after the first would "
+            "draw otherwise than eager code. Seed in the training loop, before calling the step (and draw from "
+            "torch's generators in no other thread while a step is compiled)")
     if drawn:
         warn(f"the global generator of {' and '.join(drawn)} moved while the step was traced: if the step drew from "
              "it (in your code or a library's: LayerDrop by random.random()), every compiled step replays the "
@@ -381,6 +390,7 @@ def _trace_step(fn, model: nn.Module, batch: tuple, settings: Settings, assume: 
         autocast = (torch.autocast(device.type, dtype=half) if half is not None else contextlib.nullcontext())
         values = substituted(leaves, fp, bufs)
         given = dict(values)
+        storages = storage_ids(given)
         # the model's tensors stay substituted through backward too: a checkpoint's recompute runs there
         with torch.enable_grad(), user_checkpoint.substituted(wrapper, values):
             with autocast, recorder.user_step():
@@ -400,6 +410,7 @@ def _trace_step(fn, model: nn.Module, batch: tuple, settings: Settings, assume: 
             seeded = seeded * scale_args[0] if scale_args else seeded
             recorder.set_source(None)      # the backward's nodes come from the engine, not from a user's line
             grads = user_checkpoint.gradients(seeded, list(leaves.values()))
+        check_data_kept(given, storages, buffer_slots)
         write_rebound(given, values, buffer_slots, bufs)
         return out, list(grads)
 
@@ -410,8 +421,10 @@ def _trace_step(fn, model: nn.Module, batch: tuple, settings: Settings, assume: 
         autocast = (torch.autocast(device.type, dtype=half) if half is not None else contextlib.nullcontext())
         values = substituted(tp, fp, bufs)
         given = dict(values)
+        storages = storage_ids(given)
         with (torch.no_grad(), user_checkpoint.substituted(wrapper, values), autocast, recorder.user_step()):
             out = wrapper(*flat.rebuild(xs))
+        check_data_kept(given, storages, buffer_slots)
         write_rebound(given, values, buffer_slots, bufs)
         layout, leaves = describe_aux(out, "output")   # constants (ints, None, ...) are returned as they are
         if not leaves:
@@ -467,7 +480,8 @@ def _trace_step(fn, model: nn.Module, batch: tuple, settings: Settings, assume: 
         error.raised = e if (tb and is_user_file(tb[-1].filename)) or isinstance(e, _CHECK_ERRORS) else None
         raise error from e
     _reject_unbounded(gm, mode.shape_env)
-    _reject_sparse(gm)
+    reject_sparse(gm)
+    reject_generators(gm)
     fake_fixes.real_allocations(gm, backward=settings.optimizer is not None)
     guard_nodes = set(insert_guards(gm, mode.shape_env))
 
@@ -524,23 +538,6 @@ def _reject_unbounded(gm: fx.GraphModule, shape_env: ShapeEnv) -> None:
                 f"on tensor values and has no known upper bound {_where(_made_by(shape_env, d.symbol)[1])}; pstar-fx "
                 "plans such sizes at their upper bound, so give the op one (for example repeat_interleave's "
                 "output_size)")
-
-
-def _reject_sparse(gm: fx.GraphModule) -> None:
-    """Chunks and the plan hold dense (strided) tensors: a sparse one (nn.Embedding(sparse=True)'s gradient) is
-    refused, naming the op that made it and the line of a sparse embedding where there is one."""
-    for node in gm.graph.nodes:
-        val = node.meta.get("val")
-        if isinstance(val, torch.Tensor) and val.layout != torch.strided:
-            sparse_embedding = next((n for n in gm.graph.nodes if n.target is torch.ops.aten.embedding.default
-                                     and len(n.args) > 4 and n.args[4]), None)
-            where = user_frame(sparse_embedding) if sparse_embedding is not None else None
-            line = " ".join(where) if where else "source unknown"
-            hint = ("" if sparse_embedding is None else
-                    f": a sparse embedding (nn.Embedding(sparse=True), {line}); use sparse=False, which trains the "
-                    "same values")
-            raise UntraceableError(f"cannot trace the training step: operation {node.target} makes a {val.layout} "
-                                   f"tensor, and pstar-fx holds dense tensors only{hint}")
 
 
 def _reject_param_mutation(gm: fx.GraphModule, ann, recorder: _SourceRecorder) -> None:

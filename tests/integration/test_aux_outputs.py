@@ -157,6 +157,8 @@ def test_aux_aliasing_parameters_and_buffers_holds_the_forward_values():
     (lambda loss, logits: {"loss": loss}, "returned dict"),
     (lambda loss, logits: (loss, {"x": object()}), r"aux\['x'\] of type object"),
     (lambda loss, logits: (loss.long(), logits), "dtype torch.int64"),
+    (lambda loss, logits: (loss, {"acc": (logits.argmax(1) == 0).float().mean().item()}),
+     r"aux\['acc'\], a float read from a tensor's value \(.item\(\).*return the tensor itself"),
 ])
 def test_wrong_returns_name_what_to_return(returned, match):
     case = CASES_BY_NAME["mlp_ce"]

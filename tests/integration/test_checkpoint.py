@@ -283,6 +283,27 @@ def test_a_checkpoint_of_another_model_is_refused_and_changes_nothing(tmp_path):
     _assert_equal_state(other.state_dict(), before, "refused load")
 
 
+@pytest.mark.parametrize("sharded", [False, True])
+def test_another_models_keys_are_named_missing_and_unexpected(tmp_path, sharded):
+    """As nn.Module.load_state_dict names them: the keys the checkpoint lacks, and those this model lacks."""
+    def make(last):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential()
+        model.add_module("body", torch.nn.Linear(8, 8))
+        model.add_module(last, torch.nn.Linear(8, 4))
+        return px.compile(model, optimizer=px.AdamW(lr=1e-2), device="cpu")(
+            lambda m, x, y: torch.nn.functional.cross_entropy(m(x), y))
+    x, y = torch.randn(4, 8), torch.randint(0, 4, (4,))
+    saved = make("head")
+    saved(x, y)
+    saved.save(tmp_path / "c", sharded=sharded)
+    other = make("head2")
+    other(x, y)
+    with pytest.raises(px.CheckpointError, match=r"missing from the checkpoint: 2 \(head2.bias, head2.weight\); "
+                                                 r"not in this model: 2 \(head.bias, head.weight\)"):
+        other.load(tmp_path / "c")
+
+
 def _frozen_base_step(train_first: bool = False, precision: str = "fp32"):
     """A small model whose first layer is frozen (a fine-tune's base weights), or trained with train_first."""
     torch.manual_seed(0)
@@ -329,6 +350,19 @@ def test_a_checkpoint_leaving_out_what_the_step_trains_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"frozen=False\) leaves frozen parameters out of plain files"):
         a.save(tmp_path / "s", sharded=True, frozen=False)
     assert not (tmp_path / "s").exists()
+
+
+def test_a_checkpoint_that_froze_what_this_step_trains_says_to_freeze_them(tmp_path):
+    """Saved whole (frozen=True) by a step that froze the first layer, loaded by one that trains it in one chunk with
+    the second: the optimizer state has moments for some of the chunk's parameters only. Refused, saying that the
+    run which saved it did not train them, and what to do."""
+    a = _frozen_base_step()
+    a(torch.randn(4, 8), torch.randn(4, 4))
+    a.save(tmp_path / "c")
+    trains_all = _frozen_base_step(train_first=True)
+    trains_all(torch.randn(4, 8), torch.randn(4, 4))
+    with pytest.raises(px.CheckpointError, match=r"did not train \['0.weight', '0.bias'\].*freeze them here too"):
+        trains_all.load(tmp_path / "c")
 
 
 @pytest.mark.parametrize("scheduler_at", ["save", "load"])

@@ -28,6 +28,19 @@ def _mse(m, x, y):
     return F.mse_loss(m(x), y)
 
 
+@pytest.mark.parametrize("layout", ["sparse", "nested"])
+def test_a_sparse_or_nested_batch_tensor_is_refused_by_position(layout):
+    """Chunks, the plan and the graph hold dense tensors: refused before the trace, naming the batch entry (it
+    crashed inside the runtime, or inside torch's nested tensors, before)."""
+    model = nn.Linear(8, 4)
+    step = _compile(model, _mse)
+    x, y = torch.randn(3, 8), torch.randn(3, 4)
+    bad = x.to_sparse() if layout == "sparse" else torch.nested.nested_tensor([x[:1], x[1:]])
+    with pytest.raises(TypeError, match=rf"step\(\*batch\): batch\[0\] is a {layout}.* dense \(strided\) tensors"):
+        step(bad, y)
+    step(x, y)
+
+
 def _snapshot(model):
     return ({n: (t, t.detach().clone()) for n, t in model.named_parameters()},
             {n: (t, t.detach().clone()) for n, t in model.named_buffers()})

@@ -159,6 +159,25 @@ def test_adding_a_param_group_to_a_compiled_step_is_refused_at_once():
     step(*MLP.batch(1))                  # nothing changed: the step runs on
 
 
+def test_a_write_into_the_live_optimizers_state_is_refused_not_ignored():
+    """step.optimizer.state stays empty (the states live in the chunks): a write there would be ignored by the
+    update and handed out by state_dict(); it is refused (and dropped) at the next step or state_dict(). Reading an
+    entry (torch's state is a defaultdict, which leaves an empty one) is fine."""
+    model = MLP.build_model()
+    step = px_compile(MLP, model, px.AdamW(lr=1e-3))
+    step(*MLP.batch(0))
+    p = next(model.parameters())
+    assert step.optimizer.state[p] == {}                 # a read, as loggers do
+    step(*MLP.batch(1))
+    before = step.optimizer.state_dict()["state"][0]["step"]
+    for call in (lambda: step(*MLP.batch(2)), step.optimizer.state_dict):
+        step.optimizer.state[p] = {"step": torch.tensor(50.0)}
+        with pytest.raises(ValueError, match=r"step.optimizer.state was written to.*load_state_dict"):
+            call()
+    assert step.optimizer.state_dict()["state"][0]["step"] == before
+    step(*MLP.batch(2))
+
+
 # -- the live optimizer and lr schedulers ----------------------------------------------------------------------------
 
 def test_live_optimizer_is_a_torch_optimizer_whose_step_explains():

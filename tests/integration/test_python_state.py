@@ -149,6 +149,36 @@ def test_a_draw_from_pythons_random_while_tracing_is_warned_of():
         step(*_batch(0))
 
 
+def test_seeding_torchs_generator_inside_the_step_is_refused():
+    """torch.manual_seed inside the step runs once, at the trace; every compiled step would then draw on from the
+    generator where eager code draws the same numbers again: refused, never a silently different run. Random draws
+    without a seed inside train as eager (test_fuse.py::test_gpt_dropout_under_remat_budget_matches_eager)."""
+    def seeded_noise(model, x, y):
+        torch.manual_seed(0)
+        return F.cross_entropy(model(x + torch.randn_like(x)), y)
+    step = px.compile(_model(), optimizer=px.AdamW(**HYPER), device="cpu")(seeded_noise)
+    with pytest.raises(px.UntraceableError, match=r"set the state of torch's CPU generator .* Seed in the training "
+                                                  r"loop"):
+        step(*_batch(0))
+
+
+@pytest.mark.parametrize("where", ["made in the step", "passed in"])
+def test_a_generator_object_is_refused_with_its_op_and_line(where):
+    """randn(..., generator=g): the trace would keep its own copy of the object, drawing one stream over every
+    step, not what eager code draws: refused, naming the op and the user's line (it crashed the planner before)."""
+    def own(model, x, y):
+        g = torch.Generator().manual_seed(1)
+        return F.cross_entropy(model(x + torch.randn(x.shape, generator=g)), y)
+
+    def given(model, x, y, g):
+        return F.cross_entropy(model(x + torch.randn(x.shape, generator=g)), y)
+    fn, extra = (own, ()) if where == "made in the step" else (given, (torch.Generator().manual_seed(1),))
+    step = px.compile(_model(), optimizer=px.AdamW(**HYPER), device="cpu")(fn)
+    with pytest.raises(px.UntraceableError, match=r"aten.randn.generator draws from a torch.Generator object "
+                                                  r"\(File .*test_python_state.py\", line \d+"):
+        step(*_batch(0), *extra)
+
+
 def test_a_value_that_changes_every_step_is_named_after_four_compiles():
     state = {"weight": 1.0}
 

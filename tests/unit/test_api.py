@@ -27,6 +27,13 @@ def test_parse_bytes_rejects(bad):
         parse_bytes(bad)
 
 
+@pytest.mark.parametrize("huge", [2 ** 64, "10000000TiB", "2000000000000000TB"])
+def test_parse_bytes_refuses_more_than_any_machine_has(huge):
+    """(It overflowed deep inside the planner, a 64-bit count, before.)"""
+    with pytest.raises(ValueError, match="more than any machine has"):
+        parse_bytes(huge)
+
+
 def test_format_bytes():
     assert format_bytes(1536) == "1.50 KiB" and format_bytes(12) == "12 B" and format_bytes(3 * 2**30) == "3.00 GiB"
 
@@ -262,3 +269,21 @@ def test_whose_source_a_frame_is_is_memoised_and_generated_code_is_not_the_users
     assert hasattr(fx_utils.is_user_file, "cache_info") and not hasattr(fx_utils.has_node, "cache_info")
     assert not fx_utils.is_user_file("<string>") and not fx_utils.is_user_file("<eval_with_key>.3")
     assert fx_utils.is_user_file(__file__) and not fx_utils.is_user_file(fx_utils.__file__)
+
+
+def test_the_steps_methods_name_a_wrong_argument():
+    """A stage the step has not, a state dict that is not a mapping, a checkpoint path that is not a path, a save
+    flag that is not a bool: each a clear error naming it (a bare KeyError or os.fspath's TypeError before)."""
+    model = torch.nn.Linear(8, 4)
+    step = px.compile(model, optimizer=px.AdamW(lr=1e-3), device="cpu")(
+        lambda m, x, y: torch.nn.functional.cross_entropy(m(x), y))
+    step(torch.randn(4, 8), torch.randint(0, 4, (4,)))
+    with pytest.raises(KeyError, match="no stage 'nope': this step's stages are 'traced', 'canonical'"):
+        step.graphs["nope"]
+    assert list(step.graphs)[-1] == "scheduled" and step.graphs["traced"] is not None
+    with pytest.raises(TypeError, match="load_state_dict takes a state dict .* not int"):
+        step.load_state_dict(5)
+    with pytest.raises(TypeError, match="must be a str or os.PathLike, not NoneType"):
+        step.save(None)
+    with pytest.raises(TypeError, match="sharded must be None, True or False"):
+        step.save("unused", sharded="yes")
