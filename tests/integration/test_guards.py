@@ -111,6 +111,30 @@ def test_a_check_whose_branch_raises_traces_its_passing_branch_and_raises_as_eag
     step(*_shifted(1, 0.5, seed=4)[0])      # and training goes on
 
 
+def skips_unlabelled(model, x, y):
+    valid = y >= 0
+    if valid.sum() == 0:                               # no labelled row: nothing to learn from this batch
+        return torch.zeros((), requires_grad=True)
+    return nn.functional.cross_entropy(model(x)[valid], y[valid])
+
+
+def test_a_branch_that_returns_a_constant_loss_traces_the_branch_that_trains():
+    """The tracer takes the condition True first, whose loss reaches no parameter: a step that trains nothing is
+    refused there, so the trace takes it False (guarded) and lays the chunks out for the parameters that train
+    (it once laid them out with every parameter frozen, and no batch could run). Labelled batches train as eager; a
+    batch without labels raises that the loss reaches no parameter (eager's step changes nothing either), changing
+    nothing, and training goes on as eager's."""
+    g = torch.Generator().manual_seed(5)
+    batches = [(torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)) for _ in range(3)]
+    losses, ref_losses, sd, ref_sd, step = _train_both(_mlp(d_out=3), skips_unlabelled, batches)
+    assert losses == ref_losses
+    assert_state_close(sd, ref_sd, rtol=0)
+    with pytest.raises(px.UntraceableError, match="the loss does not depend on any trainable parameter"):
+        step(batches[0][0], torch.full((8,), -1))
+    assert_state_close(step.state_dict(), sd, rtol=0)
+    step(*batches[1])                                 # and training goes on
+
+
 def test_torchs_own_checks_on_values_trace_their_passing_branch_and_raise_on_bad_data():
     """F.gaussian_nll_loss checks `if torch.any(var < 0): raise ValueError` inside torch."""
     def loss_fn(model, x, shift=0.1):
