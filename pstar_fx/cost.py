@@ -336,6 +336,12 @@ def cpu_update_rate(settings: Settings, m: Machine, beside_backward: bool | None
     return rate / layout.update_cost
 
 
+def _latest(deps: list[tuple[float, Lane]]) -> tuple[float, Lane]:
+    """The latest of (time, the lane it waits for) dependencies: when all are met, and what was met last (the first
+    listed where two tie)."""
+    return max(deps, key=lambda d: d[0])
+
+
 def _shard_bytes(c, world: int) -> int:
     return shard_numel(c, world) * c.dtype.itemsize
 
@@ -365,7 +371,7 @@ def _simulate(g: TrainGraph, m: Machine, node_s: list[float], background, steps:
 
     def on_compute(deps: list[tuple[float, Lane]], seconds: float) -> float:
         """A kernel on the compute stream once every dependency (time, the lane it waits for) is met. Its end."""
-        t, cause = max(deps, key=lambda d: d[0])
+        t, cause = _latest(deps)
         sim.wait_compute(t, cause)
         return sim._fixed(Lane.COMPUTE, t, seconds)
 
@@ -409,8 +415,8 @@ def _simulate(g: TrainGraph, m: Machine, node_s: list[float], background, steps:
                     by[key] = Lane.COMPUTE
                 else:
                     # (what the copy waited for to start, where it did not wait for the copies before it)
-                    start, cause = max([(compute_at, Lane.H2D), (home.get(key, 0.0), Lane.D2H),
-                                        (after_update, Lane.CPU)], key=lambda d: d[0])
+                    start, cause = _latest([(compute_at, Lane.H2D), (home.get(key, 0.0), Lane.D2H),
+                                            (after_update, Lane.CPU)])
                     by[key] = cause if start > free[Lane.H2D] else Lane.H2D
                     done = sim.copy(Lane.H2D, start, part)
                     reading[a.chunk] = done
@@ -433,7 +439,7 @@ def _simulate(g: TrainGraph, m: Machine, node_s: list[float], background, steps:
                     if a.buf is not BufKind.STATES:
                         sim.wait_compute(done, Lane.CPU if late else Lane.D2H)
                 else:
-                    sim.wait_compute(*max([(issue, Lane.HOST), arrives(key)], key=lambda d: d[0]))
+                    sim.wait_compute(*_latest([(issue, Lane.HOST), arrives(key)]))
                 ready.pop(key, None)
             elif a.role is Role.REDUCE_SCATTER:
                 gkey = BufKey(a.chunk, c.grad_buf())
@@ -482,8 +488,8 @@ def _simulate(g: TrainGraph, m: Machine, node_s: list[float], background, steps:
                                                          nbytes / m.disk_write_bytes)
             elif a.role is Role.OUTPUT:
                 # the step waits for its disk writes, and for its updates ahead of the commit
-                end, cause = max([(free[Lane.COMPUTE], Lane.COMPUTE), (waited, Lane.CPU)]
-                                 + [(t, Lane.DISK) for t in slot_free.values()], key=lambda d: d[0])
+                end, cause = _latest([(free[Lane.COMPUTE], Lane.COMPUTE), (waited, Lane.CPU)]
+                                     + [(t, Lane.DISK) for t in slot_free.values()])
                 if world > 1:                                   # the loss, averaged over the ranks
                     end, cause = sim.collective(end, 4), Lane.COMM
                 sim.wait_compute(end, cause)                    # (the next step's kernels come after it)
