@@ -1,6 +1,6 @@
 """What a traced step's graph may not hold, each refused with an UntraceableError that names the op and the user's
 line: a sparse tensor (chunks and the plan hold dense ones), and a torch.Generator object (a compiled step draws from
-torch's global generator as it runs)."""
+torch's global generator as it runs); and a loss that reaches no trainable parameter."""
 from __future__ import annotations
 
 import torch
@@ -40,3 +40,15 @@ def reject_generators(gm: fx.GraphModule) -> None:
                                f"torch.Generator object ({' '.join(where) if where else 'source unknown'}), which a "
                                "compiled step cannot replay as eager code does: draw from torch's global generator "
                                "(drop generator=; seed it with torch.manual_seed in the training loop)")
+
+
+def check_reached(grads: list) -> None:
+    """A loss that reaches no trainable parameter (a branch returning a constant that requires grad, such as
+    `torch.zeros((), requires_grad=True)` for an empty batch) would train nothing, and the trace would lay the chunks
+    out with every parameter frozen: refused, so that a condition the trace took by default is taken the other way
+    (frontend/guards.py tried_both_ways) and the step's chunks come from the branch that trains."""
+    if all(g is None for g in grads):
+        raise UntraceableError(
+            "the loss does not depend on any trainable parameter (it is a constant, or a branch returns one), so a "
+            "step would train nothing; skip such batches in the training loop, or make the loss depend on the model "
+            "(e.g. add model_output.sum() * 0)")

@@ -56,7 +56,7 @@ from . import (backward_calls, fake_fixes, method_caches, moe_rewrites, rnn_kern
                user_checkpoint)
 from .aux_outputs import AuxCollector, describe_aux, own_aux_storage, split_returned
 from .batch import BatchSignature, FlatBatch, flatten_batch, leaf_name  # noqa: F401 (re-exported)
-from .graph_checks import reject_generators, reject_sparse
+from .graph_checks import check_reached, reject_generators, reject_sparse
 from .guards import GuardingShapeEnv, insert_guards, tried_both_ways
 from .model_tensors import (ModelTables, check_data_kept, gradient_hooks, model_restored, model_tables, slots,
                             storage_ids, write_rebound)
@@ -447,7 +447,7 @@ def _trace_step(fn, model: nn.Module, batch: tuple, settings: Settings, assume: 
         # The aux tensors come after the losses (ir/outputs.py).
         if micro == 1:
             out, grads = one_micro_batch(leaves, fp, bufs, scale_args, xs)
-            _check_reached(grads)
+            check_reached(grads)
             return [out] + aux.outputs + grads
         losses, all_grads = [], []
         for k in range(micro):
@@ -455,7 +455,7 @@ def _trace_step(fn, model: nn.Module, batch: tuple, settings: Settings, assume: 
             out, grads = one_micro_batch(leaves, fp, bufs, scale_args, part, k)
             losses.append(out)
             all_grads += grads
-        _check_reached(all_grads)
+        check_reached(all_grads)
         total = losses[0]
         for loss_k in losses[1:]:
             total = total + loss_k
@@ -532,22 +532,6 @@ def _trace_step(fn, model: nn.Module, batch: tuple, settings: Settings, assume: 
     return TrainGraph(gm=graph, stage="traced", made_by="trace_step", settings=settings, params=ordered,
                       buffers=tables.buffers, inputs=tuple(inputs), ann=ann, seconds=time.perf_counter() - t0,
                       output_spec=output_spec[0] if output_spec else None, aux=aux.layout)
-
-
-def _check_reached(grads: list) -> None:
-    """A loss that reaches no trainable parameter (a branch returning a constant that requires grad, such as
-    `torch.zeros((), requires_grad=True)` for an empty batch) would train nothing, and the trace would lay the chunks
-    out with every parameter frozen: refused, so that a condition the trace took by default is taken the other way
-    (frontend/guards.py tried_both_ways) and the step's chunks come from the branch that trains."""
-    if trainable_count(grads) == 0:
-        raise UntraceableError(
-            "the loss does not depend on any trainable parameter (it is a constant, or a branch returns one), so a "
-            "step would train nothing; skip such batches in the training loop, or make the loss depend on the model "
-            "(e.g. add model_output.sum() * 0)")
-
-
-def trainable_count(grads: list) -> int:
-    return sum(g is not None for g in grads)
 
 
 def _reject_unbounded(gm: fx.GraphModule, shape_env: ShapeEnv) -> None:
