@@ -43,6 +43,17 @@ def key_differences(saved, model) -> str:
     return "; ".join(parts)
 
 
+def same_model(path: str, saved: dict, model: dict) -> None:
+    """A checkpoint's model values, by state_dict name -> shape (`saved`), against this model's (`model`): the keys,
+    then the shapes, else CheckpointError naming what differs."""
+    if set(saved) != set(model):
+        raise CheckpointError(f"step.load: {path!r} was saved from another model: {key_differences(saved, model)}")
+    differ = [f"{k} {saved[k]} (the model's {model[k]})" for k in model if saved[k] != model[k]]
+    if differ:
+        raise CheckpointError(f"step.load: {path!r} was saved from another model: shapes differ: "
+                              f"{'; '.join(differ[:3])}{' ...' if len(differ) > 3 else ''}")
+
+
 def model_state(state: StepState, sd, where: str, left_out=()) -> None:
     """`sd` holds exactly this model's state_dict keys but those `left_out` (parameters this step does not train:
     the model keeps its own values for them), each a tensor of the model's shape and dtype (or fp32, for a parameter

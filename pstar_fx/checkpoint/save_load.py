@@ -334,14 +334,8 @@ def _apply(state: StepState, model_sd: dict, opt_sd: dict, meta: dict, path: str
     optimizer (the next step takes them)."""
     left_out = set(meta.get("left_out", ()))          # frozen parameters the model keeps its own values for
     ref = {k: v for k, v in state.model.state_dict(keep_vars=True).items() if k not in left_out}   # keys, shapes
-    if set(model_sd) != set(ref):
-        raise CheckpointError(f"step.load: {path!r} was saved from another model: "
-                              f"{checks.key_differences(model_sd, ref)}")
-    shapes = [f"{k} {tuple(v.shape)} (the model's {tuple(ref[k].shape)})" for k, v in model_sd.items()
-              if tuple(v.shape) != tuple(ref[k].shape)]
-    if shapes:
-        raise CheckpointError(f"step.load: {path!r} was saved from another model: shapes differ: "
-                              f"{'; '.join(shapes[:3])}{' ...' if len(shapes) > 3 else ''}")
+    checks.same_model(path, {k: tuple(v.shape) for k, v in model_sd.items()},
+                      {k: tuple(v.shape) for k, v in ref.items()})
     # Ctrl-C waits until every value is in (then comes as a KeyboardInterrupt after a whole load): a load cut short
     # would leave the checkpoint's optimizer states beside the old parameters
     with DeferredInterrupt():

@@ -390,14 +390,7 @@ def _check(state: StepState, md, path: str) -> tuple[list[str], list[str], list[
     param_names = set(params)
     have = {k: tuple(v.size) if isinstance(v, TensorStorageMetadata) else None
             for k, v in saved.items() if k.startswith("model.")}
-    if set(have) != set(want):
-        names = ({k.removeprefix("model."): v for k, v in d.items()} for d in (have, want))
-        raise CheckpointError(f"step.load: {path!r} was saved from another model: "
-                              f"{checks.key_differences(*names)}")
-    differ = [f"{k.removeprefix('model.')} {have[k]} (the model's {want[k]})" for k in want if have[k] != want[k]]
-    if differ:
-        raise CheckpointError(f"step.load: {path!r} was saved from another model: shapes differ: "
-                              f"{'; '.join(differ[:3])}{' ...' if len(differ) > 3 else ''}")
+    checks.same_model(path, *({k.removeprefix("model."): v for k, v in d.items()} for d in (have, want)))
     # a parameter is saved at full precision: fp32 when its chunks hold it, the model's dtype when the model does
     for n in params + buffers:
         like = ref[n].dtype

@@ -4,6 +4,7 @@ and what a step that rebinds a buffer means (its new value written into the buff
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -19,6 +20,12 @@ class ModelTables:
     """The model's parameters and buffers, named as in model.state_dict(), shared (tied) tensors once."""
     params: tuple[ParamInfo, ...]
     buffers: tuple[BufferInfo, ...]
+
+    @functools.cached_property
+    def by_name(self) -> dict[str, dict[str, ParamInfo | BufferInfo]]:
+        """"parameter" and "buffer": each tensor's info by every state_dict name of it (tied aliases too)."""
+        return {kind: {name: info for info in infos for name in (info.name, *info.aliases)}
+                for kind, infos in (("parameter", self.params), ("buffer", self.buffers))}
 
 
 def model_tables(model: nn.Module) -> ModelTables:
@@ -57,11 +64,7 @@ def changes_since(model: nn.Module, tables: ModelTables) -> list[str]:
         now = {"parameter": {n: t for n, t in model.named_parameters(remove_duplicate=False)},
                "buffer": {n: t for n, t in model.named_buffers(remove_duplicate=False) if t is not None}}
         out = []
-        for kind, infos in (("parameter", tables.params), ("buffer", tables.buffers)):
-            known = {}
-            for info in infos:
-                for name in (info.name, *info.aliases):
-                    known[name] = info
+        for kind, known in tables.by_name.items():
             out += [f"{kind} '{n}' was added" for n in now[kind] if n not in known]
             out += [f"{kind} '{n}' was removed" for n in known if n not in now[kind]]
             for n, info in known.items():
@@ -143,6 +146,10 @@ def model_restored(model: nn.Module):
                                "so add it before px.compile, or keep the tensor in a local variable")
 
 
+_PARAM_ADVICE = (", and only its optimizer changes them; compute with the new value without assigning it to the "
+                 "module, or change the parameter outside the step (step.sync_model(), change it, compile a new step)")
+
+
 def storage_ids(given: dict) -> dict:
     """Each substituted tensor's storage, by functional_call key: `check_data_kept` compares them after the step."""
     return {key: t.untyped_storage()._cdata for key, t in given.items() if isinstance(t, torch.Tensor)}
@@ -159,9 +166,7 @@ def check_data_kept(given: dict, before: dict, buffer_slots: dict[str, str]) -> 
                 raise UntraceableError(f"the step assigns buffer {where!r}.data, which a trace cannot record: write "
                                        "the new value in place instead (buffer.copy_(value) under torch.no_grad())")
             raise UntraceableError(f"the step assigns parameter {where!r}.data, which a trace cannot record: pstar-fx "
-                                   "holds parameters in chunks, and only its optimizer changes them; compute with "
-                                   "the new value without assigning it, or change the parameter outside the step "
-                                   "(step.sync_model(), change it, compile a new step)")
+                                   "holds parameters in chunks" + _PARAM_ADVICE)
 
 
 def write_rebound(given: dict, after: dict, buffer_slots: dict[str, str], bufs: dict) -> None:
@@ -178,9 +183,7 @@ def write_rebound(given: dict, after: dict, buffer_slots: dict[str, str], bufs: 
         where = key[2:]
         if name is None:
             raise UntraceableError(f"the step rebinds parameter {where!r} (assigns it a new tensor): pstar-fx "
-                                   "holds parameters in chunks, and only its optimizer changes them; compute with "
-                                   "the new tensor without assigning it to the module, or change the parameter "
-                                   "outside the step (step.sync_model(), change it, compile a new step)")
+                                   "holds parameters in chunks" + _PARAM_ADVICE)
         if not isinstance(new, torch.Tensor) or new.shape != bufs[name].shape or new.dtype != bufs[name].dtype:
             got = (f"a tensor of shape {tuple(new.shape)} and dtype {new.dtype}" if isinstance(new, torch.Tensor)
                    else type(new).__name__)
