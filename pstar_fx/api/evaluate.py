@@ -32,7 +32,7 @@ from .agreement import check_same_compile, check_same_step
 from .compiler import Compiled, Compiler, cycle_collection_paused
 from .guarded import run_guarded, traced_outcomes
 from .model_state import holder, holds_own_values, model_tensors
-from .step import CompiledStep, refuse_keywords, refuse_torch_compile
+from .step import CompiledStep, refuse_inside_trace, refuse_keywords, refuse_torch_compile
 from .warnings import warn_chunk_padding
 
 
@@ -125,6 +125,7 @@ class CompiledEval(CompiledStep):
         taken there rolls the evaluation back like a failed step (module buffers it writes in train mode too)."""
         refuse_keywords(kwargs)
         refuse_torch_compile()
+        refuse_inside_trace(batch)
         # under torch.inference_mode() too, what the call makes and keeps (chunk slots, host homes, the values a
         # training step takes in again) must stay normal tensors, which a later training step writes in place: the
         # call runs outside inference mode, without autograd (run_forward's no_grad)

@@ -12,8 +12,10 @@ import threading
 import time
 from typing import Callable
 
+import optree
 import torch
 import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 from .. import checkpoint
 from ..checkpoint import StepState
@@ -62,6 +64,17 @@ def refuse_torch_compile() -> None:
     caller."""
     if torch.compiler.is_compiling():
         torch.compiler.disable(_refuse_torch_compile)()
+
+
+def refuse_inside_trace(batch: tuple) -> None:
+    """Raise when a step is called from code another trace is running: another compiled step's function (its batch
+    then arrives as fake tensors), make_fx or torch.export. The step would run its real graph on the trace's fake
+    values."""
+    fake = any(isinstance(x, FakeTensor) for x in optree.tree_leaves(batch, none_is_leaf=True))
+    if fake or torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None:
+        raise PstarError("a compiled step was called while a trace runs (from inside another px.compile step's "
+                         "function, or under make_fx / torch.export): a step cannot run inside another step; call "
+                         "the model there (`model(x)`), and call each step from the training loop")
 
 
 def _locked(method):
@@ -158,6 +171,7 @@ class CompiledStep:
         refuse_keywords(kwargs)
         refuse_torch_compile()
         with self._lock, DeferredInterrupt() as interrupts, self._one_call():
+            refuse_inside_trace(batch)
             started = time.perf_counter()
             self._check_callable(batch)
 

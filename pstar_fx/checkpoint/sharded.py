@@ -591,10 +591,18 @@ def _load_targets(st, comm, group: set[int], params, stepped, plan: dict[int, fl
 
 
 def apply_meta(state: StepState, meta: dict) -> None:
-    """The loss scaler and this rank's RNG states."""
+    """The loss scaler and this rank's RNG states. A checkpoint of another precision than the step's (fp16 against
+    bf16 or fp32) has no scaler to restore, or one this step has no use for: a warning says which."""
     if state.scaler is not None and meta["loss_scaler"] is not None:
         for k, v in meta["loss_scaler"].items():
             setattr(state.scaler, k, v)
+    elif (state.scaler is None) != (meta["loss_scaler"] is None):
+        ours = state.settings.precision.value
+        warnings.warn(
+            f"step.load: the checkpoint was saved in {meta['precision']} and this step trains in {ours}: "
+            + (f"its fp16 loss scale ({meta['loss_scaler']['scale']:g}) is not used" if state.scaler is None else
+               f"it has no loss scale, so this step keeps its own ({state.scaler.scale:g})"),
+            stacklevel=3)
     rng = meta["rng"]
     torch.set_rng_state(rng["torch_cpu"])
     if "torch_cuda" in rng and state.settings.device.type == "cuda":

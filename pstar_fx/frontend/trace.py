@@ -52,8 +52,8 @@ from ..ir.fx_utils import (data_dependent_sizes, is_plain_cast, is_user_file, lo
 from ..ir.graph import (InputInfo, NodeAnn, Phase, Role, Settings, TrainGraph, lazy_modules,
                         to_module)
 from ..ir.outputs import split_outputs
-from . import (backward_calls, fake_fixes, method_caches, moe_rewrites, rnn_kernels, torch_compile, torchscript,
-               user_checkpoint)
+from . import (backward_calls, fake_fixes, freeze_calls, method_caches, moe_rewrites, rnn_kernels, torch_compile,
+               torchscript, user_checkpoint)
 from .aux_outputs import AuxCollector, describe_aux, own_aux_storage, split_returned
 from .batch import BatchSignature, FlatBatch, flatten_batch, leaf_name  # noqa: F401 (re-exported)
 from .graph_checks import check_reached, reject_generators, reject_sparse
@@ -114,6 +114,7 @@ class _SourceRecorder(TorchFunctionMode):
         self._formatted: dict[tuple[str, int], list[str]] = {}
         self._current: tuple[str, int] | None = None
         self.in_step = False           # the user's step function is running (not pstar-fx's own backward)
+        self.model_names: dict[int, str] = {}    # id -> name of the tensors the model is called with
 
     @contextlib.contextmanager
     def user_step(self):
@@ -129,6 +130,8 @@ class _SourceRecorder(TorchFunctionMode):
         self.set_source(frame)
         if self.in_step and func in backward_calls.BACKWARD:
             backward_calls.reject(func, kwargs or {}, _where(frame))
+        if self.in_step:
+            freeze_calls.reject(func, args, kwargs or {}, self.model_names, _where(frame))
         if name.endswith("_") and not name.startswith("_") or name in ("__iadd__", "__isub__", "__imul__",
                                                                        "__itruediv__", "copy_"):
             self.calls.append((name, frame))
@@ -391,6 +394,7 @@ def _trace_step(fn, model: nn.Module, batch: tuple, settings: Settings, assume: 
         values = substituted(leaves, fp, bufs)
         given = dict(values)
         storages = storage_ids(given)
+        recorder.model_names = {id(v): k.removeprefix("m.") for k, v in values.items()}
         # the model's tensors stay substituted through backward too: a checkpoint's recompute runs there
         with torch.enable_grad(), user_checkpoint.substituted(wrapper, values):
             with autocast, recorder.user_step():

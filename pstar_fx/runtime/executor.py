@@ -203,8 +203,10 @@ class Executor:
         except BaseException as e:
             self.store.abandon_disk()   # reads in flight finish (into staging buffers only) before anything else
             undone = [] if rt.committed else list(rt.undoable)
-            # past the commit point, or a host-side step begun before it (atomic=False): nothing is put back
-            broken = bool(rt.committed or rt.stepped)
+            # an update begun (after the commit, a host-side one before it with atomic=False, or an undo chunk's
+            # once committed), or with several ranks the commit passed (the others go on): nothing is put back. On
+            # one rank, past the commit with no update begun, nothing was written yet: put back as before it
+            broken = bool(rt.stepped) or (rt.committed and rt.comm is not None)
             if undone:
                 self.store.settle(undone)     # updates ahead of the commit end (a failure is this step's)
             try:

@@ -4,8 +4,8 @@ The fault-injection fixture raises at every node position of a small model's exe
 fp16; unlimited and tight budgets). Before the commit point an exception propagates and every value (parameters,
 optimizer states and step counts, module buffers, the loss scale, the half-precision chunk homes) is exactly as
 before the step, and the next step equals a run that never saw the failed one. From the commit point on, Ctrl-C is
-held until the update is complete, then delivered; any other failure there is a CommitError and the step refuses
-further use.
+held until the update is complete, then delivered; any other failure there, once an update has begun, is a
+CommitError and the step refuses further use (one before the first update is put back).
 """
 import os
 import signal
@@ -44,6 +44,14 @@ def _make(precision, tight):
 @pytest.mark.parametrize("tight", [False, True, "roomy"], ids=["unlimited", "tight", "roomy"])
 def test_failure_at_every_node_before_the_commit_changes_nothing(precision, tight):
     check_failures_before_the_commit(lambda: _make(precision, tight), _case(precision), f"{precision}, {tight}")
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_failure_after_the_commit_before_any_update_changes_nothing(precision):
+    """One rank: from the commit point to the first update nothing has been written yet, so a failure there (a
+    signal handler that raises, an out-of-memory error) is put back like one before it, not a CommitError."""
+    check_failures_before_the_commit(lambda: _make(precision, True), _case(precision), precision,
+                                     through_first_update=True)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -162,6 +163,26 @@ def test_the_rng_state_matters_and_is_restored(tmp_path):
         if reseed:
             torch.manual_seed(99)
         assert (other(*rs.batch(run, K)).item() == want) is equal
+
+
+def test_a_checkpoint_of_another_precision_says_what_becomes_of_the_loss_scale(tmp_path):
+    """fp16 -> bf16: the saved scale is not used; bf16 -> fp16: the step keeps its own scale; each says so. The same
+    precision on both sides: no warning."""
+    fp16, _, _ = _trained(steps=2, precision="fp16", overflow_at=1)
+    bf16, _, _ = _trained(steps=2, precision="bf16")
+    fp16.save(tmp_path / "fp16")
+    bf16.save(tmp_path / "bf16")
+    with pytest.warns(UserWarning, match=r"saved in fp16 and this step trains in bf16: its fp16 loss scale \(32768\) "
+                                         "is not used"):
+        _trained(steps=1, precision="bf16")[0].load(tmp_path / "fp16")
+    fresh = _trained(steps=1, precision="fp16", overflow_at=0)[0]
+    assert fresh.loss_scale == 2.0 ** 15
+    with pytest.warns(UserWarning, match=r"saved in bf16 and this step trains in fp16: it has no loss scale, so this "
+                                         r"step keeps its own \(32768\)"):
+        fresh.load(tmp_path / "bf16")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _trained(steps=1, precision="fp16")[0].load(tmp_path / "fp16")
 
 
 def test_load_after_sync_model_and_after_a_failed_commit(tmp_path):

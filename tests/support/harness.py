@@ -203,12 +203,14 @@ def assert_values_equal(a: dict, b: dict, where: str) -> None:
 
 
 
-def check_failures_before_the_commit(make, case: Case, where: str, after_each=None) -> None:
+def check_failures_before_the_commit(make, case: Case, where: str, after_each=None,
+                                     through_first_update: bool = False) -> None:
     """Fault injection up to the commit point. `make()` compiles a step of `case`; a reference runs batches 0, 1, 2.
     A second step runs 0 and 1, then fails at every node up to the commit in turn (the commit itself may fail: fp16
     reads the overflow flag there), on a batch the reference never sees, with a RuntimeError, a KeyboardInterrupt and
     an out-of-memory error in rotation: each failure propagates and leaves every value exactly as it was
-    (`after_each(step)` checks more), and batch 2 then gives the reference's values."""
+    (`after_each(step)` checks more), and batch 2 then gives the reference's values. `through_first_update`: on past
+    the commit, up to (and before) the first update (one rank, no update before the commit: nothing written yet)."""
     ref = make()
     for i in range(3):
         ref(*case.batch(i))
@@ -220,7 +222,12 @@ def check_failures_before_the_commit(make, case: Case, where: str, after_each=No
     roles = [step.final_graph.ann[n.name].role for n in nodes]
     before = step_values(step)
     errors = [RuntimeError("injected"), KeyboardInterrupt(), torch.OutOfMemoryError("injected out of memory")]
-    failing = range(roles.index(Role.COMMIT) + 1)
+    commit = roles.index(Role.COMMIT)
+    failing = range(commit + 1)
+    if through_first_update:
+        first = next(i for i in range(commit, len(roles)) if roles[i] is Role.OPTIMIZER_STEP)
+        assert Role.OPTIMIZER_STEP not in roles[:commit], f"{where}: an update before the commit"
+        failing = range(first + 1)
     for at in failing:
         exc = errors[at % len(errors)]
         step._before_node = raiser(at, exc)

@@ -257,6 +257,45 @@ def test_a_step_called_from_inside_its_own_function_is_refused_at_that_line():
     assert torch.isfinite(step(torch.randn(3, 4)))
 
 
+def test_a_step_called_from_inside_another_steps_function_is_refused_at_that_line():
+    model = torch.nn.Linear(4, 2)
+    inner = px.compile(model, optimizer=px.AdamW(lr=1e-3), device="cpu")(lambda m, x: m(x).sum())
+    evaluate = px.compile(model, optimizer=None, device="cpu")(lambda m, x: m(x))
+
+    def calls_inner(m, x):
+        return inner(x)
+    outer = px.compile(model, optimizer=px.AdamW(lr=1e-3), device="cpu")(calls_inner)
+    with pytest.raises(px.UntraceableError, match=r"called while a trace runs.*cannot run inside another step.*"
+                                                   r"test_api.py.*return inner\(x\)"):
+        outer(torch.randn(3, 4))
+    with pytest.raises(px.PstarError, match="called while a trace runs"):
+        evaluate(torch._subclasses.fake_tensor.FakeTensorMode().from_tensor(torch.randn(3, 4)))
+    before = [p.detach().clone() for p in model.parameters()]
+    assert torch.isfinite(inner(torch.randn(3, 4)))           # the inner step was never run by the failed trace
+    assert any(not torch.equal(a, b) for a, b in zip(before, inner.state_dict().values()))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("how", ["method", "attribute"])
+def test_requires_grad_set_inside_the_step_is_refused_naming_the_parameter_and_line(how, precision):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    model[1].bias.requires_grad_(False)
+
+    def fn(m, x):
+        if how == "method":
+            m[0].weight.requires_grad_(False)
+        else:
+            m[1].bias.requires_grad = True
+        m[0].bias.requires_grad_(True)          # (unchanged: allowed)
+        return m(x).pow(2).mean()
+    step = px.compile(model, optimizer=px.AdamW(lr=1e-3), device="cpu", precision=precision)(fn)
+    name, flag = ("0.weight", False) if how == "method" else ("1.bias", True)
+    with pytest.raises(px.UntraceableError, match=rf"sets requires_grad={flag} on {name} at .*test_api.py.*"
+                                                   r"Set it before the first step"):
+        step(torch.randn(3, 4))
+    assert model[0].weight.requires_grad and not model[1].bias.requires_grad     # the model as it was
+
+
 def test_an_empty_batch_names_the_empty_tensor_and_the_backward():
     step = px.compile(torch.nn.Linear(4, 2), optimizer=px.AdamW(lr=1e-3), device="cpu")(
         lambda m, x, y: torch.nn.functional.mse_loss(m(x), y))
