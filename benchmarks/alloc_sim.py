@@ -242,8 +242,19 @@ class Torch:
         span = 1 << 50
         self.small = Pool(self.dev, 2 * MiB, 512, span)     # expandable segments split wherever 512 bytes are
         self.large = Pool(self.dev, 20 * MiB, 512, span)    # left, in both pools
+        self.slots = self.large      # --slot-pool: the device pool's slots in a segment of their own
         self.dev.pools = (self.small, self.large)
         self.divisions = 0           # PYTORCH_CUDA_ALLOC_CONF's roundup_power2_divisions (0: unset)
+
+    def own_slot_pool(self) -> None:
+        self.slots = Pool(self.dev, 20 * MiB, 512, 1 << 50)
+        self.dev.pools = (self.small, self.large, self.slots)
+
+    def malloc_slot(self, nbytes: int) -> tuple[Pool, Block]:
+        if self.slots is self.large:
+            return self.malloc(nbytes)
+        size = max(512, -(-nbytes // 512) * 512)
+        return self.slots, self.slots.malloc(size)
 
     def malloc(self, nbytes: int) -> tuple[Pool, Block]:
         size = max(512, -(-nbytes // 512) * 512)
@@ -269,7 +280,7 @@ class DevicePool:
         if self.free[nbytes]:
             self.cached -= nbytes
             return self.free[nbytes].pop()
-        return self.torch.malloc(nbytes)
+        return self.torch.malloc_slot(nbytes)
 
     def give(self, nbytes: int, handle) -> None:
         self.free[nbytes].append(handle)
@@ -297,7 +308,8 @@ class DevicePool:
 
 
 def simulate(g, cap: int, steps: int, order: str = "bytes", keep: str = "none", max_split: int = 0,
-             drain: str = "room", divisions: int = 0, empty: bool = False) -> list[list[tuple[int, str, int]]]:
+             drain: str = "room", divisions: int = 0, empty: bool = False,
+             slot_pool: bool = False) -> list[list[tuple[int, str, int]]]:
     """Each step's retries: (node position, node name, bytes asked) for every retry. drain: `room` a slot written
     back stays counted (draining) until a node's room needs it, as the runtime does (ChunkStore.reclaim; one of the
     size a node takes, where the free list has none, first, its copy taken as done); `done` every write-back done at
@@ -311,6 +323,8 @@ def simulate(g, cap: int, steps: int, order: str = "bytes", keep: str = "none", 
                                    + g.ann[n.name].workspace_bytes) for n in nodes]
     torch_ = Torch(cap)
     torch_.large.max_split = max_split
+    if slot_pool:
+        torch_.own_slot_pool()
     pool = DevicePool(torch_, order, keep)
     torch_.malloc(static_bytes(g))           # set-up: module buffers, constants, device-placed states (kept)
     torch_.divisions = divisions             # (the set-up not rounded, as if sized to the rounding's steps)
@@ -361,7 +375,7 @@ def simulate(g, cap: int, steps: int, order: str = "bytes", keep: str = "none", 
             for k in ends[i]:
                 torch_.free(live.pop(k))
         out.append(retries)
-        assert torch_.small.check() + torch_.large.check() == torch_.dev.mapped <= cap
+        assert sum(p.check() for p in torch_.dev.pools) == torch_.dev.mapped <= cap
     return out
 
 
@@ -385,12 +399,14 @@ def main() -> None:
     ap.add_argument("--roundup", type=int, default=0, help="PYTORCH_CUDA_ALLOC_CONF's roundup_power2_divisions "
                     "(a power of two: sizes rounded up to that many steps between powers of two; default: unset)")
     ap.add_argument("--empty-cache", action="store_true", help="empty torch's cache at each step's start")
+    ap.add_argument("--slot-pool", action="store_true", help="the device pool's chunk slots in an expandable "
+                    "segment of their own (a torch.cuda.MemPool), apart from the activations'")
     args = ap.parse_args()
     g = planned(args)
     cap = g.settings.budget + parse_bytes(args.over_budget)
     per_step = simulate(g, cap, args.steps, args.trim_order, args.keep,
                         parse_bytes(args.max_split) if args.max_split else 0, args.drain, args.roundup,
-                        args.empty_cache)
+                        args.empty_cache, args.slot_pool)
     print(f"{len(g.nodes)} nodes; budget {g.settings.budget / GiB:.2f} GiB, cap {cap / GiB:.2f} GiB; chunks' states "
           f"on the device {sum(c.state_home.name == 'DEVICE' for c in g.chunks)}, streamed "
           f"{sum(c.streamed for c in g.chunks)}, undo {sum(c.undo for c in g.chunks)}; moved "
