@@ -57,6 +57,17 @@ def test_small_requests_use_the_small_pool():
     assert h[0] is t.small and t.dev.mapped == 2 * MiB
 
 
+def test_slots_in_a_pool_of_their_own_share_the_cap_and_not_the_free_pages():
+    t = Torch(cap=100 * MiB)
+    t.own_slot_pool()
+    slot = t.malloc_slot(60 * MiB)
+    assert slot[0] is t.slots and t.dev.mapped == 60 * MiB
+    t.free(slot)                                   # 60 MiB free in the slots' segment, still mapped
+    act = t.malloc(60 * MiB)                       # the activations' segment cannot use them: a retry unmaps them
+    assert act[0] is t.large and t.dev.retries == 1 and t.dev.mapped == 60 * MiB
+    assert sum(p.check() for p in t.dev.pools) == t.dev.mapped
+
+
 @given(st.lists(st.tuples(st.booleans(), st.integers(1, 64 * MiB)), min_size=1, max_size=60))
 def test_the_model_keeps_its_invariants(ops):
     """Any sequence of allocations and frees: blocks tile the range, the free list is the free blocks, unmapped
