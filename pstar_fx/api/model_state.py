@@ -27,9 +27,10 @@ values, copied out of the chunks, without giving the model back (the step's next
 `model.state_dict()` (a state_dict post-hook on each module with held tensors, so `torch.save(model.state_dict())`,
 safetensors and `save_pretrained` write the trained values; `keep_vars=True` keeps the held objects themselves),
 `copy.deepcopy(model)` and pickling (`torch.save(model)`), through HeldTensor's `__deepcopy__` and `__reduce_ex__`.
-Reading a held tensor's storage directly (`data_ptr()`, `untyped_storage()`, `numpy()`) raises ModelHeldError. With
-several ranks reading a value is a collective, which these per-tensor paths cannot issue: they raise ModelHeldError
-saying to use `step.state_dict()` or `sync_model()`.
+Reading a held tensor's storage directly (`data_ptr()`, `untyped_storage()`, `numpy()`, `share_memory_()`,
+`__dlpack__()`) raises ModelHeldError; `torch.utils.dlpack.to_dlpack`, a C function that no subclass sees, exports no
+value (its capsule points at nothing). With several ranks reading a value is a collective, which these per-tensor
+paths cannot issue: they raise ModelHeldError saying to use `step.state_dict()` or `sync_model()`.
 
 `ModelState` (api/step_model.py) is a compiled step's side of this: it takes the model into the step's chunks,
 gives it back, and reads and loads the model's values by state_dict name, wherever they are.
@@ -301,8 +302,11 @@ class HeldTensor(torch.Tensor):
             return func(*args, **(kwargs or {}))
 
 
+# a held tensor has no storage: these would fail with torch's own error, crash the process (share_memory_) or hand
+# out memory that is not the value (__dlpack__, which numpy's and others' from_dlpack call)
 _STORAGE_READS = {torch.Tensor.data_ptr, torch.Tensor.untyped_storage, torch.Tensor.storage, torch.Tensor.numpy,
-                  torch.Tensor.tolist}      # a held tensor has no storage: these would fail with torch's own error
+                  torch.Tensor.tolist, torch.Tensor.share_memory_, torch.Tensor.is_shared, torch.Tensor.__dlpack__,
+                  torch.Tensor._typed_storage}
 
 
 def _state_dict_values(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:

@@ -83,6 +83,24 @@ def _has_triton() -> bool:
     return has_triton()
 
 
+def _refuse_offloaded(model: nn.Module) -> None:
+    """A model that accelerate dispatched with offloading (`from_pretrained(..., device_map=...)` with some weights on
+    the disk or the CPU behind hooks): its offloaded tensors are meta placeholders that accelerate's hooks fill at
+    each forward, which a trace cannot follow (it fails inside accelerate). Refused before anything is traced."""
+    hooked = getattr(model, "hf_device_map", None) is not None or any(
+        hasattr(m, "_hf_hook") for m in model.modules())
+    if not hooked:
+        return
+    on_meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if on_meta:
+        raise ValueError(
+            f"px.compile: the model was dispatched by accelerate with offloaded weights ({len(on_meta)} tensors on "
+            f"the meta device behind its hooks, such as {on_meta[0]!r}): pstar-fx does the offloading itself. "
+            "Load the model without device_map (its weights on the CPU: from_pretrained(name)), or, where the host "
+            "cannot hold them, build it under px.init_empty() and load its weights with step.load_state_dict after "
+            "step.lower(*batch) (docs/init_empty.md)")
+
+
 def check_options(model, optimizer, *, chunk_size, prefetch, max_grad_norm, accumulate, remat, atomic,
                   cache_size=8, debug=False) -> None:
     """Raise on a model that is not a module, an optimizer that is not a px optimizer description (or None), or an
@@ -91,6 +109,7 @@ def check_options(model, optimizer, *, chunk_size, prefetch, max_grad_norm, accu
         raise TypeError(f"px.compile: model must be a torch.nn.Module, got {type(model).__name__}")
     if optimizer is not None and not isinstance(optimizer, OptimizerSpec):
         raise TypeError(_not_a_spec(optimizer))
+    _refuse_offloaded(model)
     if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool)
                                    or chunk_size <= 0):
         raise ValueError(f"chunk_size must be a positive int number of elements, got {chunk_size!r}"

@@ -52,8 +52,8 @@ from ..ir.fx_utils import (data_dependent_sizes, is_plain_cast, is_user_file, lo
 from ..ir.graph import (InputInfo, NodeAnn, Phase, Role, Settings, TrainGraph, lazy_modules,
                         to_module)
 from ..ir.outputs import split_outputs
-from . import (backward_calls, fake_fixes, freeze_calls, method_caches, moe_rewrites, rnn_kernels, torch_compile,
-               torchscript, user_checkpoint)
+from . import (backward_calls, escaped_values, fake_fixes, freeze_calls, method_caches, moe_rewrites, rnn_kernels,
+               torch_compile, torchscript, user_checkpoint)
 from .aux_outputs import AuxCollector, describe_aux, own_aux_storage, split_returned
 from .batch import BatchSignature, FlatBatch, flatten_batch, leaf_name  # noqa: F401 (re-exported)
 from .graph_checks import check_reached, reject_generators, reject_sparse
@@ -323,6 +323,7 @@ def trace_step(fn, model: nn.Module, batch: tuple, settings: Settings, assume: t
              "trace's draw, where eager code draws anew. A draw that decides nothing is harmless (transformers' "
              "MusicGen draws with its layer drop off); one that decides, draw with torch (torch.rand: traced, a "
              "new draw at every step) or outside the step, passing the value in as an argument.")
+    escaped_values.reject(model, fn)
     changed = changes(before, snapshot(model, fn))
     if changed:
         warn(f"the step changed plain Python values while it was traced ({'; '.join(changed[:4])}"

@@ -126,6 +126,15 @@ class PstarTrainer(Trainer):
         steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * per_epoch)
         if batches % k and steps >= per_epoch:
             raise ValueError(self._short_group(batches % k, f"{batches} batches per epoch"))
+        b = self._train_batch_size
+        examples = len(self.train_dataset) if hasattr(self.train_dataset, "__len__") else None
+        if (k > 1 and not args.dataloader_drop_last and args.world_size == 1 and examples is not None
+                and examples % b and steps >= per_epoch):
+            raise ValueError(
+                f"PstarTrainer: {examples} training examples in batches of {b} end each epoch with a batch of "
+                f"{examples % b}, in an accumulation group beside batches of {b}: the pstar-fx step runs a group as "
+                "one batch split into equal micro-batches. Set dataloader_drop_last=True, or train on a multiple of "
+                f"{b} examples")
         return loader
 
     def _short_group(self, size: int, where: str) -> str:

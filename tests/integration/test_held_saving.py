@@ -110,7 +110,9 @@ def test_reading_a_held_tensors_storage_raises_model_held_error(tmp_path):
     st = pytest.importorskip("safetensors.torch")
     case, model, step, want, want_after = _trained("cnn_bn")
     w = model.conv1.weight
-    for read in (w.data_ptr, w.untyped_storage, w.detach().numpy, w.tolist,
+    import numpy as np
+    for read in (w.data_ptr, w.untyped_storage, w.detach().numpy, w.tolist, w.share_memory_, w.is_shared,
+                 model.share_memory, w.__dlpack__, lambda: np.from_dlpack(w.detach()),
                  lambda: st.save_file(dict(model.named_parameters()), str(tmp_path / "p.safetensors"))):
         with pytest.raises(px.ModelHeldError, match="sync_model"):
             read()

@@ -422,3 +422,20 @@ def test_a_short_last_accumulation_group_is_refused_before_training(tmp_path):
     ahead = make(max_steps=2)
     ahead.train()
     assert ahead.state.global_step == 2
+
+
+def test_a_short_last_batch_in_an_accumulation_group_is_refused_before_training(tmp_path):
+    """30 examples in batches of 4 at gradient_accumulation_steps=2: 8 batches an epoch, the last of 2 examples in a
+    group beside one of 4, which one compiled step cannot split evenly. Refused before the first step (not at the
+    epoch's end); a run that stops before the epoch's last group trains."""
+    def make(**kw):
+        return PstarTrainer(model=tiny_gpt2(), args=arguments(tmp_path, eval_strategy="no", num_train_epochs=1, **kw),
+                            train_dataset=Tokens(30, seed=1))
+    trainer = make()
+    with pytest.raises(ValueError, match=r"30 training examples in batches of 4 end each epoch with a batch of 2.*"
+                                         r"dataloader_drop_last=True"):
+        trainer.train()
+    assert trainer.state.global_step == 0 and (trainer.step is None or trainer.step.last_step is None)
+    ahead = make(max_steps=3)
+    ahead.train()
+    assert ahead.state.global_step == 3

@@ -219,6 +219,67 @@ def test_a_value_the_step_writes_is_named_in_a_warning():
     assert step._compiler.compiles == 1 and model.calls == 1
 
 
+LOGGED = []
+
+
+class Logs:
+    """A step function that is a bound method (as PstarTrainer's is): its object's attributes are looked at."""
+
+    def __init__(self):
+        self.values = []
+
+    def step(self, model, x, y):
+        loss = F.cross_entropy(model(x), y)
+        self.values = self.values + [loss.item()]
+        return loss
+
+
+@pytest.mark.parametrize("where", ["closure_list", "global_list", "method_self", "module_attribute", "closure_tensor"])
+def test_a_value_made_inside_the_step_and_kept_outside_it_is_refused_naming_where(where):
+    """Eager code reading it after the step would get the trace's placeholder (a SymFloat whose float() is 0.0, a
+    fake tensor): refused at the trace, saying to return it beside the loss."""
+    seen = []
+
+    class Counting(Net):
+        def forward(self, x):
+            out = super().forward(x)
+            self.positive = (out > 0).float().mean().item()      # a statistic, kept on the module
+            return out
+
+    def closure_list(model, x, y):
+        loss = _ce(model, x, y)
+        seen.append(loss.item())
+        return loss
+
+    def global_list(model, x, y):
+        loss = _ce(model, x, y)
+        LOGGED.append(loss.item())
+        return loss
+
+    def closure_tensor(model, x, y):
+        loss = _ce(model, x, y)
+        seen.append(loss.detach())
+        return loss
+    fn, want = {"closure_list": (closure_list, r"a SymFloat \(a \.item\(\) read inside the step\) in the step "
+                                              r"function's seen\[0\]"),
+                "global_list": (global_list, r"a SymFloat .* in the global LOGGED\[0\]"),
+                "method_self": (Logs().step, r"a SymFloat .* in Logs\.values\[0\]"),
+                "module_attribute": (_ce, r"a SymFloat .* in model\.positive"),
+                "closure_tensor": (closure_tensor, r"a tensor made inside the step .* in the step function's "
+                                                   r"seen\[0\]")}[where]
+    model = Counting() if where == "module_attribute" else Net()
+    step = px.compile(model, optimizer=px.AdamW(**HYPER), device="cpu")(fn)
+    try:
+        with pytest.raises(px.UntraceableError, match=want + r".*Return it beside the loss"):
+            step(*_batch(0))
+    finally:
+        LOGGED.clear()
+    plain = px.compile(Net(), optimizer=px.AdamW(**HYPER), device="cpu")(_ce)     # a step keeping nothing: fine
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert torch.isfinite(plain(*_batch(0)))
+
+
 def test_what_the_ranks_compare_leaves_plain_values_out():
     """Ranks compare the portable key: a value holding the rank's number (in a module or a global the step reads for
     its logging) must not make them disagree; the collectives check catches graphs that differ."""

@@ -296,6 +296,23 @@ def test_requires_grad_set_inside_the_step_is_refused_naming_the_parameter_and_l
     assert model[0].weight.requires_grad and not model[1].bias.requires_grad     # the model as it was
 
 
+def test_a_model_accelerate_dispatched_with_offloaded_weights_is_refused_at_compile():
+    """accelerate's device_map offload leaves meta placeholders behind hooks, which no trace can follow: refused
+    before tracing, naming a tensor and saying how to load the model instead. Without the hooks, a model with real
+    values compiles as ever."""
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    model.hf_device_map = {"0": "disk", "1": "cpu"}            # what from_pretrained(device_map=...) sets
+    for opt in (px.AdamW(lr=1e-3), None):
+        with pytest.raises(ValueError, match=r"dispatched by accelerate with offloaded weights \(4 tensors on the "
+                                             r"meta device .* such as '0.weight'\).*without device_map"):
+            px.compile(model, optimizer=opt, device="cpu")(lambda m, x: m(x).sum())
+    real = torch.nn.Linear(4, 1)
+    real.hf_device_map = {"": "cpu"}                           # dispatched whole onto the CPU: nothing offloaded
+    step = px.compile(real, optimizer=px.AdamW(lr=1e-3), device="cpu")(lambda m, x: m(x).pow(2).sum())
+    assert torch.isfinite(step(torch.randn(3, 4)))
+
+
 def test_an_empty_batch_names_the_empty_tensor_and_the_backward():
     step = px.compile(torch.nn.Linear(4, 2), optimizer=px.AdamW(lr=1e-3), device="cpu")(
         lambda m, x, y: torch.nn.functional.mse_loss(m(x), y))
