@@ -133,8 +133,9 @@ class PstarTrainer(Trainer):
             raise ValueError(
                 f"PstarTrainer: {examples} training examples in batches of {b} end each epoch with a batch of "
                 f"{examples % b}, in an accumulation group beside batches of {b}: the pstar-fx step runs a group as "
-                "one batch split into equal micro-batches. Set dataloader_drop_last=True, or train on a multiple of "
-                f"{b} examples")
+                "one batch split into equal micro-batches. Train on a multiple of per_device_train_batch_size x "
+                f"gradient_accumulation_steps = {b * k} examples, or set dataloader_drop_last=True where the full "
+                f"batches per epoch are a multiple of {k}")
         return loader
 
     def _short_group(self, size: int, where: str) -> str:
