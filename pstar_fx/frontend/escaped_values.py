@@ -6,8 +6,8 @@ trace's placeholder, not a number: a `torch.SymFloat` whose `float()` is 0.0, or
 eager code reading it after the step gets nothing it can use. `escaped(model, fn)` looks where such a value can be
 seen after the trace (one level deep, and into lists, tuples, sets and dicts there):
 
-- the step function's closure cells and the globals its code loads (functools.wraps and partial followed, as
-  python_state.closure_key does), and the attributes of the object a bound-method step function belongs to
+- the step function's closure cells and the globals its code loads (functools.wraps and partial followed:
+  python_state.read_values), and the attributes of the object a bound-method step function belongs to
   (PstarTrainer's `self`): symbolic numbers and fake tensors;
 - every module's own attributes (torch's `nn.Module` fields aside): symbolic numbers only, since a module may keep
   a fake tensor as a cache of its own (rotary tables), which the compiled step never reads.
@@ -21,7 +21,7 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensor
 
 from ..errors import UntraceableError
-from .python_state import _MODULE_FIELDS, _functions, _global_names
+from .python_state import _MODULE_FIELDS, read_values
 
 _SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
 _ITEMS = 4096            # items of a container looked at
@@ -54,17 +54,9 @@ def _kind(x, tensors: bool) -> str | None:
 def escaped(model: nn.Module, fn: Callable) -> list[tuple[str, str]]:
     """(where, what) for each value made inside the trace that the step function left where eager code can reach
     it after the step (see the module docstring)."""
-    places: list[tuple[str, object, bool]] = []
-    fns, extra = _functions(fn)
-    for f in fns:
-        for name, cell in zip(f.__code__.co_freevars, getattr(f, "__closure__", None) or ()):
-            try:
-                places.append((f"the step function's {name}", cell.cell_contents, True))
-            except ValueError:                      # an empty cell
-                continue
-        g = getattr(f, "__globals__", {})
-        places.extend((f"the global {name}", g[name], True) for name in _global_names(f.__code__) if name in g)
-    places.extend(("a functools.partial argument", v, True) for v in extra)
+    label = {"closure": "the step function's {}", "global": "the global {}", "partial": "a functools.partial argument"}
+    places: list[tuple[str, object, bool]] = [(label[kind].format(name), v, True)
+                                              for kind, name, v in read_values(fn)]
     owner = getattr(fn, "__self__", None)
     if owner is not None and not isinstance(owner, nn.Module) and hasattr(owner, "__dict__"):
         kind = type(owner).__name__

@@ -209,21 +209,25 @@ def _functions(fn) -> tuple[list, tuple]:
     return fns, extra
 
 
-def closure_key(fn: Callable) -> tuple:
-    """The plain values `fn` can be seen to read, by name: its closure cells and the globals its code (and the code
-    nested in it) loads, where they are scalars or small containers of scalars."""
+def read_values(fn: Callable) -> Iterator[tuple[str, str, object]]:
+    """(kind, name, value) of what `fn` can be seen to read: its closure cells ("closure"), the globals its code (and
+    the code nested in it) loads ("global"), and the values a functools.partial binds ("partial")."""
     fns, extra = _functions(fn)
-    keys = []
     for f in fns:
-        names = f.__code__.co_freevars
-        for name, cell in zip(names, getattr(f, "__closure__", None) or ()):
+        for name, cell in zip(f.__code__.co_freevars, getattr(f, "__closure__", None) or ()):
             try:
-                keys.append((name, _value_key(cell.cell_contents)))
+                yield "closure", name, cell.cell_contents
             except ValueError:                       # an empty cell (a name bound later)
                 continue
         g = getattr(f, "__globals__", {})
-        keys.extend((name, _value_key(g[name])) for name in _global_names(f.__code__) if name in g)
-    keys.extend(("partial", _value_key(v)) for v in extra)
+        yield from (("global", name, g[name]) for name in _global_names(f.__code__) if name in g)
+    yield from (("partial", "partial", v) for v in extra)
+
+
+def closure_key(fn: Callable) -> tuple:
+    """The plain values `fn` can be seen to read, by name (`read_values`), where they are scalars or small containers
+    of scalars."""
+    keys = [(name, _value_key(v)) for _, name, v in read_values(fn)]
     return tuple(k for k in keys if k[1] is not _NOT_SCALAR and not (type(k[1]) is tuple and _NOT_SCALAR in k[1]))
 
 

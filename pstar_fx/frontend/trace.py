@@ -128,9 +128,9 @@ class _SourceRecorder(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         frame = _calling_user_frame()
         self.set_source(frame)
-        if self.in_step and func in backward_calls.BACKWARD:
-            backward_calls.reject(func, kwargs or {}, _where(frame))
         if self.in_step:
+            if func in backward_calls.BACKWARD:
+                backward_calls.reject(func, kwargs or {}, _where(frame))
             freeze_calls.reject(func, args, kwargs or {}, self.model_names, _where(frame))
         if name.endswith("_") and not name.startswith("_") or name in ("__iadd__", "__isub__", "__imul__",
                                                                        "__itruediv__", "copy_"):
