@@ -22,7 +22,7 @@ from ..errors import warn
 from ..frontend.batch import check_has_data
 from ..frontend.model_tensors import global_hooks_key, model_tables, module_key, params_key
 from ..frontend.python_state import ModuleScalars, changes, closure_key, snapshot
-from ..frontend.trace import FlatBatch, flatten_batch, trace_step
+from ..frontend.trace import FlatBatch, flatten_batch
 from ..interrupts import DeferredInterrupt
 from ..ir.graph import Settings, TrainGraph
 from ..ir.needs import early_host_bytes, state_layout
@@ -37,6 +37,7 @@ from ..runtime.executor import Executor
 from ..runtime.host_memory import HostMemory, local_ranks, spare_host_bytes
 from .agreement import check_same_compile
 from .guarded import GuardVariants, traced_outcomes
+from .settled_trace import trace_keyed
 from .trace_cache import DEFAULT_MAX_SIZE, TraceCache
 from .warnings import warn_chunk_padding, warn_host_threads
 
@@ -101,6 +102,7 @@ class Compiled:
     estimated: StepCost | None = None   # the cost model's step, once step.summary() has asked (CUDA)
     machine: Machine = H200          # the rates the passes planned at and the estimate is made with
     outcomes: tuple = ()             # what its trace decided at each guard, in order (ir/guards.py)
+    model_key: tuple = ()            # the model's key its trace was made under (api/settled_trace.py)
 
 
 Layout = tuple   # (params, chunks, chunk_size) of the first compile: every later signature keeps the same chunks
@@ -174,6 +176,7 @@ class Compiler:
             with cycle_collection_paused() as collect_now:   # counted in the set-up time (the collection at the end)
                 compiled = self._compile(batch, collect_now, interrupts, prefix)
             compiled.setup_seconds += time.perf_counter() - compiled.set_up_until
+            base = (flat.signature, compiled.model_key)      # (a trace that set up state: the state it made)
             self.cache.put(base + (compiled.outcomes,), compiled)
         self.variants.note(base, compiled.outcomes)
         self.latest = compiled
@@ -223,7 +226,10 @@ class Compiler:
                 hostmem.reserve(host_buffer_specs(stage.chunks, st.precision, st.world, state_layout(st)))
         try:
             with one_intra_op_thread():
-                traced = trace_step(self.fn, self.model, batch, st, assume, values=self._values)
+                keyed = trace_keyed(self.fn, self.model, batch, st, assume, self._values, self.model_key)
+                traced = keyed.graph
+                if keyed.settled:       # the values as the trace left them are the ones its graph was traced under
+                    self._values = snapshot(self.model, self.fn)
                 self.compiles += 1
                 outcomes = traced_outcomes(traced)
                 interrupts.deliver()    # a safe point after the trace
@@ -261,14 +267,14 @@ class Compiler:
         executor = Executor(final, self.store, self.regions, between=interrupts.deliver)   # (Ctrl-C: between regions)
         now = time.perf_counter()
         return Compiled(stages={s.stage: s for s in stages}, executor=executor, setup_seconds=now - t0,
-                        set_up_until=now, outcomes=outcomes, machine=self.machine)
+                        set_up_until=now, outcomes=outcomes, machine=self.machine, model_key=keyed.key)
 
     def min_device_memory(self, batch) -> int:
         """The smallest device_memory (bytes) under which the step compiles for this batch's shapes, with this
         chunk layout: every optimizer state on the host and only what each node itself needs on the device, with
         the activations recomputed that lower it most (unless remat=False)."""
         with DeferredInterrupt() as interrupts, cycle_collection_paused():   # Ctrl-C: after the trace, or at the end
-            traced = trace_step(self.fn, self.model, batch, self.settings)
+            traced = trace_keyed(self.fn, self.model, batch, self.settings, (), None, self.model_key).graph
             interrupts.deliver()
             passes = [p for p in pipeline(chunk_size=self.settings.chunk_size, layout=self.layout, prefetch=0,
                                           world=self.settings.world)

@@ -20,7 +20,7 @@ import torch.nn as nn
 
 from ..frontend.batch import check_has_data
 from ..frontend.model_tensors import check_unchanged
-from ..frontend.trace import FlatBatch, flatten_batch, trace_step
+from ..frontend.trace import FlatBatch, flatten_batch
 from ..interrupts import DeferredInterrupt
 from ..ir.graph import Precision
 from ..ir.needs import state_layout
@@ -31,6 +31,7 @@ from ..runtime.run import run_forward
 from .agreement import check_same_compile, check_same_step
 from .compiler import Compiled, Compiler, cycle_collection_paused
 from .guarded import run_guarded, traced_outcomes
+from .settled_trace import trace_keyed
 from .model_state import holder, holds_own_values, model_tensors
 from .step import CompiledStep, refuse_inside_trace, refuse_keywords, refuse_torch_compile
 from .warnings import warn_chunk_padding
@@ -65,6 +66,7 @@ class EvalCompiler(Compiler):
                 break
         if compiled is None:
             compiled = self._compile_for(batch, trainer, interrupts, prefix)
+            base = (flat.signature, compiled.model_key) + base[2:]   # (a trace that set up state: the state it made)
             self.cache.put(base + (compiled.outcomes,), compiled)
         self.variants.note(base, compiled.outcomes)
         self.latest = compiled
@@ -90,7 +92,8 @@ class EvalCompiler(Compiler):
             settings = self.settings
             store, layout = self.own if self.own is not None else (None, None)
         with cycle_collection_paused():
-            traced = trace_step(self.fn, self.model, batch, settings, assume)
+            keyed = trace_keyed(self.fn, self.model, batch, settings, assume, None, self.model_key)
+            traced = keyed.graph
             self.compiles += 1
             outcomes = traced_outcomes(traced)
             interrupts.deliver()        # safe points: after the trace and after each pass
@@ -106,7 +109,7 @@ class EvalCompiler(Compiler):
                                comm=self.comm, host_is_device=settings.host_is_device)
             self.own = (store, (final.params, final.chunks, final.chunk_size))
         return Compiled(stages={s.stage: s for s in stages}, executor=Executor(final, store), outcomes=outcomes,
-                        machine=self.machine)
+                        machine=self.machine, model_key=keyed.key)
 
 
 class CompiledEval(CompiledStep):

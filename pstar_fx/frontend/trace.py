@@ -60,7 +60,7 @@ from .graph_checks import check_reached, reject_generators, reject_sparse
 from .guards import GuardingShapeEnv, insert_guards, tried_both_ways
 from .model_tensors import (ModelTables, check_data_kept, gradient_hooks, model_restored, model_tables, slots,
                             storage_ids, write_rebound)
-from .python_state import changes, python_draws, snapshot, torch_generators_set
+from .python_state import changes, python_draws, snapshot, torch_generators_set, warn_value_changes
 
 
 
@@ -299,13 +299,14 @@ def _micro_batch_sizes(flat: "FlatBatch", micro: int) -> list[int]:
 
 
 def trace_step(fn, model: nn.Module, batch: tuple, settings: Settings, assume: tuple = (),
-               values: dict | None = None) -> TrainGraph:
+               values: dict | None = None, warn_changes: bool = True) -> TrainGraph:
     """Trace `fn(model, *batch)` into the "traced" TrainGraph (forward + backward, nothing real allocated).
     `assume`: the outcomes to take for the step's first data-dependent decisions, in order (frontend/guards.py).
     The model is left exactly as it was (the same parameter and buffer objects), whether tracing succeeds or not.
     Ctrl-C is held while tracing (pstar_fx/interrupts.py) and delivered after it: a KeyboardInterrupt raised inside
     one of torch's C++ callbacks can abort the process. `values`: python_state.snapshot(model, fn) taken just
-    before, where the caller has one (else it is taken here), to tell the values the trace writes."""
+    before, where the caller has one (else it is taken here), to tell the values the trace writes (warned of
+    unless `warn_changes` is False: api/settled_trace.py tells them itself)."""
     before = snapshot(model, fn) if values is None else values
     with DeferredInterrupt(), python_draws() as drawn, torch_generators_set() as seeded:
         graph = tried_both_ways(lambda taken, false_at: _trace_step(fn, model, batch, settings, taken, false_at),
@@ -324,13 +325,10 @@ def trace_step(fn, model: nn.Module, batch: tuple, settings: Settings, assume: t
              "MusicGen draws with its layer drop off); one that decides, draw with torch (torch.rand: traced, a "
              "new draw at every step) or outside the step, passing the value in as an argument.")
     escaped_values.reject(model, fn)
-    changed = changes(before, snapshot(model, fn))
-    if changed:
-        warn(f"the step changed plain Python values while it was traced ({'; '.join(changed[:4])}"
-             f"{'; ...' if len(changed) > 4 else ''}): a compiled step runs no Python, so it does not change them "
-             "again, and since they are part of the step's signature each change compiles the step anew. Keep "
-             "state the step updates in tensors (a buffer) or outside the step.")
+    if warn_changes:
+        warn_value_changes(changes(before, snapshot(model, fn)))
     return graph
+
 
 
 # exceptions a check on values raises (the user's, or torch's own such as gaussian_nll_loss's): with every decision
