@@ -226,7 +226,8 @@ class Compiler:
                 hostmem.reserve(host_buffer_specs(stage.chunks, st.precision, st.world, state_layout(st)))
         try:
             with one_intra_op_thread():
-                keyed = trace_keyed(self.fn, self.model, batch, st, assume, self._values, self.model_key)
+                keyed = trace_keyed(self.fn, self.model, batch, st, assume, self._values, self.model_key,
+                                    interrupts.deliver)
                 traced = keyed.graph
                 if keyed.settled:       # the values as the trace left them are the ones its graph was traced under
                     self._values = snapshot(self.model, self.fn)
@@ -274,7 +275,8 @@ class Compiler:
         chunk layout: every optimizer state on the host and only what each node itself needs on the device, with
         the activations recomputed that lower it most (unless remat=False)."""
         with DeferredInterrupt() as interrupts, cycle_collection_paused():   # Ctrl-C: after the trace, or at the end
-            traced = trace_keyed(self.fn, self.model, batch, self.settings, (), None, self.model_key).graph
+            traced = trace_keyed(self.fn, self.model, batch, self.settings, (), None, self.model_key,
+                                 interrupts.deliver).graph
             interrupts.deliver()
             passes = [p for p in pipeline(chunk_size=self.settings.chunk_size, layout=self.layout, prefetch=0,
                                           world=self.settings.world)

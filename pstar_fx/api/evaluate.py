@@ -92,7 +92,7 @@ class EvalCompiler(Compiler):
             settings = self.settings
             store, layout = self.own if self.own is not None else (None, None)
         with cycle_collection_paused():
-            keyed = trace_keyed(self.fn, self.model, batch, settings, assume, None, self.model_key)
+            keyed = trace_keyed(self.fn, self.model, batch, settings, assume, None, self.model_key, interrupts.deliver)
             traced = keyed.graph
             self.compiles += 1
             outcomes = traced_outcomes(traced)

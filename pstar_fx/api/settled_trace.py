@@ -39,15 +39,17 @@ class KeyedTrace:
 
 
 def trace_keyed(fn: Callable, model: nn.Module, batch: tuple, settings: Settings, assume: tuple,
-                values: dict | None, key: Callable[[], tuple]) -> KeyedTrace:
+                values: dict | None, key: Callable[[], tuple], between: Callable[[], None]) -> KeyedTrace:
     """`trace_step(fn, model, *batch)`, traced once more where it changed `key()` (see the module docstring).
-    `values`: python_state.snapshot(model, fn) taken just before, where the caller has one."""
+    `values`: python_state.snapshot(model, fn) taken just before, where the caller has one. `between`: called
+    before a second trace (the caller's safe point: a Ctrl-C held over the first trace is delivered there)."""
     before_key = key()
     before = snapshot(model, fn) if values is None else values
     graph = trace_step(fn, model, batch, settings, assume, values=before, warn_changes=False)
     after_key = key()
     if after_key == before_key:
         return KeyedTrace(graph, before_key, settled=False)
+    between()
     after = snapshot(model, fn)
     again = trace_step(fn, model, batch, settings, traced_outcomes(graph), values=after, warn_changes=False)
     if key() == after_key and same_trace(graph, again):
