@@ -14,7 +14,8 @@ read: the second graph is returned with the key as it now is, which the next cal
 Otherwise (a counter the step increments, a hook it adds at every call) the first graph is returned with the key
 before it, as without the second trace, and the changed plain values are warned of
 (python_state.warn_value_changes). The second trace runs the step's Python a second time: a value the step changes
-at every call has then changed twice at this compile (the warning says so); the step's graph does not depend on it.
+at every call has then changed twice at this compile (the warning says so), and the next call compiles again, as it
+did without the second trace.
 """
 from __future__ import annotations
 
