@@ -22,7 +22,7 @@ from ..errors import warn
 from ..frontend.batch import check_has_data
 from ..frontend.model_tensors import global_hooks_key, model_tables, module_key, params_key
 from ..frontend.python_state import ModuleScalars, changes, closure_key, snapshot
-from ..frontend.trace import FlatBatch, flatten_batch
+from ..frontend.trace import FlatBatch, flatten_batch, trace_step
 from ..interrupts import DeferredInterrupt
 from ..ir.graph import Settings, TrainGraph
 from ..ir.needs import early_host_bytes, state_layout
@@ -37,7 +37,7 @@ from ..runtime.executor import Executor
 from ..runtime.host_memory import HostMemory, local_ranks, spare_host_bytes
 from .agreement import check_same_compile
 from .guarded import GuardVariants, traced_outcomes
-from .settled_trace import trace_keyed
+from .plan_reuse import reusable
 from .trace_cache import DEFAULT_MAX_SIZE, TraceCache
 from .warnings import warn_chunk_padding, warn_host_threads
 
@@ -102,7 +102,8 @@ class Compiled:
     estimated: StepCost | None = None   # the cost model's step, once step.summary() has asked (CUDA)
     machine: Machine = H200          # the rates the passes planned at and the estimate is made with
     outcomes: tuple = ()             # what its trace decided at each guard, in order (ir/guards.py)
-    model_key: tuple = ()            # the model's key its trace was made under (api/settled_trace.py)
+    writes_state: bool = False       # its trace changed the model's key: never run again from the cache
+                                     # (api/plan_reuse.py)
 
 
 Layout = tuple   # (params, chunks, chunk_size) of the first compile: every later signature keeps the same chunks
@@ -134,6 +135,7 @@ class Compiler:
         self.cache: TraceCache[Compiled] = TraceCache(max_size=cache_size)
         self.variants = GuardVariants()  # per signature: the guard outcomes compiled for it (api/guarded.py)
         self.compiles = 0                # traces compiled so far
+        self.plans = 0                   # of them, those planned (the others took the plan of an equal trace)
         self.latest: Compiled | None = None
         self.warned_input_grad = False   # a batch tensor with requires_grad was seen (warned once)
         self._values: dict | None = None  # python_state.snapshot at the last compile
@@ -169,14 +171,14 @@ class Compiler:
         compiled = None
         for outcomes in self.variants.candidates(base, prefix):
             compiled = self.cache.get(base + (outcomes,))
-            if compiled is not None:
+            if compiled is not None and not compiled.writes_state:
                 break
+            compiled = None
         if compiled is None:
             self._note_value_changes()
             with cycle_collection_paused() as collect_now:   # counted in the set-up time (the collection at the end)
-                compiled = self._compile(batch, collect_now, interrupts, prefix)
+                compiled = self._compile(batch, collect_now, interrupts, prefix, base)
             compiled.setup_seconds += time.perf_counter() - compiled.set_up_until
-            base = (flat.signature, compiled.model_key)      # (a trace that set up state: the state it made)
             self.cache.put(base + (compiled.outcomes,), compiled)
         self.variants.note(base, compiled.outcomes)
         self.latest = compiled
@@ -193,9 +195,11 @@ class Compiler:
                 self._value_retraces += 1
                 if self._value_retraces == VALUE_RETRACES_WARN:
                     warn(f"pstar-fx: the step was compiled again {self._value_retraces} times because plain Python "
-                         f"values it reads changed ({'; '.join(changed[:4])}): each new value traces and plans the "
-                         "step again. Pass a value that changes every step as a tensor (a 0-d tensor argument, or a "
-                         "buffer), which one graph serves for every value.")
+                         f"values it reads changed ({'; '.join(changed[:4])}): each new value traces the step again "
+                         "(and plans it again, unless its graph is one planned before). Pass a value that changes "
+                         "every step as a tensor (a 0-d tensor argument, or a buffer), which one graph serves for "
+                         "every value; keep state the step itself updates (a counter in forward) in a buffer or "
+                         "outside the step.")
         self._values = now
 
     def reserve(self, batch, interrupts: DeferredInterrupt) -> None:
@@ -205,7 +209,10 @@ class Compiler:
         self.get(batch, interrupts)
         self.cache.pin(self.cache.last)
 
-    def _compile(self, batch, collect_now, interrupts: DeferredInterrupt, assume: tuple = ()) -> Compiled:
+    def _compile(self, batch, collect_now, interrupts: DeferredInterrupt, assume: tuple = (),
+                 base: tuple = ()) -> Compiled:
+        """Trace and plan the step for `batch` (whose cache key is `base` + the trace's guard outcomes). A trace equal
+        to a step's planned before for the same signature takes its plan (api/plan_reuse.py)."""
         st = self.settings
         first = self.store is None and self.optimizer is not None      # the first compile makes the store
         hostmem = HostMemory(pin=st.device.type == "cuda") if first else None
@@ -226,14 +233,19 @@ class Compiler:
                 hostmem.reserve(host_buffer_specs(stage.chunks, st.precision, st.world, state_layout(st)))
         try:
             with one_intra_op_thread():
-                keyed = trace_keyed(self.fn, self.model, batch, st, assume, self._values, self.model_key,
-                                    interrupts.deliver)
-                traced = keyed.graph
-                if keyed.settled:       # the values as the trace left them are the ones its graph was traced under
-                    self._values = snapshot(self.model, self.fn)
+                traced = trace_step(self.fn, self.model, batch, st, assume)
+                writes = self.model_key() != base[1]
                 self.compiles += 1
                 outcomes = traced_outcomes(traced)
                 interrupts.deliver()    # a safe point after the trace
+                same = None if first else reusable(self.cache.items(), base + (outcomes,), traced)
+                if same is not None:
+                    if self.comm is not None:   # (the collective every rank's compile makes, planned or not)
+                        check_same_compile(self.comm, same.executor.g, self.optimizer,
+                                           prefetch=self.prefetch, remat=self.remat, fuse=self.fuse)
+                    now = time.perf_counter()
+                    return dataclasses.replace(same, setup_seconds=0.0, set_up_until=now, writes_state=writes)
+                self.plans += 1
                 passes = pipeline(chunk_size=st.chunk_size, layout=self.layout, prefetch=self.prefetch,
                                   remat=self.remat, world=st.world, fuse=self.fuse, fuse_auto=self.fuse_auto,
                                   machine=self.machine)
@@ -268,15 +280,14 @@ class Compiler:
         executor = Executor(final, self.store, self.regions, between=interrupts.deliver)   # (Ctrl-C: between regions)
         now = time.perf_counter()
         return Compiled(stages={s.stage: s for s in stages}, executor=executor, setup_seconds=now - t0,
-                        set_up_until=now, outcomes=outcomes, machine=self.machine, model_key=keyed.key)
+                        set_up_until=now, outcomes=outcomes, machine=self.machine, writes_state=writes)
 
     def min_device_memory(self, batch) -> int:
         """The smallest device_memory (bytes) under which the step compiles for this batch's shapes, with this
         chunk layout: every optimizer state on the host and only what each node itself needs on the device, with
         the activations recomputed that lower it most (unless remat=False)."""
         with DeferredInterrupt() as interrupts, cycle_collection_paused():   # Ctrl-C: after the trace, or at the end
-            traced = trace_keyed(self.fn, self.model, batch, self.settings, (), None, self.model_key,
-                                 interrupts.deliver).graph
+            traced = trace_step(self.fn, self.model, batch, self.settings)
             interrupts.deliver()
             passes = [p for p in pipeline(chunk_size=self.settings.chunk_size, layout=self.layout, prefetch=0,
                                           world=self.settings.world)

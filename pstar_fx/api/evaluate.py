@@ -20,7 +20,7 @@ import torch.nn as nn
 
 from ..frontend.batch import check_has_data
 from ..frontend.model_tensors import check_unchanged
-from ..frontend.trace import FlatBatch, flatten_batch
+from ..frontend.trace import FlatBatch, flatten_batch, trace_step
 from ..interrupts import DeferredInterrupt
 from ..ir.graph import Precision
 from ..ir.needs import state_layout
@@ -31,7 +31,7 @@ from ..runtime.run import run_forward
 from .agreement import check_same_compile, check_same_step
 from .compiler import Compiled, Compiler, cycle_collection_paused
 from .guarded import run_guarded, traced_outcomes
-from .settled_trace import trace_keyed
+from .plan_reuse import reusable
 from .model_state import holder, holds_own_values, model_tensors
 from .step import CompiledStep, refuse_inside_trace, refuse_keywords, refuse_torch_compile
 from .warnings import warn_chunk_padding
@@ -62,18 +62,18 @@ class EvalCompiler(Compiler):
         compiled = None
         for outcomes in self.variants.candidates(base, prefix):      # one per guard outcomes (Compiler.get)
             compiled = self.cache.get(base + (outcomes,))
-            if compiled is not None:
+            if compiled is not None and not compiled.writes_state:     # (api/plan_reuse.py)
                 break
+            compiled = None
         if compiled is None:
-            compiled = self._compile_for(batch, trainer, interrupts, prefix)
-            base = (flat.signature, compiled.model_key) + base[2:]   # (a trace that set up state: the state it made)
+            compiled = self._compile_for(batch, trainer, interrupts, prefix, base)
             self.cache.put(base + (compiled.outcomes,), compiled)
         self.variants.note(base, compiled.outcomes)
         self.latest = compiled
         return compiled, flat
 
     def _compile_for(self, batch, trainer: CompiledStep | None, interrupts: DeferredInterrupt,
-                     assume: tuple = ()) -> Compiled:
+                     assume: tuple = (), base: tuple = ()) -> Compiled:
         if trainer is not None:
             if self.asked_precision not in (None, trainer.settings.precision):
                 raise ValueError(
@@ -92,11 +92,17 @@ class EvalCompiler(Compiler):
             settings = self.settings
             store, layout = self.own if self.own is not None else (None, None)
         with cycle_collection_paused():
-            keyed = trace_keyed(self.fn, self.model, batch, settings, assume, None, self.model_key, interrupts.deliver)
-            traced = keyed.graph
+            traced = trace_step(self.fn, self.model, batch, settings, assume)
+            writes = self.model_key() != base[1]
             self.compiles += 1
             outcomes = traced_outcomes(traced)
             interrupts.deliver()        # safe points: after the trace and after each pass
+            same = reusable(self.cache.items(), base + (outcomes,), traced)
+            if same is not None:        # an equal trace's plan (api/plan_reuse.py)
+                if self.comm is not None:
+                    check_same_compile(self.comm, same.executor.g, prefetch=self.prefetch)
+                return dataclasses.replace(same, writes_state=writes)
+            self.plans += 1
             passes = pipeline(chunk_size=settings.chunk_size, layout=layout, prefetch=self.prefetch, train=False,
                               world=settings.world, machine=self.machine)
             stages = run_passes(traced, passes, after=lambda stage: interrupts.deliver())
@@ -109,7 +115,7 @@ class EvalCompiler(Compiler):
                                comm=self.comm, host_is_device=settings.host_is_device)
             self.own = (store, (final.params, final.chunks, final.chunk_size))
         return Compiled(stages={s.stage: s for s in stages}, executor=Executor(final, store), outcomes=outcomes,
-                        machine=self.machine, model_key=keyed.key)
+                        machine=self.machine, writes_state=writes)
 
 
 class CompiledEval(CompiledStep):

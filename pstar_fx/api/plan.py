@@ -395,8 +395,7 @@ def plan(model: nn.Module, loss_fn, *batch, world_size: int = 1, device_memory=N
                         host_is_device=False,    # (the plan is for the preset GPU, whatever device traces it)
                         fused=fuse and not fuse_auto)
     with cycle_collection_paused(), one_intra_op_thread():
-        # (a plan is cached under no key: values the trace writes are warned of where a step compiles)
-        traced = trace_step(loss_fn, model, meta_batch, settings, warn_changes=False)
+        traced = trace_step(loss_fn, model, meta_batch, settings)
         t0 = time.perf_counter()
         needed = None
         passes = pipeline(chunk_size=chunk_size, prefetch=prefetch, world=world_size, machine=machine, fuse=fuse,

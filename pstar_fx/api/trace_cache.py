@@ -57,6 +57,10 @@ class TraceCache(Generic[V]):
     def __contains__(self, key: tuple) -> bool:
         return key in self._entries
 
+    def items(self) -> list[tuple[tuple, V]]:
+        """Every (key, compiled step), least recently used first."""
+        return list(self._entries.items())
+
     def get(self, key: tuple) -> V | None:
         value = self._entries.get(key)
         if value is not None:

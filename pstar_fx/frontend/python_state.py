@@ -39,8 +39,6 @@ from typing import Callable, Iterator
 import torch
 import torch.nn as nn
 
-from ..errors import warn
-
 CONTAINER_ITEMS = 64    # a closure's or global's dict, list or tuple is keyed by value up to this many items
 
 _SCALARS = (bool, int, float, str, type(None))
@@ -306,17 +304,6 @@ def changes(before: dict[str, tuple], after: dict[str, tuple]) -> list[str]:
         out.extend(f"{prefix}{k}: {_shown(old_d.get(k))} -> {_shown(new_d.get(k))}"
                    for k in dict.fromkeys([*old_d, *new_d]) if old_d.get(k) != new_d.get(k))
     return out
-
-
-def warn_value_changes(changed: list[str], again: bool = False) -> None:
-    """Warn of the plain Python values a trace changed (python_state.changes), if any. `again`: the step was traced
-    a second time under the changed values, and changed them again."""
-    if changed:
-        warn(f"the step changed plain Python values while it was traced ({'; '.join(changed[:4])}"
-             f"{'; ...' if len(changed) > 4 else ''}){', and again when traced under them' if again else ''}: a "
-             "compiled step runs no Python, so it does not change them again, and since they are part of the step's "
-             "signature each change compiles the step anew. Keep state the step updates in tensors (a buffer) or "
-             "outside the step.")
 
 
 def _shown(key) -> str:

@@ -60,7 +60,7 @@ from .graph_checks import check_reached, reject_generators, reject_sparse
 from .guards import GuardingShapeEnv, insert_guards, tried_both_ways
 from .model_tensors import (ModelTables, check_data_kept, gradient_hooks, model_restored, model_tables, slots,
                             storage_ids, write_rebound)
-from .python_state import changes, python_draws, snapshot, torch_generators_set, warn_value_changes
+from .python_state import python_draws, torch_generators_set
 
 
 
@@ -298,16 +298,14 @@ def _micro_batch_sizes(flat: "FlatBatch", micro: int) -> list[int]:
     return sizes
 
 
-def trace_step(fn, model: nn.Module, batch: tuple, settings: Settings, assume: tuple = (),
-               values: dict | None = None, warn_changes: bool = True) -> TrainGraph:
+def trace_step(fn, model: nn.Module, batch: tuple, settings: Settings, assume: tuple = ()) -> TrainGraph:
     """Trace `fn(model, *batch)` into the "traced" TrainGraph (forward + backward, nothing real allocated).
     `assume`: the outcomes to take for the step's first data-dependent decisions, in order (frontend/guards.py).
     The model is left exactly as it was (the same parameter and buffer objects), whether tracing succeeds or not.
     Ctrl-C is held while tracing (pstar_fx/interrupts.py) and delivered after it: a KeyboardInterrupt raised inside
-    one of torch's C++ callbacks can abort the process. `values`: python_state.snapshot(model, fn) taken just
-    before, where the caller has one (else it is taken here), to tell the values the trace writes (warned of
-    unless `warn_changes` is False: api/settled_trace.py tells them itself)."""
-    before = snapshot(model, fn) if values is None else values
+    one of torch's C++ callbacks can abort the process. Plain Python values the step writes while traced (a
+    counter in `forward`) are written as eager code writes them; the compiler keys the graph by the state before
+    (api/plan_reuse.py)."""
     with DeferredInterrupt(), python_draws() as drawn, torch_generators_set() as seeded:
         graph = tried_both_ways(lambda taken, false_at: _trace_step(fn, model, batch, settings, taken, false_at),
                                 assume)
@@ -325,10 +323,7 @@ def trace_step(fn, model: nn.Module, batch: tuple, settings: Settings, assume: t
              "MusicGen draws with its layer drop off); one that decides, draw with torch (torch.rand: traced, a "
              "new draw at every step) or outside the step, passing the value in as an argument.")
     escaped_values.reject(model, fn)
-    if warn_changes:
-        warn_value_changes(changes(before, snapshot(model, fn)))
     return graph
-
 
 
 # exceptions a check on values raises (the user's, or torch's own such as gaussian_nll_loss's): with every decision
