@@ -60,21 +60,24 @@ HASH_THREADS = 8
 SHOWN = 8                        # names listed in a message, then "and N more"
 OPTIMIZER = "optimizer"          # the first word of what describes the optimizer's settings and options
 PLAN = "the plan's collectives"  # what describes a compiled plan's collectives and the chunks they move
+TRACING = "the step this call"   # whether a rank traces the step now
 
 
 def check_same_step(comm: Comm, batch: tuple, model: nn.Module, model_key: tuple, taking: bool,
-                    optimizer=None) -> None:
+                    optimizer=None, tracing: bool = False) -> None:
     """Before a step's first collective: raise DistributedError on every rank unless every rank calls the same
     function (a training step with `optimizer`, its live optimizer; an evaluation without) with the same batch
     signature, model state and optimizer options (see the module docstring), including whether the step takes the
     model's values into its chunks now (`taking`: the model holds some of its own values, at the first step or
     after sync_model()), when the step checks those values (`check_same_values`, from ModelState.take).
-    `model_key`: what of the model the step's plan depends on (Compiler.model_key). A collective: every rank calls
-    it with its step."""
+    `model_key`: what of the model the step's plan depends on (Compiler.model_key). `tracing`: whether the step
+    traces now (Compiler.will_trace: a trace makes collectives of its own). A collective: every rank calls it with
+    its step."""
     shapes = tuple((n, tuple(p.shape)) for n, p in model.named_parameters())
     options = optimizer_options(optimizer)
-    every = comm.agree_on(called(optimizer), (flatten_batch(batch).signature, model_key, taking, shapes, options),
-                          lambda: _describe_step(batch, model, taking, options))
+    every = comm.agree_on(called(optimizer),
+                          (flatten_batch(batch).signature, model_key, taking, shapes, options, tracing),
+                          lambda: {**_describe_step(batch, model, taking, options), TRACING: _tracing(tracing)})
     if every is None:
         return
     differ = _differing(every)
@@ -82,7 +85,12 @@ def check_same_step(comm: Comm, batch: tuple, model: nn.Module, model_key: tuple
         differ = [k for k in differ if not k.startswith(OPTIMIZER)] + [OPTIMIZER]
     elif f"{OPTIMIZER} parameter groups" in differ:     # other groups: the options of those only some ranks have
         differ = [k for k in differ if all(k in d for d in every)]
-    if any(k.startswith(OPTIMIZER) for k in differ):
+    if differ == [TRACING]:
+        advice = ("The step's plain Python values or hooks (its signature, docs/tracing.md) differ between the ranks "
+                  "where only some trace: a value or hook that the step sets on some ranks only (`if rank == 0: "
+                  "self.logged = True` in forward) or changes at every call on some. Set such state on every rank "
+                  "alike, or keep it outside the step.")
+    elif any(k.startswith(OPTIMIZER) for k in differ):
         advice = ("Give every rank the same optimizer and options: the same px.compile(optimizer=...), and an lr "
                   "scheduler made and stepped, or param_groups edited, on every rank alike.")
     else:
@@ -270,6 +278,10 @@ def _value_digests(tensors: dict[str, torch.Tensor]) -> dict[str, bytes]:
         t = tensors[n]
         out[n] = hashlib.sha256(repr((tuple(t.shape), t.dtype)).encode() + b"".join(parts[n])).digest()[:16]
     return out
+
+
+def _tracing(tracing: bool) -> str:
+    return "traces it (its signature is new, or was changed by its last trace)" if tracing else "runs it compiled"
 
 
 def _describe_step(batch: tuple, model: nn.Module, taking: bool, options: tuple) -> dict[str, str]:

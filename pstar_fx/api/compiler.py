@@ -184,6 +184,17 @@ class Compiler:
         self.latest = compiled
         return compiled, flat
 
+    def will_trace(self, batch, base: tuple | None = None) -> bool:
+        """Whether get(batch) would trace: no compiled step it may run is cached for the batch's key (`base`: that
+        key, where the caller has made it). The ranks compare it before a step (api/agreement.check_same_step)."""
+        if base is None:
+            base = (flatten_batch(batch).signature, self.model_key())
+        for outcomes in self.variants.candidates(base, ()):
+            compiled = self.cache.peek(base + (outcomes,))
+            if compiled is not None and not compiled.writes_state:
+                return False
+        return True
+
     def _note_value_changes(self) -> None:
         """Before a compile: warn once when plain Python values the step reads (python_state) have changed before
         VALUE_RETRACES_WARN compiles, naming them (a value that changes every step compiles every step). Keeps the
@@ -204,7 +215,8 @@ class Compiler:
 
     def reserve(self, batch, interrupts: DeferredInterrupt) -> None:
         """Compile for this batch's signature now (raising BudgetError now if it does not fit) and keep it compiled
-        for good: it is never evicted from the cache, so a batch of this signature never compiles again."""
+        for good: no entry of this batch signature is evicted from the cache (TraceCache.pin), so a batch of it never
+        plans again."""
         self.cache.check_room_to_pin()
         self.get(batch, interrupts)
         self.cache.pin(self.cache.last)

@@ -58,7 +58,7 @@ class EvalCompiler(Compiler):
         trainer = self.trainer()
         flat = flatten_batch(batch)
         check_has_data(flat, "step(*batch)")
-        base = (flat.signature, self.model_key(), None if trainer is None else id(trainer._compiler.store))
+        base = self._base(flat, trainer)
         compiled = None
         for outcomes in self.variants.candidates(base, prefix):      # one per guard outcomes (Compiler.get)
             compiled = self.cache.get(base + (outcomes,))
@@ -71,6 +71,12 @@ class EvalCompiler(Compiler):
         self.variants.note(base, compiled.outcomes)
         self.latest = compiled
         return compiled, flat
+
+    def _base(self, flat, trainer) -> tuple:
+        return flat.signature, self.model_key(), None if trainer is None else _homes_key(trainer._compiler.store)
+
+    def will_trace(self, batch, base: tuple | None = None) -> bool:
+        return super().will_trace(batch, self._base(flatten_batch(batch), self.trainer()))
 
     def _compile_for(self, batch, trainer: CompiledStep | None, interrupts: DeferredInterrupt,
                      assume: tuple = (), base: tuple = ()) -> Compiled:
@@ -118,6 +124,12 @@ class EvalCompiler(Compiler):
                         machine=self.machine, writes_state=writes)
 
 
+def _homes_key(store) -> tuple:
+    """What an evaluation's plan reads of the training step's store: the store, and where each chunk's states and
+    parameters live now (a training step's plans may move them: ChunkStore.set_homes)."""
+    return id(store), tuple(store.state_home), tuple(c.param_home for c in store.chunks)
+
+
 class CompiledEval(CompiledStep):
     """A forward-only function compiled for a model (see the module docstring)."""
 
@@ -142,7 +154,7 @@ class CompiledEval(CompiledStep):
             check_unchanged(self._model, self._compiler.tables)
             if self._comm is not None:     # before its first collective (a compile's own included)
                 check_same_step(self._comm, batch, self._model, self._compiler.model_key(portable=True),
-                                holds_own_values(self._model))
+                                holds_own_values(self._model), tracing=self._compiler.will_trace(batch))
 
             def attempt(compiled, flat):
                 interrupts.deliver()

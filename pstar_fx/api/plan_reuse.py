@@ -11,7 +11,9 @@ Invariants:
 - A compiled step whose trace changed the key (`Compiled.writes_state`) is never run again from the cache: running
   it would not make the change that the step's Python makes at every eager call, so a later call with the same key
   traces again, and its Python runs as eager code's does. (A toggle served from the cache would stop toggling.)
-- Every call's graph is the trace of that call's Python under the state it finds. `reusable` only saves the passes:
+- Every call's graph is the trace of that call's Python under the state it finds (but where a trace is discarded
+  and the step traced again in one call: a failed guard or a check retried, frontend/guards.py, whose Python state
+  is not put back). `reusable` only saves the passes:
   where a new trace equals (`same_trace`) the traced graph of a step compiled before for the same batch signature
   (and everything else in its key but the model's part) and guard outcomes, that step's plan, executor and fused
   regions serve the new key, since every pass is a function of the traced graph and of what the compiler holds
@@ -22,6 +24,7 @@ Invariants:
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Iterable
 
 import torch
@@ -68,7 +71,13 @@ def same_trace(a: TrainGraph, b: TrainGraph) -> bool:
 def _same_constant(a, b) -> bool:
     if not (type(a) is torch.Tensor and type(b) is torch.Tensor):
         return False        # a subclass or a module: not compared, so not the same
-    return (a.dtype, a.shape, a.stride(), a.device) == (b.dtype, b.shape, b.stride(), b.device) and torch.equal(a, b)
+    if (a.dtype, a.shape, a.stride(), a.device) != (b.dtype, b.shape, b.stride(), b.device):
+        return False
+    return torch.equal(_bytes(a), _bytes(b))    # by their bytes: torch.equal takes 0.0 for -0.0
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
 def _same_outputs(a, b) -> bool:
@@ -98,8 +107,11 @@ def _plain(v):
             return ("tensor", tuple(x.shape), x.dtype, x.stride(), x.device.type)
         if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
             return ("sym", str(x))
-        if isinstance(x, float):
-            return _Unequal() if math.isnan(x) else (float, x, math.copysign(1.0, x))
+        if isinstance(x, (float, complex)) or isinstance(x, numbers.Number) and not isinstance(x, int):
+            parts = (x.real, x.imag) if isinstance(x, numbers.Complex) else (float(x),)
+            if any(math.isnan(p) for p in parts):
+                return _Unequal()
+            return (type(x),) + tuple((p, math.copysign(1.0, p)) for p in parts)
         if isinstance(x, (bool, int, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)):
             return (type(x), x)
         return x

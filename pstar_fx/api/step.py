@@ -214,7 +214,7 @@ class CompiledStep:
                              "px.compile(model, optimizer=None) for forward-only evaluation")
         if self._comm is not None:
             check_same_step(self._comm, batch, self._model, self._compiler.model_key(portable=True),
-                            holds_own_values(self._model), self._optimizer)
+                            holds_own_values(self._model), self._optimizer, self._compiler.will_trace(batch))
 
     def lower(self, *batch) -> dict[str, TrainGraph]:
         """Compile for this batch's shapes without running a step; returns the stages."""
@@ -227,7 +227,8 @@ class CompiledStep:
 
         Give it the largest batch the training will see (the longest sequence length, or each bucket's): a batch
         that does not fit the budget raises BudgetError here, before training starts, instead of when it first
-        comes, and a batch of a reserved signature never traces again (the cache never drops it: cache_size counts
+        comes, and a batch of a reserved signature never traces again (but once, taking the reserved plan, where
+        the step's trace changes its own signature: api/plan_reuse.py; the cache never drops it: cache_size counts
         it). Other signatures compile when they first come, as always."""
         with self._lock, DeferredInterrupt() as interrupts:      # Ctrl-C: between compile phases only
             self._compiler.reserve(batch, interrupts)

@@ -7,7 +7,9 @@ one traces and compiles again. The cache keeps at most `max_size` compiled steps
 once when more than `warn_after` signatures differ only in the values of constants, naming the batch leaf. Batches of
 varying shapes (sequence lengths) are a new signature each too: it warns once when the `shapes_warn_at`-th distinct
 set of batch shapes is compiled, saying how to pad or bucket and how to keep more. A signature can be pinned
-(`step.reserve`): it is never evicted; with every place pinned, the latest other signature is kept beside them.
+(`step.reserve`): no entry of its first part (the batch's signature) is evicted, whatever the rest of its key (a
+model state the step's own trace set up: api/plan_reuse.py), but for entries never run again; with every place
+pinned, the latest other signature is kept beside them.
 """
 from __future__ import annotations
 
@@ -44,7 +46,7 @@ class TraceCache(Generic[V]):
         self.warn_after = warn_after
         self.shapes_warn_at = shapes_warn_at
         self._entries: OrderedDict[tuple, V] = OrderedDict()
-        self._pinned: set[tuple] = set()
+        self._pinned: set = set()               # the first parts (batch signatures) of the pinned keys
         self.last: tuple | None = None          # the key most recently looked up with a hit, or put
         self._shapes: list[tuple] = []          # distinct batch shapes compiled, up to shapes_warn_at
         # shape family -> distinct constant tuples seen (capped at warn_after + 1), bounded like the entries
@@ -61,6 +63,10 @@ class TraceCache(Generic[V]):
         """Every (key, compiled step), least recently used first."""
         return list(self._entries.items())
 
+    def peek(self, key: tuple) -> V | None:
+        """The entry for `key`, if any, as get() finds it but leaving the order and `last` as they are."""
+        return self._entries.get(key)
+
     def get(self, key: tuple) -> V | None:
         value = self._entries.get(key)
         if value is not None:
@@ -75,12 +81,17 @@ class TraceCache(Generic[V]):
         # the least recently used goes first; pinned entries stay, and so does the one just put (with max_size
         # pinned, the cache holds one more)
         while len(self._entries) > self.max_size:
-            old = next((k for k in self._entries if k not in self._pinned and k != key), None)
+            old = next((k for k in self._entries if not self._kept(k) and k != key), None)
             if old is None:
                 break
             del self._entries[old]
         self._note(key)
         self._note_shapes(key)
+
+    def _kept(self, key: tuple) -> bool:
+        """Pinned: of a reserved batch signature, and not a step that is never run again (its trace changed the
+        state it is keyed by), which would otherwise keep one entry per call of a step that counts its calls."""
+        return key[0] in self._pinned and not getattr(self._entries[key], "writes_state", False)
 
     def check_room_to_pin(self) -> None:
         """Raise unless one more signature can be pinned: at most max_size are."""
@@ -89,9 +100,10 @@ class TraceCache(Generic[V]):
                              f"cache keeps {self.max_size} (cache_size): pass a larger px.compile(..., cache_size=N)")
 
     def pin(self, key: tuple) -> None:
-        """Keep this compiled signature however many others come (step.reserve)."""
+        """Keep this compiled signature, and every later entry of its batch signature, however many others come
+        (step.reserve)."""
         assert key in self._entries, "only a cached signature is pinned"
-        self._pinned.add(key)
+        self._pinned.add(key[0])
 
     def _note_shapes(self, key: tuple) -> None:
         shapes = tuple(tuple(shape for shape, _ in p.tensors) for p in key if isinstance(p, BatchSignature))

@@ -84,6 +84,21 @@ def test_models_built_from_different_seeds_are_refused(ranks, kind):
         assert "torch.manual_seed" in msg
 
 
+def test_state_a_step_sets_up_traces_again_on_every_rank_or_is_refused_where_one_rank_sets_it(ranks):
+    """Set on every rank, the state makes every rank trace the second step, which takes the first plan; set on
+    rank 0 only, rank 0 would trace where rank 1 runs compiled: refused on both, before any collective could pair
+    with another (a hang before)."""
+    for r, res in enumerate(ranks):
+        rec = res["state_every_rank"]
+        assert "error" not in rec, f"rank {r}: {rec['error'][2]}"
+        assert len(rec["losses"]) == 3 and (rec["traces"], rec["plans"]) == (2, 1), rec
+        rec = res["state_rank_0"]
+        assert len(rec["losses"]) == 1 and "error" in rec, (r, rec)
+        name, msg, _ = rec["error"]
+        assert name == "DistributedError", rec["error"]
+        assert "rank 0: traces it" in msg and "rank 1: runs it compiled" in msg and "every rank alike" in msg, msg
+
+
 def test_models_built_from_the_same_seed_train(ranks):
     plain = [res["same_seed_plain"] for res in ranks]
     empty = [res["same_seed_empty"] for res in ranks]

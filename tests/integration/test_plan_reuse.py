@@ -232,3 +232,22 @@ def test_same_trace_tells_equal_graphs_from_different_ones():
     assert same_trace(consts[0], consts[1]) and not same_trace(consts[0], consts[2]), "a constant's value"
     signed = [_traced(lambda m, x, c=c: (m(x) * c).sum(), m2, torch.randn(2, 4)) for c in (0.0, -0.0, 0.0)]
     assert same_trace(signed[0], signed[2]) and not same_trace(signed[0], signed[1]), "a zero's sign"
+    signed = [_traced(lambda m, x, c=c: torch.atan2(torch.tensor([c, 0.0, 0.0, 0.0]), m(x)).sum(), m2,
+                      torch.randn(2, 4)) for c in (0.0, -0.0)]
+    assert not same_trace(signed[0], signed[1]), "the sign of a zero in a constant tensor (atan2 tells them apart)"
+
+
+def test_a_reserved_signature_stays_planned_for_a_step_that_sets_state_up():
+    """step.reserve traces once (the hook is set up then); the first call traces again and takes the reserved
+    plan, and the entry it makes is kept however many other shapes come (cache_size=2)."""
+    torch.manual_seed(0)
+    step = px.compile(HookedOnce(), optimizer=px.AdamW(**HYPER), device="cpu", cache_size=2)(_ce)
+    step.reserve(*_net_batch(0))
+    step(*_net_batch(0))
+    assert (step._compiler.compiles, step._compiler.plans) == (2, 1)
+    for n in (2, 3, 5):
+        x, y = _net_batch(n)
+        step(x[:n], y[:n])
+    traces = step._compiler.compiles
+    step(*_net_batch(1))
+    assert step._compiler.compiles == traces, "the reserved signature traced again"

@@ -136,7 +136,26 @@ def main() -> None:
         alive.append(step)
         rec["losses"].append(step(*rows(0, rank, 2)).item())
 
+    def state_set_up(on_every_rank):
+        def run(rec):
+            """A module noting, on its first forward, that it ran (a plain attribute, part of the step's signature;
+            api/plan_reuse.py): on every rank, or on rank 0 only."""
+            class Noting(nn.Sequential):
+                def forward(self, x):
+                    if (on_every_rank or rank == 0) and not getattr(self, "noted", False):
+                        self.noted = True
+                    return super().forward(x)
+            torch.manual_seed(MODEL_SEED)
+            step = compiled(Noting(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8)))
+            alive.append(step)
+            for i in range(3):
+                rec["losses"].append(step(*rows(i, rank, 2)).item())
+                rec["traces"], rec["plans"] = step._compiler.compiles, step._compiler.plans
+        return run
+
     scenario("batch_sizes", batch_sizes)
+    scenario("state_every_rank", state_set_up(True))
+    scenario("state_rank_0", state_set_up(False))
     scenario("batch_norm", batch_norm)
     scenario("architecture", architecture)
     scenario("shape_change", shape_change)
