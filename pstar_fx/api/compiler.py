@@ -168,12 +168,7 @@ class Compiler:
                  "trainable parameters only, so the tensor gets no .grad (nor do the parameters: the step updates "
                  "them itself); detach it, or compute what needs its gradient outside the step")
         base = (flat.signature, self.model_key())
-        compiled = None
-        for outcomes in self.variants.candidates(base, prefix):
-            compiled = self.cache.get(base + (outcomes,))
-            if compiled is not None and not compiled.writes_state:
-                break
-            compiled = None
+        compiled = self.cached(base, prefix)
         if compiled is None:
             self._note_value_changes()
             with cycle_collection_paused() as collect_now:   # counted in the set-up time (the collection at the end)
@@ -184,16 +179,19 @@ class Compiler:
         self.latest = compiled
         return compiled, flat
 
-    def will_trace(self, batch, base: tuple | None = None) -> bool:
-        """Whether get(batch) would trace: no compiled step it may run is cached for the batch's key (`base`: that
-        key, where the caller has made it). The ranks compare it before a step (api/agreement.check_same_step)."""
-        if base is None:
-            base = (flatten_batch(batch).signature, self.model_key())
-        for outcomes in self.variants.candidates(base, ()):
-            compiled = self.cache.peek(base + (outcomes,))
+    def cached(self, base: tuple, prefix: tuple = (), look: bool = True) -> Compiled | None:
+        """The compiled step get() runs for the key `base` (guard outcomes starting with `prefix`: the latest run),
+        if one is cached; never one whose trace changed the key (api/plan_reuse.py). `look`: as a cache hit (the
+        least recently used order, cache.last), else leaving the cache as it is."""
+        for outcomes in self.variants.candidates(base, prefix):
+            compiled = (self.cache.get if look else self.cache.peek)(base + (outcomes,))
             if compiled is not None and not compiled.writes_state:
-                return False
-        return True
+                return compiled
+        return None
+
+    def will_trace(self, batch) -> bool:
+        """Whether get(batch) would trace. The ranks compare it before a step (api/agreement.check_same_step)."""
+        return self.cached((flatten_batch(batch).signature, self.model_key()), look=False) is None
 
     def _note_value_changes(self) -> None:
         """Before a compile: warn once when plain Python values the step reads (python_state) have changed before

@@ -59,12 +59,7 @@ class EvalCompiler(Compiler):
         flat = flatten_batch(batch)
         check_has_data(flat, "step(*batch)")
         base = self._base(flat, trainer)
-        compiled = None
-        for outcomes in self.variants.candidates(base, prefix):      # one per guard outcomes (Compiler.get)
-            compiled = self.cache.get(base + (outcomes,))
-            if compiled is not None and not compiled.writes_state:     # (api/plan_reuse.py)
-                break
-            compiled = None
+        compiled = self.cached(base, prefix)
         if compiled is None:
             compiled = self._compile_for(batch, trainer, interrupts, prefix, base)
             self.cache.put(base + (compiled.outcomes,), compiled)
@@ -75,8 +70,8 @@ class EvalCompiler(Compiler):
     def _base(self, flat, trainer) -> tuple:
         return flat.signature, self.model_key(), None if trainer is None else _homes_key(trainer._compiler.store)
 
-    def will_trace(self, batch, base: tuple | None = None) -> bool:
-        return super().will_trace(batch, self._base(flatten_batch(batch), self.trainer()))
+    def will_trace(self, batch) -> bool:
+        return self.cached(self._base(flatten_batch(batch), self.trainer()), look=False) is None
 
     def _compile_for(self, batch, trainer: CompiledStep | None, interrupts: DeferredInterrupt,
                      assume: tuple = (), base: tuple = ()) -> Compiled:
