@@ -20,7 +20,8 @@ import torch.nn as nn
 from ..cost import H200, Machine, StepCost
 from ..errors import warn
 from ..frontend.batch import check_has_data
-from ..frontend.model_tensors import global_hooks_key, model_tables, module_key, params_key
+from ..frontend.model_tensors import (global_hooks_key, hook_changes, hooks_snapshot, model_tables, module_key,
+                                      params_key)
 from ..frontend.python_state import ModuleScalars, changes, closure_key, snapshot
 from ..frontend.trace import FlatBatch, flatten_batch, trace_step
 from ..interrupts import DeferredInterrupt
@@ -138,8 +139,8 @@ class Compiler:
         self.plans = 0                   # of them, those planned (the others took the plan of an equal trace)
         self.latest: Compiled | None = None
         self.warned_input_grad = False   # a batch tensor with requires_grad was seen (warned once)
-        self._values: dict | None = None  # python_state.snapshot at the last compile
-        self._value_retraces = 0          # compiles after which plain values had changed
+        self._values: tuple | None = None  # python_state.snapshot and model_tensors.hooks_snapshot at the last compile
+        self._value_retraces = 0           # compiles after which plain values or hooks had changed
         self.store: ChunkStore | None = None
         self.layout: Layout | None = None
 
@@ -194,21 +195,25 @@ class Compiler:
         return self.cached((flatten_batch(batch).signature, self.model_key()), look=False) is None
 
     def _note_value_changes(self) -> None:
-        """Before a compile: warn once when plain Python values the step reads (python_state) have changed before
-        VALUE_RETRACES_WARN compiles, naming them (a value that changes every step compiles every step). Keeps the
-        snapshot, which the trace that follows reuses."""
-        now = snapshot(self.model, self.fn)
+        """Before a compile: warn once when plain Python values the step reads (python_state) or the model's hooks
+        have changed before VALUE_RETRACES_WARN compiles, naming them (a value that changes every step, or a hook
+        added at every call, compiles every step). Keeps the snapshots for the next compile."""
+        now = (snapshot(self.model, self.fn), hooks_snapshot(self.model))
         if self._values is not None:
-            changed = changes(self._values, now)
-            if changed:
+            values, hooks = changes(self._values[0], now[0]), hook_changes(self._values[1], now[1])
+            if values or hooks:
                 self._value_retraces += 1
                 if self._value_retraces == VALUE_RETRACES_WARN:
-                    warn(f"pstar-fx: the step was compiled again {self._value_retraces} times because plain Python "
-                         f"values it reads changed ({'; '.join(changed[:4])}): each new value traces the step again "
-                         "(and plans it again, unless its graph is one planned before). Pass a value that changes "
-                         "every step as a tensor (a 0-d tensor argument, or a buffer), which one graph serves for "
-                         "every value; keep state the step itself updates (a counter in forward) in a buffer or "
-                         "outside the step.")
+                    what = " and ".join(w for w, c in (("plain Python values it reads", values),
+                                                       ("the model's hooks", hooks)) if c)
+                    warn(f"pstar-fx: the step was compiled again {self._value_retraces} times because {what} "
+                         f"changed ({'; '.join((values + hooks)[:4])}): each new value or hook traces the step "
+                         "again (and plans it again, unless its graph is one planned before). "
+                         + ("Pass a value that changes every step as a tensor (a 0-d tensor argument, or a buffer), "
+                            "which one graph serves for every value; keep state the step itself updates (a counter "
+                            "in forward) in a buffer or outside the step. " if values else "")
+                         + ("Register hooks once, before the first step, not in forward or in the step function."
+                            if hooks else "").rstrip())
         self._values = now
 
     def reserve(self, batch, interrupts: DeferredInterrupt) -> None:

@@ -214,8 +214,10 @@ def gradient_hooks(model: nn.Module, trainable: list[str]) -> dict[str, list[Cal
 
 
 def _which(hooks: dict, portable: bool):
-    """Which hooks (their identities), or with `portable` how many: the same on every rank running the same code."""
-    return len(hooks) if portable else tuple(map(id, hooks.values()))
+    """Which hooks, or with `portable` how many (the same on every rank running the same code). A hook is known by
+    its handle's number (the dict's key), which torch never gives twice, not by its function's id(): a hook removed
+    and another registered could get the freed function's address, and the old graph would serve the new hook."""
+    return len(hooks) if portable else tuple(hooks)
 
 
 def hook_key(p: torch.Tensor, portable: bool = False):
@@ -263,3 +265,37 @@ def hook_count(model: nn.Module) -> int:
 def global_hooks_key(portable: bool = False) -> tuple:
     """Which hooks torch.nn.modules.module.register_module_forward_hook (and the like) registered for every module."""
     return tuple(_which(d, portable) for d in _GLOBAL_HOOKS)
+
+
+_HOOK_KINDS = {"_forward_hooks": "forward hooks", "_forward_pre_hooks": "forward pre-hooks",
+               "_backward_hooks": "backward hooks", "_backward_pre_hooks": "backward pre-hooks"}
+
+
+def hooks_snapshot(model: nn.Module) -> dict[str, tuple]:
+    """Which hooks the key covers (module_key, params_key, global_hooks_key), by where they are ("fc1's forward
+    hooks", "parameter fc1.weight's gradient hooks", "every module's forward hooks"): what hook_changes compares."""
+    out = {}
+    for name, m in model.named_modules():
+        for attr, kind in _HOOK_KINDS.items():
+            if getattr(m, attr):
+                out[f"{name or 'the model'}'s {kind}"] = _which(getattr(m, attr), False)
+    with torch._C.DisableTorchFunctionSubclass():
+        for name, p in model.named_parameters():
+            if p._backward_hooks:
+                out[f"parameter {name}'s gradient hooks"] = hook_key(p)
+    for attr, kind in _HOOK_KINDS.items():
+        every = getattr(torch.nn.modules.module, "_global" + attr, None)
+        if every:
+            out[f"every module's {kind}"] = _which(every, False)
+    return out
+
+
+def hook_changes(before: dict[str, tuple], after: dict[str, tuple]) -> list[str]:
+    """What differs between two hooks_snapshot()s, as text ("fc1's forward hooks: 1 -> 2", "...: 1 -> 1, another
+    hook")."""
+    out = []
+    for where in dict.fromkeys([*before, *after]):
+        old, new = before.get(where, ()), after.get(where, ())
+        if old != new:
+            out.append(f"{where}: {len(old)} -> {len(new)}" + (", another hook" if len(old) == len(new) else ""))
+    return out

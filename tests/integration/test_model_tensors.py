@@ -7,6 +7,7 @@ another shape or dtype) is refused with the name, never dropped. Gradient hooks 
 shape the gradients as in eager backward; adding or removing one retraces; a post-accumulate-grad hook is refused."""
 import copy
 import functools
+import gc
 
 import pytest
 import torch
@@ -193,8 +194,51 @@ def test_a_forward_hook_registered_after_a_step_retraces():
     assert step._compiler.compiles == 2
 
 
+def _scaled(k):
+    return lambda module, args, out: out * k
+
+
+def _grad_scaled(k):
+    return lambda g: g * k
+
+
+def test_a_hook_replaced_by_another_at_the_freed_address_retraces():
+    """A hook removed and another registered: CPython may give the new function the old one's address (a lambda of
+    one factory, as here, mostly does), so the step keys hooks by their handle's number, which torch never gives
+    twice. Forward and gradient hooks, each step equal to eager's (fp32, CPU)."""
+    torch.manual_seed(0)
+    model = Counting()
+    eager = copy.deepcopy(model)
+    step = px.compile(model, optimizer=px.SGD(lr=0.1), device="cpu")(_loss)
+    reused, last, mine, theirs = 0, None, (), ()
+    for i, (x, y) in enumerate(_batches(6)):
+        k = float(i + 2)
+        for h in mine:
+            h.remove()
+        gc.collect()        # (the functions freed, the new ones made next)
+        mine = (model.lin.register_forward_hook(_scaled(k)), model.lin.weight.register_hook(_grad_scaled(k / 4)))
+        now = (id(model.lin._forward_hooks[mine[0].id]), id(model.lin.weight._backward_hooks[mine[1].id]))
+        reused += last is not None and bool(set(now) & set(last))
+        last = now
+        for h in theirs:
+            h.remove()
+        theirs = (eager.lin.register_forward_hook(_scaled(k)), eager.lin.weight.register_hook(_grad_scaled(k / 4)))
+        want = _loss(eager, x, y)
+        want.backward()
+        with torch.no_grad():
+            for p in eager.parameters():
+                p -= 0.1 * p.grad
+        eager.zero_grad()
+        assert step(x, y).item() == pytest.approx(want.item(), rel=1e-6), i
+    sd = step.state_dict()
+    for name, v in eager.state_dict().items():
+        torch.testing.assert_close(sd[name], v, rtol=1e-5, atol=1e-6, msg=name)
+    assert reused > 0, "no function got its predecessor's address: the case this tests did not happen"
+
+
 def test_what_ranks_compare_of_hooks_is_the_same_on_every_rank():
-    """Hooks are part of the trace's key by identity, but the ranks (processes of their own) compare their number."""
+    """Hooks are part of the trace's key by their handles, but the ranks (processes of their own) compare their
+    number."""
     keys = []
     for _ in range(2):
         torch.manual_seed(0)

@@ -182,6 +182,9 @@ def test_a_step_that_changes_its_own_state_trains_as_eager_at_every_call(cls, co
     said = [str(w.message) for w in seen if "compiled again" in str(w.message)]
     if cls is Counting:     # a trace at every call: named once it has happened VALUE_RETRACES_WARN times
         assert len(said) == 1 and "model.calls" in said[0] and "counter in forward" in said[0], said
+    elif cls is HookedEachCall:     # and a hook added at every call, by where and how many
+        assert len(said) == 1 and "the model's hooks" in said[0] and "fc1's forward hooks: 3 -> 4" in said[0] \
+            and "Register hooks once" in said[0] and "counter" not in said[0], said
     elif cls is not Toggle:
         assert not said, said
 
