@@ -209,7 +209,8 @@ def insert_guards(gm: fx.GraphModule, env: GuardingShapeEnv) -> list[fx.Node]:
 MAX_FLIPS = 16   # source lines whose condition a failed trace may take the other way, one after the other
 
 
-def tried_both_ways(trace: Callable[[tuple, frozenset], T], assume: tuple) -> T:
+def tried_both_ways(trace: Callable[[tuple, frozenset], T], assume: tuple,
+                    before_retry: Callable[[], None] = lambda: None) -> T:
     """trace(assume, false_at); a trace that fails (UntraceableError) after deciding a condition on a value by
     default (True: the tracer cannot know it) is tried again with that condition False, the conditions before it as
     taken, and every later condition asked at the same source line False too (a check in every layer costs one more
@@ -217,7 +218,8 @@ def tried_both_ways(trace: Callable[[tuple, frozenset], T], assume: tuple) -> T:
     torch.any(var < 0): raise` traces its passing branch, guarded (a step whose data makes it true retraces that
     branch and raises). A failure after conditions that a run observed (`assume`) is the code raising on real data:
     its own exception (the error's `raised`), as eager code raises it. The error carries `decisions`: (outcome,
-    (file, line) or None) of each decision the failed trace took."""
+    (file, line) or None) of each decision the failed trace took. `before_retry` runs before each trace after the
+    first (the caller puts back what the failed trace's Python wrote: frontend/python_undo.py)."""
     false_at: frozenset = frozenset()
     observed = len(assume)          # outcomes a run observed (the flips below add outcomes no run saw)
     for _ in range(MAX_FLIPS):
@@ -235,4 +237,5 @@ def tried_both_ways(trace: Callable[[tuple, frozenset], T], assume: tuple) -> T:
             assume = tuple(v for v, _ in taken[:k]) + (False,)
             if taken[k][1] is not None:
                 false_at = false_at | {taken[k][1]}
+            before_retry()
     return trace(assume, false_at)

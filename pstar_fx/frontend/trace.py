@@ -58,6 +58,7 @@ from .aux_outputs import AuxCollector, describe_aux, own_aux_storage, split_retu
 from .batch import BatchSignature, FlatBatch, flatten_batch, leaf_name  # noqa: F401 (re-exported)
 from .graph_checks import check_reached, reject_generators, reject_sparse
 from .guards import GuardingShapeEnv, insert_guards, tried_both_ways
+from .python_undo import ModelUndo
 from .model_tensors import (ModelTables, check_data_kept, gradient_hooks, model_restored, model_tables, slots,
                             storage_ids, write_rebound)
 from .python_state import python_draws, torch_generators_set
@@ -304,11 +305,11 @@ def trace_step(fn, model: nn.Module, batch: tuple, settings: Settings, assume: t
     The model is left exactly as it was (the same parameter and buffer objects), whether tracing succeeds or not.
     Ctrl-C is held while tracing (pstar_fx/interrupts.py) and delivered after it: a KeyboardInterrupt raised inside
     one of torch's C++ callbacks can abort the process. Plain Python values the step writes while traced (a
-    counter in `forward`) are written as eager code writes them; the compiler keys the graph by the state before
-    (api/plan_reuse.py)."""
+    counter in `forward`) are written as eager code writes them, once (a trace tried again puts back what the one
+    before it wrote: frontend/python_undo.py); the compiler keys the graph by the state before (api/plan_reuse.py)."""
     with DeferredInterrupt(), python_draws() as drawn, torch_generators_set() as seeded:
         graph = tried_both_ways(lambda taken, false_at: _trace_step(fn, model, batch, settings, taken, false_at),
-                                assume)
+                                assume, ModelUndo(model).restore)
     if seeded:
         raise UntraceableError(
             f"the step function set the state of {' and '.join(seeded)} while it was traced (torch.manual_seed, "

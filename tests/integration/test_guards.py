@@ -111,6 +111,53 @@ def test_a_check_whose_branch_raises_traces_its_passing_branch_and_raises_as_eag
     step(*_shifted(1, 0.5, seed=4)[0])      # and training goes on
 
 
+class Warming(nn.Module):
+    """Python state its forward writes at every call, as eager code runs it: a call counter a warm-up reads, a list
+    it appends to, a config field, and a hook added at every call."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 1)
+        self.seen = []
+        self.cfg = _Config()
+
+    def forward(self, x):
+        self.calls = getattr(self, "calls", 0) + 1
+        self.seen.append(self.calls)
+        self.cfg.last = self.calls
+        self.lin.register_forward_hook(lambda m, args, out: out + 0.5)
+        return self.lin(x) * (2.0 if self.calls == 1 else 1.0)
+
+
+class _Config:
+    def __init__(self):
+        self.last = 0
+
+    def to_dict(self):
+        return dict(vars(self))
+
+
+def test_a_trace_tried_the_other_way_runs_the_step_python_once():
+    """The sanity check makes the first call's trace fail and run again the other way: what the failed trace's
+    Python wrote (the counter, the list, the config field, the hook) is put back first, so every call computes and
+    leaves what eager code does (the warm-up scale of the first call included)."""
+    torch.manual_seed(0)
+    model = Warming()
+    ref = copy.deepcopy(model)
+    step = px.compile(model, optimizer=px.AdamW(lr=LR), device="cpu")(checked_loss)
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, fused=True)
+    for i, (x,) in enumerate(_shifted(3, 0.5)):
+        got = step(x)
+        want = checked_loss(ref, x)
+        want.backward()
+        opt.step()
+        opt.zero_grad()
+        assert torch.equal(got, want.detach()), i
+        assert (model.calls, model.seen, model.cfg.last) == (ref.calls, ref.seen, ref.cfg.last), i
+        assert len(model.lin._forward_hooks) == len(ref.lin._forward_hooks) == i + 1, i
+    assert_state_close(step.state_dict(), ref.state_dict(), rtol=1e-6)
+
+
 def skips_unlabelled(model, x, y):
     valid = y >= 0
     if valid.sum() == 0:                               # no labelled row: nothing to learn from this batch
