@@ -42,8 +42,8 @@ The model, in three parts.
 
 3. Contention: copies and the CPU update share host memory (docs/measurements.md). A copy runs at its rate alone, at
    half the both-ways rate while the other direction copies, and slower again while the CPU updates; a CPU update runs
-   slower while any copy runs, and slower throughout where it runs during backward (atomic=False, one rank, no
-   clipping, not fp16; an undo chunk's: `cpu_adam_beside_backward`).
+   slower while any copy runs, and slower throughout where it runs during backward (atomic=False, no clipping,
+   not fp16; an undo chunk's: `cpu_adam_beside_backward`).
    A rate depends on what the other lanes do at that moment, so the simulation runs twice: the first pass charges
    overlap with what is already placed, the second with the whole first pass.
 

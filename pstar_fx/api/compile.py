@@ -32,7 +32,8 @@ def compile(model: nn.Module, *, optimizer: OptimizerSpec | None, device_memory:
     has finished with the chunk, during backward, instead of after the last gradient (the commit): faster when the
     CPU's updates would otherwise delay the next forward. The cost: a step that fails after its first such update
     raises px.CommitError and leaves the values half-updated (load a checkpoint to continue). Only where the commit
-    decides nothing the updates need (no max_grad_norm, not fp16; otherwise it changes nothing); one rank only.
+    decides nothing the updates need (no max_grad_norm, not fp16; otherwise it changes nothing). With several
+    ranks each rank's shard updates right after its chunk's reduce-scatter.
     `_device_updates` (private, for tests): stream this many chunks the CPU would update to the device and update
     them there (the first in the CPU's order, with atomic=False every other one first; more than there are: all)
     instead of the cost model's choice. `_undo_updates` (private, for tests): in an atomic step, update this many of

@@ -153,12 +153,6 @@ def _not_a_spec(optimizer) -> str:
             "its chunks and builds step.optimizer, a real torch.optim object, itself")
 
 
-def check_world(atomic: bool, world: int) -> None:
-    if not atomic and world > 1:
-        raise ValueError(f"atomic=False is not supported with more than one rank (this process group has "
-                         f"{world}): leave atomic=True")
-
-
 def resolve_device(device) -> torch.device:
     """None: CUDA when torch sees it, else the CPU; "cuda" without an index: the current CUDA device."""
     if device is None:

@@ -350,9 +350,8 @@ def plan(model: nn.Module, loss_fn, *batch, world_size: int = 1, device_memory=N
     fuse_auto = fuse is None
     check_options(model, optimizer, chunk_size=chunk_size, prefetch=prefetch, max_grad_norm=max_grad_norm,
                   accumulate=accumulate, remat="auto", atomic=atomic)      # px.compile's checks of the same
-    if not isinstance(atomic, bool) or (not atomic and world_size > 1):
-        raise ValueError(f"atomic must be True or False (False on one GPU only), got {atomic!r} with world_size "
-                         f"{world_size}")
+    if not isinstance(atomic, bool):
+        raise ValueError(f"atomic must be True or False, got {atomic!r}")
     try:
         prec = Precision(precision)
     except ValueError:

@@ -78,7 +78,7 @@ def _parser() -> argparse.ArgumentParser:
                         help="px.compile's default on a GPU (fuse=None): bf16 and fp16 on one GPU fused only where "
                              "the step is estimated no slower so")
     ap.add_argument("--no-atomic", action="store_true",
-                    help="px.compile(atomic=False): host-side updates may start during backward (one GPU)")
+                    help="px.compile(atomic=False): host-side updates may start during backward")
     ap.add_argument("--network-gbps", type=float, default=None,
                     help="NCCL bus bandwidth across nodes in GB/s (default: the cost model's assumption, "
                          f"{H200.network_bus_bytes / 1e9:.0f})")

@@ -35,7 +35,7 @@ from .guarded import run_guarded
 from .live_optimizer import build as build_optimizer
 from .model_state import holds_own_values
 from .step_model import ModelState
-from .options import (check_options, check_world, fuse_by_estimate, host_is_device, host_spare, loss_rows_settings,
+from .options import (check_options, fuse_by_estimate, host_is_device, host_spare, loss_rows_settings,
                       resolve_budget, resolve_device, resolve_fuse, resolve_machine, resolve_precision, resolve_tiers)
 from .summary import Summary, summarize
 from .trace_cache import DEFAULT_MAX_SIZE
@@ -139,7 +139,6 @@ class CompiledStep:
                                  host_default=default_host,
                                  host_spare=host_spare(default_host, world),
                                  fused=fuse and not fuse_auto)
-        check_world(atomic, self.settings.world)
         configs = self._optimizer.layout.configs() if self._optimizer is not None else ()
         self.debug = debug
         self._lock = threading.RLock()       # held by a step, save and load: another thread never sees half a step

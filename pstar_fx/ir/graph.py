@@ -277,8 +277,9 @@ class Settings:
 
     @property
     def early_updates(self) -> bool:
-        """Host-side steps come right after their chunk's last use, before the commit (atomic=False, one rank)."""
-        return not self.atomic and not self.commit_decides and self.world == 1
+        """Host-side steps come right after their chunk's last use, before the commit (atomic=False; with several
+        ranks after the chunk's reduce-scatter, which comes right after its last gradient write: passes/shard.py)."""
+        return not self.atomic and not self.commit_decides
 
 
 @dataclass(frozen=True)

@@ -5,10 +5,10 @@ guard (ir/guards.py) and every gradient write (the last node that can fail with 
 trainable chunk has exactly one `optimizer_step(chunk=c)`, after the commit. Before the commit nothing writes a
 parameter value or an optimizer state, so a step that fails there leaves every value as it was (the step is atomic);
 clipping by global norm and fp16 overflow checks, which need every gradient, are decided at the commit. The one
-exception, asked for with `atomic=False` (Settings.atomic) on one rank where the commit decides nothing: host-side
-steps come right after the last node that uses their chunk and after every guard, before the commit, so the CPU
-updates during backward; a step that fails after the first of them cannot be undone (the executor raises
-CommitError).
+exception, asked for with `atomic=False` (Settings.atomic) where the commit decides nothing: host-side steps come
+right after the last node that uses their chunk and after every guard, before the commit, so the CPU updates during
+backward (with several ranks after the chunk's reduce-scatter, which the shard pass puts right after its last
+gradient write); a step that fails after the first of them cannot be undone (the executor raises CommitError).
 Every trainable chunk has a `state_home`, chosen from the cost model (`cost.py`): chunks are ranked by the slack of
 their update window on the CPU (the time between the chunk's gradient being final and its next read, less the
 update's own time at the CPU Adam rate; the tightest first, the embedding and first layers in practice), and go to

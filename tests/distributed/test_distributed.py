@@ -96,6 +96,30 @@ def test_data_parallel_equals_one_process_on_the_global_batch(tmp_path, world, b
         assert results[0]["states_on_device"] < results[0]["chunks"], "a tight budget keeps some states on the host"
 
 
+def test_updates_during_backward_across_ranks(tmp_path):
+    """atomic=False with 2 ranks under a budget that keeps states on the host: each host-placed shard is updated
+    during backward, right after its chunk's reduce-scatter, and the run equals one process's (the same steps,
+    updated earlier)."""
+    world, batch, steps = 2, 4, 3
+    results, codes, _ = launch(tmp_path, world, "--case", "hf_llama", "--batch", batch, "--steps", steps,
+                               "--budget", "tight", "--chunk-size", 1024, "--no-atomic")
+    assert codes == [0] * world
+    ref_losses, _, ref_sd = eager_reference("hf_llama", batch, steps, world=world)
+    check_equal(results, ref_losses, ref_sd, world)
+    assert results[0]["states_on_device"] < results[0]["chunks"], "a tight budget keeps some states on the host"
+    assert results[0]["early_steps"] > 0, "no host-side step came before the commit"
+    # a rank failing after its first update: neither rank's values can be put back, and both say so
+    results, codes, _ = launch(tmp_path, world, "--case", "hf_llama", "--batch", batch, "--steps", steps,
+                               "--budget", "tight", "--chunk-size", 1024, "--no-atomic", "--fail-rank", 1,
+                               "--fail-step", 1, "--timeout", 20, timeout=120, failing=(1,))
+    assert codes[0] == 0 and codes[1] != 0
+    for r, res in enumerate(results):
+        name, msg, _ = res["error"]
+        assert name == "CommitError" and "after its first update" in msg and "Load a checkpoint" in msg, (r, msg)
+        assert len(res["losses"]) == 1
+    assert "injected failure" in results[1]["error"][1] and "DistributedError" in results[0]["error"][1]
+
+
 def test_clipping_and_accumulation_across_ranks(tmp_path):
     """Global-norm clipping sees every rank's gradient: the norm and the update equal clip_grad_norm_ in one
     process; accumulation over 2 micro-batches per rank is the step on the whole global batch."""

@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import pstar_fx as px  # noqa: E402
 from pstar_fx.ir import ops  # noqa: E402
-from pstar_fx.ir import ParamHome  # noqa: E402
+from pstar_fx.ir import ParamHome, Role  # noqa: E402
 from harness import HYPER  # noqa: E402
 from models import CASES_BY_NAME  # noqa: E402
 
@@ -50,6 +50,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", help="cpu (gloo) or cuda (NCCL, one GPU per rank)")
     ap.add_argument("--state-dtype", default="fp32", help="px.AdamW's state_dtype: fp32, bf16 or int8")
     ap.add_argument("--fuse", action="store_true", help="px.compile(fuse=True)")
+    ap.add_argument("--no-atomic", action="store_true", help="px.compile(atomic=False)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
@@ -88,7 +89,8 @@ def main() -> None:
     def compile_step(budget):
         return px.compile(model, optimizer=px.AdamW(**HYPER, state_dtype=args.state_dtype), device_memory=budget,
                           chunk_size=args.chunk_size, precision=args.precision, device=device, debug=True,
-                          max_grad_norm=args.clip, accumulate=args.accumulate, fuse=args.fuse)(loss_fn)
+                          max_grad_norm=args.clip, accumulate=args.accumulate, fuse=args.fuse,
+                          atomic=not args.no_atomic)(loss_fn)
 
     if args.host_param_homes:
         schedule_mod = importlib.import_module("pstar_fx.passes.schedule")
@@ -125,6 +127,7 @@ def main() -> None:
                       reduced=g.plan.reduced_bytes, states_on_device=step.summary().states_on_device,
                       h2d=(step.last_step.h2d_bytes, g.plan.h2d_bytes), d2h=(step.last_step.d2h_bytes, g.plan.d2h_bytes),
                       chunks=len(g.chunks), optimizer=step.optimizer.state_dict(),
+                      early_steps=_early_steps(g),
                       master_homes=sum(c.param_home is ParamHome.MASTER for c in g.chunks),
                       cast_gathers=sum(1 for n in g.nodes if n.target is ops.all_gather
                                        and g.chunks[g.ann[n.name].chunk].param_home is ParamHome.MASTER))
@@ -134,6 +137,13 @@ def main() -> None:
     if "error" in result and rank == args.fail_rank:
         sys.exit(3)       # as a failing training script would; the others must not hang
     dist.destroy_process_group()
+
+
+def _early_steps(g) -> int:
+    """How many optimizer steps come before the commit (atomic=False: host-side steps during backward)."""
+    roles = [g.ann[n.name].role for n in g.nodes]
+    commit = roles.index(Role.COMMIT) if Role.COMMIT in roles else len(roles)
+    return sum(r is Role.OPTIMIZER_STEP for r in roles[:commit])
 
 
 def _local(batch, rank: int, per: int):
