@@ -310,6 +310,8 @@ class Compiler:
             before = run_passes(traced, passes)[-1]
             if self.remat:
                 before = least_need_graph(before)
-            host_only = before.evolve(settings=dataclasses.replace(before.settings, budget=0, host_budget=None))
+            # (undo buffers are host memory, beside the point here: a forced count of them is not asked for)
+            host_only = before.evolve(settings=dataclasses.replace(before.settings, budget=0, host_budget=None,
+                                                                   undo_updates=None))
             return min_need(place_optimizer(host_only))
 

@@ -263,14 +263,12 @@ class Settings:
     @property
     def no_undo(self) -> str | None:
         """Why no chunk may update before the commit with an undo buffer (None: they may): updates before the commit
-        need an atomic step on one rank, nothing decided at the commit, and the updates on the store's worker thread
+        need an atomic step, nothing decided at the commit, and the updates on the store's worker thread
         (not a CPU device that is the host, whose updates run inline on the executor's cores)."""
         if not self.atomic:
             return "atomic=False updates every host-placed chunk during backward already"
         if self.commit_decides:
             return "its updates need what the commit decides (the clip coefficient or fp16's overflow flag)"
-        if self.world > 1:
-            return "not built for several ranks"
         if self.host_is_device:
             return "a CPU device is the host, whose updates run inline on the executor's cores"
         return None

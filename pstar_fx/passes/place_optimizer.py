@@ -29,7 +29,7 @@ On one rank some of the CPU's chunks may instead update on the device, their sta
 (`ChunkInfo.streamed`, chosen with the cost model by update_sites.py). Where the updates wait for the commit, the
 first chunks of the CPU's order, their steps last, after the commit, in that order; with atomic=False every other
 chunk of that order first, each step right after its chunk's last use, as the CPU's are.
-In an atomic step of one rank whose commit decides nothing, where the host budget has room, some of the last chunks
+In an atomic step whose commit decides nothing, where the host budget has room, some of the last chunks
 of the CPU's order (`ChunkInfo.undo`) update before the commit instead, each step right after its chunk's last use:
 the CPU worker first copies the chunk's states into an undo buffer that puts them back if the step fails before its
 commit (runtime/undo.py), so the step stays atomic. As many as the CPU can update before the device reaches the
@@ -178,7 +178,7 @@ def _stream(g: TrainGraph, best: TrainGraph, best_scheduled: TrainGraph | None, 
                          f"buffer: {undo_reason}")
     if not any(c.update_site is UpdateSite.CPU for c in best.chunks):
         return best, best_scheduled, []
-    if reason is not None:
+    if reason is not None and undo_reason is not None:
         return best, best_scheduled, [f"no host-placed chunk updated on the device: {reason}"]
     nodes = best.nodes
     lv = analyze(nodes, best.ann)
@@ -201,7 +201,7 @@ def _stream(g: TrainGraph, best: TrainGraph, best_scheduled: TrainGraph | None, 
 
     steps = [(i, best.ann[n.name].chunk) for i, n in enumerate(nodes) if best.ann[n.name].role is Role.OPTIMIZER_STEP
              and best.chunks[best.ann[n.name].chunk].update_site is UpdateSite.CPU]
-    cpu_only = [cid for i, cid in steps if not fits(i, cid)]
+    cpu_only = [cid for i, cid in steps if reason is not None or not fits(i, cid)]
     order = [cid for i, cid in steps if cid not in cpu_only]       # those that may stream, in the CPU's order
     if early:
         order = order[::2] + order[1::2]

@@ -109,6 +109,9 @@ def choose_streamed(g: TrainGraph, order: list[int], build: Callable[[int], Trai
     and its schedule if known. A candidate whose schedule does not fit the budget is skipped; a tie goes to fewer
     streamed chunks."""
     forced = g.settings.device_updates
+    reason = no_stream_reason(g.settings)
+    if reason is not None:
+        return Placement(*base, f"no host-placed chunk updated on the device: {reason}")
     if forced is not None:
         k = min(forced, len(order))
         why = f"{k} host-placed chunks updated on the device (states streamed), as _device_updates asks"

@@ -202,9 +202,26 @@ class Runtime:
             self._commit()
 
     def _commit(self) -> None:
+        self._undoable_done()
         if self.comm is not None:
             self._commit_sharded()
-            return
+        else:
+            self._commit_local()
+        self.committed = True
+        self.store.undo.committed(self.undoable)
+        self.stepped.extend(self.undoable)   # from here on they are the step's updates like any other
+
+    def _undoable_done(self) -> None:
+        """The updates ahead of the commit end before it (the plan has them end before the device gets here), and
+        one that failed fails the step, which puts them all back. With several ranks before the commit's all-reduce:
+        a rank whose update failed never joins it, so every other rank's commit fails too and is undone."""
+        for chunk, done in self.undoable.items():
+            failed = None if done is None else done.exception()
+            if failed is not None:
+                raise RuntimeError(f"pstar-fx: the host-side update of chunk {chunk}, run before the commit, failed "
+                                   f"({type(failed).__name__}: {failed}); the step is undone") from failed
+
+    def _commit_local(self) -> None:
         if self.found_inf is not None:
             self.skip = bool(self.found_inf.item())
         if self.norms is not None:
@@ -212,16 +229,6 @@ class Runtime:
             norms = [self.norms[i] for i in sorted(self.norms)]
             self._set_grad_norm(torch.linalg.vector_norm(torch.stack(norms)) if norms
                                 else torch.zeros((), device=self.store.device))
-        # the updates ahead of the commit end before it (the plan has them end before the device gets here), and one
-        # that failed fails the step, which puts them all back
-        for chunk, done in self.undoable.items():
-            failed = None if done is None else done.exception()
-            if failed is not None:
-                raise RuntimeError(f"pstar-fx: the host-side update of chunk {chunk}, run before the commit, failed "
-                                   f"({type(failed).__name__}: {failed}); the step is undone") from failed
-        self.committed = True
-        self.store.undo.committed(self.undoable)
-        self.stepped.extend(self.undoable)   # from here on they are the step's updates like any other
 
     def _squared_sum(self) -> torch.Tensor:
         """Sharded: the sum of the squared shard norms taken so far, in chunk order (fp32, on the device)."""
@@ -261,7 +268,6 @@ class Runtime:
             self.skip = bool(both[0].item() > 0)
         if self._clip:        # without clipping the norms are summed over the ranks at the end (mean_over_ranks)
             self._set_grad_norm(both[1].sqrt())
-        self.committed = True
 
     def _coef_on(self, device: torch.device) -> torch.Tensor:
         assert device == self.clip_coef.device

@@ -120,6 +120,35 @@ def test_updates_during_backward_across_ranks(tmp_path):
     assert "injected failure" in results[1]["error"][1] and "DistributedError" in results[0]["error"][1]
 
 
+def test_undo_buffers_across_ranks(tmp_path):
+    """An atomic step with 2 ranks updating every host-placed shard before its commit, keeping its previous values in
+    an undo buffer: the run equals one process's; and where every rank fails just before the commit of step 1 and
+    calls the step again on its batch, the run is bit for bit the one that never failed (the failed step changed
+    nothing)."""
+    world, batch, steps = 2, 4, 3
+    args = ("--case", "hf_llama", "--batch", batch, "--steps", steps, "--budget", "tight", "--chunk-size", 1024,
+            "--undo", 1000, "--host-memory", 2 ** 30)
+    (tmp_path / "clean").mkdir()
+    (tmp_path / "failed").mkdir()
+    clean, codes, _ = launch(tmp_path / "clean", world, *args)
+    assert codes == [0] * world
+    ref_losses, _, ref_sd = eager_reference("hf_llama", batch, steps, world=world)
+    check_equal(clean, ref_losses, ref_sd, world)
+    assert clean[0]["undo_chunks"] > 0 and clean[0]["undo_chunks"] == clean[0]["early_steps"], clean[0]["undo_chunks"]
+    failed, codes, _ = launch(tmp_path / "failed", world, *args, "--fail-before-commit", 1)
+    assert codes == [0] * world
+    for r in range(world):
+        assert "injected failure" in failed[r]["failed_once"], failed[r].get("failed_once")
+        assert failed[r]["losses"] == clean[r]["losses"], r
+        assert_state_close(failed[r]["state_dict"], clean[r]["state_dict"], rtol=0)
+    # one rank failing there (and exiting): the other's commit fails, before it, and is undone too (no CommitError)
+    (tmp_path / "one").mkdir()
+    one, codes, _ = launch(tmp_path / "one", world, *args, "--fail-rank", 1, "--fail-step", 1, "--fail-node", "commit",
+                           "--timeout", 20, timeout=120, failing=(1,))
+    assert codes[1] != 0 and one[1]["error"][0] == "RuntimeError" and "before the commit" in one[1]["error"][1]
+    assert one[0]["error"][0] == "DistributedError", one[0]["error"][:2]
+
+
 def test_clipping_and_accumulation_across_ranks(tmp_path):
     """Global-norm clipping sees every rank's gradient: the norm and the update equal clip_grad_norm_ in one
     process; accumulation over 2 micro-batches per rank is the step on the whole global batch."""

@@ -42,6 +42,7 @@ def main() -> None:
     ap.add_argument("--accumulate", type=int, default=1)
     ap.add_argument("--fail-rank", type=int, default=-1)
     ap.add_argument("--fail-step", type=int, default=-1)
+    ap.add_argument("--fail-node", default="middle", help="where --fail-rank fails: the middle node, or the commit")
     ap.add_argument("--timeout", type=float, default=60.0)
     ap.add_argument("--poison-rank", type=int, default=-1, help="this rank's inputs are scaled by 1e6 at --poison-step")
     ap.add_argument("--poison-step", type=int, default=-1)
@@ -51,6 +52,10 @@ def main() -> None:
     ap.add_argument("--state-dtype", default="fp32", help="px.AdamW's state_dtype: fp32, bf16 or int8")
     ap.add_argument("--fuse", action="store_true", help="px.compile(fuse=True)")
     ap.add_argument("--no-atomic", action="store_true", help="px.compile(atomic=False)")
+    ap.add_argument("--undo", type=int, default=None, help="px.compile's _undo_updates")
+    ap.add_argument("--host-memory", type=int, default=None, help="px.compile's host_memory (bytes per node)")
+    ap.add_argument("--fail-before-commit", type=int, default=-1,
+                    help="every rank fails just before this step's commit, then calls the step again on its batch")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
@@ -71,6 +76,10 @@ def main() -> None:
     def loss_fn(model, *batch):
         return case.loss_fn(model, *batch)
 
+    def fail_at_commit(i, node):
+        if step.final_graph.ann[node.name].role is Role.COMMIT:
+            raise RuntimeError(f"injected failure on rank {rank} before the commit")
+
     def fail(i, node):
         if i == len(step.final_graph.nodes) // 2:
             raise RuntimeError(f"injected failure on rank {rank} at node {node.name}")
@@ -90,7 +99,8 @@ def main() -> None:
         return px.compile(model, optimizer=px.AdamW(**HYPER, state_dtype=args.state_dtype), device_memory=budget,
                           chunk_size=args.chunk_size, precision=args.precision, device=device, debug=True,
                           max_grad_norm=args.clip, accumulate=args.accumulate, fuse=args.fuse,
-                          atomic=not args.no_atomic)(loss_fn)
+                          atomic=not args.no_atomic, _undo_updates=args.undo,
+                          host_memory=args.host_memory)(loss_fn)
 
     if args.host_param_homes:
         schedule_mod = importlib.import_module("pstar_fx.passes.schedule")
@@ -105,10 +115,18 @@ def main() -> None:
     try:
         for i in range(args.steps):
             if rank == args.fail_rank and i == args.fail_step:
-                step._before_node = fail
+                step._before_node = fail if args.fail_node == "middle" else fail_at_commit
             batch = _local(case.batch(i), rank, per)
             if rank == args.poison_rank and i == args.poison_step:
                 batch = (batch[0] * 1e6,) + batch[1:]      # fp16 overflows in this rank's gradients only
+            if i == args.fail_before_commit:
+                step._before_node = fail_at_commit
+                try:
+                    step(*batch)
+                    raise AssertionError("the injected failure did not happen")
+                except RuntimeError as e:
+                    result["failed_once"] = str(e)
+                step._before_node = None
             loss = step(*batch)
             result["losses"].append(loss.item())
             result["grad_norms"].append(step.last_step.grad_norm)
@@ -127,7 +145,7 @@ def main() -> None:
                       reduced=g.plan.reduced_bytes, states_on_device=step.summary().states_on_device,
                       h2d=(step.last_step.h2d_bytes, g.plan.h2d_bytes), d2h=(step.last_step.d2h_bytes, g.plan.d2h_bytes),
                       chunks=len(g.chunks), optimizer=step.optimizer.state_dict(),
-                      early_steps=_early_steps(g),
+                      early_steps=_early_steps(g), undo_chunks=sum(c.undo for c in g.chunks),
                       master_homes=sum(c.param_home is ParamHome.MASTER for c in g.chunks),
                       cast_gathers=sum(1 for n in g.nodes if n.target is ops.all_gather
                                        and g.chunks[g.ann[n.name].chunk].param_home is ParamHome.MASTER))
