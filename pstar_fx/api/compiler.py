@@ -23,6 +23,7 @@ from ..frontend.batch import check_has_data
 from ..frontend.model_tensors import (global_hooks_key, hook_changes, hooks_snapshot, model_tables, module_key,
                                       params_key)
 from ..frontend.python_state import ModuleScalars, changes, closure_key, snapshot
+from ..frontend.python_undo import ModelUndo
 from ..frontend.trace import FlatBatch, flatten_batch, trace_step
 from ..interrupts import DeferredInterrupt
 from ..ir.graph import Settings, TrainGraph
@@ -138,6 +139,7 @@ class Compiler:
         self.compiles = 0                # traces compiled so far
         self.plans = 0                   # of them, those planned (the others took the plan of an equal trace)
         self.latest: Compiled | None = None
+        self.undo: ModelUndo | None = None   # the model's Python state before the latest trace (take_undo)
         self.warned_input_grad = False   # a batch tensor with requires_grad was seen (warned once)
         self._values: tuple | None = None  # python_state.snapshot and model_tensors.hooks_snapshot at the last compile
         self._value_retraces = 0           # compiles after which plain values or hooks had changed
@@ -190,6 +192,13 @@ class Compiler:
                 return compiled
         return None
 
+    def take_undo(self) -> ModelUndo | None:
+        """The model's Python state before the latest trace, for a call that may trace again (api/guarded.py), and
+        forgotten here: it holds what the model held (an RNN's weak references to its weights, which a later swap of
+        the tensors refuses while they live), so it lives no longer than that call."""
+        undo, self.undo = self.undo, None
+        return undo
+
     def will_trace(self, batch) -> bool:
         """Whether get(batch) would trace. The ranks compare it before a step (api/agreement.check_same_step)."""
         return self.cached((flatten_batch(batch).signature, self.model_key()), look=False) is None
@@ -206,14 +215,14 @@ class Compiler:
                 if self._value_retraces == VALUE_RETRACES_WARN:
                     what = " and ".join(w for w, c in (("plain Python values it reads", values),
                                                        ("the model's hooks", hooks)) if c)
-                    warn(f"pstar-fx: the step was compiled again {self._value_retraces} times because {what} "
+                    warn((f"pstar-fx: the step was compiled again {self._value_retraces} times because {what} "
                          f"changed ({'; '.join((values + hooks)[:4])}): each new value or hook traces the step "
                          "again (and plans it again, unless its graph is one planned before). "
                          + ("Pass a value that changes every step as a tensor (a 0-d tensor argument, or a buffer), "
                             "which one graph serves for every value; keep state the step itself updates (a counter "
                             "in forward) in a buffer or outside the step. " if values else "")
                          + ("Register hooks once, before the first step, not in forward or in the step function."
-                            if hooks else "").rstrip())
+                            if hooks else "")).rstrip())
         self._values = now
 
     def reserve(self, batch, interrupts: DeferredInterrupt) -> None:
@@ -222,6 +231,7 @@ class Compiler:
         plans again."""
         self.cache.check_room_to_pin()
         self.get(batch, interrupts)
+        self.take_undo()                    # (no call of the step to trace again in)
         self.cache.pin(self.cache.last)
 
     def _compile(self, batch, collect_now, interrupts: DeferredInterrupt, assume: tuple = (),
@@ -248,7 +258,8 @@ class Compiler:
                 hostmem.reserve(host_buffer_specs(stage.chunks, st.precision, st.world, state_layout(st)))
         try:
             with one_intra_op_thread():
-                traced = trace_step(self.fn, self.model, batch, st, assume)
+                self.undo = ModelUndo(self.model)
+                traced = trace_step(self.fn, self.model, batch, st, assume, self.undo)
                 writes = self.model_key() != base[1]
                 self.compiles += 1
                 outcomes = traced_outcomes(traced)

@@ -20,6 +20,7 @@ import torch.nn as nn
 
 from ..frontend.batch import check_has_data
 from ..frontend.model_tensors import check_unchanged
+from ..frontend.python_undo import ModelUndo
 from ..frontend.trace import FlatBatch, flatten_batch, trace_step
 from ..interrupts import DeferredInterrupt
 from ..ir.graph import Precision
@@ -93,7 +94,8 @@ class EvalCompiler(Compiler):
             settings = self.settings
             store, layout = self.own if self.own is not None else (None, None)
         with cycle_collection_paused():
-            traced = trace_step(self.fn, self.model, batch, settings, assume)
+            self.undo = ModelUndo(self.model)
+            traced = trace_step(self.fn, self.model, batch, settings, assume, self.undo)
             writes = self.model_key() != base[1]
             self.compiles += 1
             outcomes = traced_outcomes(traced)

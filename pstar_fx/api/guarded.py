@@ -94,8 +94,12 @@ class _RandomState:
 def run_guarded(compiler, batch, interrupts, run: Callable):
     """`run(compiled, flat)` on the compiled step for this batch, again on another trace after each failed guard.
     Returns (compiled, flat, what run returned) of the attempt that passed every guard. The random number generators
-    are put back as they were before each attempt that fails (a guard, or any failure: the step changed nothing)."""
+    are put back as they were before each attempt that fails (a guard, or any failure: the step changed nothing),
+    and where this call traced, the model's Python state before its first trace (Compiler.undo,
+    frontend/python_undo.py) before it traces again: the step's Python runs once per call, as eager code's does."""
+    traces = compiler.compiles
     compiled, flat = compiler.get(batch, interrupts)
+    undo = compiler.take_undo() if compiler.compiles != traces else None
     saved = _RandomState(compiler.settings.device)
     for _ in range(MAX_ATTEMPTS):
         try:
@@ -111,9 +115,12 @@ def run_guarded(compiler, batch, interrupts, run: Callable):
         saved.restore()
         prefix = compiled.outcomes[:failed.spec.index] + (failed.observed,)
         before = compiler.compiles
+        if undo is not None:
+            undo.restore()          # (the lookup and the trace that follow see the state this call found)
         compiled, flat = compiler.get(batch, interrupts, prefix=prefix)
         if compiler.compiles != before:
             compiler.variants.retraced(failed.spec)
+            undo = undo or compiler.take_undo()
     raise PstarError(f"pstar-fx: the step was run {MAX_ATTEMPTS} times on one batch and a guard failed every time "
                      f"(last: {failed}); the step's Python code decides differently on the same data. Make its "
                      "decisions depend on the batch and the model only")

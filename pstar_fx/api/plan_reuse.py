@@ -11,8 +11,9 @@ Invariants:
 - A compiled step whose trace changed the key (`Compiled.writes_state`) is never run again from the cache: running
   it would not make the change that the step's Python makes at every eager call, so a later call with the same key
   traces again, and its Python runs as eager code's does. (A toggle served from the cache would stop toggling.)
-- Every call's graph is the trace of that call's Python under the state it finds (a trace that fails and is tried
-  the other way in the same call puts back first what its Python wrote: frontend/python_undo.py). `reusable` only
+- Every call's graph is the trace of that call's Python under the state it finds (where a call traces again, a
+  failed guard or a check tried the other way, what the earlier trace's Python wrote is put back first:
+  frontend/python_undo.py). `reusable` only
   saves the passes: where a new trace equals (`same_trace`) the traced graph of a step compiled before for the same
   batch signature (and everything else in its key but the model's part) and guard outcomes, that step's plan,
   executor and fused regions serve the new key, since every pass is a function of the traced graph and of what the

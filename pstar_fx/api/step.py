@@ -219,6 +219,7 @@ class CompiledStep:
         """Compile for this batch's shapes without running a step; returns the stages."""
         with DeferredInterrupt() as interrupts:        # Ctrl-C: between compile phases only (see Compiler.get)
             self._compiler.get(batch, interrupts)
+            self._compiler.take_undo()                  # (no call of the step to trace again in)
         return self.graphs
 
     def reserve(self, *batch) -> dict[str, TrainGraph]:

@@ -231,13 +231,31 @@ _GLOBAL_HOOKS = tuple(getattr(torch.nn.modules.module, name) for name in (
     if hasattr(torch.nn.modules.module, name))
 
 
+class _Same:
+    """An object in a key by its identity, held there, so that no other object takes its id while the key lives
+    (and compared by `is`: a callable object's own == may be anything, or unhashable)."""
+    __slots__ = ("obj",)
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def __eq__(self, other) -> bool:
+        return type(other) is _Same and other.obj is self.obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+
 def module_key(m: nn.Module, portable: bool = False):
     """What of a module a trace depends on besides its tensors and plain attributes (python_state.ModuleScalars):
-    its train/eval mode and which hooks it has (a forward hook registered after a trace changes what the step
-    computes: it retraces)."""
-    if not (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks):
+    its train/eval mode, which hooks it has (a forward hook registered after a trace changes what the step
+    computes: it retraces), and a `forward` set on the instance (a wrapper replacing the class's: by identity, or
+    with `portable` that there is one)."""
+    own = m.__dict__.get("forward")
+    if not (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks or own):
         return m.training
-    return (m.training, *(_which(getattr(m, name), portable) for name in MODULE_HOOKS))
+    return (m.training, *(_which(getattr(m, name), portable) for name in MODULE_HOOKS),
+            None if own is None else True if portable else _Same(own))
 
 
 def params_key(modules: tuple[nn.Module, ...], portable: bool = False) -> tuple:
@@ -252,7 +270,12 @@ def params_key(modules: tuple[nn.Module, ...], portable: bool = False) -> tuple:
                 if p is None or id(p) in seen:
                     continue
                 seen.add(id(p))
-                out.append(p.requires_grad if not p._backward_hooks else (p.requires_grad, hook_key(p, portable)))
+                if p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None):
+                    # (a post-accumulate-grad hook is refused by the trace: added after one, it retraces to say so)
+                    out.append((p.requires_grad, hook_key(p, portable),
+                                bool(getattr(p, "_post_accumulate_grad_hooks", None))))
+                else:
+                    out.append(p.requires_grad)
     return tuple(out)
 
 

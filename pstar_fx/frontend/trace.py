@@ -299,17 +299,19 @@ def _micro_batch_sizes(flat: "FlatBatch", micro: int) -> list[int]:
     return sizes
 
 
-def trace_step(fn, model: nn.Module, batch: tuple, settings: Settings, assume: tuple = ()) -> TrainGraph:
+def trace_step(fn, model: nn.Module, batch: tuple, settings: Settings, assume: tuple = (),
+               undo: ModelUndo | None = None) -> TrainGraph:
     """Trace `fn(model, *batch)` into the "traced" TrainGraph (forward + backward, nothing real allocated).
     `assume`: the outcomes to take for the step's first data-dependent decisions, in order (frontend/guards.py).
     The model is left exactly as it was (the same parameter and buffer objects), whether tracing succeeds or not.
     Ctrl-C is held while tracing (pstar_fx/interrupts.py) and delivered after it: a KeyboardInterrupt raised inside
     one of torch's C++ callbacks can abort the process. Plain Python values the step writes while traced (a
     counter in `forward`) are written as eager code writes them, once (a trace tried again puts back what the one
-    before it wrote: frontend/python_undo.py); the compiler keys the graph by the state before (api/plan_reuse.py)."""
+    before it wrote: frontend/python_undo.py, `undo` where the caller made it before the trace); the compiler keys
+    the graph by the state before (api/plan_reuse.py)."""
     with DeferredInterrupt(), python_draws() as drawn, torch_generators_set() as seeded:
         graph = tried_both_ways(lambda taken, false_at: _trace_step(fn, model, batch, settings, taken, false_at),
-                                assume, ModelUndo(model).restore)
+                                assume, (undo or ModelUndo(model)).restore)
     if seeded:
         raise UntraceableError(
             f"the step function set the state of {' and '.join(seeded)} while it was traced (torch.manual_seed, "

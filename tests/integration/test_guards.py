@@ -158,6 +158,62 @@ def test_a_trace_tried_the_other_way_runs_the_step_python_once():
     assert_state_close(step.state_dict(), ref.state_dict(), rtol=1e-6)
 
 
+class _Double(nn.Module):
+    def forward(self, x):
+        return 2 * x
+
+
+class SetUpOnce(nn.Module):
+    """Sets itself up at its first call, as eager code runs it: a flag, and a layer appended to a ModuleList; counts
+    its calls (which the graph reads) and logs them in a list in a dict (which no key reads: a compiled step served
+    from the cache does not log); and branches on the data (never true here, taken true first by the tracer)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 1)
+        self.extra = nn.ModuleList()
+        self.warm = True
+        self.calls = 0
+        self.log = {"calls": []}
+
+    def forward(self, x):
+        if self.warm:
+            self.warm = False
+            self.extra.append(_Double())
+        self.calls += 1
+        self.log["calls"].append(self.calls)
+        y = self.lin(x)
+        for m in self.extra:
+            y = m(y)
+        if x.sum() > 1e6:
+            y = y * 3
+        return y * (2.0 if self.calls == 1 else 1.0)
+
+
+@pytest.mark.parametrize("loss_fn", [checked_loss, lambda m, x: m(x).square().mean()], ids=["check", "guard"])
+def test_setup_and_a_counter_run_once_when_the_first_call_traces_again(loss_fn):
+    """The first call traces again: its sanity check fails the first trace (tried the other way), or its branch's
+    guard fails on the data the graph was traced for (traced again for the outcome observed). Either way what the
+    first trace's Python set up (the layer, in the module tree), counted and logged (a list in a dict) is put back
+    first, so the call computes and leaves what eager's first call does; and so do the calls after it."""
+    torch.manual_seed(0)
+    model = SetUpOnce()
+    ref = copy.deepcopy(model)
+    step = px.compile(model, optimizer=px.AdamW(lr=LR), device="cpu")(loss_fn)
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, fused=True)
+    for i, (x,) in enumerate(_shifted(3, 0.5)):
+        got = step(x)
+        want = loss_fn(ref, x)
+        want.backward()
+        opt.step()
+        opt.zero_grad()
+        assert torch.equal(got, want.detach()), i
+        assert (len(model.extra), model.calls) == (len(ref.extra), ref.calls) == (1, i + 1), i
+        if i == 0:
+            assert model.log == ref.log == {"calls": [1]}
+    assert step._compiler.compiles >= 2, "the first call did not trace again"
+
+
 def skips_unlabelled(model, x, y):
     valid = y >= 0
     if valid.sum() == 0:                               # no labelled row: nothing to learn from this batch

@@ -8,6 +8,7 @@ shape the gradients as in eager backward; adding or removing one retraces; a pos
 import copy
 import functools
 import gc
+import types
 
 import pytest
 import torch
@@ -168,6 +169,31 @@ def test_a_post_accumulate_grad_hook_is_refused_by_name():
     step = px.compile(model, optimizer=px.SGD(lr=0.1), device="cpu")(lambda m, x, y: F.mse_loss(m(x), y))
     with pytest.raises(px.UntraceableError, match="parameter 'weight' has a post-accumulate-grad hook"):
         step(*_batches(1)[0])
+
+
+def test_a_post_accumulate_grad_hook_added_after_a_step_is_refused_at_the_next():
+    model = nn.Linear(6, 3)
+    step = px.compile(model, optimizer=px.SGD(lr=0.1), device="cpu")(lambda m, x, y: F.mse_loss(m(x), y))
+    step(*_batches(1)[0])
+    model.weight.register_post_accumulate_grad_hook(lambda p: None)
+    with pytest.raises(px.UntraceableError, match="parameter 'weight' has a post-accumulate-grad hook"):
+        step(*_batches(1)[0])
+
+
+def test_a_forward_set_on_the_instance_after_a_step_retraces():
+    """A wrapper replacing a module's forward on the instance (as accelerate's do): the step computes what eager
+    computes with it, and again without it once it is deleted."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 3))
+    eager = copy.deepcopy(model)
+    step = px.compile(model, optimizer=px.SGD(lr=0.0), device="cpu")(_loss)
+    x, y = _batches(1)[0]
+    plain = step(x, y).item()
+    for m in (model, eager):
+        m[0].forward = types.MethodType(lambda self, t: 3 * nn.Linear.forward(self, t), m[0])
+    assert step(x, y).item() == pytest.approx(_loss(eager, x, y).item(), rel=1e-6) != plain
+    del model[0].forward
+    assert step(x, y).item() == plain and step._compiler.compiles == 2
 
 
 def test_a_forward_hook_registered_after_a_step_retraces():
