@@ -246,6 +246,15 @@ stage() {
           --budgets 134GiB --checkpoint on --init-empty --warmup 1 --steps 5
       kill "$watcher"
       sort -k5 -n "$out/x2_memory.txt" | tail -1 | sed 's/^/most host memory in use (free -g): /' ;;
+    x2_b4)        # 35.5B on both GPUs at 4 x 2048 tokens a GPU, atomic=False (each rank's host shards updated during
+                  # backward): the plan first (on the CPU machine: 360 TFLOP/s a GPU, 5.079 s, host 235.5 of 236 GiB),
+                  # the run only if it fits
+      # shellcheck disable=SC2086
+      plan --layers "${X2_LAYERS:-57}" --d-model 7168 --heads 56 --batch 4 --checkpoint --world-size 2 --no-atomic \
+          --device-memory 134GiB --host-memory 236GiB ${PLAN_EXTRA:-} | tee "$out/x2_b4_plan.txt"
+      grep -q "verdict: FITS" "$out/x2_b4_plan.txt" || { echo "the plan says it does not fit: not run"; return; }
+      gpt x2_b4 560 --layers "${X2_LAYERS:-57}" --hidden 7168 --heads 56 --batch 4 --gpus 2 --systems pstar \
+          --budgets 134GiB --host-memory 236GiB --checkpoint on --init-empty --no-atomic --warmup 1 --steps 4 ;;
   esac
 }
 
