@@ -100,18 +100,19 @@ def test_updates_during_backward_across_ranks(tmp_path):
     """atomic=False with 2 ranks under a budget that keeps states on the host: each host-placed shard is updated
     during backward, right after its chunk's reduce-scatter, and the run equals one process's (the same steps,
     updated earlier)."""
-    world, batch, steps = 2, 4, 3
-    results, codes, _ = launch(tmp_path, world, "--case", "hf_llama", "--batch", batch, "--steps", steps,
-                               "--budget", "tight", "--chunk-size", 1024, "--no-atomic")
+    world, batch, steps = 2, 4, 2
+    results, codes, _ = launch(tmp_path, world, "--case", "mlp_ce", "--batch", batch, "--steps", steps,
+                               "--budget", "tight", "--chunk-size", 512, "--no-atomic")
     assert codes == [0] * world
-    ref_losses, _, ref_sd = eager_reference("hf_llama", batch, steps, world=world)
+    ref_losses, _, ref_sd = eager_reference("mlp_ce", batch, steps, world=world)
     check_equal(results, ref_losses, ref_sd, world)
     assert results[0]["states_on_device"] < results[0]["chunks"], "a tight budget keeps some states on the host"
     assert results[0]["early_steps"] > 0, "no host-side step came before the commit"
-    # a rank failing after its first update: neither rank's values can be put back, and both say so
-    results, codes, _ = launch(tmp_path, world, "--case", "hf_llama", "--batch", batch, "--steps", steps,
-                               "--budget", "tight", "--chunk-size", 1024, "--no-atomic", "--fail-rank", 1,
-                               "--fail-step", 1, "--timeout", 20, timeout=120, failing=(1,))
+    # a rank failing after its first update (just before its commit): neither rank's values can be put back, and
+    # both say so
+    results, codes, _ = launch(tmp_path, world, "--case", "mlp_ce", "--batch", batch, "--steps", steps,
+                               "--budget", "tight", "--chunk-size", 512, "--no-atomic", "--fail-rank", 1,
+                               "--fail-step", 1, "--fail-node", "commit", "--timeout", 20, timeout=120, failing=(1,))
     assert codes[0] == 0 and codes[1] != 0
     for r, res in enumerate(results):
         name, msg, _ = res["error"]
@@ -125,14 +126,14 @@ def test_undo_buffers_across_ranks(tmp_path):
     an undo buffer: the run equals one process's; and where every rank fails just before the commit of step 1 and
     calls the step again on its batch, the run is bit for bit the one that never failed (the failed step changed
     nothing)."""
-    world, batch, steps = 2, 4, 3
-    args = ("--case", "hf_llama", "--batch", batch, "--steps", steps, "--budget", "tight", "--chunk-size", 1024,
+    world, batch, steps = 2, 4, 2
+    args = ("--case", "mlp_ce", "--batch", batch, "--steps", steps, "--budget", "tight", "--chunk-size", 512,
             "--undo", 1000, "--host-memory", 2 ** 30)
     (tmp_path / "clean").mkdir()
     (tmp_path / "failed").mkdir()
     clean, codes, _ = launch(tmp_path / "clean", world, *args)
     assert codes == [0] * world
-    ref_losses, _, ref_sd = eager_reference("hf_llama", batch, steps, world=world)
+    ref_losses, _, ref_sd = eager_reference("mlp_ce", batch, steps, world=world)
     check_equal(clean, ref_losses, ref_sd, world)
     assert clean[0]["undo_chunks"] > 0 and clean[0]["undo_chunks"] == clean[0]["early_steps"], clean[0]["undo_chunks"]
     failed, codes, _ = launch(tmp_path / "failed", world, *args, "--fail-before-commit", 1)
