@@ -50,7 +50,8 @@ from ..errors import DistributedError
 
 CALLED = "the function called"     # the key of the collective function a rank is in, in what `agree_on` gathers
 # what a failed collective leaves, said after what failed
-AFTER_STEP = "The step's values are as they were before this step unless it had committed."
+AFTER_STEP = ("The step's values are as they were before this step unless it had committed (or, with atomic=False, "
+              "begun its updates: then a CommitError says so).")
 
 
 class Comm:
@@ -111,6 +112,13 @@ class Comm:
         with self._failing("all_reduce"):
             dist.all_reduce(t, op=op, group=self.group)
         return t
+
+    def wait(self, t: torch.Tensor, what: str) -> None:
+        """Wait until the collective that wrote `t` has ended (NCCL returns from one once it is queued on the
+        device; gloo's have ended on return)."""
+        if t.device.type == "cuda":
+            with self._failing(what):
+                t.cpu()
 
     @contextlib.contextmanager
     def _failing(self, what: str, after: str = AFTER_STEP):

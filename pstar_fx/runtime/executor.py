@@ -204,9 +204,11 @@ class Executor:
             self.store.abandon_disk()   # reads in flight finish (into staging buffers only) before anything else
             undone = [] if rt.committed else list(rt.undoable)
             # an update begun (after the commit, a host-side one before it with atomic=False, or an undo chunk's
-            # once committed), or with several ranks the commit passed (the others go on): nothing is put back. On
+            # once committed), or with several ranks the commit passed (the others go on), or with atomic=False a
+            # reduce-scatter passed (the others may have begun their updates of its chunk): nothing is put back. On
             # one rank, past the commit with no update begun, nothing was written yet: put back as before it
-            broken = bool(rt.stepped) or (rt.committed and rt.comm is not None)
+            others = rt.comm is not None and self.g.settings.early_updates and bool(self.store.reduced)
+            broken = bool(rt.stepped) or (rt.committed and rt.comm is not None) or others
             if undone:
                 self.store.settle(undone)     # updates ahead of the commit end (a failure is this step's)
             try:
@@ -220,8 +222,10 @@ class Executor:
                 if not broken:
                     self._put_back(undone, saved)
             if broken:
+                where = ("its commit point" if rt.committed else "its first update" if rt.stepped else
+                         "a reduce-scatter, after which the other ranks may have begun their updates (atomic=False)")
                 raise CommitError(
-                    f"pstar-fx: the step failed after {'its commit point' if rt.committed else 'its first update'} "
+                    f"pstar-fx: the step failed after {where} "
                     f"({type(e).__name__}: {e}), with the updates of "
                     f"{len(rt.stepped)} of {sum(1 for r in self.roles if r is Role.OPTIMIZER_STEP)} chunks "
                     "begun (the last possibly unfinished); the compiled step's values are no longer consistent. "

@@ -264,6 +264,9 @@ class Runtime:
         bad = self.found_inf.float() if self.found_inf is not None else torch.zeros((), device=dev)
         sq = self._squared_sum() if self._clip else torch.zeros((), device=dev)
         both = self.comm.all_reduce(torch.stack([bad.to(dev), sq.to(dev)]))
+        # NCCL returns once the all-reduce is queued: wait for it, so that a rank whose peer never joins fails here,
+        # before its commit (its undo buffers put back), instead of counting the step committed
+        self.comm.wait(both, "the commit's all_reduce")
         if self.found_inf is not None:
             self.skip = bool(both[0].item() > 0)
         if self._clip:        # without clipping the norms are summed over the ranks at the end (mean_over_ranks)

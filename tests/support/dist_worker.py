@@ -42,7 +42,8 @@ def main() -> None:
     ap.add_argument("--accumulate", type=int, default=1)
     ap.add_argument("--fail-rank", type=int, default=-1)
     ap.add_argument("--fail-step", type=int, default=-1)
-    ap.add_argument("--fail-node", default="middle", help="where --fail-rank fails: the middle node, or the commit")
+    ap.add_argument("--fail-node", default="middle",
+                    help="where --fail-rank fails: the middle node, the commit, or the first optimizer step")
     ap.add_argument("--timeout", type=float, default=60.0)
     ap.add_argument("--poison-rank", type=int, default=-1, help="this rank's inputs are scaled by 1e6 at --poison-step")
     ap.add_argument("--poison-step", type=int, default=-1)
@@ -80,6 +81,10 @@ def main() -> None:
         if step.final_graph.ann[node.name].role is Role.COMMIT:
             raise RuntimeError(f"injected failure on rank {rank} before the commit")
 
+    def fail_at_first_step(i, node):
+        if step.final_graph.ann[node.name].role is Role.OPTIMIZER_STEP:
+            raise RuntimeError(f"injected failure on rank {rank} before its first optimizer step")
+
     def fail(i, node):
         if i == len(step.final_graph.nodes) // 2:
             raise RuntimeError(f"injected failure on rank {rank} at node {node.name}")
@@ -115,7 +120,8 @@ def main() -> None:
     try:
         for i in range(args.steps):
             if rank == args.fail_rank and i == args.fail_step:
-                step._before_node = fail if args.fail_node == "middle" else fail_at_commit
+                step._before_node = {"middle": fail, "commit": fail_at_commit,
+                                     "first_step": fail_at_first_step}[args.fail_node]
             batch = _local(case.batch(i), rank, per)
             if rank == args.poison_rank and i == args.poison_step:
                 batch = (batch[0] * 1e6,) + batch[1:]      # fp16 overflows in this rank's gradients only
