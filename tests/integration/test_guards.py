@@ -137,22 +137,29 @@ class _Config:
         return dict(vars(self))
 
 
+def _beside_eager(model, loss_fn, batches):
+    """The compiled step and eager torch.optim.AdamW (fused) on a copy of `model`, one batch after another: yields
+    (i, the copy, the step) after each batch, once the step's loss was found equal to eager's."""
+    ref = copy.deepcopy(model)
+    step = px.compile(model, optimizer=px.AdamW(lr=LR), device="cpu")(loss_fn)
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, fused=True)
+    for i, batch in enumerate(batches):
+        got = step(*batch)
+        want = loss_fn(ref, *batch)
+        want.backward()
+        opt.step()
+        opt.zero_grad()
+        assert torch.equal(got, want.detach()), i
+        yield i, ref, step
+
+
 def test_a_trace_tried_the_other_way_runs_the_step_python_once():
     """The sanity check makes the first call's trace fail and run again the other way: what the failed trace's
     Python wrote (the counter, the list, the config field, the hook) is put back first, so every call computes and
     leaves what eager code does (the warm-up scale of the first call included)."""
     torch.manual_seed(0)
     model = Warming()
-    ref = copy.deepcopy(model)
-    step = px.compile(model, optimizer=px.AdamW(lr=LR), device="cpu")(checked_loss)
-    opt = torch.optim.AdamW(ref.parameters(), lr=LR, fused=True)
-    for i, (x,) in enumerate(_shifted(3, 0.5)):
-        got = step(x)
-        want = checked_loss(ref, x)
-        want.backward()
-        opt.step()
-        opt.zero_grad()
-        assert torch.equal(got, want.detach()), i
+    for i, ref, step in _beside_eager(model, checked_loss, _shifted(3, 0.5)):
         assert (model.calls, model.seen, model.cfg.last) == (ref.calls, ref.seen, ref.cfg.last), i
         assert len(model.lin._forward_hooks) == len(ref.lin._forward_hooks) == i + 1, i
     assert_state_close(step.state_dict(), ref.state_dict(), rtol=1e-6)
@@ -198,16 +205,7 @@ def test_setup_and_a_counter_run_once_when_the_first_call_traces_again(loss_fn):
     first, so the call computes and leaves what eager's first call does; and so do the calls after it."""
     torch.manual_seed(0)
     model = SetUpOnce()
-    ref = copy.deepcopy(model)
-    step = px.compile(model, optimizer=px.AdamW(lr=LR), device="cpu")(loss_fn)
-    opt = torch.optim.AdamW(ref.parameters(), lr=LR, fused=True)
-    for i, (x,) in enumerate(_shifted(3, 0.5)):
-        got = step(x)
-        want = loss_fn(ref, x)
-        want.backward()
-        opt.step()
-        opt.zero_grad()
-        assert torch.equal(got, want.detach()), i
+    for i, ref, step in _beside_eager(model, loss_fn, _shifted(3, 0.5)):
         assert (len(model.extra), model.calls) == (len(ref.extra), ref.calls) == (1, i + 1), i
         if i == 0:
             assert model.log == ref.log == {"calls": [1]}
