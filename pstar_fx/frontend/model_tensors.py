@@ -225,10 +225,12 @@ def hook_key(p: torch.Tensor, portable: bool = False):
     return _which(p._backward_hooks, portable) if p._backward_hooks else ()
 
 
-MODULE_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-_GLOBAL_HOOKS = tuple(getattr(torch.nn.modules.module, name) for name in (
-    "_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks", "_global_backward_pre_hooks")
-    if hasattr(torch.nn.modules.module, name))
+_HOOK_KINDS = {"_forward_hooks": "forward hooks", "_forward_pre_hooks": "forward pre-hooks",
+               "_backward_hooks": "backward hooks", "_backward_pre_hooks": "backward pre-hooks"}
+MODULE_HOOKS = tuple(_HOOK_KINDS)
+# torch's hooks for every module, by kind (those this torch has)
+_GLOBAL_HOOKS = {kind: getattr(torch.nn.modules.module, "_global" + name) for name, kind in _HOOK_KINDS.items()
+                 if hasattr(torch.nn.modules.module, "_global" + name)}
 
 
 class _Same:
@@ -270,10 +272,10 @@ def params_key(modules: tuple[nn.Module, ...], portable: bool = False) -> tuple:
                 if p is None or id(p) in seen:
                     continue
                 seen.add(id(p))
-                if p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None):
+                post = getattr(p, "_post_accumulate_grad_hooks", None)
+                if p._backward_hooks or post:
                     # (a post-accumulate-grad hook is refused by the trace: added after one, it retraces to say so)
-                    out.append((p.requires_grad, hook_key(p, portable),
-                                bool(getattr(p, "_post_accumulate_grad_hooks", None))))
+                    out.append((p.requires_grad, hook_key(p, portable), bool(post)))
                 else:
                     out.append(p.requires_grad)
     return tuple(out)
@@ -287,11 +289,7 @@ def hook_count(model: nn.Module) -> int:
 
 def global_hooks_key(portable: bool = False) -> tuple:
     """Which hooks torch.nn.modules.module.register_module_forward_hook (and the like) registered for every module."""
-    return tuple(_which(d, portable) for d in _GLOBAL_HOOKS)
-
-
-_HOOK_KINDS = {"_forward_hooks": "forward hooks", "_forward_pre_hooks": "forward pre-hooks",
-               "_backward_hooks": "backward hooks", "_backward_pre_hooks": "backward pre-hooks"}
+    return tuple(_which(d, portable) for d in _GLOBAL_HOOKS.values())
 
 
 def hooks_snapshot(model: nn.Module) -> dict[str, tuple]:
@@ -306,8 +304,7 @@ def hooks_snapshot(model: nn.Module) -> dict[str, tuple]:
         for name, p in model.named_parameters():
             if p._backward_hooks:
                 out[f"parameter {name}'s gradient hooks"] = hook_key(p)
-    for attr, kind in _HOOK_KINDS.items():
-        every = getattr(torch.nn.modules.module, "_global" + attr, None)
+    for kind, every in _GLOBAL_HOOKS.items():
         if every:
             out[f"every module's {kind}"] = _which(every, False)
     return out
