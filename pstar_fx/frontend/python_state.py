@@ -94,24 +94,27 @@ def _is_config(v) -> bool:
     return dataclasses.is_dataclass(v) or callable(getattr(type(v), "to_dict", None))
 
 
-def _names(m: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+def _names(m: nn.Module) -> tuple[tuple[str, ...], ...]:
     """The module's attributes holding a plain scalar, a non-empty small container of them, and a configuration
-    object, by name: torch's own nn.Module fields aside, and private ones (a leading underscore) only where the
-    module or a submodule has parameters, so where a forward reads them (peft's `_disable_adapters`), not a
-    metric's bookkeeping (torchmetrics' `_update_count`, updated between steps). An empty container is left out (a
-    list a metric appends its states to)."""
+    object, by name, and its empty lists and dicts: torch's own nn.Module fields aside, and private ones (a leading
+    underscore) only where the module or a submodule has parameters, so where a forward reads them (peft's
+    `_disable_adapters`), not a metric's bookkeeping (torchmetrics' `_update_count`, updated between steps). An
+    empty container is not keyed (a metric appends tensors to one) but named, so that one filled in place with
+    scalars later (a list of layers to skip) is found then (`_Entry.filled`)."""
     private = next(m.parameters(), None) is not None
-    scalars, containers, configs = [], [], []
+    scalars, containers, configs, empty = [], [], [], []
     for name, v in m.__dict__.items():
         if name in _MODULE_FIELDS or (name[0] == "_" and not private):
             continue
         if v is None or _scalar(v) is not None:
             scalars.append(name)
+        elif type(v) in (list, dict) and not v:
+            empty.append(name)
         elif type(v) in (list, tuple, dict) and v and _value_key(v) is not _NOT_SCALAR:
             containers.append(name)
         elif _is_config(v):
             configs.append(name)
-    return tuple(scalars), tuple(containers), tuple(configs)
+    return tuple(scalars), tuple(containers), tuple(configs), tuple(empty)
 
 
 def _fields(cfg) -> tuple:
@@ -122,16 +125,21 @@ def _fields(cfg) -> tuple:
 class _Entry:
     """One module's names (`_names`) and, for its scalars, the values last read (held, so that their ids stay
     theirs) and their key: a call whose values are the same objects reuses the key."""
-    __slots__ = ("d", "n", "scalars", "containers", "configs", "get", "raw", "key", "items", "ckey")
+    __slots__ = ("d", "n", "scalars", "containers", "configs", "empty", "get", "raw", "key", "items", "ckey")
 
     def __init__(self, m: nn.Module):
         self.d, self.n = m.__dict__, len(m.__dict__)
-        self.scalars, self.containers, self.configs = _names(m)
+        self.scalars, self.containers, self.configs, self.empty = _names(m)
         self.get = operator.itemgetter(*self.scalars) if self.scalars else None
         self.raw: tuple = ()
         self.key: tuple = ()
         self.items: tuple = ()       # the containers' items at the last call, and their key
         self.ckey: tuple = ()
+
+    def filled(self) -> bool:
+        """Whether an attribute that was an empty list or dict holds items now (or is gone): names to find again."""
+        d = self.d
+        return any(d.get(k, True) for k in self.empty)
 
     def read(self) -> tuple:
         raw = self.get(self.d) if self.get is not None else ()
@@ -167,7 +175,7 @@ class ModuleScalars:
             self._entries = [_Entry(m) for m in modules]
         out, configs = [], {}
         for i, (entry, m) in enumerate(zip(self._entries, modules)):
-            if len(entry.d) != entry.n:
+            if len(entry.d) != entry.n or (entry.empty and entry.filled()):
                 entry = self._entries[i] = _Entry(m)
             try:
                 out.append(entry.read())
@@ -185,7 +193,7 @@ class ModuleScalars:
 def module_scalars(m: nn.Module) -> tuple:
     """The module's plain attributes and its configuration objects' fields (`config.use_cache`), as (name, value
     key): what its forward may read."""
-    scalars, containers, configs = _names(m)
+    scalars, containers, configs, _ = _names(m)
     d = m.__dict__
     return (tuple((name, _value_key(d[name])) for name in scalars + containers)
             + tuple((f"{name}.{k}", key) for name in configs for k, key in _fields(d[name])))

@@ -387,3 +387,41 @@ def test_reading_the_keys_reuses_what_has_not_changed_and_sees_what_has():
     del model.temperature
     model.other = 1.0                       # the same number of attributes, another name
     assert scalars.read() != third and ("other", 1.0) in module_scalars(model)
+
+
+class _Skips(nn.Module):
+    """A model whose forward reads a list attribute empty at the first call and filled in place later."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(nn.Linear(12, 12) for _ in range(3))
+        self.head = nn.Linear(12, 5)
+        self.twice = []
+        self.gains = {}
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            for _ in range(2 if i in self.twice else 1):
+                x = torch.tanh(layer(x)) * self.gains.get(i, 1.0)
+        return self.head(x)
+
+
+def test_an_empty_list_or_dict_attribute_filled_in_place_later_retraces_and_trains_as_eager():
+    model, ref = _Skips(), _Skips()
+    step = px.compile(model, optimizer=px.AdamW(**HYPER), device="cpu")(_ce)
+    opt = torch.optim.AdamW(ref.parameters(), **HYPER, fused=True)
+    for i in range(5):
+        for m in (model, ref):
+            if i == 2:
+                m.twice.append(1)
+            if i == 3:
+                m.gains[0] = 0.5
+        loss = step(*_batch(i))
+        ref_loss = _ce(ref, *_batch(i))
+        ref_loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        assert rel_err([loss.item()], [ref_loss.item()]) <= 1e-6, (i, loss.item(), ref_loss.item())
+    assert_state_close(step.state_dict(), ref.state_dict(), rtol=1e-6)
+    assert step._compiler.compiles == 3
