@@ -106,6 +106,7 @@ class Compiled:
     outcomes: tuple = ()             # what its trace decided at each guard, in order (ir/guards.py)
     writes_state: bool = False       # its trace changed the model's key: never run again from the cache
                                      # (api/plan_reuse.py)
+    plan_reused: bool = False        # its trace equal to an earlier one's, whose plan and executor it took
 
 
 Layout = tuple   # (params, chunks, chunk_size) of the first compile: every later signature keeps the same chunks
@@ -270,7 +271,8 @@ class Compiler:
                         check_same_compile(self.comm, same.executor.g, self.optimizer,
                                            prefetch=self.prefetch, remat=self.remat, fuse=self.fuse)
                     now = time.perf_counter()
-                    return dataclasses.replace(same, setup_seconds=0.0, set_up_until=now, writes_state=writes)
+                    return dataclasses.replace(same, stages={**same.stages, "traced": traced}, setup_seconds=0.0,
+                                               set_up_until=now, writes_state=writes, plan_reused=True)
                 self.plans += 1
                 passes = pipeline(chunk_size=st.chunk_size, layout=self.layout, prefetch=self.prefetch,
                                   remat=self.remat, world=st.world, fuse=self.fuse, fuse_auto=self.fuse_auto,

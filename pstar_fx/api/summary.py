@@ -29,6 +29,7 @@ class Summary:
     d2h_bytes: int
     nodes: int
     compile_seconds: tuple[float, float, float] = (0.0, 0.0, 0.0)   # trace, passes, set-up (store and executor)
+    plan_reused: bool = False               # the last compile's trace equal to an earlier one's: its plan taken
     default_budget: str | None = None       # device_memory=None on a GPU: how the budget was chosen
     estimated_seconds: float | None = None  # the cost model's steady-state step (None off CUDA)
     estimated_idle: str | None = None       # its compute stream's idle time and what it waits for (StepCost.waits)
@@ -83,7 +84,8 @@ class Summary:
                           + ("" if self.alloc_retries is None else f", {self.alloc_retries} allocator retries")),
         ] + ([("compute idle", self.estimated_idle + " (estimated)")] if self.estimated_idle is not None else []) + [
             ("graph", f"{self.nodes} nodes"),
-            ("compiled in", "{:.1f} s trace + {:.1f} s passes + {:.1f} s set-up".format(*self.compile_seconds)),
+            ("compiled in", "{:.1f} s trace + {:.1f} s passes + {:.1f} s set-up".format(*self.compile_seconds)
+             + (" (the plan of an equal earlier trace reused)" if self.plan_reused else "")),
         ] + ([("fused", self.fused)] if self.fused is not None else [])
         rows += [("why" if i == 0 else "", c) for i, c in enumerate(self.choices)]
         return "\n".join(f"{k:>17s}: {v}" if k else f"{'':>19s}{v}" for k, v in rows)
@@ -111,8 +113,10 @@ def summarize(g: TrainGraph, compiled: Compiled, last: StepStats | None, prec: P
         predicted_peak=g.plan.predicted_peak, measured_peak=None if last is None else last.measured_peak,
         h2d_bytes=g.plan.h2d_bytes, d2h_bytes=g.plan.d2h_bytes, nodes=len(g.nodes),
         compile_seconds=(compiled.stages["traced"].seconds,
+                         0.0 if compiled.plan_reused else
                          sum(st.seconds for name, st in compiled.stages.items() if name != "traced"),
                          compiled.setup_seconds),
+        plan_reused=compiled.plan_reused,
         default_budget=None if default_budget is None else str(default_budget),
         estimated_seconds=None if cost is None else cost.seconds,
         estimated_idle=None if cost is None else cost.waits_line(),

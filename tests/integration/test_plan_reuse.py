@@ -179,6 +179,10 @@ def test_a_step_that_changes_its_own_state_trains_as_eager_at_every_call(cls, co
             assert getattr(model, "calls", None) == getattr(eager, "calls", None), i
             assert getattr(model, "flip", None) == getattr(eager, "flip", None), i
     assert (step._compiler.compiles, step._compiler.plans) == (compiles, plans)
+    summary = step.summary()        # the last call's compile: a plan taken from an earlier trace shows no passes
+    reused = plans < compiles        # (in each case here the last compile too)
+    assert summary.plan_reused is reused and (summary.compile_seconds[1] == 0) is reused, summary
+    assert ("plan of an equal earlier trace reused" in str(summary)) is reused
     said = [str(w.message) for w in seen if "compiled again" in str(w.message)]
     if cls is Counting:     # a trace at every call: named once it has happened VALUE_RETRACES_WARN times
         assert len(said) == 1 and "model.calls" in said[0] and "counter in forward" in said[0], said
