@@ -47,8 +47,8 @@ import torch
 import torch.nn as nn
 
 from ..errors import DistributedError
+from ..frontend.hook_keys import hook_count
 from ..frontend.init_empty import is_empty, origin_digests
-from ..frontend.model_tensors import hook_count
 from ..frontend.trace import flatten_batch, leaf_name
 from ..ir.graph import TrainGraph
 from ..passes import collectives

@@ -20,8 +20,8 @@ import torch.nn as nn
 from ..cost import H200, Machine, StepCost
 from ..errors import warn
 from ..frontend.batch import check_has_data
-from ..frontend.model_tensors import (global_hooks_key, hook_changes, hooks_snapshot, model_tables, module_key,
-                                      params_key)
+from ..frontend.hook_keys import global_hooks_key, hook_changes, hooks_snapshot, module_key, params_key
+from ..frontend.model_tensors import model_tables
 from ..frontend.python_state import ModuleScalars, changes, closure_key, snapshot
 from ..frontend.python_undo import ModelUndo
 from ..frontend.trace import FlatBatch, flatten_batch, trace_step
@@ -142,7 +142,7 @@ class Compiler:
         self.latest: Compiled | None = None
         self.undo: ModelUndo | None = None   # the model's Python state before the latest trace (take_undo)
         self.warned_input_grad = False   # a batch tensor with requires_grad was seen (warned once)
-        self._values: tuple | None = None  # python_state.snapshot and model_tensors.hooks_snapshot at the last compile
+        self._values: tuple | None = None  # python_state.snapshot and hook_keys.hooks_snapshot at the last compile
         self._value_retraces = 0           # compiles after which plain values or hooks had changed
         self.store: ChunkStore | None = None
         self.layout: Layout | None = None

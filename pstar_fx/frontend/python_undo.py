@@ -9,7 +9,7 @@ second trace would be that of eager code's second call.
 
 Invariant: after `ModelUndo(model).restore()`, what the compiler's key reads of the model (api/compiler.model_key:
 each module's plain attributes and the fields of the configuration objects it holds, frontend/python_state.py; its
-train/eval mode; the hooks of modules and parameters and torch's global module hooks, frontend/model_tensors.py) and
+train/eval mode; the hooks of modules and parameters and torch's global module hooks, frontend/hook_keys.py) and
 the module tree are as they were when the ModelUndo was made: every attribute of a module other than torch's own
 fields holds the object it held (an attribute the trace added is deleted), every module's submodules are the ones it
 had (a module a trace appended to a ModuleList is gone), a dict's, list's, set's or deque's items, and a

@@ -230,10 +230,9 @@ def _grad_scaled(k):
 
 def test_a_hook_replaced_by_another_at_the_freed_address_retraces():
     """A hook removed and another registered: CPython may give the new function the old one's address (a lambda of
-    one factory, as here, mostly does: the old graph once served the new hook), so the step keys hooks by their
-    handle's number, which torch never gives twice. Forward and gradient hooks, each step equal to eager's (fp32,
-    CPU); and the key told apart even for the same function object registered again, which is what a new function
-    at the old address looks like by id()."""
+    one factory, as here, mostly does: the old graph once served the new hook), so the step keys a hook by what it
+    computes (its code and the values it closes over), never by id(). Forward and gradient hooks, each step equal
+    to eager's (fp32, CPU), each new factor a compile; the same hooks registered again key as before."""
     torch.manual_seed(0)
     model = Counting()
     eager = copy.deepcopy(model)
@@ -258,24 +257,72 @@ def test_a_hook_replaced_by_another_at_the_freed_address_retraces():
     sd = step.state_dict()
     for name, v in eager.state_dict().items():
         torch.testing.assert_close(sd[name], v, rtol=1e-5, atol=1e-6, msg=name)
+    assert step._compiler.compiles == 6
     fn, g = model.lin._forward_hooks[mine[0].id], model.lin.weight._backward_hooks[mine[1].id]
     before = step._compiler.model_key()
     for h in mine:
         h.remove()
     model.lin.register_forward_hook(fn)
     model.lin.weight.register_hook(g)
+    assert step._compiler.model_key() == before
+
+
+def test_hooks_registered_before_each_step_and_removed_after_it_trace_once():
+    """A training loop that registers its hooks (made afresh by a factory, or a bound method) before each step and
+    removes them after: the hooks compute what they did, so the step traces once, each step equal to eager's; a
+    factory's new value traces again."""
+    torch.manual_seed(0)
+    model = Counting()
+    eager = copy.deepcopy(model)
+    step = px.compile(model, optimizer=px.SGD(lr=0.1), device="cpu")(_loss)
+
+    class Scale:
+        def __init__(self, k):
+            self.k = k
+
+        def hook(self, module, args, out):
+            return out * self.k
+
+    scale = Scale(1.5)
+    for i, (x, y) in enumerate(_batches(5)):
+        k = 2.0 if i < 3 else 3.0
+        got = None
+        for m in (model, eager):
+            handles = (m.lin.register_forward_hook(_scaled(k)), m.lin.weight.register_hook(_grad_scaled(k / 4)),
+                       m.lin.register_forward_hook(scale.hook, always_call=True))
+            if m is model:
+                got = step(x, y)
+            else:
+                want = _loss(eager, x, y)
+                want.backward()
+                with torch.no_grad():
+                    for p in eager.parameters():
+                        p -= 0.1 * p.grad
+                eager.zero_grad()
+            for h in handles:
+                h.remove()
+        assert got.item() == pytest.approx(want.item(), rel=1e-6), i
+    assert step._compiler.compiles == 2      # the factor 2, then 3
+    sd = step.state_dict()
+    for name, v in eager.state_dict().items():
+        torch.testing.assert_close(sd[name], v, rtol=1e-5, atol=1e-6, msg=name)
+    # the flags torch keeps beside a hook are keyed with it
+    h = model.lin.register_forward_hook(scale.hook)
+    before = step._compiler.model_key()
+    h.remove()
+    model.lin.register_forward_hook(scale.hook, with_kwargs=True)
     assert step._compiler.model_key() != before
 
 
 def test_what_ranks_compare_of_hooks_is_the_same_on_every_rank():
-    """Hooks are part of the trace's key by their handles, but the ranks (processes of their own) compare their
-    number."""
+    """Hooks are part of the trace's key by what they compute, but the ranks (processes of their own, whose hooks are
+    objects of their own) compare their number."""
     keys = []
-    for _ in range(2):
+    for k in (2.0, 3.0):
         torch.manual_seed(0)
         model = Counting()
-        model.lin.register_forward_hook(lambda m, a, out: out * 2)
-        model.lin.weight.register_hook(lambda g: g * 0.5)
+        model.lin.register_forward_hook(_scaled(k))
+        model.lin.weight.register_hook(_grad_scaled(k / 4))
         step = px.compile(model, optimizer=px.SGD(lr=0.1), device="cpu")(_loss)
         keys.append((step._compiler.model_key(), step._compiler.model_key(portable=True)))
     assert keys[0][0] != keys[1][0] and keys[0][1] == keys[1][1]
