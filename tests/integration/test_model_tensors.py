@@ -228,6 +228,17 @@ def _grad_scaled(k):
     return lambda g: g * k
 
 
+def _eager_sgd(model, x, y):
+    """One eager step of SGD (lr 0.1, as the compiled steps below); returns its loss."""
+    loss = _loss(model, x, y)
+    loss.backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= 0.1 * p.grad
+    model.zero_grad()
+    return loss
+
+
 def test_a_hook_replaced_by_another_at_the_freed_address_retraces():
     """A hook removed and another registered: CPython may give the new function the old one's address (a lambda of
     one factory, as here, mostly does: the old graph once served the new hook), so the step keys a hook by what it
@@ -247,12 +258,7 @@ def test_a_hook_replaced_by_another_at_the_freed_address_retraces():
         for h in theirs:
             h.remove()
         theirs = (eager.lin.register_forward_hook(_scaled(k)), eager.lin.weight.register_hook(_grad_scaled(k / 4)))
-        want = _loss(eager, x, y)
-        want.backward()
-        with torch.no_grad():
-            for p in eager.parameters():
-                p -= 0.1 * p.grad
-        eager.zero_grad()
+        want = _eager_sgd(eager, x, y)
         assert step(x, y).item() == pytest.approx(want.item(), rel=1e-6), i
     sd = step.state_dict()
     for name, v in eager.state_dict().items():
@@ -293,12 +299,7 @@ def test_hooks_registered_before_each_step_and_removed_after_it_trace_once():
             if m is model:
                 got = step(x, y)
             else:
-                want = _loss(eager, x, y)
-                want.backward()
-                with torch.no_grad():
-                    for p in eager.parameters():
-                        p -= 0.1 * p.grad
-                eager.zero_grad()
+                want = _eager_sgd(eager, x, y)
             for h in handles:
                 h.remove()
         assert got.item() == pytest.approx(want.item(), rel=1e-6), i
