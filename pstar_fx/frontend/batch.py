@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import optree
 import torch
 
+from .python_state import float_key
+
 
 @dataclass(frozen=True)
 class BatchSignature:
@@ -73,7 +75,7 @@ def flatten_batch(batch: tuple) -> FlatBatch:
                                 "dict: pass dict(...) of it (a tokenizer's or collator's BatchEncoding too)") from None
             raise TypeError(f"step(*batch): {leaf_name(path)} is a {type(x).__name__}, neither a tensor nor "
                             "hashable; pass tensors (in tuples, lists or dicts) and plain constants") from None
-        consts.append((leaf_name(path), type(x), "nan" if x != x else x))    # (NaN != NaN: a new key every call)
+        consts.append((leaf_name(path), type(x), float_key(x) if type(x) is float else x))   # (NaN, -0.0)
     sig = BatchSignature(spec, tuple((tuple(x.shape), x.dtype) for x in tensors), tuple(consts))
     return FlatBatch(tensors, spec, constants, sig)
 

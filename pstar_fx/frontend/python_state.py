@@ -18,8 +18,8 @@ does. Two keys cover what a trace can be seen to read:
   (`state["step"]`), following `functools.wraps` and `functools.partial`. Values read only by other functions the
   step calls (or through `self` of a method) are not seen (docs/tracing.md says so).
 
-A bool keys apart from an equal int (`True` from `1`); NaN keys equal themselves (a NaN weight would otherwise retrace
-at every call). `python_draws()` tells whether the global random generators of Python or NumPy moved while tracing:
+A bool keys apart from an equal int (`True` from `1`), a float too (`2.0` from `2`; -0.0 from 0.0); NaN keys equal
+themselves (a NaN weight would otherwise retrace at every call). `python_draws()` tells whether the global random generators of Python or NumPy moved while tracing:
 a compiled step would replay the trace's draw at every call (LayerDrop by `random.random()`), which the trace warns
 of (not refused: transformers' MusicGen draws in every forward, also with its layer drop off, and another thread's
 draws move the same generator).
@@ -45,12 +45,21 @@ _SCALARS = (bool, int, float, str, type(None))
 _PLAIN = frozenset(_SCALARS)
 
 
+def float_key(v: float):
+    """A float as a key that tells apart what computes apart: from an equal int (2.0 == 2, but `torch.full(s, k)`
+    takes its dtype from k), NaN equal to itself (NaN != NaN would make every call a new key) and apart from the
+    string "nan", -0.0 apart from 0.0 (`atan2(k, -1)`)."""
+    if v != v or (v == 0.0 and math.copysign(1.0, v) < 0):
+        return ("float", repr(v))
+    return ("float", v)
+
+
 def _scalar(v):
-    """v as a key, if it is a plain scalar (or a tuple of them); None otherwise. NaN becomes a string (NaN != NaN), a
-    bool a pair (True == 1)."""
+    """v as a key, if it is a plain scalar (or a tuple of them); None otherwise. A float a pair (`float_key`), a bool
+    a pair (True == 1)."""
     t = type(v)
     if t is float:
-        return "nan" if math.isnan(v) else v
+        return float_key(v)
     if t is bool:
         return ("bool", v)
     if t in _PLAIN:
@@ -96,25 +105,26 @@ def _is_config(v) -> bool:
 
 def _names(m: nn.Module) -> tuple[tuple[str, ...], ...]:
     """The module's attributes holding a plain scalar, a non-empty small container of them, and a configuration
-    object, by name, and its empty lists and dicts: torch's own nn.Module fields aside, and private ones (a leading
-    underscore) only where the module or a submodule has parameters, so where a forward reads them (peft's
-    `_disable_adapters`), not a metric's bookkeeping (torchmetrics' `_update_count`, updated between steps). An
-    empty container is not keyed (a metric appends tensors to one) but named, so that one filled in place with
-    scalars later (a list of layers to skip) is found then (`_Entry.filled`)."""
+    object, by name, and the lists and dicts it watches: torch's own nn.Module fields aside, and private ones (a
+    leading underscore) only where the module or a submodule has parameters, so where a forward reads them (peft's
+    `_disable_adapters`), not a metric's bookkeeping (torchmetrics' `_update_count`, updated between steps). A list
+    or dict that is not keyed (empty, or holding other objects: a metric appends tensors to one) is watched, so that
+    one filled in place with scalars later (a list of layers to skip, emptied and refilled) is found then
+    (`_Entry.changed`)."""
     private = next(m.parameters(), None) is not None
-    scalars, containers, configs, empty = [], [], [], []
+    scalars, containers, configs, watched = [], [], [], []
     for name, v in m.__dict__.items():
         if name in _MODULE_FIELDS or (name[0] == "_" and not private):
             continue
         if v is None or _scalar(v) is not None:
             scalars.append(name)
-        elif type(v) in (list, dict) and not v:
-            empty.append(name)
         elif type(v) in (list, tuple, dict) and v and _value_key(v) is not _NOT_SCALAR:
             containers.append(name)
+        elif type(v) in (list, dict):
+            watched.append(name)
         elif _is_config(v):
             configs.append(name)
-    return tuple(scalars), tuple(containers), tuple(configs), tuple(empty)
+    return tuple(scalars), tuple(containers), tuple(configs), tuple(watched)
 
 
 def _fields(cfg) -> tuple:
@@ -125,21 +135,28 @@ def _fields(cfg) -> tuple:
 class _Entry:
     """One module's names (`_names`) and, for its scalars, the values last read (held, so that their ids stay
     theirs) and their key: a call whose values are the same objects reuses the key."""
-    __slots__ = ("d", "n", "scalars", "containers", "configs", "empty", "get", "raw", "key", "items", "ckey")
+    __slots__ = ("d", "n", "scalars", "containers", "configs", "watched", "seen", "get", "raw", "key", "items", "ckey")
 
     def __init__(self, m: nn.Module):
         self.d, self.n = m.__dict__, len(m.__dict__)
-        self.scalars, self.containers, self.configs, self.empty = _names(m)
+        self.scalars, self.containers, self.configs, self.watched = _names(m)
+        # the watched containers (held: compared by `is`) and their lengths when the names were found
+        self.seen = tuple((self.d[k], len(self.d[k])) for k in self.watched)
         self.get = operator.itemgetter(*self.scalars) if self.scalars else None
         self.raw: tuple = ()
         self.key: tuple = ()
         self.items: tuple = ()       # the containers' items at the last call, and their key
         self.ckey: tuple = ()
 
-    def filled(self) -> bool:
-        """Whether an attribute that was an empty list or dict holds items now (or is gone): names to find again."""
+    def changed(self) -> bool:
+        """Whether a watched attribute (a list or dict not keyed) holds another object now or its length changed: the
+        names to find again (it may hold scalars now). A metric's list of tensors, appended to at every step, costs
+        this module's names found again at every call, and no new key."""
         d = self.d
-        return any(d.get(k, True) for k in self.empty)
+        for k, (v, n) in zip(self.watched, self.seen):
+            if d.get(k) is not v or len(v) != n:
+                return True
+        return False
 
     def read(self) -> tuple:
         raw = self.get(self.d) if self.get is not None else ()
@@ -175,7 +192,7 @@ class ModuleScalars:
             self._entries = [_Entry(m) for m in modules]
         out, configs = [], {}
         for i, (entry, m) in enumerate(zip(self._entries, modules)):
-            if len(entry.d) != entry.n or (entry.empty and entry.filled()):
+            if len(entry.d) != entry.n or (entry.watched and entry.changed()):
                 entry = self._entries[i] = _Entry(m)
             try:
                 out.append(entry.read())
@@ -315,6 +332,6 @@ def changes(before: dict[str, tuple], after: dict[str, tuple]) -> list[str]:
 
 
 def _shown(key) -> str:
-    if type(key) is tuple and len(key) == 2 and key[0] == "bool":
-        return repr(key[1])
+    if type(key) is tuple and len(key) == 2 and key[0] in ("bool", "float"):
+        return key[1] if type(key[1]) is str else repr(key[1])
     return repr(key)

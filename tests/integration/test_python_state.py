@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import pstar_fx as px
-from pstar_fx.frontend.python_state import closure_key, module_scalars
+from pstar_fx.frontend.python_state import _value_key, closure_key, module_scalars
 
 from harness import HYPER, rel_err
 from models import assert_state_close
@@ -127,9 +127,15 @@ def test_keys_see_scalars_and_small_containers_and_nan_equals_itself():
     def fn(model, x):
         return model(x).sum() * nan_weight * len(big)
     assert closure_key(fn) == closure_key(fn)                # a NaN does not make every call a new signature
-    assert ("p", 0.3) in module_scalars(_model().drop) and ("temperature", 1.0) in module_scalars(_model())
+    assert ("p", ("float", 0.3)) in module_scalars(_model().drop)
+    assert ("temperature", ("float", 1.0)) in module_scalars(_model())
     keys = dict(module_scalars(_model()))
-    assert keys["_bias"] == 0.0 and keys["gains"] == ("dict", (("fc1", 1.0),)) and keys["config.shift"] == 0.0
+    assert keys["_bias"] == ("float", 0.0) and keys["gains"] == ("dict", (("fc1", ("float", 1.0)),))
+    assert keys["config.shift"] == ("float", 0.0)
+    # what computes apart keys apart: 2.0 and 2 (a dtype), -0.0 and 0.0 (atan2(k, -1)), NaN and "nan"
+    for a, b in ((2.0, 2), (-0.0, 0.0), (float("nan"), "nan"), (True, 1)):
+        assert _value_key(a) != _value_key(b), (a, b)
+    assert _value_key(float("nan")) == _value_key(float("nan")) and _value_key(-0.0) == _value_key(-0.0)
     assert not {"training", "_parameters", "_buffers", "_forward_hooks"} & set(keys)      # torch's own fields
     key = closure_key(fn)
     big.append(1)                                            # past CONTAINER_ITEMS: not keyed by value
@@ -313,7 +319,7 @@ def test_a_bool_is_not_an_equal_int_and_a_decorated_step_is_followed():
     @decorated
     def scaled(model, x, y):
         return _ce(model, x, y) * SCALE
-    assert ("SCALE", 1.0) in closure_key(scaled)
+    assert ("SCALE", ("float", 1.0)) in closure_key(scaled)
 
 
 def test_a_transformers_config_field_changed_between_steps_retraces_and_trains_as_eager():
@@ -386,7 +392,7 @@ def test_reading_the_keys_reuses_what_has_not_changed_and_sees_what_has():
     assert third != second
     del model.temperature
     model.other = 1.0                       # the same number of attributes, another name
-    assert scalars.read() != third and ("other", 1.0) in module_scalars(model)
+    assert scalars.read() != third and ("other", ("float", 1.0)) in module_scalars(model)
 
 
 class _Skips(nn.Module):
@@ -425,3 +431,42 @@ def test_an_empty_list_or_dict_attribute_filled_in_place_later_retraces_and_trai
         assert rel_err([loss.item()], [ref_loss.item()]) <= 1e-6, (i, loss.item(), ref_loss.item())
     assert_state_close(step.state_dict(), ref.state_dict(), rtol=1e-6)
     assert step._compiler.compiles == 3
+
+
+class _Scaled(nn.Module):
+    """A forward reading the last scalar of a list attribute that first holds a tensor, then is emptied and refilled
+    with floats; and an attribute, an empty list at the first compile, later set to a tensor nothing reads."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(12, 5)
+        self.scales = []
+        self.extra = []
+
+    def forward(self, x):
+        s = self.scales[-1] if self.scales and not isinstance(self.scales[-1], torch.Tensor) else 1.0
+        return self.lin(x) * s
+
+
+def test_a_list_attribute_emptied_and_refilled_with_scalars_retraces_and_one_set_to_a_tensor_is_no_error():
+    model, ref = _Scaled(), _Scaled()
+    step = px.compile(model, optimizer=px.AdamW(**HYPER), device="cpu")(_ce)
+    opt = torch.optim.AdamW(ref.parameters(), **HYPER, fused=True)
+    for i in range(6):
+        for m in (model, ref):
+            if i == 1:
+                m.scales.append(torch.ones(()))     # not keyed: a tensor
+            if i == 2:
+                m.scales = []
+            if i >= 3:
+                m.scales.append(1.0 + i)
+            if i == 4:
+                m.extra = torch.ones(3)
+        loss = step(*_batch(i))
+        ref_loss = _ce(ref, *_batch(i))
+        ref_loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        assert rel_err([loss.item()], [ref_loss.item()]) <= 1e-6, (i, loss.item(), ref_loss.item())
+    assert step._compiler.compiles == 4          # the first, then one per new scale
