@@ -3,18 +3,26 @@ between calls changes (module, parameter-gradient and torch's global module hook
 
 A trace runs every hook the model has and fixes what it computed in the graph, so the key must tell hooks apart as
 what they compute, never by an address another object could take (a hook removed and another registered could get
-the freed function's id, and the old graph would serve the new hook). A hook is known by its function:
+the freed function's id, and the old graph would serve the new hook). A hook is known by its function where what
+the function reads can be keyed:
 
-- a Python function by its code, its globals, its defaults and its closure's values (plain scalars and small
-  containers of them by value, other objects by identity), so that a hook made afresh at each registration by the
-  same factory with the same values (`register_forward_hook(make_hook(name))` before a step, removed after it) keys
-  as the one before, and a value it closes over changed keys apart;
-- a bound method by its function's key and its object, a functools.partial by its function's key and bound values;
-- any other callable by its identity.
+- a Python function by its code, and by what it reads: its defaults, its closure's values and the globals its code
+  loads (`fn_key`);
+- a bound method by its function's key and its object, a functools.partial by its function's key and bound values.
+
+A value read is keyed by value where it is plain (a scalar or a small container of them, `python_state._value_key`);
+a Python module, class, function or nn.Module by identity (a module of the model has its plain attributes keyed
+where the model's are); another object with a `__dict__` (a bound method's `self`, a namespace) by identity and its
+attributes' values by these rules, one level deep. Anything else (a large container, an object of another kind) is
+not keyed by value, and the hook is then known by its handle's number, which torch never gives twice: registering
+it again retraces. So hooks a loop registers before each step and removes after it, made afresh by the same
+factory from the same plain values, trace once, and one whose values changed retraces; what a hook's callees read
+is not seen (as for the step function's callees, docs/tracing.md).
 
 Every object a key names by identity is held by the key (`_Same`), so no other object takes its id while the key
-lives. With each hook, the flags torch keeps beside it: with kwargs, always called. On several ranks (`portable`) a
-key counts hooks only: the ranks run the same code, and their hooks' objects differ.
+lives. With each hook, the flags torch keeps beside it: with kwargs, always called (and for backward hooks whether
+they are full ones). On several ranks (`portable`) a key counts hooks only: the ranks run the same code, and their
+hooks' objects differ.
 """
 from __future__ import annotations
 
@@ -24,7 +32,7 @@ import types
 import torch
 import torch.nn as nn
 
-from .python_state import _NOT_SCALAR, _value_key
+from .python_state import _NOT_SCALAR, _global_names, _value_key
 
 _HOOK_KINDS = {"_forward_hooks": "forward hooks", "_forward_pre_hooks": "forward pre-hooks",
                "_backward_hooks": "backward hooks", "_backward_pre_hooks": "backward pre-hooks"}
@@ -54,46 +62,95 @@ class _Same:
         return id(self.obj)
 
 
-def _value(v):
-    """A value a hook closes over or binds: by value where plain, else by identity."""
+_BY_IDENTITY = (types.ModuleType, type, types.FunctionType, types.BuiltinFunctionType, nn.Module)
+_UNKNOWN = object()     # a value not keyed: the hook is then known by its handle
+OBJECT_ATTRS = 64       # an object's attributes keyed by value up to this many
+
+
+def _read(v, depth: int = 0):
+    """A value a hook reads, as a key: by value where plain, by identity where it is a module, class, function or
+    nn.Module, by identity and attributes where it is another object with a `__dict__` (one level); _UNKNOWN else."""
     k = _value_key(v)
-    return _Same(v) if k is _NOT_SCALAR else ("value", k)
+    if k is not _NOT_SCALAR:
+        return k
+    if isinstance(v, _BY_IDENTITY):
+        return _Same(v)
+    d = getattr(v, "__dict__", None)
+    if depth == 0 and type(d) is dict and len(d) <= OBJECT_ATTRS and not isinstance(v, torch.Tensor):
+        items = []
+        for name, x in d.items():
+            kx = _read(x, 1)
+            if kx is _UNKNOWN:
+                return _UNKNOWN
+            items.append((name, kx))
+        return (_Same(v), tuple(items))
+    return _UNKNOWN
 
 
-def _cell(c):
-    try:
-        return _value(c.cell_contents)
-    except ValueError:                  # an empty cell
-        return "empty"
+def _reads(values) -> tuple | None:
+    keys = tuple(map(_read, values))
+    return None if _UNKNOWN in keys else keys
+
+
+def _cells(fn) -> list:
+    out = []
+    for c in fn.__closure__ or ():
+        try:
+            out.append(c.cell_contents)
+        except ValueError:          # an empty cell
+            out.append(None)
+    return out
 
 
 def fn_key(fn, depth: int = 0):
-    """A hook's function as a key (the module docstring)."""
+    """A hook's function as a key (the module docstring); None where something it reads is not keyed."""
     t = type(fn)
     if t is types.FunctionType:
-        return ("fn", _Same(fn.__code__), _Same(fn.__globals__),
-                tuple(map(_value, fn.__defaults__ or ())),
-                tuple((k, _value(v)) for k, v in (fn.__kwdefaults__ or {}).items()),
-                tuple(map(_cell, fn.__closure__ or ())))
-    if t is types.MethodType and depth < 4:
-        return ("method", fn_key(fn.__func__, depth + 1), _Same(fn.__self__))
-    if t is functools.partial and depth < 4:
-        return ("partial", fn_key(fn.func, depth + 1), tuple(map(_value, fn.args)),
-                tuple((k, _value(v)) for k, v in fn.keywords.items()))
-    return _Same(fn)
+        g = fn.__globals__
+        kw = fn.__kwdefaults__
+        values = [g[name] for name in _global_names(fn.__code__) if name in g]
+        if fn.__closure__:
+            values += _cells(fn)
+        if fn.__defaults__:
+            values += fn.__defaults__
+        if kw:
+            values += kw.values()
+        reads = _reads(values)
+        if reads is None:
+            return None
+        return ("fn", _Same(fn.__code__), _Same(g), tuple(kw or ()), reads)
+    if depth >= 4:
+        return None
+    if t is types.MethodType:
+        inner, self_key = fn_key(fn.__func__, depth + 1), _read(fn.__self__)
+        return None if inner is None or self_key is _UNKNOWN else ("method", inner, self_key)
+    if t is functools.partial:
+        inner, bound = fn_key(fn.func, depth + 1), _reads([*fn.args, *fn.keywords.values()])
+        return None if inner is None or bound is None else ("partial", inner, tuple(fn.keywords), bound)
+    return None
+
+
+def _hook(h: int, fn):
+    """One hook as a key: its function's (fn_key), else its handle's number."""
+    k = fn_key(fn)
+    return ("handle", h) if k is None else k
 
 
 def _which(hooks: dict, portable: bool, flags: tuple = ()):
     """Which hooks, in order, each with its flags (`flags`: torch's dicts of hook ids); with `portable` how many."""
-    if portable:
-        return len(hooks)
+    if portable or not hooks:
+        return len(hooks) if portable else ()
     if not flags:
-        return tuple(map(fn_key, hooks.values()))
-    return tuple((fn_key(fn), *(h in f for f in flags)) for h, fn in hooks.items())
+        return tuple(_hook(h, fn) for h, fn in hooks.items())
+    return tuple((_hook(h, fn), *[h in f for f in flags]) for h, fn in hooks.items())
 
 
 def _module_hooks(m: nn.Module, name: str, portable: bool):
-    return _which(getattr(m, name), portable, tuple(getattr(m, f, {}) for f in _FLAGS.get(name, ())))
+    d = m.__dict__
+    hooks = d[name]
+    if not hooks or portable:
+        return len(hooks) if portable else ()
+    return _which(hooks, False, tuple(d.get(f, {}) for f in _FLAGS.get(name, ())))
 
 
 def hook_key(p: torch.Tensor, portable: bool = False):
@@ -143,7 +200,10 @@ def hook_count(model: nn.Module) -> int:
 
 def global_hooks_key(portable: bool = False) -> tuple:
     """Which hooks torch.nn.modules.module.register_module_forward_hook (and the like) registered for every module."""
-    return tuple(_which(d, portable, flags) for d, flags in _GLOBAL_HOOKS.values())
+    out = tuple(_which(d, portable, flags) for d, flags in _GLOBAL_HOOKS.values())
+    if getattr(_module, "_global_backward_hooks", None):    # (whether they are full ones: one flag for them all)
+        out += (getattr(_module, "_global_is_full_backward_hook", None),)
+    return out
 
 
 def hooks_snapshot(model: nn.Module) -> dict[str, tuple]:

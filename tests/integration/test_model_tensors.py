@@ -9,6 +9,7 @@ import copy
 import functools
 import gc
 import types
+import warnings
 
 import pytest
 import torch
@@ -381,3 +382,66 @@ def test_a_method_cache_neither_feeds_the_trace_nor_keeps_what_it_traced(order):
         opt.zero_grad()
         assert torch.equal(got, want.detach())
     assert torch.equal(loss(step.sync_model(), x), loss(ref, x))   # eager code runs after, on real values
+
+
+HOOK_SCALE = 1.0
+
+
+def _global_scaled(module, args, out):
+    return out * HOOK_SCALE
+
+
+class _Gain:
+    def __init__(self):
+        self.k, self.table = 1.0, {"k": [1.0]}
+
+    def hook(self, module, args, out):
+        return out * self.k
+
+    def nested(self, module, args, out):
+        return out * self.table["k"][0]
+
+
+@pytest.mark.parametrize("reads", ["global", "bound_method_attribute", "nested_container", "global_full_flag"])
+def test_a_hook_registered_again_after_what_it_reads_changed_retraces(reads):
+    """A hook registered before each step and removed after it, reading a value changed between steps: a global
+    (by value), its object's attribute (by value), an item of a nested container (not keyed by value: the hook is
+    then known by its handle, so every registration retraces), or registered as an old-style and then as a full
+    global backward hook; each step equal to eager's."""
+    global HOOK_SCALE
+    torch.manual_seed(0)
+    model = Counting()
+    eager = copy.deepcopy(model)
+    step = px.compile(model, optimizer=px.SGD(lr=0.1), device="cpu")(_loss)
+    gain = _Gain()
+    module_hooks = torch.nn.modules.module
+
+    def full_bw(module, grad_in, grad_out):
+        return tuple(None if g is None else g * 3.0 for g in grad_in) if isinstance(module, nn.Linear) else None
+
+    def register(m, i):
+        if reads == "global":
+            return [m.lin.register_forward_hook(_global_scaled)]
+        if reads == "bound_method_attribute":
+            return [m.lin.register_forward_hook(gain.hook)]
+        if reads == "nested_container":
+            return [m.lin.register_forward_hook(gain.nested)]
+        full = i % 2 == 1
+        return [(module_hooks.register_module_full_backward_hook if full else
+                 module_hooks.register_module_backward_hook)(full_bw)]
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")          # (torch's warning for an old-style backward hook)
+            for i, (x, y) in enumerate(_batches(4)):
+                HOOK_SCALE = gain.k = gain.table["k"][0] = 1.0 + i
+                results = []
+                for m in (model, eager):
+                    handles = register(m, i)
+                    results.append(step(x, y).item() if m is model else _eager_sgd(eager, x, y).item())
+                    for h in handles:
+                        h.remove()
+                    module_hooks._global_is_full_backward_hook = None
+                assert results[0] == pytest.approx(results[1], rel=1e-6), (i, results)
+    finally:
+        HOOK_SCALE = 1.0
+    assert step._compiler.compiles == (2 if reads == "global_full_flag" else 4)
