@@ -213,14 +213,20 @@ def hooks_snapshot(model: nn.Module) -> dict[str, tuple]:
     for name, m in model.named_modules():
         for attr, kind in _HOOK_KINDS.items():
             if getattr(m, attr):
-                out[f"{name or 'the model'}'s {kind}"] = _module_hooks(m, attr, False)
+                keys = _module_hooks(m, attr, False)
+                if attr == "_backward_hooks":       # (each with whether it is a full one: a change is another hook)
+                    keys = tuple((k, getattr(m, "_is_full_backward_hook", None)) for k in keys)
+                out[f"{name or 'the model'}'s {kind}"] = keys
     with torch._C.DisableTorchFunctionSubclass():
         for name, p in model.named_parameters():
             if p._backward_hooks:
                 out[f"parameter {name}'s gradient hooks"] = hook_key(p)
     for kind, (every, flags) in _GLOBAL_HOOKS.items():
         if every:
-            out[f"every module's {kind}"] = _which(every, False, flags)
+            keys = _which(every, False, flags)
+            if every is getattr(_module, "_global_backward_hooks", None):
+                keys = tuple((k, getattr(_module, "_global_is_full_backward_hook", None)) for k in keys)
+            out[f"every module's {kind}"] = keys
     return out
 
 
