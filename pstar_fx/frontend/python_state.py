@@ -7,9 +7,9 @@ does. Two keys cover what a trace can be seen to read:
 
 - `ModuleScalars(model).read()`: every module's attributes (torch's own `nn.Module` fields aside; private ones only
   in modules with parameters, so not a metric's bookkeeping) holding a bool, int, float, str or None, or a
-  non-empty dict, list or tuple of at most `CONTAINER_ITEMS` of them: `Dropout.p`, `LayerNorm.eps`, a user's
-  `temperature`, peft's `scaling` and `_disable_adapters`; and the fields of the configuration objects a module
-  holds (a dataclass, or an object with `to_dict`: transformers' `model.config`, whose `use_cache` or
+  non-empty dict, list or tuple of them (by value, of any length: `_attribute_key`): `Dropout.p`, `LayerNorm.eps`,
+  a user's `temperature`, peft's `scaling` and `_disable_adapters`; and the fields of the configuration objects a
+  module holds (a dataclass, or an object with `to_dict`: transformers' `model.config`, whose `use_cache` or
   `_attn_implementation_internal` the forward reads), each object once. Part of `Compiler.model_key`. Which
   attributes are plain is found once per module and again only when its attributes change in number, and a
   scalar that is the same object as at the last call keeps its key, so a call costs little per module.
@@ -19,10 +19,10 @@ does. Two keys cover what a trace can be seen to read:
   step calls (or through `self` of a method) are not seen (docs/tracing.md says so).
 
 A bool keys apart from an equal int (`True` from `1`), a float too (`2.0` from `2`; -0.0 from 0.0); NaN keys equal
-themselves (a NaN weight would otherwise retrace at every call). `python_draws()` tells whether the global random generators of Python or NumPy moved while tracing:
-a compiled step would replay the trace's draw at every call (LayerDrop by `random.random()`), which the trace warns
-of (not refused: transformers' MusicGen draws in every forward, also with its layer drop off, and another thread's
-draws move the same generator).
+themselves (a NaN weight would otherwise retrace at every call). `python_draws()` tells whether the global random
+generators of Python or NumPy moved while tracing: a compiled step would replay the trace's draw at every call
+(LayerDrop by `random.random()`), which the trace warns of (not refused: transformers' MusicGen draws in every
+forward, also with its layer drop off, and another thread's draws move the same generator).
 """
 from __future__ import annotations
 
@@ -103,6 +103,18 @@ def _is_config(v) -> bool:
     return dataclasses.is_dataclass(v) or callable(getattr(type(v), "to_dict", None))
 
 
+def _attribute_key(v):
+    """A module attribute's container as a key: `_value_key` up to CONTAINER_ITEMS items; a larger one of plain
+    scalars by its items as they are (a copy: read at each call where it changed; True and 1 not told apart there);
+    _NOT_SCALAR else."""
+    if len(v) <= CONTAINER_ITEMS:
+        return _value_key(v)
+    items = tuple(v.items()) if type(v) is dict else tuple(v)
+    plain = all(type(k) in _PLAIN and type(x) in _PLAIN for k, x in items) if type(v) is dict else \
+        all(type(x) in _PLAIN for x in items)
+    return (type(v).__name__, len(v), items) if plain else _NOT_SCALAR
+
+
 def _names(m: nn.Module) -> tuple[tuple[str, ...], ...]:
     """The module's attributes holding a plain scalar, a non-empty small container of them, and a configuration
     object, by name, and the lists and dicts it watches: torch's own nn.Module fields aside, and private ones (a
@@ -118,7 +130,7 @@ def _names(m: nn.Module) -> tuple[tuple[str, ...], ...]:
             continue
         if v is None or _scalar(v) is not None:
             scalars.append(name)
-        elif type(v) in (list, tuple, dict) and v and _value_key(v) is not _NOT_SCALAR:
+        elif type(v) in (list, tuple, dict) and v and _attribute_key(v) is not _NOT_SCALAR:
             containers.append(name)
         elif type(v) in (list, dict):
             watched.append(name)
@@ -129,7 +141,8 @@ def _names(m: nn.Module) -> tuple[tuple[str, ...], ...]:
 
 def _fields(cfg) -> tuple:
     """A configuration object's plain fields, (name, value key) in definition order."""
-    return tuple((k, key) for k, v in vars(cfg).items() if (key := _value_key(v)) is not _NOT_SCALAR)
+    return tuple((k, key) for k, v in vars(cfg).items()
+                 if (key := _attribute_key(v) if type(v) in (list, tuple, dict) else _value_key(v)) is not _NOT_SCALAR)
 
 
 class _Entry:
@@ -169,7 +182,9 @@ class _Entry:
         values = [self.d[k] for k in self.containers]
         items = tuple(tuple(v.items()) if type(v) is dict else tuple(v) for v in values)   # (copies: in-place changes)
         if items != self.items:      # (NaN never equals itself: then keyed again; True == 1: not told apart here)
-            self.items, self.ckey = items, tuple(map(_value_key, values))
+            self.items, self.ckey = items, tuple(map(_attribute_key, values))
+            if _NOT_SCALAR in self.ckey:     # (one holds other objects now: to be watched, the names found again)
+                self.n = -1
         return self.key + self.ckey
 
 
@@ -212,7 +227,8 @@ def module_scalars(m: nn.Module) -> tuple:
     key): what its forward may read."""
     scalars, containers, configs, _ = _names(m)
     d = m.__dict__
-    return (tuple((name, _value_key(d[name])) for name in scalars + containers)
+    return (tuple((name, _value_key(d[name])) for name in scalars)
+            + tuple((name, _attribute_key(d[name])) for name in containers)
             + tuple((f"{name}.{k}", key) for name in configs for k, key in _fields(d[name])))
 
 

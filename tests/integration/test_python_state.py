@@ -470,3 +470,34 @@ def test_a_list_attribute_emptied_and_refilled_with_scalars_retraces_and_one_set
         opt.zero_grad(set_to_none=True)
         assert rel_err([loss.item()], [ref_loss.item()]) <= 1e-6, (i, loss.item(), ref_loss.item())
     assert step._compiler.compiles == 4          # the first, then one per new scale
+
+
+class _LayerScales(nn.Module):
+    """A forward reading a list attribute of more items than a closure's containers are keyed by value up to."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(12, 5)
+        self.scales = [1.0] * 100
+
+    def forward(self, x):
+        return self.lin(x) * self.scales[-1]
+
+
+def test_a_long_list_attribute_changed_in_place_retraces_and_trains_as_eager():
+    model, ref = _LayerScales(), _LayerScales()
+    step = px.compile(model, optimizer=px.AdamW(**HYPER), device="cpu")(_ce)
+    opt = torch.optim.AdamW(ref.parameters(), **HYPER, fused=True)
+    for i in range(4):
+        for m in (model, ref):
+            m.scales[-1] = [1.0, 1.0, 0.5, 2.0][i]
+            if i == 3:
+                m.scales.append(3.0)
+        loss = step(*_batch(i))
+        ref_loss = _ce(ref, *_batch(i))
+        ref_loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        assert rel_err([loss.item()], [ref_loss.item()]) <= 1e-6, (i, loss.item(), ref_loss.item())
+    assert step._compiler.compiles == 3
