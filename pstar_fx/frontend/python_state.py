@@ -34,6 +34,7 @@ import math
 import operator
 import random
 import sys
+import weakref
 from typing import Callable, Iterator
 
 import torch
@@ -132,8 +133,9 @@ def _names(m: nn.Module) -> tuple[tuple[str, ...], ...]:
             scalars.append(name)
         elif type(v) in (list, tuple, dict) and v and _attribute_key(v) is not _NOT_SCALAR:
             containers.append(name)
-        elif type(v) in (list, dict):
-            watched.append(name)
+        elif type(v) in (list, dict) and not any(isinstance(x, weakref.ref) for x in (v.values() if
+                                                                                    type(v) is dict else v)):
+            watched.append(name)            # (not a list of weak references: an RNN's, which holding would keep)
         elif _is_config(v):
             configs.append(name)
     return tuple(scalars), tuple(containers), tuple(configs), tuple(watched)
