@@ -1,20 +1,26 @@
 """Which hooks a trace depends on: the part of a compiled step's key that a hook registered, removed or replaced
 between calls changes (module, parameter-gradient and torch's global module hooks), and what changed, for a warning.
 
-A trace runs every hook the model has and fixes what it computed in the graph, including every value the hook read
-(a global, its object's attribute, an item of a container it closes over). A hook is known by its handle's number
+A trace runs every hook the model has and fixes what it computed in the graph, including every value the hook read. A hook is known by its handle's number
 (the hooks dict's key), which torch never gives twice: never by its function's id(), which a hook removed and
 another registered could get (the old graph would serve the new hook), nor by its function's code and values, which
 cannot see everything a function reads (a class attribute, a callee's global, a container subclass changed in
 place). So registering a hook again, even the same function, retraces: a loop that registers its hooks before each
 step traces at each step, and the compiler warns after a few (`VALUE_RETRACES_WARN`), naming where the hooks
-changed. With torch's global backward hooks, whether they are full ones is keyed too. On several ranks (`portable`)
+changed. Beside its handle, a hook is keyed by the plain values its function can be seen to read, as the step
+function is (`python_state.closure_key`: its closure's and the globals' its code loads), so a hook registered once
+that reads a loss weight from a global or its closure retraces when the weight changes; what it reads otherwise is
+fixed at the trace. With torch's global backward hooks, whether they are full ones is keyed too. On several ranks (`portable`)
 a key counts hooks only: the ranks run the same code, and their handles' numbers may differ.
 """
 from __future__ import annotations
 
+import types
+
 import torch
 import torch.nn as nn
+
+from .python_state import _global_names, closure_key
 
 _HOOK_KINDS = {"_forward_hooks": "forward hooks", "_forward_pre_hooks": "forward pre-hooks",
                "_backward_hooks": "backward hooks", "_backward_pre_hooks": "backward pre-hooks"}
@@ -41,8 +47,24 @@ class _Same:
 
 
 def _which(hooks: dict, portable: bool):
-    """Which hooks, by handle number in order, or with `portable` how many (the module docstring)."""
-    return len(hooks) if portable else tuple(hooks)
+    """Which hooks, by handle number in order, each with the plain values its function can be seen to read
+    (`closure_key`: its closure and the globals its code loads), or with `portable` how many (the module
+    docstring)."""
+    if portable or not hooks:
+        return len(hooks) if portable else ()
+    return tuple((h, _reads(fn)) for h, fn in hooks.items())
+
+
+def _reads(fn) -> tuple:
+    """closure_key(fn), at once () for a plain function that reads no closure and loads no global (`lambda g: g *
+    0.5`): a key read for every hook at every call."""
+    if type(fn) is types.FunctionType and not fn.__closure__ and "__wrapped__" not in fn.__dict__ \
+            and not _global_names(fn.__code__):
+        return ()
+    try:
+        return closure_key(fn)
+    except Exception:       # (a callable object whose __getattr__ raises other than AttributeError: its handle only)
+        return ()
 
 
 def _module_hooks(m: nn.Module, name: str, portable: bool):

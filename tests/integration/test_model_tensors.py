@@ -444,3 +444,27 @@ def test_a_hook_registered_again_after_what_it_reads_changed_retraces(reads):
     finally:
         HOOK_SCALE = 1.0
     assert step._compiler.compiles == 4
+
+
+@pytest.mark.parametrize("reads", ["global", "closure"])
+def test_a_hook_registered_once_retraces_when_a_plain_value_it_reads_changes(reads):
+    """A forward hook registered once that reads a global or an item of a dict it closes over, changed between
+    steps: keyed by value beside its handle, as the step function's reads are, so the step traces again and equals
+    eager's."""
+    global HOOK_SCALE
+    torch.manual_seed(0)
+    model = Counting()
+    eager = copy.deepcopy(model)
+    state = {"k": 1.0}
+    step = px.compile(model, optimizer=px.SGD(lr=0.1), device="cpu")(_loss)
+    for m in (model, eager):
+        m.lin.register_forward_hook(_global_scaled if reads == "global" else
+                                    (lambda module, args, out: out * state["k"]))
+    try:
+        for i, (x, y) in enumerate(_batches(4)):
+            HOOK_SCALE = state["k"] = [1.0, 1.0, 0.5, 2.0][i]
+            want = _eager_sgd(eager, x, y)
+            assert step(x, y).item() == pytest.approx(want.item(), rel=1e-6), i
+    finally:
+        HOOK_SCALE = 1.0
+    assert step._compiler.compiles == 3
