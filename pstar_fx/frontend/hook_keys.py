@@ -1,17 +1,18 @@
 """Which hooks a trace depends on: the part of a compiled step's key that a hook registered, removed or replaced
 between calls changes (module, parameter-gradient and torch's global module hooks), and what changed, for a warning.
 
-A trace runs every hook the model has and fixes what it computed in the graph, including every value the hook read. A hook is known by its handle's number
-(the hooks dict's key), which torch never gives twice: never by its function's id(), which a hook removed and
-another registered could get (the old graph would serve the new hook), nor by its function's code and values, which
-cannot see everything a function reads (a class attribute, a callee's global, a container subclass changed in
-place). So registering a hook again, even the same function, retraces: a loop that registers its hooks before each
-step traces at each step, and the compiler warns after a few (`VALUE_RETRACES_WARN`), naming where the hooks
-changed. Beside its handle, a hook is keyed by the plain values its function can be seen to read, as the step
-function is (`python_state.closure_key`: its closure's and the globals' its code loads), so a hook registered once
-that reads a loss weight from a global or its closure retraces when the weight changes; what it reads otherwise is
-fixed at the trace. With torch's global backward hooks, whether they are full ones is keyed too. On several ranks (`portable`)
-a key counts hooks only: the ranks run the same code, and their handles' numbers may differ.
+A trace runs every hook the model has and fixes what it computed in the graph, including every value the hook
+read. A hook is known by its handle's number (the hooks dict's key), which torch never gives twice: never by its
+function's id(), which a hook removed and another registered could get (the old graph would serve the new hook),
+nor by its function's code and values alone, which cannot show everything a function reads (a class attribute, a
+callee's global, a container subclass changed in place). So registering a hook again, even the same function,
+retraces: a loop that registers its hooks before each step traces at each step, and the compiler warns after a few
+(`VALUE_RETRACES_WARN`), naming where the hooks changed. Beside its handle, a hook is keyed by the plain values its
+function can be seen to read, as the step function is (`python_state.closure_key`: its closure's and those of the
+globals its code loads), so a hook registered once that reads a loss weight from a global or its closure retraces
+when the weight changes; what it reads otherwise is fixed at the trace. With torch's global backward hooks, whether
+they are full ones is keyed too. On several ranks (`portable`) a key counts hooks only: the ranks run the same code,
+and their handles' numbers may differ.
 """
 from __future__ import annotations
 
