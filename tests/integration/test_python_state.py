@@ -58,9 +58,10 @@ WEIGHT = {"w": 1.0}
 SCALE = 1.0
 
 
-def _run_both(loss_fn, change, steps=5):
-    """`change(i, model)` before step i, on the compiled step's model and on the eager one; same seeds."""
-    model, ref = _model(), _model()
+def _run_both(loss_fn, change, steps=5, make=None):
+    """`change(i, model)` before step i, on the compiled step's model and on the eager one (each `make()`, by default
+    `_model()`); same seeds."""
+    model, ref = (make or _model)(), (make or _model)()
     step = px.compile(model, optimizer=px.AdamW(**HYPER), device="cpu")(loss_fn)
     opt = torch.optim.AdamW(ref.parameters(), **HYPER, fused=True)
     losses, ref_losses = [], []
@@ -414,21 +415,13 @@ class _Skips(nn.Module):
 
 
 def test_an_empty_list_or_dict_attribute_filled_in_place_later_retraces_and_trains_as_eager():
-    model, ref = _Skips(), _Skips()
-    step = px.compile(model, optimizer=px.AdamW(**HYPER), device="cpu")(_ce)
-    opt = torch.optim.AdamW(ref.parameters(), **HYPER, fused=True)
-    for i in range(5):
-        for m in (model, ref):
-            if i == 2:
-                m.twice.append(1)
-            if i == 3:
-                m.gains[0] = 0.5
-        loss = step(*_batch(i))
-        ref_loss = _ce(ref, *_batch(i))
-        ref_loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        assert rel_err([loss.item()], [ref_loss.item()]) <= 1e-6, (i, loss.item(), ref_loss.item())
+    def change(i, m):
+        if i == 2:
+            m.twice.append(1)
+        if i == 3:
+            m.gains[0] = 0.5
+    step, losses, ref_losses, ref = _run_both(_ce, change, steps=5, make=_Skips)
+    assert rel_err(losses, ref_losses) <= 1e-6, (losses, ref_losses)
     assert_state_close(step.state_dict(), ref.state_dict(), rtol=1e-6)
     assert step._compiler.compiles == 3
 
@@ -450,25 +443,17 @@ class _Scaled(nn.Module):
 
 
 def test_a_list_attribute_emptied_and_refilled_with_scalars_retraces_and_one_set_to_a_tensor_is_no_error():
-    model, ref = _Scaled(), _Scaled()
-    step = px.compile(model, optimizer=px.AdamW(**HYPER), device="cpu")(_ce)
-    opt = torch.optim.AdamW(ref.parameters(), **HYPER, fused=True)
-    for i in range(6):
-        for m in (model, ref):
-            if i == 1:
-                m.scales.append(torch.ones(()))     # not keyed: a tensor
-            if i == 2:
-                m.scales = []
-            if i >= 3:
-                m.scales.append(1.0 + i)
-            if i == 4:
-                m.extra = torch.ones(3)
-        loss = step(*_batch(i))
-        ref_loss = _ce(ref, *_batch(i))
-        ref_loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        assert rel_err([loss.item()], [ref_loss.item()]) <= 1e-6, (i, loss.item(), ref_loss.item())
+    def change(i, m):
+        if i == 1:
+            m.scales.append(torch.ones(()))     # not keyed: a tensor
+        if i == 2:
+            m.scales = []
+        if i >= 3:
+            m.scales.append(1.0 + i)
+        if i == 4:
+            m.extra = torch.ones(3)
+    step, losses, ref_losses, ref = _run_both(_ce, change, steps=6, make=_Scaled)
+    assert rel_err(losses, ref_losses) <= 1e-6, (losses, ref_losses)
     assert step._compiler.compiles == 4          # the first, then one per new scale
 
 
@@ -486,18 +471,10 @@ class _LayerScales(nn.Module):
 
 
 def test_a_long_list_attribute_changed_in_place_retraces_and_trains_as_eager():
-    model, ref = _LayerScales(), _LayerScales()
-    step = px.compile(model, optimizer=px.AdamW(**HYPER), device="cpu")(_ce)
-    opt = torch.optim.AdamW(ref.parameters(), **HYPER, fused=True)
-    for i in range(4):
-        for m in (model, ref):
-            m.scales[-1] = [1.0, 1.0, 0.5, 2.0][i]
-            if i == 3:
-                m.scales.append(3.0)
-        loss = step(*_batch(i))
-        ref_loss = _ce(ref, *_batch(i))
-        ref_loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        assert rel_err([loss.item()], [ref_loss.item()]) <= 1e-6, (i, loss.item(), ref_loss.item())
+    def change(i, m):
+        m.scales[-1] = [1.0, 1.0, 0.5, 2.0][i]
+        if i == 3:
+            m.scales.append(3.0)
+    step, losses, ref_losses, ref = _run_both(_ce, change, steps=4, make=_LayerScales)
+    assert rel_err(losses, ref_losses) <= 1e-6, (losses, ref_losses)
     assert step._compiler.compiles == 3
