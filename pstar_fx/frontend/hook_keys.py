@@ -10,18 +10,16 @@ retraces: a loop that registers its hooks before each step traces at each step, 
 (`VALUE_RETRACES_WARN`), naming where the hooks changed. Beside its handle, a hook is keyed by the plain values its
 function can be seen to read, as the step function is (`python_state.closure_key`: its closure's and those of the
 globals its code loads), so a hook registered once that reads a loss weight from a global or its closure retraces
-when the weight changes; what it reads otherwise is fixed at the trace. With torch's global backward hooks, whether
-they are full ones is keyed too. On several ranks (`portable`) a key counts hooks only: the ranks run the same code,
-and their handles' numbers may differ.
+when the weight changes; what it reads otherwise is fixed at the trace. (Whether a backward hook is a full one is
+fixed at its registration, so its handle tells that too.) On several ranks (`portable`) a key counts hooks only: the
+ranks run the same code, and their handles' numbers may differ.
 """
 from __future__ import annotations
-
-import types
 
 import torch
 import torch.nn as nn
 
-from .python_state import _global_names, closure_key
+from .python_state import closure_key
 
 _HOOK_KINDS = {"_forward_hooks": "forward hooks", "_forward_pre_hooks": "forward pre-hooks",
                "_backward_hooks": "backward hooks", "_backward_pre_hooks": "backward pre-hooks"}
@@ -57,19 +55,12 @@ def _which(hooks: dict, portable: bool):
 
 
 def _reads(fn) -> tuple:
-    """closure_key(fn), at once () for a plain function that reads no closure and loads no global (`lambda g: g *
-    0.5`): a key read for every hook at every call."""
-    if type(fn) is types.FunctionType and not fn.__closure__ and "__wrapped__" not in fn.__dict__ \
-            and not _global_names(fn.__code__):
-        return ()
+    """closure_key(fn); () where it cannot be read (a callable object whose __getattr__ raises other than
+    AttributeError): the hook is then known by its handle only."""
     try:
         return closure_key(fn)
-    except Exception:       # (a callable object whose __getattr__ raises other than AttributeError: its handle only)
+    except Exception:
         return ()
-
-
-def _module_hooks(m: nn.Module, name: str, portable: bool):
-    return _which(m.__dict__[name], portable)
 
 
 def hook_key(p: torch.Tensor, portable: bool = False):
@@ -85,8 +76,7 @@ def module_key(m: nn.Module, portable: bool = False):
     own = m.__dict__.get("forward")
     if not (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks or own):
         return m.training
-    return (m.training, *(_module_hooks(m, name, portable) for name in MODULE_HOOKS),
-            getattr(m, "_is_full_backward_hook", None) if m._backward_hooks else None,
+    return (m.training, *(_which(m.__dict__[name], portable) for name in MODULE_HOOKS),
             None if own is None else True if portable else _Same(own))
 
 
@@ -119,10 +109,7 @@ def hook_count(model: nn.Module) -> int:
 
 def global_hooks_key(portable: bool = False) -> tuple:
     """Which hooks torch.nn.modules.module.register_module_forward_hook (and the like) registered for every module."""
-    out = tuple(_which(d, portable) for d in _GLOBAL_HOOKS.values())
-    if getattr(_module, "_global_backward_hooks", None):    # (whether they are full ones: one flag for them all)
-        out += (getattr(_module, "_global_is_full_backward_hook", None),)
-    return out
+    return tuple(_which(d, portable) for d in _GLOBAL_HOOKS.values())
 
 
 def hooks_snapshot(model: nn.Module) -> dict[str, tuple]:
@@ -132,20 +119,14 @@ def hooks_snapshot(model: nn.Module) -> dict[str, tuple]:
     for name, m in model.named_modules():
         for attr, kind in _HOOK_KINDS.items():
             if getattr(m, attr):
-                keys = _module_hooks(m, attr, False)
-                if attr == "_backward_hooks":       # (each with whether it is a full one: a change is another hook)
-                    keys = tuple((k, getattr(m, "_is_full_backward_hook", None)) for k in keys)
-                out[f"{name or 'the model'}'s {kind}"] = keys
+                out[f"{name or 'the model'}'s {kind}"] = _which(getattr(m, attr), False)
     with torch._C.DisableTorchFunctionSubclass():
         for name, p in model.named_parameters():
             if p._backward_hooks:
                 out[f"parameter {name}'s gradient hooks"] = hook_key(p)
     for kind, every in _GLOBAL_HOOKS.items():
         if every:
-            keys = _which(every, False)
-            if every is getattr(_module, "_global_backward_hooks", None):
-                keys = tuple((k, getattr(_module, "_global_is_full_backward_hook", None)) for k in keys)
-            out[f"every module's {kind}"] = keys
+            out[f"every module's {kind}"] = _which(every, False)
     return out
 
 

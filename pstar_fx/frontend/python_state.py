@@ -34,6 +34,7 @@ import math
 import operator
 import random
 import sys
+import types
 import weakref
 from typing import Callable, Iterator
 
@@ -105,10 +106,10 @@ def _is_config(v) -> bool:
 
 
 def _attribute_key(v):
-    """A module attribute's container as a key: `_value_key` up to CONTAINER_ITEMS items; a larger one of plain
-    scalars by its items as they are (a copy: read at each call where it changed; True and 1 not told apart there);
-    _NOT_SCALAR else."""
-    if len(v) <= CONTAINER_ITEMS:
+    """A module attribute (or configuration field) as a key: `_value_key`, but a list, tuple or dict of more than
+    CONTAINER_ITEMS plain scalars by its items as they are (a copy: read at each call where it changed; True and 1
+    not told apart there); _NOT_SCALAR where it is not plain."""
+    if type(v) not in (list, tuple, dict) or len(v) <= CONTAINER_ITEMS:
         return _value_key(v)
     items = tuple(v.items()) if type(v) is dict else tuple(v)
     plain = all(type(k) in _PLAIN and type(x) in _PLAIN for k, x in items) if type(v) is dict else \
@@ -143,8 +144,7 @@ def _names(m: nn.Module) -> tuple[tuple[str, ...], ...]:
 
 def _fields(cfg) -> tuple:
     """A configuration object's plain fields, (name, value key) in definition order."""
-    return tuple((k, key) for k, v in vars(cfg).items()
-                 if (key := _attribute_key(v) if type(v) in (list, tuple, dict) else _value_key(v)) is not _NOT_SCALAR)
+    return tuple((k, key) for k, v in vars(cfg).items() if (key := _attribute_key(v)) is not _NOT_SCALAR)
 
 
 class _Entry:
@@ -229,8 +229,7 @@ def module_scalars(m: nn.Module) -> tuple:
     key): what its forward may read."""
     scalars, containers, configs, _ = _names(m)
     d = m.__dict__
-    return (tuple((name, _value_key(d[name])) for name in scalars)
-            + tuple((name, _attribute_key(d[name])) for name in containers)
+    return (tuple((name, _attribute_key(d[name])) for name in scalars + containers)
             + tuple((f"{name}.{k}", key) for name in configs for k, key in _fields(d[name])))
 
 
@@ -269,7 +268,11 @@ def read_values(fn: Callable) -> Iterator[tuple[str, str, object]]:
 
 def closure_key(fn: Callable) -> tuple:
     """The plain values `fn` can be seen to read, by name (`read_values`), where they are scalars or small containers
-    of scalars."""
+    of scalars; at once () for a plain function that reads no closure and loads no global (`lambda g: g * 0.5`: a
+    hook's key, read for every hook at every call)."""
+    if type(fn) is types.FunctionType and not fn.__closure__ and "__wrapped__" not in fn.__dict__ \
+            and not _global_names(fn.__code__):
+        return ()
     keys = [(name, _value_key(v)) for _, name, v in read_values(fn)]
     return tuple(k for k in keys if k[1] is not _NOT_SCALAR and not (type(k[1]) is tuple and _NOT_SCALAR in k[1]))
 
