@@ -107,14 +107,15 @@ def _is_config(v) -> bool:
 
 def _attribute_key(v):
     """A module attribute (or configuration field) as a key: `_value_key`, but a list, tuple or dict of more than
-    CONTAINER_ITEMS plain scalars by its items as they are (a copy: read at each call where it changed; True and 1
-    not told apart there); _NOT_SCALAR where it is not plain."""
+    CONTAINER_ITEMS plain scalars by its items as they are and their types (a copy, keyed again at a call where one of
+    them is another object); _NOT_SCALAR where it is not plain."""
     if type(v) not in (list, tuple, dict) or len(v) <= CONTAINER_ITEMS:
         return _value_key(v)
     items = tuple(v.items()) if type(v) is dict else tuple(v)
-    plain = all(type(k) in _PLAIN and type(x) in _PLAIN for k, x in items) if type(v) is dict else \
-        all(type(x) in _PLAIN for x in items)
-    return (type(v).__name__, len(v), items) if plain else _NOT_SCALAR
+    types = tuple(map(type, (*v.keys(), *v.values()) if type(v) is dict else items))
+    if not all(t in _PLAIN for t in types):
+        return _NOT_SCALAR
+    return (type(v).__name__, len(v), items, types)    # (the types: 2 and 2.0, True and 1 apart)
 
 
 def _names(m: nn.Module) -> tuple[tuple[str, ...], ...]:
@@ -145,6 +146,12 @@ def _names(m: nn.Module) -> tuple[tuple[str, ...], ...]:
 def _fields(cfg) -> tuple:
     """A configuration object's plain fields, (name, value key) in definition order."""
     return tuple((k, key) for k, v in vars(cfg).items() if (key := _attribute_key(v)) is not _NOT_SCALAR)
+
+
+def _same_items(a: tuple, b: tuple) -> bool:
+    """Whether two tuples of containers' items hold the same objects: by identity, not `==` (2 == 2.0 and
+    True == 1, which key apart; a NaN is itself)."""
+    return len(a) == len(b) and all(len(x) == len(y) and all(map(operator.is_, x, y)) for x, y in zip(a, b))
 
 
 class _Entry:
@@ -182,8 +189,8 @@ class _Entry:
         if not self.containers:
             return self.key
         values = [self.d[k] for k in self.containers]
-        items = tuple(tuple(v.items()) if type(v) is dict else tuple(v) for v in values)   # (copies: in-place changes)
-        if items != self.items:      # (NaN never equals itself: then keyed again; True == 1: not told apart here)
+        items = tuple((type(v), *v.keys(), *v.values()) if type(v) is dict else (type(v), *v) for v in values)
+        if not _same_items(items, self.items):      # (copies, compared by identity: in-place changes, 2 -> 2.0)
             self.items, self.ckey = items, tuple(map(_attribute_key, values))
             if _NOT_SCALAR in self.ckey:     # (one holds other objects now: to be watched, the names found again)
                 self.n = -1

@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import pstar_fx as px
-from pstar_fx.frontend.python_state import _value_key, closure_key, module_scalars
+from pstar_fx.frontend.python_state import _attribute_key, _value_key, closure_key, module_scalars
 
 from harness import HYPER, rel_err
 from models import assert_state_close
@@ -137,6 +137,9 @@ def test_keys_see_scalars_and_small_containers_and_nan_equals_itself():
     for a, b in ((2.0, 2), (-0.0, 0.0), (float("nan"), "nan"), (True, 1)):
         assert _value_key(a) != _value_key(b), (a, b)
     assert _value_key(float("nan")) == _value_key(float("nan")) and _value_key(-0.0) == _value_key(-0.0)
+    for a, b in (([2.0] * 100, [2] * 100), ([True] * 100, [1] * 100), (dict.fromkeys(range(99), 1),
+                                                                       dict.fromkeys(range(99), True))):
+        assert _attribute_key(a) != _attribute_key(b), type(a)           # long containers too
     assert not {"training", "_parameters", "_buffers", "_forward_hooks"} & set(keys)      # torch's own fields
     key = closure_key(fn)
     big.append(1)                                            # past CONTAINER_ITEMS: not keyed by value
@@ -478,3 +481,35 @@ def test_a_long_list_attribute_changed_in_place_retraces_and_trains_as_eager():
     step, losses, ref_losses, ref = _run_both(_ce, change, steps=4, make=_LayerScales)
     assert rel_err(losses, ref_losses) <= 1e-6, (losses, ref_losses)
     assert step._compiler.compiles == 3
+
+
+class _Picks(nn.Module):
+    """A forward indexing its output by the first item of a short and of a long list attribute: `h[:, 1]` takes a
+    column, `h[:, True]` adds a dimension (so `True` and `1`, equal in Python, compute apart)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(12, 5)
+        self.pick = [1, 0]
+        self.picks = [1] * 100
+
+    def forward(self, x):
+        h = self.lin(x)
+        a = h[:, self.pick[0]].reshape(h.shape[0], -1).sum(-1, keepdim=True)
+        b = h[:, self.picks[0]].reshape(h.shape[0], -1).sum(-1, keepdim=True)
+        return h * torch.sigmoid(a) * (1 + torch.sigmoid(b))        # (a row's scale: the loss sees it)
+
+
+def test_an_item_of_a_list_attribute_changed_in_place_to_an_equal_value_of_another_type_retraces():
+    def change(i, m):
+        if i == 1:
+            m.pick[0] = True            # == 1, but indexes otherwise
+        if i == 2:
+            m.picks[0] = True
+        if i == 3:
+            m.pick[0], m.picks[0] = 1, 1
+    step, losses, ref_losses, ref = _run_both(_ce, change, steps=5, make=_Picks)
+    assert rel_err(losses, ref_losses) <= 1e-6, (losses, ref_losses)
+    assert_state_close(step.state_dict(), ref.state_dict(), rtol=1e-6)
+    assert step._compiler.compiles == 3     # the first, True in the short list, True in both (then the first again)
