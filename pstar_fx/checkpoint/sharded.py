@@ -5,9 +5,12 @@ the pieces of parameters and optimizer states it owns, and a checkpoint saved at
 What is stored (DCP keys; values at their full precision, shapes as in the model):
 - "model.<name>": every parameter (the fp32 master in mixed precision) and persistent buffer, under its
   `model.state_dict()` name (a tied parameter once, under its first name; a 0-d parameter as shape (1,));
-- "optim.<name>.exp_avg", "optim.<name>.exp_avg_sq" (fp32) and "optim.<name>.step" (0-d fp32): torch.optim.Adam's
-  state of each parameter that has one (its chunk has stepped). Only Adam / AdamW so far: a step with another
-  optimizer raises a ValueError that says to save plain files (sharded=False) instead;
+- "optim.<name>.<key>": the optimizer's state of each parameter that has one (its chunk has stepped), under
+  torch's keys for the parameter's group (`state_keys`): each per-element state at the parameter's shape (Adam's
+  "exp_avg" and "exp_avg_sq", SGD's "momentum_buffer"), each 0-d one as a 0-d tensor (Adam's "step", NAdam's
+  "mu_product"), all fp32. A parameter with no entry has no state. (An optimizer with only per-element states, such
+  as SGD with momentum or Lion, keeps a step counter of pstar-fx's own, not saved: a loaded chunk with state counts
+  one step, as `step.optimizer.load_state_dict` sets it.);
 - "pstar_fx": an object: the format, the world size, the precision, the fp16 loss scaler and the optimizer's
   param_groups in torch's format (options, and parameter indices as in `optimizer.state_dict()`);
 - "rng.<r>": rank r's RNG states (torch's CPU generator, and the CUDA one on CUDA).
@@ -173,12 +176,22 @@ def _meta(state: StepState) -> dict:
             "param_groups": _param_groups(state.optimizer), "state_dtype": checks.state_dtype_of(state)}
 
 
-def _adam_only(state: StepState) -> None:
-    """This format stores Adam's states (exp_avg, exp_avg_sq, step) only, so far."""
-    if state.optimizer is not None and not state.optimizer.is_adam:
-        raise ValueError(f"the sharded checkpoint format holds Adam / AdamW states only, so far; this step's optimizer "
-                         f"is {state.optimizer.torch_class.__name__}: save with step.save(path, sharded=False) (plain "
-                         "files holding torch's optimizer state dict, for any optimizer)")
+Keys = dict[str, tuple[tuple[str, ...], tuple[str, ...]]]
+
+
+def _state_keys(opt, groups: list[dict] | None = None) -> Keys:
+    """Each parameter's optimizer state keys in torch's state dict, (per-element, 0-d), by its group's options: the
+    optimizer's own, or `groups` (a checkpoint's param_groups, already checked against the optimizer's)."""
+    if opt is None:
+        return {}
+    index = {id(g): gi for gi, g in enumerate(opt.param_groups)}
+    per_group = [opt.state_keys(gi, None if groups is None else groups[gi]) for gi in range(len(opt.param_groups))]
+    return {name: per_group[index[id(g)]] for _, name, g in opt.entries()}
+
+
+def _layout(state: StepState):
+    """The optimizer's state layout (optim/spec.StateLayout): every key any group keeps, and the step counter."""
+    return state.optimizer.layout.state
 
 
 class Entries(dict):
@@ -221,22 +234,25 @@ class _DiskPieces:
         start, stop, at = self.st.values.piece(name)
         return self._use(p.chunk)[key][at:at + stop - start].view(_shape(p.shape))
 
-    def add(self, out: Entries, params: list[str], trainable: list[str]) -> None:
+    def add(self, out: Entries, params: list[str], trainable: list[str], keys: Keys, counter: str | None) -> None:
         """Each disk chunk's entries, grouped by chunk (the writer then reads each file once more): placeholders
-        for its parameters' masters and moments, its step count read now (the file read in and let go, its
-        compressed moments not dequantised)."""
+        for its parameters' masters and per-element states, its 0-d states read now (the file read in and let go,
+        its compressed moments not dequantised)."""
         for cid in self.chunks:
             names = set(self.st.chunks[cid].params)
-            count = float(self.st.parts(cid)["step"])
+            parts = self.st.parts(cid)
+            scalars = {k: float(v) for k, v in parts.items() if v.dim() == 0}
             self.st.close_state(cid)
             for name in (n for n in params if n in names):
                 out[f"model.{name}"] = _placeholder(self.st.params[name].shape)
                 out.lazy[f"model.{name}"] = functools.partial(self.master, name)
-            if count == 0:
+            if counter is None or scalars[counter] == 0:
                 continue
             for name in (n for n in trainable if n in names):
-                out[f"optim.{name}.step"] = torch.tensor(count, dtype=torch.float32)
-                for key in ("exp_avg", "exp_avg_sq"):
+                vectors, zero_d = keys[name]
+                for key in zero_d:
+                    out[f"optim.{name}.{key}"] = torch.tensor(scalars[key], dtype=torch.float32)
+                for key in vectors:
                     out[f"optim.{name}.{key}"] = _placeholder(self.st.params[name].shape)
                     out.lazy[f"optim.{name}.{key}"] = functools.partial(self.moment, name, key)
 
@@ -250,8 +266,8 @@ def save_entries(state: StepState, model_values) -> Entries:
     only when this step does not hold the model (its values are then whole on every rank anyway). With one rank, a
     disk-homed chunk's entries are placeholders read from its file as they are written (Entries.lazy)."""
     comm, st = state.comm, state.store
-    _adam_only(state)
     params, buffers = _canonical(state)
+    keys = _state_keys(state.optimizer)
     out = Entries({META: _pack(_meta(state)),
                    f"rng.{0 if comm is None else comm.rank}": _pack(rng_state(state.settings.device))})
     out.lazy = {}
@@ -277,29 +293,33 @@ def save_entries(state: StepState, model_values) -> Entries:
         for name in params + buffers:
             out[f"model.{name}"] = values[name].reshape(_shape(values[name].shape)) if name in params else values[name]
     if st is not None:
+        counter = _layout(state).counter
         moments: dict[int, dict] = {}      # chunk -> its fp32 states (compressed moments dequantised, once)
         for name in _trainable(st):
             p = st.params[name]
-            if p.chunk in streamed:
+            if p.chunk in streamed or counter is None:
                 continue
             if p.chunk not in moments:
                 moments[p.chunk] = st.values.moments(p.chunk)
             parts = moments[p.chunk]
-            step_count = parts["step"].detach().to("cpu", copy=True).reshape(())
-            if float(step_count) == 0:
+            if float(parts[counter]) == 0:
                 continue
             start, stop, at = st.values.piece(name)
-            out[f"optim.{name}.step"] = step_count
-            for key in ("exp_avg", "exp_avg_sq"):
+            vectors, scalars = keys[name]
+            for key in scalars:
+                out[f"optim.{name}.{key}"] = parts[key].detach().to("cpu", dtype=torch.float32, copy=True).reshape(())
+            for key in vectors:
                 out[f"optim.{name}.{key}"] = _entry(comm, parts[key][at:at + stop - start], start, stop, p.shape)
         if disk is not None:
-            disk.add(out, params if state.holds_model() else [], _trainable(st))
+            disk.add(out, params if state.holds_model() else [], _trainable(st), keys, counter)
     else:
         sd = state.optimizer.state_dict()         # no store yet: the states loaded before it, whole
         names = [n for _, n, _ in state.optimizer.entries()]
         for i, s in sd["state"].items():
-            out[f"optim.{names[i]}.step"] = torch.as_tensor(s["step"], dtype=torch.float32).reshape(())
-            for key in ("exp_avg", "exp_avg_sq"):
+            vectors, scalars = keys[names[i]]
+            for key in scalars:
+                out[f"optim.{names[i]}.{key}"] = torch.as_tensor(s[key], dtype=torch.float32).reshape(())
+            for key in vectors:
                 out[f"optim.{names[i]}.{key}"] = s[key].detach().float().reshape(_shape(s[key].shape))
     return out
 
@@ -376,9 +396,9 @@ def _tensor(saved, key: str, shape, dtypes, path: str) -> None:
 
 
 def _check(state: StepState, md, path: str) -> tuple[list[str], list[str], list[str]]:
-    """The checkpoint's entries against this model: every key, type, shape and dtype, before anything is read.
-    Returns (params, buffers, params with optimizer state)."""
-    _adam_only(state)
+    """The checkpoint's entries against this model: every key, type, shape and dtype, before anything is read
+    (optimizer states: keys any of the optimizer's groups keeps; `_check_keys` then holds each parameter's to its
+    group's). Returns (params, buffers, params with optimizer state)."""
     params, buffers = _canonical(state)
     saved = md.state_dict_metadata
     if not isinstance(saved.get(META), BytesStorageMetadata):
@@ -400,27 +420,46 @@ def _check(state: StepState, md, path: str) -> tuple[list[str], list[str], list[
             _tensor(saved, f"model.{n}", shapes[n], dtypes, path)
         except CheckpointError as e:
             raise CheckpointError(f"{e} (saved from another model)") from None
-    stepped = [n for n in params if f"optim.{n}.step" in saved]
-    known = {META, *want} | {f"optim.{n}.{k}" for n in stepped for k in ("step", "exp_avg", "exp_avg_sq")}
-    stray = sorted(k for k in saved if k not in known and not (k.startswith("rng.") and k[4:].isdigit()))
+    layout = _layout(state)
+    states = {}         # optimizer entries: key -> (parameter, state key)
+    for n in params:
+        for k in layout.vectors + layout.scalars:
+            if f"optim.{n}.{k}" in saved:
+                states[f"optim.{n}.{k}"] = (n, k)
+    stray = sorted(k for k in saved if k not in want and k not in states and k != META
+                   and not (k.startswith("rng.") and k[4:].isdigit()))
     if stray:
         raise CheckpointError(f"step.load: {path!r} has entries that are not this model's ({stray[:3]}): saved from "
-                              "another model, or an optimizer state without its step count")
+                              f"another model, or with another optimizer than this step's "
+                              f"({state.optimizer.torch_class.__name__})")
+    for key, (n, k) in states.items():
+        _tensor(saved, key, shapes[n] if k in layout.vectors else (), (torch.float32,), path)
+    stepped = {n for n, _ in states.values()}
+    return params, buffers, [n for n in params if n in stepped]
+
+
+def _check_keys(state: StepState, md, path: str, stepped: list[str], keys: Keys) -> None:
+    """Each parameter with state has exactly the keys its group keeps (`keys`: by the checkpoint's options)."""
+    saved = md.state_dict_metadata
+    layout = _layout(state)
     for n in stepped:
-        _tensor(saved, f"optim.{n}.step", (), (torch.float32,), path)
-        for key in ("exp_avg", "exp_avg_sq"):
-            _tensor(saved, f"optim.{n}.{key}", shapes[n], (torch.float32,), path)
-    return params, buffers, stepped
+        have = sorted(k for k in layout.vectors + layout.scalars if f"optim.{n}.{k}" in saved)
+        vectors, scalars = keys[n]
+        if have != sorted(vectors + scalars):
+            raise CheckpointError(f"step.load: {path!r}: the optimizer state of '{n}' has {have}, not "
+                                  f"{state.optimizer.torch_class.__name__}'s {sorted(vectors + scalars)} under the "
+                                  "checkpoint's options (an entry lost, or saved with another optimizer)")
 
 
-def _small(state: StepState, md, stepped: list[str], buffers: list[str], saved_world: int) -> dict:
-    """The small entries (this rank's RNG, step counts, buffers) as fresh values to load into. Rank r takes the RNG
-    states rank r % saved_world saved (the same rank's, at the same world size)."""
+def _small(state: StepState, md, stepped: list[str], keys: Keys, buffers: list[str], saved_world: int) -> dict:
+    """The small entries (this rank's RNG, the 0-d optimizer states, buffers) as fresh values to load into. Rank r
+    takes the RNG states rank r % saved_world saved (the same rank's, at the same world size)."""
     saved = md.state_dict_metadata
     rank = state.rank
     out: dict = {f"rng.{rank % saved_world}": None}
     for n in stepped:
-        out[f"optim.{n}.step"] = torch.zeros((), dtype=torch.float32)
+        for k in keys[n][1]:
+            out[f"optim.{n}.{k}"] = torch.zeros((), dtype=torch.float32)
     for n in buffers:
         t = saved[f"model.{n}"]
         out[f"model.{n}"] = torch.empty(tuple(t.size), dtype=t.properties.dtype)
@@ -444,25 +483,31 @@ def read(state: StepState, path: str, manifest: files.Manifest) -> tuple[dict, d
     if not isinstance(md.state_dict_metadata.get(rng_key), BytesStorageMetadata):
         raise CheckpointError(f"step.load: {path!r} has no entry {rng_key!r} (the RNG states of a rank of the "
                               f"{meta['world']} that saved it)")
-    small = _small(state, md, stepped, buffers, meta["world"])
+    keys = _state_keys(state.optimizer, meta["param_groups"])
+    _check_keys(state, md, path, stepped, keys)
+    small = _small(state, md, stepped, keys, buffers, meta["world"])
     rng = _unpack(_load(state, small, path, md).get(rng_key), path, rng_key)
     meta = dict(meta, rng=checks.rng(rng, state.settings.device, f"{path}/{rng_key}"))
     for n in stepped:
-        count = float(small[f"optim.{n}.step"])
-        if not (math.isfinite(count) and count >= 1 and count == int(count)):
+        for k in keys[n][1]:
+            value = float(small[f"optim.{n}.{k}"])
+            if not math.isfinite(value):
+                raise CheckpointError(f"step.load: {path!r}: '{k}' of '{n}' is {value}, not a finite number")
+        count = float(small.get(f"optim.{n}.step", 1)) if state.optimizer.is_adam else 1
+        if not (count >= 1 and count == int(count)):
             raise CheckpointError(f"step.load: {path!r}: the step count of '{n}' is {count}, not a whole number >= 1")
     if state.store is None:
-        return _read_whole(state, md, path, params, small, stepped, meta)
-    _read_pieces(state, path, params, buffers, stepped, small, meta, md)
+        return _read_whole(state, md, path, params, small, stepped, keys, meta)
+    _read_pieces(state, path, params, buffers, stepped, keys, small, meta, md)
     return None
 
 
-def _read_whole(state: StepState, md, path, params, small, stepped, meta):
+def _read_whole(state: StepState, md, path, params, small, stepped, keys: Keys, meta):
     saved = md.state_dict_metadata
     whole = {f"model.{n}": torch.empty(tuple(saved[f"model.{n}"].size), dtype=saved[f"model.{n}"].properties.dtype)
              for n in params}
     for n in stepped:
-        for key in ("exp_avg", "exp_avg_sq"):
+        for key in keys[n][0]:
             whole[f"optim.{n}.{key}"] = torch.empty(tuple(saved[f"optim.{n}.{key}"].size), dtype=torch.float32)
     _load(state, whole, path, md)
     ref = state.model.state_dict(keep_vars=True)
@@ -474,16 +519,17 @@ def _read_whole(state: StepState, md, path, params, small, stepped, meta):
     opt_state = {}
     for i, (t, n, _) in enumerate(state.optimizer.entries()):
         if n in stepped:
-            opt_state[i] = {"step": small[f"optim.{n}.step"].clone(),
-                            "exp_avg": whole[f"optim.{n}.exp_avg"].view(t.shape),
-                            "exp_avg_sq": whole[f"optim.{n}.exp_avg_sq"].view(t.shape)}
+            vectors, scalars = keys[n]
+            opt_state[i] = {**{k: small[f"optim.{n}.{k}"].clone() for k in scalars},
+                            **{k: whole[f"optim.{n}.{k}"].view(t.shape) for k in vectors}}
     opt_sd = {"state": opt_state, "param_groups": meta["param_groups"]}
     return model_sd, opt_sd, meta
 
 
-def _plan_states(st, stepped: list[str], small: dict) -> dict[int, float]:
-    """Each trainable chunk's step count under this layout, checked as the optimizer checks a loaded state: a
-    chunk's parameters all have state with one step count, or none has."""
+def _plan_states(st, stepped: list[str], keys: Keys, small: dict) -> dict[int, dict[str, float] | None]:
+    """Each trainable chunk's 0-d states under this layout ({} for a chunk with only per-element ones; None: no
+    state), checked as the optimizer checks a loaded state: a chunk's parameters all have state with one value of
+    each 0-d state (one step count), or none has."""
     trainable = set(_trainable(st))
     foreign = [n for n in stepped if n not in trainable]
     if foreign:
@@ -498,11 +544,17 @@ def _plan_states(st, stepped: list[str], small: dict) -> dict[int, float]:
             raise CheckpointError(f"step.load: parameters {have[:3]} have optimizer state but "
                                   f"{[n for n in c.params if n not in stepped][:3]} of the same pstar-fx chunk have "
                                   "none; pstar-fx steps all parameters of a chunk together")
-        counts = {float(small[f"optim.{n}.step"]) for n in have}
-        if len(counts) > 1:
-            raise CheckpointError(f"step.load: parameters of one pstar-fx chunk have different step counts "
-                                  f"{counts}; pstar-fx steps all parameters of a chunk together (one count per chunk)")
-        plan[c.id] = counts.pop() if counts else 0.0
+        if not have:
+            plan[c.id] = None
+            continue
+        plan[c.id] = values = {}
+        for k in dict.fromkeys(k for n in have for k in keys[n][1]):
+            seen = {float(small[f"optim.{n}.{k}"]) for n in have}
+            if len(seen) > 1:
+                what = "step counts" if k == "step" else f"{k!r} values"
+                raise CheckpointError(f"step.load: parameters of one pstar-fx chunk have different {what} {seen}; "
+                                      f"pstar-fx steps all parameters of a chunk together (one {k!r} per chunk)")
+            values[k] = seen.pop()
     return plan
 
 
@@ -519,10 +571,10 @@ def _set_options(opt, groups: list[dict]) -> None:
         raise
 
 
-def _read_pieces(state: StepState, path, params, buffers, stepped, small, meta, md) -> None:
+def _read_pieces(state: StepState, path, params, buffers, stepped, keys: Keys, small, meta, md) -> None:
     st = state.store
     comm = state.comm
-    plan = _plan_states(st, stepped, small)
+    plan = _plan_states(st, stepped, keys, small)
     if not state.holds_model():
         state.take_model()       # the chunks take the model (whole on every rank until now), then the values below
     _set_options(state.optimizer, meta["param_groups"])
@@ -535,7 +587,7 @@ def _read_pieces(state: StepState, path, params, buffers, stepped, small, meta, 
     on_disk = sorted(c for c in chunks if st.state_home[c] is StateHome.DISK)
     whole: dict[str, torch.Tensor] = {}
     for group in [chunks - set(on_disk), *({c} for c in on_disk)]:
-        entries, moments = _load_targets(st, comm, group, params, stepped, plan, whole)
+        entries, moments = _load_targets(st, comm, group, params, stepped, keys, _layout(state), plan, whole)
         if entries:
             _load(state, entries, path, md)
         for cid in sorted(group):
@@ -556,11 +608,12 @@ def _read_pieces(state: StepState, path, params, buffers, stepped, small, meta, 
     state.clear_broken()
 
 
-def _load_targets(st, comm, group: set[int], params, stepped, plan: dict[int, float], whole: dict
+def _load_targets(st, comm, group: set[int], params, stepped, keys: Keys, layout, plan: dict, whole: dict
                   ) -> tuple[dict, dict[int, dict]]:
     """The DCP entries to load the parameters and optimizer states of the chunks in `group` into (views of the
     chunks' buffers; a frozen parameter's whole value goes into `whole`), and those chunks' fp32 states (compressed
-    moments: fp32 copies, quantised after the load by set_moments), their step counts set from `plan`."""
+    moments: fp32 copies, quantised after the load by set_moments): zeroed, their 0-d states set from `plan` (a
+    chunk with state counts at least one step), the per-element ones then read by the load."""
     entries: dict = {}
     for name in params:
         p = st.params[name]
@@ -580,13 +633,16 @@ def _load_targets(st, comm, group: set[int], params, stepped, plan: dict[int, fl
             continue
         parts = moments[p.chunk]
         start, stop, at = st.values.piece(name)
-        for key in ("exp_avg", "exp_avg_sq"):
+        for key in keys[name][0]:
             entries[f"optim.{name}.{key}"] = _entry(comm, parts[key][at:at + stop - start], start, stop, p.shape)
     for cid, parts in moments.items():
-        if plan[cid] == 0:
-            parts["exp_avg"].zero_()
-            parts["exp_avg_sq"].zero_()
-        parts["step"].fill_(plan[cid])
+        for k in layout.vectors + layout.scalar_parts:     # (a group may keep fewer than the layout has room for)
+            parts[k].zero_()
+        if plan[cid] is not None:
+            for k, v in plan[cid].items():
+                parts[k].fill_(v)
+            if layout.counter not in plan[cid]:
+                parts[layout.counter].fill_(1)
     return entries, moments
 
 

@@ -67,6 +67,8 @@ def runs(tmp_path_factory):
              optimizer_round_trip=True),
         _run("bf16", precision="bf16", start=0, stop=N, saves=[[K, d("w2-bf16"), None]]),
         _run("fresh", precision="fp32", start=0, stop=0, saves=[[0, d("w2-fresh"), None]]),
+        _run("nadam", precision="fp32", optimizer="nadam", start=0, stop=N, saves=[[K, d("w2-nadam"), None]]),
+        _run("sgd", precision="bf16", optimizer="sgd", start=0, stop=N, saves=[[K, d("w2-sgd"), None]]),
     ])
     out["w1"] = launch(tmp, 1, [
         _run("fp32", precision="fp32", start=0, stop=N, saves=[[K, d("w1-plain"), None], [K, d("w1-fp32"), True]]),
@@ -78,6 +80,11 @@ def runs(tmp_path_factory):
         _run("from-w2-bf16-relayout", precision="bf16", start=K, stop=N, load=d("w2-bf16"), load_when="lowered",
              chunk_size=1000),
         _run("from-w2-fresh", precision="fp32", start=0, stop=2, load=d("w2-fresh"), load_when="lowered"),
+        _run("nadam", precision="fp32", optimizer="nadam", start=0, stop=N, saves=[[K, d("w1-nadam"), True]]),
+        _run("sgd", precision="bf16", optimizer="sgd", start=0, stop=N),
+        _run("from-w2-nadam", precision="fp32", optimizer="nadam", start=K, stop=N, load=d("w2-nadam"),
+             load_when="lowered"),
+        _run("from-w2-sgd", precision="bf16", optimizer="sgd", start=K, stop=N, load=d("w2-sgd")),
     ])
     three = dict(batch=6, units=6)     # world 3 only loads and saves: any batch that splits in 3 compiles
     out["w3"] = launch(tmp, 3, [
@@ -92,6 +99,8 @@ def runs(tmp_path_factory):
         _run("from-w2-fp32", precision="fp32", start=K, stop=N, load=d("w2-fp32"), load_when="lowered"),
         _run("from-w3-fp32", precision="fp32", start=K, stop=N, load=d("w3-fp32"), load_when="lowered"),
         _run("from-w1-bf16", precision="bf16", start=K, stop=N, load=d("w1-bf16"), load_when="lowered"),
+        _run("from-w1-nadam", precision="fp32", optimizer="nadam", start=K, stop=N, load=d("w1-nadam"),
+             load_when="lowered"),
     ])
     return out, tmp
 
@@ -107,7 +116,8 @@ def _equal_optimizer(a: dict, b: dict, where: str) -> None:
     assert a["param_groups"] == b["param_groups"], where
     assert a["state"].keys() == b["state"].keys(), where
     for i in a["state"]:
-        for key in ("step", "exp_avg", "exp_avg_sq"):
+        assert a["state"][i].keys() == b["state"][i].keys(), f"{where}: state {i}"
+        for key in a["state"][i]:
             assert torch.equal(a["state"][i][key], b["state"][i][key]), f"{where}: state {i} {key} differs"
 
 
@@ -123,7 +133,7 @@ def _ranks_agree(results: list[dict], name: str) -> dict:
 def test_world_2_equals_world_1_on_the_same_micro_batches(runs):
     """The premise: the uninterrupted runs at world sizes 2 and 1 are the same floating-point computation."""
     out, _ = runs
-    for prec in ("fp32", "bf16"):
+    for prec in ("fp32", "bf16", "nadam", "sgd"):
         a, b = _ranks_agree(out["w2"], prec), out["w1"][0][prec]
         assert a["losses"] == b["losses"], prec
         _equal_state(a["state"], b["state"], prec)
@@ -133,7 +143,9 @@ def test_world_2_equals_world_1_on_the_same_micro_batches(runs):
 
 RESUMED = [("w1", "from-w2-fp32", "fp32"), ("w1", "from-w2-fp32-lowered", "fp32"), ("w1", "from-w2-plain", "fp32"),
            ("w1", "from-w2-bf16", "bf16"), ("w2r", "from-w1-plain", "fp32"), ("w2r", "from-w1-fp32", "fp32"),
-           ("w2r", "from-w2-fp32", "fp32"), ("w2r", "from-w3-fp32", "fp32"), ("w2r", "from-w1-bf16", "bf16")]
+           ("w2r", "from-w2-fp32", "fp32"), ("w2r", "from-w3-fp32", "fp32"), ("w2r", "from-w1-bf16", "bf16"),
+           # other optimizers' states in the sharded format: NAdam's 0-d mu_product, SGD's momentum alone
+           ("w1", "from-w2-nadam", "nadam"), ("w1", "from-w2-sgd", "sgd"), ("w2r", "from-w1-nadam", "nadam")]
 
 
 @pytest.mark.parametrize("launch_tag,name,ref", RESUMED, ids=[f"{t}-{n}" for t, n, _ in RESUMED])

@@ -36,8 +36,14 @@ def _batches(n, start=0):
     return out[start:]
 
 
-def _step(precision, **kw):
-    return px.compile(_model(), optimizer=px.AdamW(lr=1e-2, weight_decay=0.1), device="cpu", precision=precision,
+def _optimizer(name: str = "adamw"):
+    if name == "nadam":         # per-element states and 0-d ones besides the step count (mu_product)
+        return px.optim_from_torch(torch.optim.NAdam, lr=1e-2, weight_decay=0.1)
+    return px.AdamW(lr=1e-2, weight_decay=0.1)
+
+
+def _step(precision, opt="adamw", **kw):
+    return px.compile(_model(), optimizer=_optimizer(opt), device="cpu", precision=precision,
                       chunk_size=CHUNK, device_memory=DEVICE_MEMORY, **kw)(mlp_loss)
 
 
@@ -45,10 +51,10 @@ def _train(step, batches):
     return [float(step(x, y)) for x, y in batches]
 
 
-def _host_memory_for(precision, on_disk: int) -> int:
+def _host_memory_for(precision, on_disk: int, opt="adamw") -> int:
     """A host budget that the in-memory plan overflows by what `on_disk` chunks' states less the staging buffers
     free, so that about that many of the six chunks go to disk."""
-    ref = _step(precision)
+    ref = _step(precision, opt)
     ref.lower(*_batches(1)[0])
     g = ref.final_graph
     s = state_bytes(g.chunks[1], g.settings.precision, 1, state_layout(g.settings))
@@ -93,16 +99,21 @@ def test_disk_states_train_like_states_in_memory(precision, tmp_path):
     assert "disk_read(chunk=" in str(g) and "disk_write(chunk=" in str(g)
 
 
-def test_checkpoints_save_load_resume_with_disk_states(tmp_path):
-    kw = dict(host_memory=_host_memory_for("fp32", 3), offload_dir=tmp_path / "scratch")
+@pytest.mark.parametrize("opt", ["adamw", "nadam"])
+def test_checkpoints_save_load_resume_with_disk_states(opt, tmp_path):
+    """Saved in the sharded format (the default with a disk tier), each disk chunk's states read from its file as
+    they are written, for Adam and for an optimizer with other states (NAdam's mu_product)."""
+    kw = dict(host_memory=_host_memory_for("fp32", 3, opt), offload_dir=tmp_path / "scratch")
     (tmp_path / "scratch").mkdir()
-    first = _step("fp32", **kw)
+    first = _step("fp32", opt, **kw)
     _train(first, _batches(2))
+    assert StateHome.DISK in first._compiler.store.state_home
     first.save(tmp_path / "ckpt")
+    assert (tmp_path / "ckpt" / ".metadata").exists()
     want = _train(first, _batches(2, start=2))
     want_sd = first.state_dict()
     # resumed into a disk-tier step, and into one that keeps every state in memory
-    for resumed in (_step("fp32", **kw), _step("fp32")):
+    for resumed in (_step("fp32", opt, **kw), _step("fp32", opt)):
         resumed.load(tmp_path / "ckpt")
         assert _train(resumed, _batches(2, start=2)) == want
         _assert_equal(resumed.state_dict(), want_sd)

@@ -233,22 +233,31 @@ def test_host_device_and_early_updates_agree_bit_for_bit(name, precision, tight)
         assert all(torch.equal(state[i][k], v) for i, s in first[2].items() for k, v in s.items())
 
 
-@pytest.mark.parametrize("name", ["sgd_momentum", "nadam", "adagrad"])
-def test_checkpoint_round_trip_continues_bit_for_bit(name, tmp_path, tight):
+@pytest.mark.parametrize("sharded", [False, True], ids=["plain", "sharded"])
+@pytest.mark.parametrize("name", ["sgd_momentum", "nadam", "adagrad", "lion", "rmsprop"])
+def test_checkpoint_round_trip_continues_bit_for_bit(name, sharded, tmp_path, tight):
+    """Saved after 2 steps in either format (sharded: torch.distributed.checkpoint's, each state under torch's key,
+    0-d ones such as NAdam's mu_product too), loaded into a new step before its first call and after step.lower
+    (into its chunks): the next 2 steps, the values and the optimizer's states bit for bit as the run's own."""
     step = compiled(name, tight)
     for i in range(2):
         step(*CASE.batch(i))
     path = os.path.join(tmp_path, "ckpt")
-    with pytest.raises(ValueError, match=r"Adam / AdamW states only.*step.save\(path, sharded=False\)"):
-        step.save(path, sharded=True)              # the sharded format holds Adam's states only, so far
-    assert not os.path.exists(path)
-    step.save(path, sharded=False)                 # (one process: the default too)
+    step.save(path, sharded=sharded)
+    assert os.path.exists(os.path.join(path, ".metadata")) == sharded
     after = [step(*CASE.batch(i)).item() for i in range(2, 4)]
-    resumed = compiled(name, tight)
-    resumed.load(path)
-    assert [resumed(*CASE.batch(i)).item() for i in range(2, 4)] == after
-    sd, rsd = step.state_dict(), resumed.state_dict()
-    assert all(torch.equal(v, rsd[k]) for k, v in sd.items())
+    for lowered in (False, True):
+        resumed = compiled(name, tight)
+        if lowered:
+            resumed.lower(*CASE.batch(2))
+        resumed.load(path)
+        assert [resumed(*CASE.batch(i)).item() for i in range(2, 4)] == after
+        sd, rsd = step.state_dict(), resumed.state_dict()
+        assert all(torch.equal(v, rsd[k]) for k, v in sd.items())
+        state, rstate = step.optimizer.state_dict()["state"], resumed.optimizer.state_dict()["state"]
+        assert state.keys() == rstate.keys() and all(
+            rstate[i].keys() == s.keys() and all(torch.equal(v, rstate[i][k]) for k, v in s.items())
+            for i, s in state.items())
     # a checkpoint of one optimizer does not load into a step with another
     other = compiled("rmsprop" if name != "rmsprop" else "adamax", tight)
     with pytest.raises(px.CheckpointError, match="another optimizer"):

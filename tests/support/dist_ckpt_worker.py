@@ -8,6 +8,8 @@ SPEC.json is a list of runs, done in order in this process; each is a dict with
   name        key of the run's result
   case        a tests/support/models.py case name
   precision   "fp32" / "bf16"
+  optimizer   "adamw" (the default), "nadam" (torch.optim.NAdam: 0-d states besides the step count) or "sgd"
+              (torch.optim.SGD with momentum: a per-element state only), through px.optim_from_torch
   chunk_size  elements per chunk
   batch       the global batch size: `units` equal slices, so that every world size sees the same micro-batches
   units       micro-batches per global batch; rank r of `world` runs slices [r * units / world, (r + 1) * units /
@@ -52,6 +54,16 @@ def _case(run: dict):
     return base.__class__(base.name, base.build, base.loss_fn, functools.partial(base.make_batch, B=run["batch"]))
 
 
+def _optimizer(name: str):
+    lr, wd = HYPER["lr"], HYPER["weight_decay"]
+    if name == "nadam":
+        return px.optim_from_torch(torch.optim.NAdam, lr=lr, weight_decay=wd, decoupled_weight_decay=True)
+    if name == "sgd":
+        return px.optim_from_torch(torch.optim.SGD, lr=lr * 10, momentum=0.9, weight_decay=wd)
+    assert name == "adamw", name
+    return px.AdamW(**HYPER)
+
+
 def one_run(run: dict, rank: int, world: int) -> dict:
     case = _case(run)
     units = run.get("units", 2)
@@ -62,8 +74,8 @@ def one_run(run: dict, rank: int, world: int) -> dict:
         return tuple(t[rank * per:(rank + 1) * per] for t in case.batch(i))
 
     model = case.build_model()
-    step = px.compile(model, optimizer=px.AdamW(**HYPER), chunk_size=run["chunk_size"], precision=run["precision"],
-                      device=DEVICE, accumulate=units // world)(case.loss_fn)
+    step = px.compile(model, optimizer=_optimizer(run.get("optimizer", "adamw")), chunk_size=run["chunk_size"],
+                      precision=run["precision"], device=DEVICE, accumulate=units // world)(case.loss_fn)
     out: dict = {"world": world, "losses": [], "saved": {}}
 
     def save_at(i):
