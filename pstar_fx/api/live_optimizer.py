@@ -397,8 +397,9 @@ class _Live:
 
     def _wider_states(self, state_dict):
         """(name, key, value) for each state in `state_dict` of a floating dtype wider than its parameter's (the
-        fp32 states of a half-precision parameter, as step.optimizer.state_dict() gives them): torch's
-        load_state_dict casts those to the parameter's dtype, and the chunks keep them as they were saved."""
+        fp32 states of a half-precision parameter, as step.optimizer.state_dict() gives them, per-element and 0-d
+        alike): torch's load_state_dict casts those to the parameter's dtype (all but 'step'), and the chunks keep
+        them as they were saved."""
         groups = state_dict.get("param_groups", [])
         saved = [i for g in groups for i in g.get("params", ())]
         ours = {i: (t, gi) for i, (t, gi) in zip(saved, ((t, gi) for gi, g in enumerate(self.param_groups)
@@ -407,9 +408,9 @@ class _Live:
             t, gi = ours.get(i, (None, None))
             if t is None or not isinstance(states, dict) or not t.is_floating_point():
                 continue
-            vectors, _ = self.state_keys(gi)         # (the 0-d ones, such as Adam's step, are not the parameter's)
-            for k, v in states.items():
-                if k in vectors and torch.is_tensor(v) and half_precision(t.dtype) \
+            vectors, scalars = self.state_keys(gi)
+            for k, v in states.items():     # (torch casts every state but 'step': NAdam's 0-d mu_product too)
+                if k != "step" and k in vectors + scalars and torch.is_tensor(v) and half_precision(t.dtype) \
                         and full_dtype(v, t) is not t.dtype:
                     yield self._name_of[id(t)], k, v.detach().to(torch.float32, copy=True)
 

@@ -8,9 +8,10 @@ What is stored (DCP keys; values at their full precision, shapes as in the model
 - "optim.<name>.<key>": the optimizer's state of each parameter that has one (its chunk has stepped), under
   torch's keys for the parameter's group (`state_keys`): each per-element state at the parameter's shape (Adam's
   "exp_avg" and "exp_avg_sq", SGD's "momentum_buffer"), each 0-d one as a 0-d tensor (Adam's "step", NAdam's
-  "mu_product"), all fp32. A parameter with no entry has no state. (An optimizer with only per-element states, such
-  as SGD with momentum or Lion, keeps a step counter of pstar-fx's own, not saved: a loaded chunk with state counts
-  one step, as `step.optimizer.load_state_dict` sets it.);
+  "mu_product"), all fp32. A parameter with no entry has no state. Optimizers other than Adam count a chunk's steps
+  in a counter of pstar-fx's own ("pstar_fx_steps"), not saved where the group keeps a state of torch's (a loaded
+  chunk with state counts one step, as `step.optimizer.load_state_dict` sets it), and saved alone for a group that
+  keeps none while others do (SGD without momentum beside a group with it): the mark that it has stepped;
 - "pstar_fx": an object: the format, the world size, the precision, the fp16 loss scaler and the optimizer's
   param_groups in torch's format (options, and parameter indices as in `optimizer.state_dict()`);
 - "rng.<r>": rank r's RNG states (torch's CPU generator, and the CUDA one on CUDA).
@@ -180,12 +181,14 @@ Keys = dict[str, tuple[tuple[str, ...], tuple[str, ...]]]
 
 
 def _state_keys(opt, groups: list[dict] | None = None) -> Keys:
-    """Each parameter's optimizer state keys in torch's state dict, (per-element, 0-d), by its group's options: the
-    optimizer's own, or `groups` (a checkpoint's param_groups, already checked against the optimizer's)."""
-    if opt is None:
-        return {}
+    """Each parameter's optimizer state keys as the format stores them, (per-element, 0-d), by its group's options:
+    the optimizer's own, or `groups` (a checkpoint's param_groups, already checked against the optimizer's). torch's
+    keys; for a group that keeps none while others do (SGD without momentum beside a group with it), the chunks' own
+    step counter alone, the mark that its parameters have stepped (the plain format's empty state)."""
+    counter = opt.layout.state.counter
     index = {id(g): gi for gi, g in enumerate(opt.param_groups)}
     per_group = [opt.state_keys(gi, None if groups is None else groups[gi]) for gi in range(len(opt.param_groups))]
+    per_group = [(v, s) if v or s or counter is None else ((), (counter,)) for v, s in per_group]
     return {name: per_group[index[id(g)]] for _, name, g in opt.entries()}
 
 
@@ -315,10 +318,12 @@ def save_entries(state: StepState, model_values) -> Entries:
     else:
         sd = state.optimizer.state_dict()         # no store yet: the states loaded before it, whole
         names = [n for _, n, _ in state.optimizer.entries()]
+        counter = _layout(state).counter
         for i, s in sd["state"].items():
             vectors, scalars = keys[names[i]]
-            for key in scalars:
-                out[f"optim.{names[i]}.{key}"] = torch.as_tensor(s[key], dtype=torch.float32).reshape(())
+            for key in scalars:           # (the counter as a mark: torch's state has no count, one step at least)
+                value = 1.0 if key == counter and key not in s else s[key]
+                out[f"optim.{names[i]}.{key}"] = torch.as_tensor(value, dtype=torch.float32).reshape(())
             for key in vectors:
                 out[f"optim.{names[i]}.{key}"] = s[key].detach().float().reshape(_shape(s[key].shape))
     return out
@@ -423,15 +428,22 @@ def _check(state: StepState, md, path: str) -> tuple[list[str], list[str], list[
     layout = _layout(state)
     states = {}         # optimizer entries: key -> (parameter, state key)
     for n in params:
-        for k in layout.vectors + layout.scalars:
+        for k in layout.vectors + layout.scalar_parts:
             if f"optim.{n}.{k}" in saved:
                 states[f"optim.{n}.{k}"] = (n, k)
     stray = sorted(k for k in saved if k not in want and k not in states and k != META
                    and not (k.startswith("rng.") and k[4:].isdigit()))
+    kind = state.optimizer.torch_class.__name__
+    unknown = sorted({k.rsplit(".", 1)[1] for k in stray if k.startswith("optim.") and k.rsplit(".", 1)[0][6:] in
+                      shapes})
+    if unknown:
+        raise CheckpointError(f"step.load: {path!r} holds optimizer states {unknown} that this step's {kind} has no "
+                              f"room for (it keeps {sorted(layout.vectors + layout.scalars)} with the options given "
+                              "to px.compile): saved with options that keep more (for SGD: a momentum > 0; compile "
+                              "the step with them) or by another optimizer")
     if stray:
         raise CheckpointError(f"step.load: {path!r} has entries that are not this model's ({stray[:3]}): saved from "
-                              f"another model, or with another optimizer than this step's "
-                              f"({state.optimizer.torch_class.__name__})")
+                              f"another model, or with another optimizer than this step's ({kind})")
     for key, (n, k) in states.items():
         _tensor(saved, key, shapes[n] if k in layout.vectors else (), (torch.float32,), path)
     stepped = {n for n, _ in states.values()}
@@ -443,7 +455,7 @@ def _check_keys(state: StepState, md, path: str, stepped: list[str], keys: Keys)
     saved = md.state_dict_metadata
     layout = _layout(state)
     for n in stepped:
-        have = sorted(k for k in layout.vectors + layout.scalars if f"optim.{n}.{k}" in saved)
+        have = sorted(k for k in layout.vectors + layout.scalar_parts if f"optim.{n}.{k}" in saved)
         vectors, scalars = keys[n]
         if have != sorted(vectors + scalars):
             raise CheckpointError(f"step.load: {path!r}: the optimizer state of '{n}' has {have}, not "
@@ -504,6 +516,7 @@ def read(state: StepState, path: str, manifest: files.Manifest) -> tuple[dict, d
 
 def _read_whole(state: StepState, md, path, params, small, stepped, keys: Keys, meta):
     saved = md.state_dict_metadata
+    layout = _layout(state)
     whole = {f"model.{n}": torch.empty(tuple(saved[f"model.{n}"].size), dtype=saved[f"model.{n}"].properties.dtype)
              for n in params}
     for n in stepped:
@@ -519,8 +532,8 @@ def _read_whole(state: StepState, md, path, params, small, stepped, keys: Keys, 
     opt_state = {}
     for i, (t, n, _) in enumerate(state.optimizer.entries()):
         if n in stepped:
-            vectors, scalars = keys[n]
-            opt_state[i] = {**{k: small[f"optim.{n}.{k}"].clone() for k in scalars},
+            vectors, scalars = keys[n]          # (torch's keys: not the chunks' counter, a mark)
+            opt_state[i] = {**{k: small[f"optim.{n}.{k}"].clone() for k in scalars if k in layout.scalars},
                             **{k: whole[f"optim.{n}.{k}"].view(t.shape) for k in vectors}}
     opt_sd = {"state": opt_state, "param_groups": meta["param_groups"]}
     return model_sd, opt_sd, meta

@@ -267,6 +267,66 @@ def test_checkpoint_round_trip_continues_bit_for_bit(name, sharded, tmp_path, ti
         adam.load(path)
 
 
+def _round_trip(make, batch, tmp_path, steps=2):
+    """`make()`'s step trained `steps` steps, saved in both formats, then 2 more; each checkpoint loaded into a new
+    step before its first call and after step.lower: the optimizer's state dict right after the load is the one at
+    the save, and the next 2 losses are the uninterrupted run's, bit for bit."""
+    step = make()
+    for i in range(steps):
+        step(*batch(i))
+    saved = step.optimizer.state_dict()["state"]
+    for sharded in (False, True):
+        step.save(os.path.join(tmp_path, f"ckpt-{sharded}"), sharded=sharded)
+    after = [step(*batch(i)).item() for i in range(steps, steps + 2)]
+    for sharded in (False, True):
+        for lowered in (False, True):
+            resumed = make()
+            if lowered:
+                resumed.lower(*batch(steps))
+            resumed.load(os.path.join(tmp_path, f"ckpt-{sharded}"))
+            state = resumed.optimizer.state_dict()["state"]
+            assert state.keys() == saved.keys(), (sharded, lowered)
+            for i, s in saved.items():
+                assert state[i].keys() == s.keys() and all(torch.equal(state[i][k], v) for k, v in s.items()), \
+                    (sharded, lowered, i, {k: (v, state[i].get(k)) for k, v in s.items() if v.dim() == 0})
+            assert [resumed(*batch(i)).item() for i in range(steps, steps + 2)] == after, (sharded, lowered)
+
+
+def test_0d_states_of_a_half_precision_model_load_exactly(tmp_path):
+    """A bf16 model's fp32 states come back fp32 from either format and either load: NAdam's 0-d mu_product too
+    (torch's load_state_dict casts every state but 'step' to the parameter's dtype)."""
+    def make():
+        model = CASE.build_model().to(torch.bfloat16)
+        return px.compile(model, optimizer=describe("nadam"), device="cpu", chunk_size=CHUNK,
+                          precision="bf16")(CASE.loss_fn)
+
+    def batch(i):
+        return tuple(t.to(torch.bfloat16) if t.is_floating_point() else t for t in CASE.batch(i))
+    _round_trip(make, batch, tmp_path, steps=3)
+
+
+def test_a_group_that_keeps_no_state_round_trips_in_both_formats(tmp_path, tight):
+    """SGD with momentum in one group and none in the other: the second group's parameters have stepped with no
+    state (torch's empty state in the plain format, the chunks' step counter in the sharded one)."""
+    def make():
+        model = CASE.build_model()
+        groups = [{"params": [p for p in model.parameters() if p.dim() >= 2], "momentum": 0.9},
+                  {"params": [p for p in model.parameters() if p.dim() < 2], "momentum": 0.0}]
+        return px.compile(model, optimizer=px.SGD(groups, lr=0.05), device="cpu", chunk_size=CHUNK,
+                          device_memory=tight)(CASE.loss_fn)
+    _round_trip(make, CASE.batch, tmp_path)
+
+
+def test_a_checkpoint_with_states_the_step_has_no_room_for_names_them(tmp_path):
+    step = compiled("sgd_momentum")
+    step(*CASE.batch(0))
+    step.save(os.path.join(tmp_path, "ckpt"), sharded=True)
+    plain = compiled("sgd_plain")
+    with pytest.raises(px.CheckpointError, match=r"optimizer states \['momentum_buffer'\] that this step's SGD has no "
+                                                 r"room for .*momentum > 0"):
+        plain.load(os.path.join(tmp_path, "ckpt"))
+
+
 def test_eager_state_loads_and_continues_like_eager():
     losses, _, opt = eager("rmsprop", 2)
     step = compiled("rmsprop")
