@@ -9,6 +9,7 @@ Run from the repository root:
     python examples/hf_trainer.py                                  # a tiny Llama on tiny_corpus.txt's bytes, CPU
     python examples/hf_trainer.py --resume                          # continue from the last checkpoint in --out
     python examples/hf_trainer.py --model NAME --device-memory 40GiB --bf16 --seq-len 1024   # a real model, GPU
+    torchrun --nproc_per_node 2 examples/hf_trainer.py             # two ranks (gloo on the CPU; one GPU each)
 
 The default model (2 layers, hidden 64, a byte-level vocabulary of 256) trains 40 steps in seconds on 2 CPU cores;
 the loss falls from ~5.5 (uniform over 256 bytes) towards ~3. With --model, the model and tokenizer are
@@ -89,10 +90,11 @@ def main():
                            device_memory=args.device_memory)
     trainer.train(resume_from_checkpoint=True if args.resume else None)
 
-    print(trainer.step.summary())
     final = os.path.join(args.out, "final")
     trainer.save_model(final)                  # Hugging Face format (safetensors): from_pretrained(final) loads it
-    print(f"saved the trained model to {final}")
+    if trainer.is_world_process_zero():        # (with several ranks: every rank saves with the others, one prints)
+        print(trainer.step.summary())
+        print(f"saved the trained model to {final}")
 
 
 if __name__ == "__main__":

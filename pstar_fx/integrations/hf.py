@@ -27,18 +27,28 @@ Trainer does, and what pstar-fx does instead:
   loss scaler, RNG), which `resume_from_checkpoint` loads (`step.load`), so a resumed run continues bit for bit.
 - After `train()`, and after an `evaluate()` / `predict()` outside training, the model holds its values again: it
   can be used eagerly (`generate`, `save_pretrained`).
+- Several processes (`torchrun`, one per GPU; gloo ranks on the CPU): the step is pstar-fx's data parallel one, each
+  rank training on its share of the batches (the Trainer's distributed sampler) with every chunk sharded over the
+  ranks; the model is not wrapped in DistributedDataParallel (`_wrap_model`: pstar-fx reduces the gradients in its
+  chunks). Saving and evaluation are collectives there as the Trainer's are: every rank gives the model its values
+  back before rank 0 writes it, every rank reads the optimizer's state dict (gathered from their shards) before rank
+  0 writes it, and every rank writes its own pieces of `pstar_fx/` (a sharded checkpoint: `output_dir` on a file
+  system the ranks share).
 Refused at construction, with what to change (hf_args.check_supported): DeepSpeed, FSDP, torch_compile, several
-processes or GPUs, optimizers other than AdamW, an optimizer or scheduler passed in, fp16/bf16_full_eval,
-auto_find_batch_size, NEFTune, Liger kernels.
+GPUs in one process (DataParallel), optimizers other than AdamW, an optimizer or scheduler passed in,
+fp16/bf16_full_eval, auto_find_batch_size, NEFTune, Liger kernels.
 """
 from __future__ import annotations
 
+import contextlib
+import copy
 import math
 import os
 
 import torch
 import torch.nn as nn
 from transformers import Trainer
+from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
 
 from ..api.compile import compile as px_compile
 from ..api.model_state import holders, sync_model
@@ -81,6 +91,14 @@ class PstarTrainer(Trainer):
 
     def _move_model_to_device(self, model: nn.Module, device) -> None:
         """Nothing: the compiled step copies the model into its chunks on the device."""
+
+    def _wrap_model(self, model: nn.Module, training: bool = True, dataloader=None) -> nn.Module:
+        """With several ranks, the model as the training loop holds it: not in DistributedDataParallel (which would
+        hold every parameter's gradient node, and reduce gradients pstar-fx reduces in its chunks), in a module of
+        its own (`_Unwrapped`) so that the Trainer does not ask accelerate to wrap it."""
+        if training and self.args.world_size > 1:
+            return model if isinstance(model, _Unwrapped) else _Unwrapped(self.model)
+        return super()._wrap_model(model, training, dataloader)
 
     def create_optimizer(self, model=None):
         """The pstar-fx step (compiled at its first batch) and its optimizer as the Trainer's."""
@@ -255,17 +273,37 @@ class PstarTrainer(Trainer):
         if holders(self.model):
             sync_model(self.model)
 
-    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
-        """Hugging Face format, with the trained values (given back to the model first)."""
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """The Trainer's, with the trained values given back to the model first, on every rank (with several, a
+        collective: rank 0 alone writes the files)."""
         self._give_back()
-        super()._save(output_dir, state_dict=state_dict)
+        super().save_model(output_dir, _internal_call)
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """Hugging Face format, with the trained values (given back to the model first). `save_pretrained` writes
+        the architecture and dtype into the model's config as it saves: into a copy's (`_configs_kept`), so the
+        step's key of the model stays as it was (no new trace after each save; with several ranks only rank 0
+        saves, and the ranks must keep one model)."""
+        self._give_back()
+        with _configs_kept(self.model):
+            super()._save(output_dir, state_dict=state_dict)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        """The Trainer's optimizer (torch format) and scheduler, and the pstar-fx step's own checkpoint."""
-        super()._save_optimizer_and_scheduler(output_dir)
-        if self._step is not None and self.args.should_save:
-            # frozen parameters (a LoRA fine-tune's base weights) are left out: the resumed model has them
-            self._step.save(os.path.join(output_dir, STEP_STATE_DIR), frozen=False)
+        """The Trainer's optimizer (torch format) and scheduler, and the pstar-fx step's own checkpoint (frozen
+        parameters, a LoRA fine-tune's base weights, left out: the resumed model has them). With several ranks the
+        optimizer's state dict is gathered from every rank's shards, a collective, so every rank reads it (the
+        Trainer's own code reads it on the main process only), and every rank writes its pieces of the step's
+        sharded checkpoint, which holds the frozen parameters too (the format holds every value)."""
+        if self._step is None or self.args.world_size == 1:
+            super()._save_optimizer_and_scheduler(output_dir)
+            if self._step is not None and self.args.should_save:
+                self._step.save(os.path.join(output_dir, STEP_STATE_DIR), frozen=False)
+            return
+        optimizer = self.optimizer.state_dict()
+        if self.args.should_save:
+            torch.save(optimizer, os.path.join(output_dir, OPTIMIZER_NAME))
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+        self._step.save(os.path.join(output_dir, STEP_STATE_DIR))
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
         self._give_back()            # the Trainer loads the weights into the model itself
@@ -283,6 +321,34 @@ class PstarTrainer(Trainer):
             path = os.path.join(checkpoint, STEP_STATE_DIR)
             if os.path.isdir(path):
                 self._step.load(path)
+
+
+@contextlib.contextmanager
+def _configs_kept(model: nn.Module):
+    """Within: each configuration object a module of `model` holds as `config` (transformers' PreTrainedConfig,
+    shared by many modules) replaced by one copy of it; after, the originals back, as they were."""
+    held = [(m, m.__dict__["config"]) for m in model.modules() if callable(getattr(m.__dict__.get("config"),
+                                                                                    "to_dict", None))]
+    copies: dict[int, object] = {}
+    for m, cfg in held:
+        m.__dict__["config"] = copies.setdefault(id(cfg), copy.deepcopy(cfg))
+    try:
+        yield
+    finally:
+        for m, cfg in held:
+            m.__dict__["config"] = cfg
+
+
+class _Unwrapped(nn.Module):
+    """The model the Trainer's loop holds with several ranks (PstarTrainer._wrap_model): the model itself as
+    `module`, called through."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
 
 
 def _is_tensors(v) -> bool:

@@ -49,10 +49,10 @@ def check_supported(trainer, args) -> None:
         refuse("fsdp", "leave TrainingArguments.fsdp unset")
     if args.torch_compile:
         refuse("torch_compile=True", "set torch_compile=False")
-    if args.world_size > 1 or args.n_gpu > 1:
-        refuse(f"training on {max(args.world_size, args.n_gpu)} processes or GPUs through accelerate",
-               "run one process on one device (e.g. CUDA_VISIBLE_DEVICES=0); pstar-fx's own data parallelism over "
-               "torchrun ranks is not wired into the Trainer")
+    if args.n_gpu > 1:
+        refuse(f"training on {args.n_gpu} GPUs from one process (torch.nn.DataParallel)",
+               "launch one process per GPU with torchrun (pstar-fx's data parallelism over its ranks), or make one "
+               "GPU visible (CUDA_VISIBLE_DEVICES=0)")
     if _optim_name(args) not in _OPTIMS:
         refuse(f"optim={_optim_name(args)!r}", "use optim='adamw_torch_fused' (the default) or 'adamw_torch'; "
                                                "pstar-fx's update is Adam / AdamW only")

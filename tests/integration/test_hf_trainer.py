@@ -159,6 +159,8 @@ def test_resume_from_checkpoint_continues_bit_for_bit(tmp_path):
     whole, whole_rec = train(PstarTrainer, tmp_path / "run", **kw)
     ckpt = tmp_path / "run" / "checkpoint-3"
     assert os.path.isfile(ckpt / "model.safetensors") and os.path.isdir(ckpt / "pstar_fx")
+    # save_pretrained wrote the architecture into a copy of the config: the model's key is unchanged, no new trace
+    assert whole.step._compiler.compiles == 1 and "architectures" in (ckpt / "config.json").read_text()
 
     model, record = tiny_gpt2(), Record()
     resumed = PstarTrainer(model=model, args=arguments(tmp_path / "resumed", **kw), train_dataset=Tokens(32, seed=1),
