@@ -93,10 +93,11 @@ class PstarTrainer(Trainer):
         """Nothing: the compiled step copies the model into its chunks on the device."""
 
     def _wrap_model(self, model: nn.Module, training: bool = True, dataloader=None) -> nn.Module:
-        """With several ranks, the model as the training loop holds it: not in DistributedDataParallel (which would
-        hold every parameter's gradient node, and reduce gradients pstar-fx reduces in its chunks), in a module of
-        its own (`_Unwrapped`) so that the Trainer does not ask accelerate to wrap it."""
-        if training and self.args.world_size > 1:
+        """With several ranks, the model as the training and evaluation loops hold it: not in DistributedDataParallel
+        (which would hold every parameter's gradient node, and reduce gradients pstar-fx reduces in its chunks), in
+        a module of its own (`_Unwrapped`) so that the Trainer does not ask accelerate to prepare it (for an
+        evaluation too: that would set attributes on the model, a new compile key for the step)."""
+        if self.args.world_size > 1:
             return model if isinstance(model, _Unwrapped) else _Unwrapped(self.model)
         return super()._wrap_model(model, training, dataloader)
 

@@ -49,6 +49,11 @@ def test_trains_like_the_plain_trainer_with_ddp(ranks):
             assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5), (r, a, b)
             assert a["learning_rate"] == b["learning_rate"]
         assert pstar[-1]["loss"] < pstar[0]["loss"]
+        # evaluations at steps 4 and 8, and evaluate() after train()
+        evals = [[log["eval_loss"] for log in res[name]["logs"] if "eval_loss" in log] for name in ("pstar", "plain")]
+        assert len(evals[0]) == len(evals[1]) == 3 and evals[0] == pytest.approx(evals[1], rel=1e-5), (r, evals)
+        # one trace: neither the evaluations nor the saves change what the step's compile key reads of the model
+        assert res["pstar"]["compiles"] == 1, (r, res["pstar"]["compiles"])
         for k, v in res["plain"]["state"].items():
             torch.testing.assert_close(res["pstar"]["state"][k], v, rtol=0, atol=WEIGHTS_ATOL,
                                        msg=lambda m, k=k: f"{k}: {m}")

@@ -9,9 +9,9 @@ arguments, in this order in one process:
 
     python tests/support/hf_trainer_ranks_worker.py OUT
 
-Each rank writes OUT.rank{r}: {name: {"logs": the Trainer's logs, "state": the model's values after train(),
-"eval": evaluate()'s metrics (pstar and plain)}, "dirs": {name: output_dir}}, or {"error": (type, message,
-traceback)}.
+Each run evaluates every 4 steps. Each rank writes OUT.rank{r}: {name: {"logs": the Trainer's logs, "state": the
+model's values after train(), "eval": evaluate()'s metrics (pstar and plain), "compiles": the step's traces
+(PstarTrainer)}, "dirs": {name: output_dir}}, or {"error": (type, message, traceback)}.
 """
 from __future__ import annotations
 
@@ -32,11 +32,13 @@ from test_hf_trainer import Record, Tokens, arguments, tiny_gpt2  # noqa: E402
 
 def run(cls, out: str, resume: str | None = None) -> dict:
     model, record = tiny_gpt2(), Record()
-    trainer = cls(model=model, args=arguments(out, ddp_backend="gloo", eval_strategy="no", save_strategy="steps",
-                                              save_steps=3, num_train_epochs=2),
-                  train_dataset=Tokens(64, seed=1), callbacks=[record])
+    trainer = cls(model=model, args=arguments(out, ddp_backend="gloo", eval_strategy="steps", eval_steps=4,
+                                              save_strategy="steps", save_steps=3, num_train_epochs=2),
+                  train_dataset=Tokens(64, seed=1), eval_dataset=Tokens(16, seed=2), callbacks=[record])
     trainer.train(resume_from_checkpoint=resume)
     result = {"logs": record.logs, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+    if cls is PstarTrainer:
+        result["compiles"] = trainer.step._compiler.compiles
     if resume is None:
         result["eval"] = trainer.evaluate(Tokens(16, seed=2))
         trainer.save_model(os.path.join(out, "final"))
