@@ -49,6 +49,7 @@ import torch
 import torch.nn as nn
 from transformers import Trainer
 from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
+from transformers.training_args import ParallelMode
 
 from ..api.compile import compile as px_compile
 from ..api.model_state import holders, sync_model
@@ -97,8 +98,8 @@ class PstarTrainer(Trainer):
         (which would hold every parameter's gradient node, and reduce gradients pstar-fx reduces in its chunks), in
         a module of its own (`_Unwrapped`) so that the Trainer does not ask accelerate to prepare it (for an
         evaluation too: that would set attributes on the model, a new compile key for the step)."""
-        if self.args.world_size > 1:
-            return model if isinstance(model, _Unwrapped) else _Unwrapped(self.model)
+        if self.args.parallel_mode == ParallelMode.DISTRIBUTED:       # (torchrun, one process too: accelerate
+            return model if isinstance(model, _Unwrapped) else _Unwrapped(self.model)   # wraps that on the CPU)
         return super()._wrap_model(model, training, dataloader)
 
     def create_optimizer(self, model=None):
@@ -158,12 +159,13 @@ class PstarTrainer(Trainer):
         return loader
 
     def _short_group(self, size: int, where: str) -> str:
-        k, b = self.args.gradient_accumulation_steps, self.args.per_device_train_batch_size
+        k, b, w = self.args.gradient_accumulation_steps, self.args.per_device_train_batch_size, self.args.world_size
+        ranks = f" x {w} ranks" if w > 1 else ""
         return (f"PstarTrainer: {where} leave a last accumulation group of {size} micro-batches, not "
                 f"gradient_accumulation_steps={k}: the pstar-fx step is compiled for groups of {k}. Make the batches "
                 f"per epoch a multiple of {k}: train on a multiple of per_device_train_batch_size x "
-                f"gradient_accumulation_steps = {b * k} examples (dataloader_drop_last=True alone drops only a short "
-                "last batch, not a short group), choose a gradient_accumulation_steps that divides the batches per "
+                f"gradient_accumulation_steps{ranks} = {b * k * w} examples (dataloader_drop_last=True alone drops "
+                "only a short last batch, not a short group), choose a gradient_accumulation_steps that divides the batches per "
                 "epoch, or stop before the epoch's end with max_steps")
 
     def get_batch_samples(self, epoch_iterator, num_batches: int, device):
@@ -181,7 +183,7 @@ class PstarTrainer(Trainer):
         if len(self._group) < self._group_size:
             return torch.zeros((), device=self.args.device)
         k = self._group_size
-        batch = _stack(self._group)
+        batch = _stack(self._group, self._ranks_longest(self._group))
         self._group = []
         items = self._group_items
         if items is not None:
@@ -195,6 +197,15 @@ class PstarTrainer(Trainer):
             self.optimizer._is_overflow = False
         return loss.to(self.args.device)
 
+    def _ranks_longest(self, micro_batches: list[dict]) -> list[int] | None:
+        """With several ranks, each padded sequence's longest length over every rank's micro-batches (a collective:
+        the ranks' steps need batches of one shape, where a collator pads each batch to its own longest); None with
+        one."""
+        if self.args.world_size == 1:
+            return None
+        local = torch.tensor(_longest(micro_batches), device=self.args.device)
+        return self.accelerator.gather(local).reshape(-1, len(PADDING)).amax(0).tolist()
+
     def _clip_grad_norm(self, model):
         """The norm the step measured before clipping (it clipped inside)."""
         return self._grad_norm()
@@ -207,9 +218,22 @@ class PstarTrainer(Trainer):
         return None if stats is None else getattr(stats, "grad_norm", None)
 
     def train(self, *args, **kwargs):
-        try:
+        with self._giving_back():   # (an exception or Ctrl-C too: the model is the user's again, trained values)
             return super().train(*args, **kwargs)
-        finally:            # (an exception or Ctrl-C too: the model is the user's again, with the trained values)
+
+    @contextlib.contextmanager
+    def _giving_back(self, when: bool = True):
+        """Gives the model its values back after the block (`when`). After an exception with several ranks, not:
+        giving back gathers every rank's shards, and the other ranks are elsewhere (in a collective of the
+        Trainer's, or gone), so it would wait for them for ever; the exception goes on, the step keeps the model
+        (`trainer.step.sync_model()` on every rank gives it back)."""
+        try:
+            yield
+        except BaseException:
+            if when and self.args.world_size == 1:
+                self._give_back()
+            raise
+        if when:
             self._give_back()
 
     # -- evaluation -------------------------------------------------------------------------------------------
@@ -233,6 +257,8 @@ class PstarTrainer(Trainer):
             return_loss = self.can_return_loss
         has_loss = has_labels or (not self.label_names and bool(return_loss))
         inputs = dict(self._prepare_inputs(inputs))       # (a collator's BatchEncoding is a mapping, not a dict)
+        if self.args.world_size > 1:
+            inputs = _padded_alike([inputs], self._ranks_longest([inputs]))[0]
         if ignore_keys is None:
             config = getattr(self.model, "config", None)
             ignore_keys = [] if config is None else getattr(config, "keys_to_ignore_at_inference", ["cache"])
@@ -255,18 +281,12 @@ class PstarTrainer(Trainer):
         return loss, (logits[0] if len(logits) == 1 else logits), labels
 
     def evaluate(self, *args, **kwargs):
-        try:
+        with self._giving_back(not self.is_in_train):
             return super().evaluate(*args, **kwargs)
-        finally:
-            if not self.is_in_train:
-                self._give_back()
 
     def predict(self, *args, **kwargs):
-        try:
+        with self._giving_back(not self.is_in_train):
             return super().predict(*args, **kwargs)
-        finally:
-            if not self.is_in_train:
-                self._give_back()
 
     # -- saving and resuming ----------------------------------------------------------------------------------
     def _give_back(self) -> None:
@@ -366,23 +386,35 @@ PADDING = ({"input_ids": 0, "attention_mask": 0, "token_type_ids": 0},
            {"labels": -100, "decoder_input_ids": 0, "decoder_attention_mask": 0})
 
 
-def _padded_alike(micro_batches: list[dict]) -> list[dict]:
+def _longest(micro_batches: list[dict]) -> list[int]:
+    """For each of PADDING's sequences, the longest length its 2-d token tensors have in the micro-batches (0: none
+    has one), where every micro-batch has an attention_mask (what _padded_alike pads)."""
+    if not all(isinstance(mb.get("attention_mask"), torch.Tensor) for mb in micro_batches):
+        return [0] * len(PADDING)
+    return [max((mb[k].shape[1] for mb in micro_batches for k in keys
+                 if isinstance(mb.get(k), torch.Tensor) and mb[k].dim() == 2), default=0) for keys in PADDING]
+
+
+def _padded_alike(micro_batches: list[dict], at_least: list[int] | None = None) -> list[dict]:
     """Micro-batches of one group padded per batch to different lengths (a collator's dynamic padding): their token
     tensors (PADDING's keys, all 2-d) right-padded to the group's longest, each sequence on its own (a seq2seq
     batch's labels may be shorter or longer than its input_ids), the padding masked (attention_mask 0, labels -100:
     the loss and its token count are those of the unpadded micro-batch; a decoder's padded inputs come after its
     real ones, which a causal decoder does not let them change). Only where every micro-batch has an
     attention_mask and each sequence's tensors share one length in it; otherwise, and for any other tensor, as
-    given."""
+    given. `at_least`: for each of PADDING's sequences, a length to pad to where it is longer than the group's (the
+    longest of every rank's, so that the ranks' batches have one shape)."""
     if not all(isinstance(mb.get("attention_mask"), torch.Tensor) for mb in micro_batches):
         return micro_batches
     out = [dict(mb) for mb in micro_batches]
     for keys in PADDING:
         lengths = [{mb[k].shape[1] for k in keys if isinstance(mb.get(k), torch.Tensor) and mb[k].dim() == 2}
                    for mb in micro_batches]
-        if any(len(ls) > 1 for ls in lengths) or len(set().union(*lengths)) <= 1:
+        floor = 0 if at_least is None else at_least[PADDING.index(keys)]
+        if any(len(ls) > 1 for ls in lengths) or not set().union(*lengths) \
+                or set().union(*lengths) == {max(set().union(*lengths) | {floor})}:
             continue
-        longest = max(set().union(*lengths))
+        longest = max(set().union(*lengths) | {floor})
         for mb in out:
             for k, fill in keys.items():
                 t = mb.get(k)
@@ -391,11 +423,11 @@ def _padded_alike(micro_batches: list[dict]) -> list[dict]:
     return out
 
 
-def _stack(micro_batches: list[dict]) -> dict:
+def _stack(micro_batches: list[dict], at_least: list[int] | None = None) -> dict:
     """The group's micro-batches as one batch, each tensor concatenated along dimension 0 (pstar-fx's accumulate
     splits it back), token tensors padded to one length first (_padded_alike). Other values must be equal in every
     micro-batch."""
-    micro_batches = _padded_alike(micro_batches)
+    micro_batches = _padded_alike(micro_batches, at_least)
     first = micro_batches[0]
     out = {}
     for key, value in first.items():

@@ -63,6 +63,22 @@ def test_trains_like_the_plain_trainer_with_ddp(ranks):
         assert torch.equal(ranks[1]["pstar"]["state"][k], v), k
 
 
+def test_batches_padded_per_batch_are_padded_to_the_longest_over_the_ranks(ranks):
+    """A collator's dynamic padding gives the ranks batches of other lengths; the pstar-fx step needs one shape on
+    every rank, so each batch is padded (masked) to the longest over the ranks: the plain Trainer's losses, grad
+    norms and evaluations (weights at 1e-4: other shapes sum in another order, as tests/integration/test_hf_trainer.py
+    says of padding in one process)."""
+    for r, res in enumerate(ranks):
+        plain, pstar = res["plain-padded"]["logs"], res["pstar-padded"]["logs"]
+        assert len(plain) == len(pstar) and sum("eval_loss" in log for log in pstar) == 2, (r, pstar)
+        for a, b in zip(pstar[:-1], plain[:-1]):
+            for k in ("loss", "grad_norm", "eval_loss"):
+                if k in b:
+                    assert a[k] == pytest.approx(b[k], rel=1e-5), (r, k, a, b)
+        for k, v in res["plain-padded"]["state"].items():
+            torch.testing.assert_close(res["pstar-padded"]["state"][k], v, rtol=0, atol=1e-4, msg=k)
+
+
 def test_a_checkpoint_resumes_bit_for_bit_on_every_rank(ranks):
     dirs = ranks[0]["dirs"]
     ckpt = os.path.join(dirs["pstar"], "checkpoint-3")
@@ -86,3 +102,13 @@ def test_save_model_writes_the_trained_values(ranks):
     trained = ranks[0]["pstar"]["state"]
     for k, v in saved.state_dict().items():
         assert torch.equal(v, trained[k]), k
+
+
+def test_a_failure_on_one_rank_ends_every_rank(tmp_path):
+    """A callback raising on rank 0 alone: rank 0 exits with its error (it does not wait in a collective to give the
+    model back, which the other rank never joins) and the other rank fails in the Trainer's next collective, as a
+    plain Trainer's ranks do; none waits for the process group's timeout."""
+    out = str(tmp_path / "result")
+    launched = run_ranks("hf_trainer_ranks_worker.py", [out, "fail"], WORLD, out, timeout=120, failing=(0, 1))
+    assert launched.results[0]["error"][:2] == ("RuntimeError", "a failure on rank 0 alone")
+    assert launched.wall < 100
