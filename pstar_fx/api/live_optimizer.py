@@ -190,8 +190,9 @@ class _Live:
         """(tensor, name, group) for every entry of every group, in torch's state-dict index order."""
         return [(t, self._name_of[id(t)], g) for g in self.param_groups for t in g["params"]]
 
-    def _read(self) -> dict[str, dict]:
-        """name -> torch's per-parameter state, read out of the store (parameters whose chunk has stepped)."""
+    def _read(self, device: torch.device | str | None = None) -> dict[str, dict]:
+        """name -> torch's per-parameter state, read out of the store (parameters whose chunk has stepped), on each
+        parameter's device as torch keeps them, or on `device`."""
         st = self._store
         layout = self.layout.state
         out: dict[str, dict] = {}
@@ -215,11 +216,11 @@ class _Live:
                 # states on the CPU, as torch keeps step counts
                 on_device = self.is_adam and (g.get("fused") or g.get("capturable"))
                 entry = {k: torch.tensor(float(parts[k].item()), dtype=torch.float32,
-                                         device=t.device if on_device else "cpu") for k in scalars}
+                                         device=(device or t.device) if on_device else "cpu") for k in scalars}
                 for k in vectors:
                     v = parts[k][p.offset:p.offset + p.numel].view(p.shape)
                     # (fp32 as the chunks hold them, for a half-precision parameter: torch would keep its dtype)
-                    entry[k] = v.to(device=t.device, dtype=full_dtype(v, t), copy=True)
+                    entry[k] = v.to(device=device or t.device, dtype=full_dtype(v, t), copy=True)
                 out[name] = entry
         return out
 
@@ -301,15 +302,17 @@ class _Live:
         return collective_call(None if self._store is None else self._store.comm, call, after)
 
     # -- torch's state-dict format ---------------------------------------------------------------------------------
-    def state_dict(self):
+    def state_dict(self, *, device: torch.device | str | None = None):
         """torch's format: {'state': {index: {key: value}}, 'param_groups': [...]} (AdamW: 'step', 'exp_avg',
-        'exp_avg_sq'), with fresh tensors (nothing shared with the store). With several ranks, once the store
-        exists, a collective (every rank calls it)."""
+        'exp_avg_sq'), with fresh tensors (nothing shared with the store), on each parameter's device as torch keeps
+        them, or on `device` ("cpu": a model larger than the GPU's states do not fit there at once). With several
+        ranks, once the store exists, a collective (every rank calls it)."""
         if self._store is not None:
             with self._collective("step.optimizer.state_dict()", AFTER_READ):
-                states = self._read()
+                states = self._read(device)
         else:
-            states = {n: {k: v.clone() for k, v in s.items()} for n, s in (self._pending or {}).items()}
+            states = {n: {k: v.clone() if device is None else v.to(device, copy=True) for k, v in s.items()}
+                      for n, s in (self._pending or {}).items()}
         self._refuse_written_state()
         for t, name, _ in self.entries():
             if name in states and t not in self.state:

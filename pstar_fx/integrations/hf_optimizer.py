@@ -54,7 +54,10 @@ class TrainerOptimizer(torch.optim.Optimizer):
         """Nothing: a compiled step's gradients live in its chunks, one step long."""
 
     def state_dict(self):
-        return self._live.state_dict()
+        """`live`'s, with its states in host memory: the Trainer writes them to a file, and the states of a model
+        larger than the GPU do not fit there at once (torch's load_state_dict moves them to the parameters' device
+        when they are loaded)."""
+        return self._live.state_dict(device="cpu")
 
     def load_state_dict(self, state_dict) -> None:
         self._live.load_state_dict(state_dict)

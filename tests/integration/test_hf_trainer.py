@@ -161,6 +161,13 @@ def test_resume_from_checkpoint_continues_bit_for_bit(tmp_path):
     assert os.path.isfile(ckpt / "model.safetensors") and os.path.isdir(ckpt / "pstar_fx")
     # save_pretrained wrote the architecture into a copy of the config: the model's key is unchanged, no new trace
     assert whole.step._compiler.compiles == 1 and "architectures" in (ckpt / "config.json").read_text()
+    # the Trainer's optimizer.pt is written from host memory (on a GPU, step.optimizer.state_dict() gives the states
+    # on the device as torch would, where a model larger than the GPU's do not fit at once)
+    saved = whole.optimizer.state_dict()["state"]
+    assert saved and all(v.device.type == "cpu" for s in saved.values() for v in s.values())
+    own = whole.step.optimizer.state_dict()["state"]
+    assert all(v.device == next(whole.model.parameters()).device for s in own.values() for k, v in s.items()
+               if k != "step")
 
     model, record = tiny_gpt2(), Record()
     resumed = PstarTrainer(model=model, args=arguments(tmp_path / "resumed", **kw), train_dataset=Tokens(32, seed=1),
