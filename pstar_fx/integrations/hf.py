@@ -165,8 +165,8 @@ class PstarTrainer(Trainer):
                 f"gradient_accumulation_steps={k}: the pstar-fx step is compiled for groups of {k}. Make the batches "
                 f"per epoch a multiple of {k}: train on a multiple of per_device_train_batch_size x "
                 f"gradient_accumulation_steps{ranks} = {b * k * w} examples (dataloader_drop_last=True alone drops "
-                "only a short last batch, not a short group), choose a gradient_accumulation_steps that divides the batches per "
-                "epoch, or stop before the epoch's end with max_steps")
+                "only a short last batch, not a short group), choose a gradient_accumulation_steps that divides "
+                "the batches per epoch, or stop before the epoch's end with max_steps")
 
     def get_batch_samples(self, epoch_iterator, num_batches: int, device):
         batch_samples, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
