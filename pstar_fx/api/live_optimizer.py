@@ -197,6 +197,10 @@ class _Live:
         layout = self.layout.state
         out: dict[str, dict] = {}
         read: dict[int, dict] = {}       # chunk -> its states, read once (with several ranks: gathered once)
+        left: dict[int, int] = {}        # chunk -> its parameters not yet read: let go after its last (one chunk's
+        for _, name, _ in self.entries():                 # gathered copies at a time, not the whole model's)
+            if name in st.params:
+                left[st.params[name].chunk] = left.get(st.params[name].chunk, 0) + 1
         for gi, g in enumerate(self.param_groups):
             vectors, scalars = self.state_keys(gi)
             for t in g["params"]:
@@ -210,6 +214,9 @@ class _Live:
                 if c.id not in read:
                     read[c.id] = st.values.state_parts(c.id)
                 parts = read[c.id]
+                left[c.id] -= 1
+                if left[c.id] == 0:
+                    del read[c.id]
                 if float(parts[layout.counter].item()) == 0:
                     continue
                 # Adam's step stays where torch keeps it (on the device for fused or capturable); others' 0-d
