@@ -33,7 +33,9 @@ Trainer does, and what pstar-fx does instead:
   chunks). Saving and evaluation are collectives there as the Trainer's are: every rank gives the model its values
   back before rank 0 writes it, every rank reads the optimizer's state dict (gathered from their shards) before rank
   0 writes it, and every rank writes its own pieces of `pstar_fx/` (a sharded checkpoint: `output_dir` on a file
-  system the ranks share).
+  system the ranks share). Token tensors a collator padded per batch are padded to the longest over the ranks (one
+  shape on every rank). An exception on one rank ends train() there without giving the model back (a collective
+  the other ranks would never join).
 Refused at construction, with what to change (hf_args.check_supported): DeepSpeed, FSDP, torch_compile, several
 GPUs in one process (DataParallel), optimizers other than AdamW, an optimizer or scheduler passed in,
 fp16/bf16_full_eval, auto_find_batch_size, NEFTune, Liger kernels.
