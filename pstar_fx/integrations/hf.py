@@ -412,11 +412,12 @@ def _padded_alike(micro_batches: list[dict], at_least: list[int] | None = None) 
     for keys in PADDING:
         lengths = [{mb[k].shape[1] for k in keys if isinstance(mb.get(k), torch.Tensor) and mb[k].dim() == 2}
                    for mb in micro_batches]
-        floor = 0 if at_least is None else at_least[PADDING.index(keys)]
-        if any(len(ls) > 1 for ls in lengths) or not set().union(*lengths) \
-                or set().union(*lengths) == {max(set().union(*lengths) | {floor})}:
+        seen = set().union(*lengths)
+        if any(len(ls) > 1 for ls in lengths) or not seen:
             continue
-        longest = max(set().union(*lengths) | {floor})
+        longest = max(seen | {0 if at_least is None else at_least[PADDING.index(keys)]})
+        if seen == {longest}:
+            continue
         for mb in out:
             for k, fill in keys.items():
                 t = mb.get(k)
