@@ -93,13 +93,12 @@ def compile_options(args) -> StepOptions:
 
 def adamw_spec(model: nn.Module, args, decay_names, fused: bool | None) -> OptimizerSpec:
     """px.AdamW with the Trainer's groups: weight_decay on the parameters named in `decay_names`, 0 on the others
-    (biases, norms), trainable parameters only; a group left empty is kept, as the Trainer's own optimizer keeps
-    it (a LoRA fine-tune's no-decay group), so that a plain Trainer resumes from the optimizer state it saves."""
+    (biases, norms), trainable parameters only; a group left empty is dropped."""
     decay_names = set(decay_names)
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if not params:
         raise ValueError("PstarTrainer: the model has no parameter with requires_grad=True; nothing would train")
     groups = [{"params": [p for n, p in params if n in decay_names], "weight_decay": args.weight_decay},
               {"params": [p for n, p in params if n not in decay_names], "weight_decay": 0.0}]
-    return AdamW(groups, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
-                 weight_decay=args.weight_decay, fused=fused)
+    return AdamW([g for g in groups if g["params"]], lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
+                 eps=args.adam_epsilon, weight_decay=args.weight_decay, fused=fused)
